@@ -1,0 +1,210 @@
+"""Per-request state pools, allocated once.
+
+- `KVPagePool`: the KV cache of every full-attention layer, page-major
+  ([page, layer, k|v, page_size, kv_heads, head_dim]): one page holds all layers' keys and values for
+  `page_size` tokens, so a request's KV is as many contiguous regions as its pages form runs. Pages are
+  handed out best-fit as whole runs, so a freshly admitted request usually owns one run.
+- `StatePool`: GDN conv + recurrent state, slot-major ([slot, layer, ...]): one request's state is two
+  contiguous regions whatever the number of layers. Kernels address a layer's states as the flattened
+  pool [slot * layers + layer], so they read and write in place.
+
+Both pools count what is in use, so tests can prove that nothing leaks.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages or slots right now."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous byte range of a pool tensor: what the transfer layer moves."""
+
+    tensor: torch.Tensor  # 1-D uint8 view
+    name: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class KVPagePool:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_pages, self.page_size, self.num_layers = num_pages, page_size, num_layers
+        shape = (num_pages, max(num_layers, 1), 2, page_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = np.ones(num_pages, dtype=bool)
+        self._lock = threading.Lock()
+
+    # -- views -------------------------------------------------------------------------------------
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of full-attention layer i, each [num_pages, page_size, H, D] (strided)."""
+        return self.data[:, i, 0], self.data[:, i, 1]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.data[0].numel() * self.data.element_size()
+
+    def regions(self, pages: list[int]) -> list[Region]:
+        flat = self.data.view(self.num_pages, -1)
+        return [Region(byte_view(flat[s : s + n]), f"kv[{s}:{s + n}]") for s, n in page_runs(pages)]
+
+    # -- accounting --------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return int(self._free.sum())
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def alloc(self, n: int, after: int | None = None) -> list[int]:
+        """n pages, as few runs as possible; `after` asks for the pages following an existing page."""
+        if n <= 0:
+            return []
+        with self._lock:
+            if n > self._free.sum():
+                raise PoolExhausted(f"need {n} KV pages, {int(self._free.sum())} free")
+            if after is not None and after + 1 + n <= self.num_pages and self._free[after + 1 : after + 1 + n].all():
+                pages = list(range(after + 1, after + 1 + n))
+            else:
+                pages = self._best_fit(n)
+            self._free[pages] = False
+            return pages
+
+    def _best_fit(self, n: int) -> list[int]:
+        starts, lengths = free_runs(self._free)
+        fits = np.flatnonzero(lengths >= n)
+        if fits.size:  # smallest run that holds all n pages
+            best = fits[np.argmin(lengths[fits])]
+            return list(range(int(starts[best]), int(starts[best]) + n))
+        pages: list[int] = []  # fragmented: largest runs first
+        for i in np.argsort(-lengths, kind="stable"):
+            take = min(int(lengths[i]), n - len(pages))
+            pages.extend(range(int(starts[i]), int(starts[i]) + take))
+            if len(pages) == n:
+                break
+        return sorted(pages)
+
+    def free(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        with self._lock:
+            if self._free[pages].any():
+                raise RuntimeError(f"double free of KV pages {[p for p in pages if self._free[p]]}")
+            self._free[pages] = True
+
+
+class StatePool:
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        conv_dim: int,
+        conv_width: int,
+        num_v_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_dtype: torch.dtype,
+        state_dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_slots, self.num_layers = num_slots, max(num_layers, 1)
+        self.conv = torch.zeros(
+            (num_slots, self.num_layers, conv_dim, conv_width - 1), dtype=conv_dtype, device=device
+        )
+        self.recurrent = torch.zeros(
+            (num_slots, self.num_layers, num_v_heads, value_dim, key_dim), dtype=state_dtype, device=device
+        )
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def conv_flat(self) -> torch.Tensor:
+        """[slots * layers, C, W-1]: layer i of slot s is row `s * num_layers + i`."""
+        return self.conv.flatten(0, 1)
+
+    @property
+    def recurrent_flat(self) -> torch.Tensor:
+        """[slots * layers, HV, V, K]: layer i of slot s is row `s * num_layers + i`."""
+        return self.recurrent.flatten(0, 1)
+
+    def layer_index(self, slots: torch.Tensor, i: int) -> torch.Tensor:
+        return slots * self.num_layers + i
+
+    def regions(self, slot: int) -> list[Region]:
+        return [
+            Region(byte_view(self.conv[slot]), f"conv[{slot}]"),
+            Region(byte_view(self.recurrent[slot]), f"recurrent[{slot}]"),
+        ]
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.conv[0].numel() * self.conv.element_size() + self.recurrent[0].numel() * self.recurrent.element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def alloc(self) -> int:
+        """A zeroed slot: a new request starts from the empty state."""
+        with self._lock:
+            if not self._free:
+                raise PoolExhausted(f"all {self.num_slots} GDN state slots are in use")
+            slot = self._free.pop()
+        self.conv[slot].zero_()
+        self.recurrent[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        with self._lock:
+            if slot in self._free:
+                raise RuntimeError(f"double free of GDN state slot {slot}")
+            self._free.append(slot)
+
+
+def free_runs(free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the runs of True in a bool array."""
+    padded = np.concatenate(([False], free, [False])).astype(np.int8)
+    edges = np.diff(padded)
+    starts = np.flatnonzero(edges == 1)
+    return starts, np.flatnonzero(edges == -1) - starts
+
+
+def page_runs(pages: list[int]) -> list[tuple[int, int]]:
+    """[(start, count)] of consecutive page ids, in the order given."""
+    runs: list[tuple[int, int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs

@@ -1,0 +1,101 @@
+"""The decoder stack every family shares; a family file says which MLP each layer has and how its
+checkpoint names map onto this stack's weights."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache import KVPagePool, StatePool
+from engine.config import FULL_ATTENTION, ModelConfig
+from engine.models.layers import GatedAttention, GatedDeltaNet, RMSNorm, Rotary, WeightSlot, _param
+from kernels import Kernels
+from kernels.batch import StepBatch
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.mixer, self.mlp = mixer, mlp
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        mixer_name = "self_attn" if isinstance(self.mixer, GatedAttention) else "linear_attn"
+        return (
+            self.mixer.weight_slots(f"{prefix}.{mixer_name}")
+            | self.mlp.weight_slots(f"{prefix}.mlp")
+            | {
+                f"{prefix}.input_layernorm.weight": WeightSlot(self.input_norm.weight),
+                f"{prefix}.post_attention_layernorm.weight": WeightSlot(self.post_attention_norm.weight),
+            }
+        )
+
+
+class HybridLM(nn.Module, ABC):
+    """Embedding, interleaved GDN / gated-attention layers, final norm, LM head."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        layers, kv_layer, state_layer = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == FULL_ATTENTION:
+                mixer = GatedAttention(cfg, kv_layer)
+                kv_layer += 1
+            else:
+                mixer = GatedDeltaNet(cfg, state_layer)
+                state_layer += 1
+            layers.append(DecoderLayer(cfg, mixer, self.make_mlp(cfg, i)))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg, device)
+
+    # -- family hooks --------------------------------------------------------------------------------
+    @abstractmethod
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """The feed-forward block of decoder layer `layer`."""
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Turn one checkpoint tensor into the (name, tensor) pairs `weight_slots` knows."""
+        yield name, tensor
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        slots = {"model.embed_tokens.weight": WeightSlot(self.embed), "model.norm.weight": WeightSlot(self.norm.weight)}
+        if not self.cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = WeightSlot(self.lm_head)
+        for i, layer in enumerate(self.layers):
+            slots |= layer.weight_slots(f"model.layers.{i}")
+        return slots
+
+    # -- forward -----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: StepBatch,
+        kv_pool: KVPagePool,
+        state_pool: StatePool,
+        kernels: Kernels,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        x = F.embedding(input_ids, self.embed)
+        rope = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            h = layer.input_norm(x)
+            if isinstance(layer.mixer, GatedAttention):
+                h = layer.mixer(h, batch, rope, kv_pool, kernels)
+            else:
+                h = layer.mixer(h, batch, state_pool, kernels)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_norm(x))
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,42 @@
+"""The shape of one forward step, as every kernel sees it.
+
+A step runs a flat batch of tokens from several sequences. Sequences are ordered decode-first: the first
+`num_decode` sequences contribute exactly one token each, the rest are prefill chunks (of any length,
+possibly continuing an earlier chunk). Host-side lists are kept next to the device tensors so that CPU
+code never has to synchronise to learn a length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    num_decode: int  # leading sequences with a single query token
+    query_lens: list[int]  # tokens this step, per sequence
+    context_lens: list[int]  # tokens already cached before this step, per sequence
+    query_start: torch.Tensor  # [N+1] int32 cumulative query offsets (device)
+    seq_lens: torch.Tensor  # [N] int32 context + query (device)
+    block_tables: torch.Tensor  # [N, max_pages] int32 KV page ids, -1 padded (device)
+    slot_mapping: torch.Tensor  # [T] int64 flat KV slot (page * page_size + offset) per token (device)
+    state_slots: torch.Tensor  # [N] int64 GDN state slot per sequence (device)
+    positions: torch.Tensor  # [T] int64 absolute position per token (device)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode
+
+    @property
+    def seq_lens_host(self) -> list[int]:
+        return [c + q for c, q in zip(self.context_lens, self.query_lens)]

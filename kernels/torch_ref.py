@@ -1,0 +1,237 @@
+"""Reference kernels in plain torch: correct on any device, the CPU default, and what GPU backends are
+tested against.
+
+State layouts (shared with the GPU backends):
+- GDN recurrent state pool: [P, HV, V, K] ("K-last": row v holds the key-space vector for value dim v),
+  float32 or bfloat16; computations always run in float32.
+- GDN conv state pool: [P, C, W-1], the last W-1 inputs of the depthwise causal conv.
+- KV cache, per layer: [num_pages, page_size, H_kv, D] views (may be strided on the page dimension).
+Pools are addressed by index tensors, so kernels read and write request state in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.batch import StepBatch
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gated DeltaNet
+# ---------------------------------------------------------------------------------------------------
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32, L2-normalised, q scaled by K^-1/2, key heads repeated so each serves its value-head group."""
+    q, k = _l2norm(q.float()), _l2norm(k.float())
+    q = q * q.shape[-1] ** -0.5
+    groups = num_v_heads // k.shape[-2]
+    if groups > 1:
+        q = q.repeat_interleave(groups, dim=-2)
+        k = k.repeat_interleave(groups, dim=-2)
+    return q, k
+
+
+def gdn_decode(
+    q: torch.Tensor,  # [B, HK, K]
+    k: torch.Tensor,  # [B, HK, K]
+    v: torch.Tensor,  # [B, HV, V]
+    g: torch.Tensor,  # [B, HV] log-decay (<= 0)
+    beta: torch.Tensor,  # [B, HV]
+    state_pool: torch.Tensor,  # [P, HV, V, K]
+    state_idx: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """One recurrent step per sequence; updates the pooled states in place. Returns [B, HV, V]."""
+    q, k = _prepare_qk(q, k, v.shape[-2])
+    state = state_pool[state_idx].float() * g.float().exp()[..., None, None]
+    predicted = (state @ k.unsqueeze(-1)).squeeze(-1)  # what the state already maps k to
+    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
+    state = state + delta.unsqueeze(-1) * k.unsqueeze(-2)
+    out = (state @ q.unsqueeze(-1)).squeeze(-1)
+    state_pool[state_idx] = state.to(state_pool.dtype)
+    return out.to(v.dtype)
+
+
+def _pad_by_sequence(x: torch.Tensor, lens: list[int], padded_len: int) -> torch.Tensor:
+    """[T, ...] flat tokens -> [N, padded_len, ...] with zeros after each sequence's end."""
+    out = x.new_zeros((len(lens), padded_len) + tuple(x.shape[1:]))
+    seq, pos = _token_coords(lens, x.device)
+    out[seq, pos] = x
+    return out
+
+
+def _token_coords(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    lens_t = torch.tensor(lens, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    pos = torch.arange(int(lens_t.sum()), device=device) - starts[seq]
+    return seq, pos
+
+
+def gdn_prefill(
+    q: torch.Tensor,  # [T, HK, K]
+    k: torch.Tensor,  # [T, HK, K]
+    v: torch.Tensor,  # [T, HV, V]
+    g: torch.Tensor,  # [T, HV]
+    beta: torch.Tensor,  # [T, HV]
+    seq_lens: list[int],  # tokens per sequence, summing to T
+    state_pool: torch.Tensor,  # [P, HV, V, K]
+    state_idx: torch.Tensor,  # [N]
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Chunked gated delta rule over variable-length sequences, starting from and writing back the pooled
+    states. Sequences are zero-padded to whole chunks: a padded token has beta = 0 and g = 0, so it leaves
+    the state untouched. Only chunks are looped over, never tokens. Returns [T, HV, V]."""
+    num_v_heads = v.shape[-2]
+    q, k = _prepare_qk(q, k, num_v_heads)
+    n_chunks = -(-max(seq_lens) // chunk_size)
+    padded = n_chunks * chunk_size
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [N, H, C, cs, d]
+        x = _pad_by_sequence(x.float(), seq_lens, padded).transpose(1, 2)
+        return x.reshape(x.shape[0], x.shape[1], n_chunks, chunk_size, -1)
+
+    q, k, v_c = to_chunks(q), to_chunks(k), to_chunks(v)
+    beta_c = to_chunks(beta.float().unsqueeze(-1)).squeeze(-1)
+    decay = to_chunks(g.float().unsqueeze(-1)).squeeze(-1).cumsum(-1)  # cumulative log-decay in chunk
+
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    pair_decay = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta_c.unsqueeze(-1)
+    # Intra-chunk delta-rule updates collapse into a unit lower-triangular system (the UT transform);
+    # solve_triangular(unitriangular=True) reads only its strictly lower part.
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    new_values = torch.linalg.solve_triangular(system, v_c * beta_c.unsqueeze(-1), upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * pair_decay
+    q_decayed = q * decay.exp().unsqueeze(-1)
+    k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+
+    state = state_pool[state_idx].float().transpose(-1, -2)  # [N, HV, K, V] for the chunk algebra
+    out = torch.empty_like(new_values)
+    for c in range(n_chunks):
+        v_new = new_values[:, :, c] - k_cum[:, :, c] @ state
+        out[:, :, c] = q_decayed[:, :, c] @ state + intra[:, :, c] @ v_new
+        state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+    state_pool[state_idx] = state.transpose(-1, -2).to(state_pool.dtype)
+
+    out = out.reshape(out.shape[0], num_v_heads, padded, -1).transpose(1, 2)  # [N, L, HV, V]
+    seq, pos = _token_coords(seq_lens, out.device)
+    return out[seq, pos].to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Depthwise causal conv1d (kernel W), with the last W-1 inputs kept as state
+# ---------------------------------------------------------------------------------------------------
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return F.silu(x) if activation in ("silu", "swish") else x
+
+
+def conv1d_update(
+    x: torch.Tensor,  # [B, C]
+    conv_pool: torch.Tensor,  # [P, C, W-1]
+    state_idx: torch.Tensor,  # [B]
+    weight: torch.Tensor,  # [C, W]
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    window = torch.cat([conv_pool[state_idx], x.unsqueeze(-1).to(conv_pool.dtype)], dim=-1)  # [B, C, W]
+    conv_pool[state_idx] = window[..., 1:]
+    out = (window.to(weight.dtype) * weight).sum(-1)
+    return _activate(out, activation).to(x.dtype)
+
+
+def conv1d_prefill(
+    x: torch.Tensor,  # [T, C]
+    seq_lens: list[int],
+    conv_pool: torch.Tensor,  # [P, C, W-1]
+    state_idx: torch.Tensor,  # [N]
+    weight: torch.Tensor,  # [C, W]
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Causal conv over variable-length sequences, each continuing from its pooled state."""
+    width = weight.shape[-1]
+    hist = width - 1
+    padded = _pad_by_sequence(x, seq_lens, max(seq_lens)).transpose(1, 2)  # [N, C, L]
+    inputs = torch.cat([conv_pool[state_idx].to(x.dtype), padded], dim=-1)  # [N, C, W-1+L]
+    out = F.conv1d(inputs.to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])  # [N, C, L]
+    # New state: the last W-1 real inputs of each sequence (including the history it started from).
+    lens_t = torch.tensor(seq_lens, device=x.device)
+    cols = lens_t[:, None] + torch.arange(hist, device=x.device)[None, :]  # [N, W-1]
+    conv_pool[state_idx] = torch.gather(inputs, 2, cols[:, None, :].expand(-1, inputs.shape[1], -1)).to(
+        conv_pool.dtype
+    )
+    seq, pos = _token_coords(seq_lens, x.device)
+    return _activate(out.transpose(1, 2)[seq, pos], activation).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Paged attention
+# ---------------------------------------------------------------------------------------------------
+def write_kv(
+    k_cache: torch.Tensor,  # [P, page_size, H, D]
+    v_cache: torch.Tensor,
+    k: torch.Tensor,  # [T, H, D]
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    page_size = k_cache.shape[1]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    k_cache[pages, offsets] = k.to(k_cache.dtype)
+    v_cache[pages, offsets] = v.to(v_cache.dtype)
+
+
+def _attend(
+    q: torch.Tensor,  # [T, Hq, D] tokens of the sequences in `seqs`
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: StepBatch,
+    seqs: range,
+    scale: float,
+) -> torch.Tensor:
+    q_lens = [batch.query_lens[i] for i in seqs]
+    ctx = [batch.context_lens[i] for i in seqs]
+    kv_lens = [c + n for c, n in zip(ctx, q_lens)]
+    page_size = k_cache.shape[1]
+    max_q, max_kv = max(q_lens), max(kv_lens)
+    n_pages = -(-max_kv // page_size)
+    tables = batch.block_tables[seqs.start : seqs.stop, :n_pages].long().clamp(min=0)
+    keys = k_cache[tables].flatten(1, 2)[:, :max_kv]  # [N, max_kv, H, D]
+    values = v_cache[tables].flatten(1, 2)[:, :max_kv]
+    queries = _pad_by_sequence(q, q_lens, max_q)  # [N, max_q, Hq, D]
+
+    dev = q.device
+    q_pos = torch.tensor(ctx, device=dev)[:, None] + torch.arange(max_q, device=dev)[None, :]
+    k_pos = torch.arange(max_kv, device=dev)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also bounds keys by the sequence end
+    mask[:, :, 0] = True  # padded query rows attend somewhere (their output is discarded)
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)  # [N, max_q, Hq, D]
+    seq, pos = _token_coords(q_lens, dev)
+    return out[seq, pos]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [P, page_size, H, D]
+    v_cache: torch.Tensor,
+    batch: StepBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context (already written)."""
+    nd = batch.num_decode
+    parts = []
+    if nd:
+        parts.append(_attend(q[:nd], k_cache, v_cache, batch, range(0, nd), scale))
+    if batch.num_seqs > nd:
+        parts.append(_attend(q[nd:], k_cache, v_cache, batch, range(nd, batch.num_seqs), scale))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
