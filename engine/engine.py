@@ -1,0 +1,138 @@
+"""The monolithic engine: `EngineCore` stepped by a background thread, with a blocking `generate` and an
+asyncio streaming `generate_stream`. This is the reference the disaggregated path is compared against."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import structlog
+
+from engine.core import EngineCore, Reservation, RequestError
+from engine.engine_config import EngineConfig
+from engine.request import FinishReason, Request, RequestOutput
+from engine.sampling import SamplingParams, TokenLogprobs
+
+log = structlog.get_logger("deltamesh.engine")
+
+
+@dataclass
+class Completion:
+    """A finished request, all steps merged."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.text += out.new_text
+        self.logprobs += out.logprobs
+        if out.finished:
+            self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = config or EngineConfig(**overrides)
+        self.core = EngineCore(config)
+        self.tokenizer = self.core.tokenizer
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- the stepping thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            core.dispatch(core.process_commands())
+            if core.has_work:
+                core.dispatch(core.step())
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- submitting -----------------------------------------------------------------------------------
+    def submit(self, request: Request, sink) -> None:
+        self.core.submit(request, sink)
+        self._wake.set()
+
+    def submit_transferred(self, request: Request, first_token: int, reservation: Reservation, sink) -> None:
+        self.core.submit_transferred(request, first_token, reservation, sink)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        self._wake.set()
+
+    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None, hold_state: bool = False):
+        return self.core.make_request(prompt, params, request_id, hold_state)
+
+    # ---- blocking API -------------------------------------------------------------------------------------
+    def generate(
+        self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | None = None
+    ) -> list[Completion]:
+        """Run prompts to completion, together in one continuous batch. Returns one Completion per prompt."""
+        params = params or SamplingParams()
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        requests = [self.make_request(p, params) for p in batch]
+        results = {r.request_id: Completion(r.request_id, r.prompt_ids) for r in requests}
+        done = threading.Semaphore(0)
+
+        def sink(out: RequestOutput) -> None:
+            results[out.request_id].add(out)
+            if out.finished:
+                done.release()
+
+        for r in requests:
+            self.submit(r, sink)
+        for _ in requests:
+            done.acquire()
+        return [results[r.request_id] for r in requests]
+
+    # ---- streaming API -------------------------------------------------------------------------------------
+    async def generate_stream(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come; leaving the loop early aborts the request."""
+        request = self.make_request(prompt, params, request_id)
+        async for out in self.stream(request):
+            yield out
+
+    async def stream(self, request: Request, submit=None) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        sink = lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)  # noqa: E731
+        (submit or self.submit)(request, sink)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+
+__all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "SamplingParams"]

@@ -1,0 +1,84 @@
+"""A request's life inside the engine, and what the engine reports about it after each step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams, TokenLogprobs
+from engine.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the system
+    ERROR = "error"  # the engine failed while running it
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    eos_token_ids: frozenset[int] = frozenset()
+    # Prefill-only (disaggregated prefill worker): finish after the first token but keep the state.
+    hold_state: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV / GDN state are in the pools
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    def check_stop(self, token_id: int, max_model_len: int) -> None:
+        """Decide whether the token just appended ends the request."""
+        p = self.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
+        elif token_id in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
+        elif self.detokenizer is not None and self.detokenizer.stopped_on is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, self.detokenizer.stopped_on
+        elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = FinishReason.LENGTH

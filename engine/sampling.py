@@ -1,0 +1,130 @@
+"""Sampling parameters and the batched sampler.
+
+Seeded sampling is stateless: the noise for a request's n-th output token depends only on (seed, n). So a
+seeded request samples the same tokens whether it runs on one engine or is split across a prefill and a
+decode worker, and whether or not it was preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: chosen + top k
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError with a message a user can act on."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(self.stop)}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids out of the vocabulary (size {vocab_size}): {bad}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def _mix(seed: int, index: int) -> int:
+    """A well-spread 63-bit seed for output position `index` of a seeded request."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 29)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on rows of non-greedy requests; returns probabilities."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    logits = logits / temps[:, None]
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp(max=vocab)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    if (top_k < vocab).any() or (top_p < 1).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        drop = ranks >= top_k[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
+        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    if (min_p > 0).any():
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def sample(
+    logits: torch.Tensor,  # [N, V] float32
+    params: list[SamplingParams],
+    output_index: list[int],  # how many tokens each request has produced so far
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    tokens = logits.argmax(-1)
+    rand_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rand_rows:
+        probs = _filter(logits[rand_rows], [params[i] for i in rand_rows])
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        for row, i in enumerate(rand_rows):
+            seed = params[i].seed
+            if seed is not None:
+                g = torch.Generator(device=logits.device).manual_seed(_mix(seed, output_index[i]))
+                noise[row].exponential_(generator=g)
+        tokens[rand_rows] = (probs / noise).argmax(-1)
+    token_list = tokens.tolist()
+
+    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(logits[want], dim=-1)
+        k = max(params[i].logprobs for i in want)
+        top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+        chosen = lp.gather(1, tokens[want][:, None]).squeeze(1).tolist()
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for row, i in enumerate(want):
+            n = params[i].logprobs
+            logprobs[i] = TokenLogprobs(token_list[i], chosen[row], list(zip(top_ids[row][:n], top_vals[row][:n])))
+    return token_list, logprobs

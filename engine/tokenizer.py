@@ -1,0 +1,137 @@
+"""Tokenizer (HF `tokenizers`), the checkpoint's chat template (jinja2), and incremental detokenization
+with stop strings for streaming."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TemplateError(ValueError):
+    """The chat template rejected the messages."""
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir}: no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        template_file = model_dir / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_file.read_text() if template_file.is_file() else cfg.get("chat_template")
+        )
+        self.special_tokens = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        gen = _read_json(model_dir / "generation_config.json")
+        eos = gen.get("eos_token_id", _read_json(model_dir / "config.json").get("eos_token_id"))
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.special_tokens["eos_token"]:
+            eos_id = self._tok.token_to_id(self.special_tokens["eos_token"])
+            if eos_id is not None:
+                ids.add(eos_id)
+        self.eos_token_ids: frozenset[int] = frozenset(ids)
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TemplateError("this model has no chat template; use the completions API")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=jinja2.BaseLoader())
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The rendered text already carries the template's special tokens.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output tokens into text deltas.
+
+    Decoding a short window (the last few tokens before the unread ones) and emitting only what it adds
+    keeps byte-level BPE merges and multi-byte characters right; a delta ending in U+FFFD is held back until
+    the character completes. Text that could still become a stop string is held back too, and a stop string
+    ends the text before it.
+    """
+
+    CONTEXT = 5  # tokens of already-read context decoded with each new token
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_ids[-self.CONTEXT :])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all output text so far (stop-truncated once a stop string is seen)
+        self._emitted = 0
+        self.stopped_on: str | None = None
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; returns the text that may be shown now (call `flush` when the request ends)."""
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        after = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += after[len(before) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._ids = self._ids[self._prefix_offset :]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+            if self._stop:
+                self._find_stop(max(0, start - self._hold))
+        return self.flush() if self.stopped_on else self._release(len(self.text) - self._hold)
+
+    def flush(self) -> str:
+        return self._release(len(self.text))
+
+    def _find_stop(self, search_from: int) -> None:
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            index, self.stopped_on = min(hits)
+            self.text = self.text[:index]
+
+    def _release(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : upto]
+        self._emitted = upto
+        return delta
