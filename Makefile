@@ -1,0 +1,50 @@
+# deltamesh: every target runs inside the repo's own virtualenv (.venv, git-ignored).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PYTHON  := $(BIN)/python
+PROTO_SRC := protos
+PROTO_OUT := sdk/src
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup protos run test test-fast test-gpu bench-cpu clean help
+
+help:
+	@echo "make setup     create .venv and install everything (CPU torch $(TORCH_PIN))"
+	@echo "make run       start the mesh (router + 1 prefill + 1 decode) on the embedded default model"
+	@echo "make test      run the test suite (what CI runs)"
+	@echo "make protos    regenerate gRPC stubs from protos/"
+	@echo "make bench-cpu CPU engine benchmark (writes bench/results/engine_cpu.json)"
+
+$(PYTHON):
+	$(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+
+setup: $(PYTHON)
+	$(PYTHON) -m pip install -q $(TORCH_PIN)
+	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(MAKE) protos
+	$(PYTHON) -m pip install -q -e sdk
+
+protos: $(PYTHON)
+	$(PYTHON) -m grpc_tools.protoc -I $(PROTO_SRC) \
+		--python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
+		$(shell find $(PROTO_SRC) -name '*.proto' | sort)
+
+run:
+	$(BIN)/deltamesh serve
+
+test:
+	$(BIN)/pytest -q
+
+test-fast:
+	$(BIN)/pytest -q -m "not e2e and not fidelity and not fault"
+
+test-gpu:
+	$(BIN)/pytest -q -m gpu
+
+bench-cpu:
+	$(PYTHON) bench/engine_cpu.py --out bench/results/engine_cpu.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache $(PROTO_OUT)/deltamesh/v1/*_pb2*.py*

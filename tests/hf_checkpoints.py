@@ -1,0 +1,86 @@
+"""Tiny random checkpoints written by transformers' own model classes (`save_pretrained`), for fidelity
+tests: the engine loads them through its real loader and must reproduce transformers' outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+)
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+_MROPE = {**_ROPE, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+_MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=40)
+
+
+def _qwen3_5():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(**_COMMON, intermediate_size=96, rope_parameters=_MROPE, tie_word_embeddings=True)
+    return Qwen3_5ForCausalLM(cfg)
+
+
+def _qwen3_5_moe():
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    cfg = Qwen3_5MoeTextConfig(**_COMMON, **_MOE, rope_parameters=_MROPE)
+    return Qwen3_5MoeForCausalLM(cfg)
+
+
+def _qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # layers 0 and 2 dense (mlp_only_layers / sparse step), 1 and 3 MoE; norm_topk_prob off.
+    cfg = Qwen3NextConfig(
+        **_COMMON, **_MOE, intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[0, 2],
+        norm_topk_prob=False, rope_parameters=_ROPE,
+    )  # fmt: skip
+    return Qwen3NextForCausalLM(cfg)
+
+
+BUILDERS = {"qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_next": _qwen3_next}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """transformers' init leaves logits nearly flat (greedy ties); give every weight a real spread."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 8.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.2 / p.shape[-1] ** 0.5))
+
+
+def write_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model = BUILDERS[family]().eval()
+    randomize(model, seed)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
