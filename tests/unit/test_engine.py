@@ -1,0 +1,159 @@
+"""Engine behaviour: pool accounting, preemption, admission errors, streaming cancellation, and the
+prefill-hold / decode-reserve state hand-over (in-process, without a transport)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, FinishReason, RequestError, SamplingParams
+from engine.core import EngineCore
+from hf_checkpoints import VOCAB
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompts(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_checkpoints):
+    return str(hf_checkpoints["qwen3_5"])
+
+
+def run_all(core: EngineCore, reqs, on_step=None):
+    results = {r.request_id: [] for r in reqs}
+    finals = {}
+
+    def sink(out):
+        results[out.request_id] += out.new_token_ids
+        if out.finished:
+            finals[out.request_id] = out
+
+    for r in reqs:
+        core.submit(r, sink)
+    step = 0
+    while len(finals) < len(reqs):
+        core.dispatch(core.process_commands())
+        core.dispatch(core.step())
+        if on_step:
+            on_step(step)
+        step += 1
+    return results, finals
+
+
+def test_pools_return_to_zero_after_finished_stopped_and_aborted(model_dir):
+    core = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_seqs=4, max_num_batched_tokens=32))
+    ps = prompts(8)
+    reqs = [core.make_request(p, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), f"r{i}")
+            for i, p in enumerate(ps)]  # fmt: skip
+    # r1 stops on a token it is about to produce; r2 (running) and r7 (still queued) are aborted.
+    alone = Engine(EngineConfig(model=model_dir)).generate(ps[1], SamplingParams(max_tokens=15, temperature=0))
+    reqs[1].params.stop_token_ids = [alone[0].token_ids[3]]
+
+    def on_step(step):
+        if step == 2:
+            core.abort("r2")
+            core.abort("r7")
+
+    _, finals = run_all(core, reqs, on_step)
+    reasons = {rid: out.finish_reason for rid, out in finals.items()}
+    assert reasons["r1"] == FinishReason.STOP and finals["r1"].num_output_tokens <= 4
+    assert reasons["r2"] == reasons["r7"] == FinishReason.ABORT
+    assert reasons["r0"] == FinishReason.LENGTH
+    assert core.kv_pool.num_used == 0 and core.state_pool.num_used == 0
+    assert not core.requests and not core.scheduler.has_work
+
+
+def test_preemption_under_kv_pressure_gives_the_same_tokens(model_dir):
+    ps = prompts(6, seed=1)
+    big = EngineCore(EngineConfig(model=model_dir, page_size=4))
+    small = EngineCore(EngineConfig(model=model_dir, page_size=4, num_kv_pages=24, max_num_batched_tokens=16))
+    ref, _ = run_all(big, [big.make_request(p, GREEDY, f"r{i}") for i, p in enumerate(ps)])
+    got, _ = run_all(small, [small.make_request(p, GREEDY, f"r{i}") for i, p in enumerate(ps)])
+    assert small.scheduler.num_preemptions > 0
+    assert got == ref
+    assert small.kv_pool.num_used == 0 and small.state_pool.num_used == 0
+
+
+def test_requests_that_cannot_fit_are_rejected_with_reasons(model_dir):
+    core = EngineCore(EngineConfig(model=model_dir, page_size=4, num_kv_pages=8, max_model_len=100))
+    with pytest.raises(RequestError, match="maximum context length is 100"):
+        core.make_request([1] * 90, SamplingParams(max_tokens=20))
+    with pytest.raises(RequestError, match="KV pages"):
+        core.make_request([1] * 40, SamplingParams(max_tokens=20))
+    with pytest.raises(RequestError, match="empty"):
+        core.make_request([], SamplingParams())
+    with pytest.raises(RequestError, match="token ids"):
+        core.make_request([VOCAB + 5], SamplingParams())
+    with pytest.raises(RequestError, match="top_p"):
+        core.make_request([1, 2], SamplingParams(top_p=0))
+
+
+def test_leaving_a_stream_early_aborts_and_frees(model_dir):
+    async def main(engine):
+        got = 0
+        async for out in engine.generate_stream([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)):
+            got += len(out.new_token_ids)
+            if got == 3:
+                break
+        for _ in range(100):
+            if engine.core.state_pool.num_used == 0:
+                break
+            await asyncio.sleep(0.02)
+        return got
+
+    with Engine(EngineConfig(model=model_dir)) as engine:
+        assert asyncio.run(main(engine)) == 3
+        assert engine.core.state_pool.num_used == 0 and engine.core.kv_pool.num_used == 0
+
+
+def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
+    """The disaggregation boundary without a transport: prefill holds the state after the prompt, its bytes
+    are copied into the decode engine's reservation, and decoding resumes from the first sampled token."""
+    ps = prompts(4, seed=2)
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=11, ignore_eos=True)
+    mono = EngineCore(EngineConfig(model=model_dir, page_size=4))
+    ref, _ = run_all(mono, [mono.make_request(p, params, f"r{i}") for i, p in enumerate(ps)])
+
+    prefill = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_batched_tokens=16))
+    decode = EngineCore(EngineConfig(model=model_dir, page_size=8))  # other page size, other pool layout
+    first, finals = run_all(prefill, [prefill.make_request(p, params, f"r{i}", hold_state=True) for i, p in enumerate(ps)])
+    assert prefill.num_held == 4 and all(len(t) == 1 for t in first.values())
+    assert all(out.finish_reason is None for out in finals.values())
+
+    got = {}
+    reqs = []
+    for i, p in enumerate(ps):
+        rid = f"r{i}"
+        res = decode.reserve(len(p))
+        src = prefill.held_regions(rid)
+        # KV pages differ in size between the two pools, so copy page contents token-range by token-range:
+        # here both hold the same bytes per token, laid out page-major; compare through the pool views.
+        copy_state(prefill, decode, rid, res, len(p))
+        assert prefill.release_held(rid)
+        req = decode.make_request(p, params, rid)
+        decode.submit_transferred(req, first[rid][0], res, lambda out, rid=rid: got.setdefault(rid, []).extend(out.new_token_ids))
+        reqs.append(req)
+        assert sum(r.nbytes for r in src) > 0
+    while decode.has_work or not decode._commands.empty():
+        decode.dispatch(decode.process_commands())
+        decode.dispatch(decode.step())
+    assert {rid: first[rid] + got[rid] for rid in got} == ref
+    assert prefill.kv_pool.num_used == 0 and prefill.state_pool.num_used == 0
+    assert decode.kv_pool.num_used == 0 and decode.state_pool.num_used == 0
+
+
+def copy_state(src: EngineCore, dst: EngineCore, rid: str, res, n_tokens: int):
+    held = src.held_request(rid)
+    for layer in range(src.kv_pool.num_layers):
+        for kind in range(2):
+            s = src.kv_pool.layer(layer)[kind][held.pages].flatten(0, 1)[:n_tokens]
+            d = dst.kv_pool.layer(layer)[kind]
+            for t in range(n_tokens):
+                d[res.pages[t // dst.kv_pool.page_size], t % dst.kv_pool.page_size] = s[t]
+    dst.state_pool.conv[res.slot] = src.state_pool.conv[held.slot]
+    dst.state_pool.recurrent[res.slot] = src.state_pool.recurrent[held.slot]
