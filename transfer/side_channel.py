@@ -1,0 +1,301 @@
+"""The UCX side channel (ucxx) that moves a request's state from a prefill worker to a decode worker.
+
+No listening socket: each side publishes its UCX *worker address* through the gRPC control plane, and
+messages are tagged. A pull goes:
+
+1. The puller (decode) computes how the holder's regions and its own split into common segments, posts a
+   receive for every segment straight into its own buffers, then sends a `PullRequest` (lease id, token,
+   compatibility hash, its address, a reply tag) to the holder's well-known request tag.
+2. The holder (prefill) checks the lease before touching any byte, replies `PullStatus`, and on success
+   sends every segment zero-copy from its pools. Send completion is the acknowledgement: the lease is then
+   ended and the held memory freed.
+
+Everything is bounded by a deadline. Buffers are 1-D uint8 tensors (CPU or CUDA); CUDA tensors go through
+`__cuda_array_interface__`, so UCX picks cuda_ipc / NVLink on a GPU host with no host staging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from transfer.leases import LeaseRefused, LeaseTable
+
+log = structlog.get_logger("deltamesh.transfer")
+
+REQUEST_TAG = 0x646D_7368_0000_0001  # "dmsh" + 1: where holders receive pull requests
+_MAX_REQUEST_BYTES = 1 << 16
+_LEN = struct.Struct("<I")
+
+
+class TransferError(RuntimeError):
+    """A pull failed; `refused` is true when the holder refused it before moving bytes."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
+
+
+@dataclass
+class TransferStats:
+    nbytes: int
+    buffers: int  # messages on the wire (segments)
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def configure_ucx(bind_host: str) -> None:
+    """Must run before the first ucxx call. When the side channel is bound to loopback, UCX may use only
+    `lo`: by default it would open every network device it finds."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if _is_loopback(bind_host):
+        os.environ["UCX_NET_DEVICES"] = "lo"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def segments(src: list[int], dst: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """Split two region lists of equal total size at every boundary of either:
+    [(src_index, src_offset, dst_index, dst_offset, nbytes)]."""
+    if sum(src) != sum(dst):
+        raise TransferError(f"state sizes differ: holder {sum(src)} bytes, puller {sum(dst)} bytes", refused=True)
+    out, i, j, si, dj = [], 0, 0, 0, 0
+    while i < len(src) and j < len(dst):
+        n = min(src[i] - si, dst[j] - dj)
+        if n:
+            out.append((i, si, j, dj, n))
+        si, dj = si + n, dj + n
+        if si == src[i]:
+            i, si = i + 1, 0
+        if dj == dst[j]:
+            j, dj = j + 1, 0
+    return out
+
+
+def _ucx_buffer(t: torch.Tensor):
+    """What ucxx accepts: numpy for host memory, the tensor itself (CUDA array interface) on a GPU."""
+    return t if t.is_cuda else t.numpy()
+
+
+def _frame(msg) -> "object":
+    import numpy as np
+
+    body = msg.SerializeToString()
+    return np.frombuffer(_LEN.pack(len(body)) + body, dtype=np.uint8)
+
+
+def _unframe(buf, cls):
+    (n,) = _LEN.unpack_from(buf, 0)
+    msg = cls()
+    msg.ParseFromString(bytes(buf[_LEN.size : _LEN.size + n]))
+    return msg
+
+
+class _Endpoints:
+    """One UCX endpoint per peer worker address, reused across transfers."""
+
+    def __init__(self, error_handling: bool):
+        self.error_handling = error_handling
+        self._eps: dict[bytes, object] = {}
+
+    async def get(self, address: bytes):
+        import ucxx
+
+        ep = self._eps.get(address)
+        if ep is None or ep.closed:
+            ep = await ucxx.create_endpoint_from_worker_address(
+                ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=self.error_handling
+            )
+            self._eps[address] = ep
+        return ep
+
+    def drop(self, address: bytes) -> None:
+        self._eps.pop(address, None)
+
+    async def close(self) -> None:
+        for ep in self._eps.values():
+            try:
+                await ep.close()
+            except Exception:  # already gone with its peer
+                pass
+        self._eps.clear()
+
+
+def worker_address() -> bytes:
+    import ucxx
+
+    return ucxx.get_worker_address().tobytes()
+
+
+class StateServer:
+    """Holder side (prefill): answers pulls of leased state."""
+
+    def __init__(self, leases: LeaseTable, error_handling: bool = True, send_timeout_s: float = 30.0):
+        self.leases = leases
+        self.send_timeout_s = send_timeout_s
+        self._eps = _Endpoints(error_handling)
+        self._task: asyncio.Task | None = None
+        self._pulls: set[asyncio.Task] = set()
+        self.address = b""
+
+    async def start(self) -> None:
+        self.address = worker_address()
+        self._task = asyncio.create_task(self._serve())
+
+    async def stop(self) -> None:
+        for t in [self._task, *self._pulls]:
+            if t:
+                t.cancel()
+        await asyncio.gather(*(t for t in [self._task, *self._pulls] if t), return_exceptions=True)
+        await self._eps.close()
+
+    async def _serve(self) -> None:
+        import numpy as np
+        import ucxx
+
+        from deltamesh.v1 import transfer_pb2
+
+        while True:
+            buf = np.empty(_MAX_REQUEST_BYTES, dtype=np.uint8)
+            try:
+                await ucxx.recv(buf, tag=REQUEST_TAG)
+                req = _unframe(buf, transfer_pb2.PullRequest)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # malformed or truncated request: drop it, keep serving
+                log.warning("bad pull request", error=str(e))
+                continue
+            task = asyncio.create_task(self._answer(req))
+            self._pulls.add(task)
+            task.add_done_callback(self._pulls.discard)
+
+    async def _answer(self, req) -> None:
+        from deltamesh.v1 import transfer_pb2
+
+        started = time.perf_counter()
+        try:
+            ep = await self._eps.get(req.reply_address)
+        except Exception as e:
+            log.warning("cannot reach puller", lease_id=req.lease_id, error=str(e))
+            return
+        try:
+            lease = self.leases.take(req.lease_id, req.token, req.compat_hash)
+        except LeaseRefused as e:
+            log.warning("pull refused", lease_id=req.lease_id, reason=str(e))
+            await self._send_status(ep, req, transfer_pb2.PullStatus(ok=False, error=str(e)))
+            return
+        ok = False
+        try:
+            sizes = [b.numel() for b in lease.buffers]
+            try:
+                plan = segments(sizes, list(req.region_bytes))
+            except TransferError as e:
+                await self._send_status(ep, req, transfer_pb2.PullStatus(ok=False, error=str(e)))
+                return
+            await self._send_status(ep, req, transfer_pb2.PullStatus(ok=True, num_segments=len(plan)))
+            # No stream sync needed: the engine synchronised when it sampled the first token, after the
+            # kernels that wrote this state.
+            sends = [
+                ep.send(_ucx_buffer(lease.buffers[i][off : off + n]), tag=req.reply_tag + 1 + k, force_tag=True)
+                for k, (i, off, _, _, n) in enumerate(plan)
+            ]
+            await asyncio.wait_for(asyncio.gather(*sends), self.send_timeout_s)
+            ok = True
+            log.info("state sent", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(plan),
+                     seconds=round(time.perf_counter() - started, 6))  # fmt: skip
+        except Exception as e:
+            self._eps.drop(req.reply_address)
+            log.warning("state send failed", lease_id=req.lease_id, error=repr(e))
+        finally:
+            self.leases.finish_pull(req.lease_id, ok)
+
+    async def _send_status(self, ep, req, status) -> None:
+        try:
+            await asyncio.wait_for(ep.send(_frame(status), tag=req.reply_tag, force_tag=True), self.send_timeout_s)
+        except Exception as e:
+            self._eps.drop(req.reply_address)
+            log.warning("cannot answer puller", lease_id=req.lease_id, error=repr(e))
+
+
+class StatePuller:
+    """Puller side (decode): receives leased state straight into its own buffers."""
+
+    def __init__(self, error_handling: bool = True):
+        self._eps = _Endpoints(error_handling)
+
+    async def close(self) -> None:
+        await self._eps.close()
+
+    async def pull(
+        self,
+        holder_address: bytes,
+        lease_id: str,
+        token: bytes,
+        compat_hash: str,
+        holder_region_bytes: list[int],
+        buffers: list[torch.Tensor],
+        timeout_s: float,
+    ) -> TransferStats:
+        """Fill `buffers` with the leased state, or raise TransferError (the buffers are then undefined)."""
+        started = time.perf_counter()
+        try:
+            return await asyncio.wait_for(
+                self._pull(holder_address, lease_id, token, compat_hash, holder_region_bytes, buffers, started),
+                timeout_s,
+            )
+        except asyncio.TimeoutError:
+            self._eps.drop(holder_address)
+            raise TransferError(f"state transfer for lease {lease_id!r} did not finish within {timeout_s:.1f}s") from None
+
+    async def _pull(self, address, lease_id, token, compat_hash, holder_sizes, buffers, started) -> TransferStats:
+        import numpy as np
+        import ucxx
+
+        from deltamesh.v1 import transfer_pb2
+
+        plan = segments(list(holder_sizes), [b.numel() for b in buffers])
+        reply_tag = secrets.randbits(40) << 20  # room for up to 2^20 - 1 segments
+        if len(plan) >= 1 << 20:
+            raise TransferError(f"{len(plan)} segments is too many for one pull")
+        status_buf = np.empty(4096, dtype=np.uint8)
+        status_rx = asyncio.ensure_future(ucxx.recv(status_buf, tag=reply_tag))
+        data_rx = [
+            asyncio.ensure_future(ucxx.recv(_ucx_buffer(buffers[j][off : off + n]), tag=reply_tag + 1 + k))
+            for k, (_, _, j, off, n) in enumerate(plan)
+        ]
+        try:
+            ep = await self._eps.get(address)
+            request = transfer_pb2.PullRequest(
+                lease_id=lease_id, token=token, compat_hash=compat_hash, reply_tag=reply_tag,
+                reply_address=worker_address(), region_bytes=[b.numel() for b in buffers],
+            )  # fmt: skip
+            await ep.send(_frame(request), tag=REQUEST_TAG, force_tag=True)
+            await status_rx
+            status = _unframe(status_buf, transfer_pb2.PullStatus)
+            if not status.ok:
+                raise TransferError(f"holder refused the pull: {status.error}", refused=True)
+            await asyncio.gather(*data_rx)
+        except BaseException:
+            for f in [status_rx, *data_rx]:
+                f.cancel()
+            raise
+        nbytes = sum(n for *_, n in plan)
+        return TransferStats(nbytes, len(plan), time.perf_counter() - started)
