@@ -1,7 +1,9 @@
 """The in-process engine: Qwen3.5-family hybrid models with paged KV, GDN state slots, continuous batching
 and chunked prefill."""
 
-from engine.core import EngineCore, RequestError, Reservation
+from engine.cache import PoolExhausted
+from engine.core import EngineCore, Reservation
+from engine.request import RequestError, validate_request
 from engine.engine import Completion, Engine
 from engine.engine_config import DEFAULT_MODEL, EngineConfig
 from engine.request import FinishReason, RequestOutput
@@ -14,8 +16,10 @@ __all__ = [
     "EngineConfig",
     "EngineCore",
     "FinishReason",
+    "PoolExhausted",
     "RequestError",
     "RequestOutput",
     "Reservation",
     "SamplingParams",
+    "validate_request",
 ]

@@ -28,7 +28,7 @@ import torch
 from engine.cache import KVPagePool, PoolExhausted, Region, StatePool
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.request import FinishReason, Request, RequestOutput, Status
+from engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
@@ -39,10 +39,6 @@ from kernels import ModelShapes, select_kernels
 log = structlog.get_logger("deltamesh.engine")
 
 Sink = Callable[[RequestOutput], None]
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (bad parameters, too long, ...)."""
 
 
 @dataclass
@@ -77,7 +73,7 @@ class EngineCore:
         mc = self.model_config
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 32768)
+        self.max_model_len = config.resolved_max_model_len(mc.max_position_embeddings)
 
         self.model = load_model(mc, model_dir, self.device, self.dtype, config.load_format, config.seed)
         state_dtype = config.torch_state_dtype()
@@ -157,21 +153,8 @@ class EngineCore:
         )
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        try:
-            params.validate(vocab)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
         n = len(prompt_ids)
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
-                f"and max_tokens is {params.max_tokens} ({n + params.max_tokens} in total)"
-            )
         pages = self.kv_pool.pages_for(n + params.max_tokens)
         if pages > self.kv_pool.num_pages:
             raise RequestError(

@@ -10,7 +10,8 @@ from typing import AsyncIterator
 
 import structlog
 
-from engine.core import EngineCore, Reservation, RequestError
+from engine.core import EngineCore, Reservation
+from engine.request import RequestError
 from engine.engine_config import EngineConfig
 from engine.request import FinishReason, Request, RequestOutput
 from engine.sampling import SamplingParams, TokenLogprobs

@@ -29,6 +29,9 @@ class EngineConfig:
     seed: int = 0  # dummy weights and unseeded sampling
     torch_threads: int | None = None  # CPU threads for torch (None: torch's default)
 
+    def resolved_max_model_len(self, max_position_embeddings: int) -> int:
+        return self.max_model_len or min(max_position_embeddings, 32768)
+
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 

@@ -10,6 +10,28 @@ from engine.sampling import SamplingParams, TokenLogprobs
 from engine.tokenizer import IncrementalDetokenizer
 
 
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (bad parameters, too long, ...)."""
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Checks that need only the model's shape (the router runs them too, before any worker sees the request)."""
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if not prompt_ids:
+        raise RequestError("the prompt is empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+    n = len(prompt_ids)
+    if n + params.max_tokens > max_model_len:
+        raise RequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {n} tokens "
+            f"and max_tokens is {params.max_tokens} ({n + params.max_tokens} in total)"
+        )
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -21,17 +21,20 @@ from kernels.batch import StepBatch
 
 @dataclass(frozen=True)
 class WeightSlot:
-    """Where a checkpoint tensor lands: rows [start, stop) of dim `dim` of `param` (all of it if None)."""
+    """Where a checkpoint tensor lands: `param[index]` (all of `param` if index is None), rows
+    [start, stop) of dim `dim` of it (all rows if start is None)."""
 
     param: torch.Tensor
     start: int | None = None
     stop: int | None = None
     dim: int = 0
+    index: int | None = None
 
     def target(self) -> torch.Tensor:
+        t = self.param if self.index is None else self.param[self.index]
         if self.start is None:
-            return self.param
-        return self.param.narrow(self.dim, self.start, self.stop - self.start)
+            return t
+        return t.narrow(self.dim, self.start, self.stop - self.start)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -261,10 +264,10 @@ class SparseMoE(nn.Module):
             f"{prefix}.shared_expert_gate.weight": WeightSlot(self.shared_gate),
         }
         for e in range(self.num_experts):  # per-expert checkpoint layout
-            w13 = self.w13[e]
-            slots[f"{prefix}.experts.{e}.gate_proj.weight"] = WeightSlot(w13, 0, self.inter)
-            slots[f"{prefix}.experts.{e}.up_proj.weight"] = WeightSlot(w13, self.inter, 2 * self.inter)
-            slots[f"{prefix}.experts.{e}.down_proj.weight"] = WeightSlot(self.w2[e])
+            i = self.inter
+            slots[f"{prefix}.experts.{e}.gate_proj.weight"] = WeightSlot(self.w13, 0, i, index=e)
+            slots[f"{prefix}.experts.{e}.up_proj.weight"] = WeightSlot(self.w13, i, 2 * i, index=e)
+            slots[f"{prefix}.experts.{e}.down_proj.weight"] = WeightSlot(self.w2, index=e)
         return slots | self.shared.weight_slots(f"{prefix}.shared_expert")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

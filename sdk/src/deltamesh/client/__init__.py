@@ -1,0 +1,34 @@
+"""deltamesh gRPC client SDK."""
+
+from deltamesh.client.client import AsyncClient, AsyncStream, Client, Stream, build_request
+from deltamesh.client.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    DeltameshError,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    Unavailable,
+)
+from deltamesh.client.types import Delta, Result, TokenLogprob, Usage
+
+__all__ = [
+    "AsyncClient",
+    "AsyncStream",
+    "Cancelled",
+    "Client",
+    "DeadlineExceeded",
+    "Delta",
+    "DeltameshError",
+    "InternalError",
+    "InvalidRequest",
+    "NotFound",
+    "Overloaded",
+    "Result",
+    "Stream",
+    "TokenLogprob",
+    "Unavailable",
+    "Usage",
+    "build_request",
+]

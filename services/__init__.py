@@ -1,0 +1,1 @@
+"""gRPC services (prefill, decode, router) and the `deltamesh` CLI: thin glue around the engine."""

@@ -1,0 +1,236 @@
+"""The `deltamesh` command: serve the whole mesh, run one service, or generate through a router.
+
+Every option can also come from a DELTAMESH_* environment variable (shown in --help)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from deltamesh.client.cli import generate
+from engine import DEFAULT_MODEL, EngineConfig
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app.command("generate")(generate)
+
+
+def _opt(help: str, env: str, *names: str):
+    return typer.Option(*names, help=help, envvar=f"DELTAMESH_{env}")
+
+
+Model = Annotated[str, _opt("Hugging Face checkpoint directory (default: the embedded model)", "MODEL")]
+Device = Annotated[str, _opt("cpu | cuda | cuda:N", "DEVICE")]
+Host = Annotated[str, _opt("Address to bind (loopback unless told otherwise)", "HOST")]
+Dtype = Annotated[str, _opt("auto | float32 | bfloat16", "DTYPE")]
+StateDtype = Annotated[str, _opt("GDN recurrent state dtype: float32 | bfloat16", "STATE_DTYPE")]
+PageSize = Annotated[int, _opt("KV page size in tokens", "PAGE_SIZE")]
+NumPages = Annotated[Optional[int], _opt("KV pages per worker (default: sized from memory)", "NUM_KV_PAGES")]
+MaxSeqs = Annotated[int, _opt("Concurrent requests per worker (= GDN state slots)", "MAX_NUM_SEQS")]
+MaxBatched = Annotated[int, _opt("Token budget of one engine step", "MAX_NUM_BATCHED_TOKENS")]
+MaxLen = Annotated[Optional[int], _opt("Context length (default: the model's, capped at 32768)", "MAX_MODEL_LEN")]
+LoadFormat = Annotated[str, _opt("auto | safetensors | dummy (random weights at the real shapes)", "LOAD_FORMAT")]
+Kernels = Annotated[Optional[str], _opt("Kernel backend: auto | torch | flashinfer | fla | op=backend,...", "KERNELS")]
+Threads = Annotated[Optional[int], _opt("torch CPU threads per worker", "TORCH_THREADS")]
+UcxEH = Annotated[bool, _opt("UCX peer error handling (off lets UCX use shared memory / cuda_ipc)", "UCX_ERROR_HANDLING",
+                             "--ucx-error-handling/--no-ucx-error-handling")]  # fmt: skip
+LogLevel = Annotated[str, _opt("debug | info | warning | error", "LOG_LEVEL")]
+
+
+def _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs, max_num_batched_tokens,
+            max_model_len, load_format, kernels, torch_threads) -> EngineConfig:  # fmt: skip
+    return EngineConfig(
+        model=model, device=device, dtype=dtype, state_dtype=state_dtype, page_size=page_size,
+        num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, load_format=load_format, kernel_backend=kernels, torch_threads=torch_threads,
+    )  # fmt: skip
+
+
+def _run_worker(role: str, settings_kwargs: dict) -> None:
+    from services.common.logs import configure_logging
+    from services.common.server import run
+    from services.common.settings import WorkerSettings, print_settings
+
+    settings = WorkerSettings(role=role, **settings_kwargs)
+    configure_logging(role, settings.log_level)
+    print_settings(role, settings)
+    if role == "prefill":
+        from services.prefill.main import serve
+    else:
+        from services.decode.main import serve
+    run(lambda stop: serve(settings, stop))
+
+
+def _worker_command(role: str):
+    def command(
+        model: Model = str(DEFAULT_MODEL),
+        device: Device = "cpu",
+        host: Host = "127.0.0.1",
+        port: Annotated[int, _opt("gRPC port (0: any free port)", "PORT")] = 0,
+        router: Annotated[Optional[str], _opt("Router address to register with", "ROUTER")] = None,
+        dtype: Dtype = "auto",
+        state_dtype: StateDtype = "float32",
+        page_size: PageSize = 16,
+        num_kv_pages: NumPages = None,
+        max_num_seqs: MaxSeqs = 32,
+        max_num_batched_tokens: MaxBatched = 1024,
+        max_model_len: MaxLen = None,
+        load_format: LoadFormat = "auto",
+        kernels: Kernels = None,
+        torch_threads: Threads = None,
+        ucx_error_handling: UcxEH = True,
+        lease_ttl: Annotated[float, _opt("Prefill: seconds a held state waits to be pulled", "LEASE_TTL")] = 30.0,
+        transfer_timeout: Annotated[float, _opt("Deadline of one state transfer (s)", "TRANSFER_TIMEOUT")] = 30.0,
+        metrics_port: Annotated[Optional[int], _opt("Serve Prometheus /metrics on this port", "METRICS_PORT")] = None,
+        log_level: LogLevel = "info",
+    ) -> None:
+        engine = _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs,
+                         max_num_batched_tokens, max_model_len, load_format, kernels, torch_threads)  # fmt: skip
+        _run_worker(role, dict(
+            host=host, port=port, router=router, engine=engine, ucx_error_handling=ucx_error_handling,
+            lease_ttl_s=lease_ttl, transfer_timeout_s=transfer_timeout, metrics_port=metrics_port, log_level=log_level,
+        ))  # fmt: skip
+
+    command.__doc__ = {
+        "prefill": "Run a prefill worker: prefill prompts, hold their state under leases for decode workers.",
+        "decode": "Run a decode worker: pull request state over UCX and decode in a continuous batch.",
+        "colocated": "Run a colocated worker: prefill and decode its own requests (the aggregated baseline).",
+    }[role]
+    return command
+
+
+for _role in ("prefill", "decode", "colocated"):
+    app.command(_role)(_worker_command(_role))
+
+
+@app.command()
+def router(
+    model: Model = str(DEFAULT_MODEL),
+    host: Host = "127.0.0.1",
+    grpc_port: Annotated[int, _opt("Router gRPC port", "GRPC_PORT")] = 50051,
+    http_port: Annotated[Optional[int], _opt("OpenAI-compatible REST port (0: off)", "HTTP_PORT")] = 8000,
+    prefill: Annotated[Optional[list[str]], _opt("Static prefill worker address (repeatable)", "PREFILL")] = None,
+    decode: Annotated[Optional[list[str]], _opt("Static decode worker address (repeatable)", "DECODE")] = None,
+    colocated: Annotated[Optional[list[str]], _opt("Static colocated worker address (repeatable)", "COLOCATED")] = None,
+    policy: Annotated[str, _opt("round_robin | least_loaded", "POLICY")] = "least_loaded",
+    max_model_len: MaxLen = None,
+    api_key: Annotated[Optional[str], _opt("Require this key on /v1 routes", "API_KEY")] = None,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run the router: gRPC front door and OpenAI-compatible REST gateway."""
+    from services.common.logs import configure_logging
+    from services.common.server import run
+    from services.common.settings import RouterSettings, print_settings
+    from services.router.main import serve
+
+    settings = RouterSettings(
+        model=model, host=host, grpc_port=grpc_port, http_port=http_port or None, prefill=prefill or [],
+        decode=decode or [], colocated=colocated or [], policy=policy, max_model_len=max_model_len,
+        api_key=api_key, log_level=log_level,
+    )  # fmt: skip
+    configure_logging("router", settings.log_level)
+    print_settings("router", settings)
+    run(lambda stop: serve(settings, stop))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@app.command()
+def serve(
+    model: Model = str(DEFAULT_MODEL),
+    device: Device = "cpu",
+    host: Host = "127.0.0.1",
+    grpc_port: Annotated[int, _opt("Router gRPC port", "GRPC_PORT")] = 50051,
+    http_port: Annotated[int, _opt("OpenAI-compatible REST port (0: off)", "HTTP_PORT")] = 8000,
+    prefill_workers: Annotated[int, _opt("Prefill worker processes", "PREFILL_WORKERS")] = 1,
+    decode_workers: Annotated[int, _opt("Decode worker processes", "DECODE_WORKERS")] = 1,
+    colocated: Annotated[bool, _opt("Aggregated baseline: workers prefill and decode their own requests",
+                                    "COLOCATED", "--colocated")] = False,  # fmt: skip
+    gpus: Annotated[Optional[str], _opt("GPU ids to spread workers over, e.g. 0,1 (cuda only)", "GPUS")] = None,
+    dtype: Dtype = "auto",
+    state_dtype: StateDtype = "float32",
+    page_size: PageSize = 16,
+    num_kv_pages: NumPages = None,
+    max_num_seqs: MaxSeqs = 32,
+    max_num_batched_tokens: MaxBatched = 1024,
+    max_model_len: MaxLen = None,
+    load_format: LoadFormat = "auto",
+    kernels: Kernels = None,
+    ucx_error_handling: UcxEH = True,
+    api_key: Annotated[Optional[str], _opt("Require this key on /v1 routes", "API_KEY")] = None,
+    log_level: LogLevel = "info",
+) -> None:
+    """Start the mesh on one box: router + N prefill + M decode worker processes. Ctrl-C stops them all."""
+    roles = ["colocated"] * decode_workers if colocated else ["prefill"] * prefill_workers + ["decode"] * decode_workers
+    gpu_ids = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
+    threads = max(1, (os.cpu_count() or 1) // len(roles))
+    router_addr = f"{host}:{grpc_port}"
+    common = ["--model", model, "--device", device, "--host", host, "--dtype", dtype, "--state-dtype", state_dtype,
+              "--page-size", str(page_size), "--max-num-seqs", str(max_num_seqs),
+              "--max-num-batched-tokens", str(max_num_batched_tokens), "--load-format", load_format,
+              "--log-level", log_level,
+              "--ucx-error-handling" if ucx_error_handling else "--no-ucx-error-handling"]  # fmt: skip
+    for flag, value in (("--num-kv-pages", num_kv_pages), ("--max-model-len", max_model_len), ("--kernels", kernels)):
+        if value is not None:
+            common += [flag, str(value)]
+    cli = [sys.executable, "-m", "services.cli"]
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], env: dict | None = None) -> None:
+        procs.append(subprocess.Popen(cli + args, env={**os.environ, **(env or {})}))
+
+    router_args = ["router", "--model", model, "--host", host, "--grpc-port", str(grpc_port),
+                   "--http-port", str(http_port), "--log-level", log_level]  # fmt: skip
+    if max_model_len is not None:
+        router_args += ["--max-model-len", str(max_model_len)]
+    start(router_args, {"DELTAMESH_API_KEY": api_key} if api_key else None)
+    for i, role in enumerate(roles):
+        env = {"CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]} if device.startswith("cuda") else {}
+        args = [role, *common, "--port", str(_free_port(host)), "--router", router_addr]
+        if device == "cpu":
+            args += ["--torch-threads", str(threads)]
+        start(args, env)
+
+    stopping = False
+
+    def stop_all(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop_all)
+    signal.signal(signal.SIGTERM, stop_all)
+    print(f"deltamesh: router gRPC {router_addr}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
+          + f", workers: {', '.join(roles)}", file=sys.stderr, flush=True)  # fmt: skip
+    while not stopping and all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    failed = [p for p in procs if p.poll() not in (None, 0)]
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    if failed:
+        print(f"deltamesh: a process exited with status {failed[0].returncode}; stopped the mesh", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

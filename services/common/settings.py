@@ -1,0 +1,58 @@
+"""One settings object per service, filled from CLI flags and DELTAMESH_* environment variables (see
+services/cli.py) and printed at start."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from engine import EngineConfig
+
+Role = Literal["prefill", "decode", "colocated"]
+
+
+class WorkerSettings(BaseModel):
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    router: str | None = None  # router address to register with (heartbeats)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    ucx_error_handling: bool = True  # False lets UCX use shared memory / cuda_ipc, but peer failures go undetected by UCX
+    lease_ttl_s: float = 30.0  # prefill: how long a held state waits for its decode worker
+    transfer_timeout_s: float = 30.0  # decode: deadline of one state pull
+    admission_timeout_s: float = 30.0  # decode: how long a transferred request may wait for pool space
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP (None: off)
+    log_level: str = "info"
+
+
+class RouterSettings(BaseModel):
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int | None = 8000  # OpenAI-compatible REST gateway (None: off)
+    model: str = EngineConfig().model  # checkpoint directory: tokenizer, chat template, model id
+    max_model_len: int | None = None
+    prefill: list[str] = Field(default_factory=list)  # static worker addresses
+    decode: list[str] = Field(default_factory=list)
+    colocated: list[str] = Field(default_factory=list)
+    policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    health_interval_s: float = 0.5
+    heartbeat_interval_s: float = 1.0
+    prefill_retries: int = 2
+    request_timeout_s: float = 600.0
+    api_key: str | None = None
+    log_level: str = "info"
+
+
+def print_settings(name: str, settings: BaseModel) -> None:
+    data = settings.model_dump(mode="json")
+    if data.get("api_key"):
+        data["api_key"] = "***"  # never log secrets
+    print(json.dumps({"service": name, "settings": data}, default=str), file=sys.stderr, flush=True)
+
+
+def engine_config_dict(cfg: EngineConfig) -> dict:
+    return asdict(cfg)

@@ -1,0 +1,95 @@
+"""What prefill and decode workers share: the engine, its compatibility hash, load reports, and
+registration with the router (repeated as a heartbeat)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import structlog
+
+from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from engine import Engine
+from services.common.compat import compat_hash
+from services.common.server import CHANNEL_OPTIONS
+from services.common.settings import WorkerSettings
+
+log = structlog.get_logger("deltamesh.worker")
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings):
+        self.settings = settings
+        self.engine = Engine(settings.engine)
+        self.core = self.engine.core
+        self.compat_hash = compat_hash(self.core)
+        self.model_id = Path(settings.engine.model).name
+        self.address = ""  # host:port once the gRPC server is bound
+        self.reservations = 0
+
+    def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
+        l = self.core.loads()  # noqa: E741
+        return common_pb2.WorkerLoad(
+            address=self.address, role=self.settings.role, running=l["running"], waiting=l["waiting"],
+            held_states=l["held"], leases=leases, kv_pages_used=l["kv_pages_used"],
+            kv_pages_total=l["kv_pages_total"], state_slots_used=l["state_slots_used"],
+            state_slots_total=l["state_slots_total"], reservations=self.reservations, healthy=True,
+        )  # fmt: skip
+
+    async def register_forever(self, stop: asyncio.Event) -> None:
+        """Keep this worker registered with the router; survives router restarts."""
+        router = self.settings.router
+        if not router:
+            return
+        request = router_pb2.RegisterWorkerRequest(
+            address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash
+        )
+        interval = 1.0
+        async with grpc.aio.insecure_channel(router, options=CHANNEL_OPTIONS) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            registered = False
+            while not stop.is_set():
+                try:
+                    reply = await stub.RegisterWorker(request, timeout=2.0)
+                    interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
+                    if not registered:
+                        log.info("registered with router", router=router)
+                    registered = True
+                except grpc.aio.AioRpcError as e:
+                    if registered:
+                        log.warning("router unreachable", router=router, code=e.code().name)
+                    registered = False
+                try:
+                    await asyncio.wait_for(stop.wait(), interval)
+                except asyncio.TimeoutError:
+                    pass
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> None:
+    """Start a worker: engine, side channel and gRPC services from `setup(worker)`, which returns
+    (services for GrpcServer, async start hook, async stop hook, background coroutines)."""
+    from services.common.server import GrpcServer
+    from transfer import configure_ucx
+
+    configure_ucx(settings.host)
+    worker = Worker(settings)
+    services, on_start, on_stop, background = setup(worker)
+    await on_start()
+    server = GrpcServer(settings.host, settings.port, services)
+    worker.address = server.address
+    await server.start()
+    await server.set_serving(True)
+    log.info("worker serving", role=settings.role, address=server.address, model=worker.model_id,
+             compat_hash=worker.compat_hash)  # fmt: skip
+    tasks = [asyncio.create_task(c) for c in [worker.register_forever(stop), *background(stop)]]
+    print(f"DELTAMESH_READY {settings.role} {server.address}", flush=True)
+    await stop.wait()
+    log.info("worker stopping")
+    await server.stop(grace_s=2.0)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await on_stop()
+    worker.shutdown()

@@ -1,0 +1,26 @@
+"""Decode (or colocated) worker process."""
+
+from __future__ import annotations
+
+import asyncio
+
+from deltamesh.v1 import decode_pb2, decode_pb2_grpc
+from services.common.settings import WorkerSettings
+from services.common.worker import Worker, serve_worker
+from services.decode.servicer import DecodeServicer
+from transfer import StatePuller
+
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
+    def setup(worker: Worker):
+        puller = StatePuller(settings.ucx_error_handling)
+        servicer = DecodeServicer(worker, puller)
+        name = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+        services = [(decode_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, name)]
+
+        async def start() -> None:
+            pass
+
+        return services, start, puller.close, lambda s: []
+
+    await serve_worker(settings, stop, setup)

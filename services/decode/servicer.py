@@ -1,0 +1,96 @@
+"""Decode worker: admits requests from any prefill worker, pulls their state over UCX into its own pools,
+and continues them in its continuous batch, streaming tokens. Without a transfer source (colocated mode) it
+prefills the prompt itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+
+from deltamesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from engine import PoolExhausted, RequestError
+from services.common.convert import delta_from_output, sampling_from_proto
+from services.common.logs import bind_request, request_id_from
+from services.common.worker import Worker
+from transfer import StatePuller, TransferError
+
+log = structlog.get_logger("deltamesh.decode")
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: Worker, puller: StatePuller):
+        self.worker, self.engine, self.puller = worker, worker.engine, puller
+        self.transfers: list = []  # recent TransferStats, for metrics and benchmarks
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        rid = request.request_id or request_id_from(context)
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        bind_request(rid)
+        try:
+            params = sampling_from_proto(request.sampling, request.stop)
+            req = self.engine.make_request(list(request.prompt_token_ids), params, rid)
+        except (ValueError, RequestError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        submit = None
+        if request.HasField("source"):
+            reservation = await self._receive_state(request, context)
+            first = request.source.first_token_id
+            submit = lambda r, sink: self.engine.submit_transferred(r, first, reservation, sink)  # noqa: E731
+        async for out in self.engine.stream(req, submit):
+            yield delta_from_output(out)
+
+    async def _receive_state(self, request: decode_pb2.DecodeRequest, context):
+        src = request.source
+        if src.layout.compat_hash != self.worker.compat_hash:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"incompatible state layout: prefill {src.layout.compat_hash}, decode {self.worker.compat_hash}",
+            )
+        if src.layout.num_tokens != len(request.prompt_token_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state token count does not match the prompt")
+        reservation = await self._reserve(len(request.prompt_token_ids), context)
+        self.worker.reservations += 1
+        try:
+            stats = await self.puller.pull(
+                src.ucx_address, src.lease.lease_id, src.lease.token, src.layout.compat_hash,
+                list(src.layout.region_bytes), [r.tensor for r in reservation.regions],
+                self.worker.settings.transfer_timeout_s,
+            )  # fmt: skip
+        except TransferError as e:
+            self.engine.core.cancel_reservation(reservation)
+            code = grpc.StatusCode.FAILED_PRECONDITION if e.refused else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"state transfer failed: {e}")
+        except BaseException:
+            self.engine.core.cancel_reservation(reservation)
+            raise
+        finally:
+            self.worker.reservations -= 1
+        self.transfers = (self.transfers + [stats])[-1000:]
+        log.info("state received", bytes=stats.nbytes, buffers=stats.buffers, seconds=round(stats.seconds, 6),
+                 gbps=round(stats.gbps, 3))  # fmt: skip
+        return reservation
+
+    async def _reserve(self, num_tokens: int, context):
+        """Pool space for the incoming state; waits (bounded) while the batch is full."""
+        deadline = time.monotonic() + self.worker.settings.admission_timeout_s
+        delay = 0.002
+        while True:
+            try:
+                return self.engine.core.reserve(num_tokens)
+            except PoolExhausted as e:
+                if time.monotonic() + delay > deadline:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {e}")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        found = request.request_id in self.engine.core.requests
+        self.engine.abort(request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
+        return common_pb2.GetLoadsResponse(workers=[self.worker.load()])

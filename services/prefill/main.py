@@ -1,0 +1,23 @@
+"""Prefill worker process."""
+
+from __future__ import annotations
+
+import asyncio
+
+from deltamesh.v1 import prefill_pb2, prefill_pb2_grpc
+from services.common.settings import WorkerSettings
+from services.common.worker import Worker, serve_worker
+from services.prefill.servicer import PrefillServicer, expire_leases
+from transfer import LeaseTable, StateServer
+
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
+    def setup(worker: Worker):
+        leases = LeaseTable()
+        state_server = StateServer(leases, settings.ucx_error_handling, settings.transfer_timeout_s)
+        servicer = PrefillServicer(worker, leases, state_server)
+        name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+        services = [(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, name)]
+        return services, state_server.start, state_server.stop, lambda s: [expire_leases(leases, s)]
+
+    await serve_worker(settings, stop, setup)

@@ -1,0 +1,176 @@
+"""Runs one request through the mesh: prefill on one worker, decode on another, with the hybrid state
+moving between them over UCX under a lease. Shared by the gRPC front door and the REST gateway.
+
+Failure rules: a prefill worker found unavailable is replaced (up to `prefill_retries` times); a decode
+worker found unavailable before it streamed anything is replaced too; any other failure of either leg ends
+the request at once with an error, cancels the other leg and releases the lease so the prefill worker's
+memory is freed. A client that goes away cancels both legs; `abort` does the same on request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+import structlog
+
+from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
+from engine import SamplingParams
+from services.common.convert import sampling_to_proto
+from services.common.logs import metadata
+from services.router.policies import Policy
+from services.router.registry import WorkerHandle, WorkerRegistry
+
+log = structlog.get_logger("deltamesh.mesh")
+
+
+class MeshError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class _Inflight:
+    call: object = None  # the worker call in progress
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.call is not None:
+            self.call.cancel()
+
+
+def _leg_error(e: grpc.aio.AioRpcError, leg: str, w: WorkerHandle) -> MeshError:
+    return MeshError(e.code(), f"{leg} worker {w.address}: {e.details()}")
+
+
+class Mesh:
+    def __init__(self, registry: WorkerRegistry, policy: Policy, prefill_retries: int = 2, timeout_s: float = 600.0):
+        self.registry, self.policy = registry, policy
+        self.prefill_retries, self.timeout_s = prefill_retries, timeout_s
+        self._inflight: dict[str, _Inflight] = {}
+        self._background: set[asyncio.Task] = set()
+        self.retries = 0
+
+    @property
+    def colocated(self) -> bool:
+        return bool(self.registry.healthy("colocated")) and not self.registry.healthy("prefill")
+
+    def ready(self) -> bool:
+        r = self.registry
+        return bool(r.healthy("colocated") or (r.healthy("prefill") and r.healthy("decode")))
+
+    def _pick(self, role: str, exclude: set[str]) -> WorkerHandle:
+        candidates = [w for w in self.registry.healthy(role) if w.address not in exclude]
+        if not candidates:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker is available")
+        return self.policy.pick(candidates)
+
+    def abort(self, request_id: str) -> bool:
+        inflight = self._inflight.get(request_id)
+        if inflight is not None:
+            inflight.abort()
+        return inflight is not None
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[common_pb2.TokenDelta]:
+        if request_id in self._inflight:
+            raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
+        inflight = self._inflight[request_id] = _Inflight()
+        sampling, stop = sampling_to_proto(params)
+        try:
+            if self.colocated:
+                req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop)
+                async for delta in self._decode(req, "colocated", inflight):
+                    yield delta
+                return
+            prefill_req = prefill_pb2.PrefillRequest(
+                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop
+            )
+            first, pw = await self._prefill(prefill_req, inflight)
+            yield first.first
+            if first.first.finished:
+                return
+            source = decode_pb2.TransferSource(
+                lease=first.lease, ucx_address=first.ucx_address, layout=first.layout,
+                first_token_id=first.first.token_ids[0],
+            )  # fmt: skip
+            req = decode_pb2.DecodeRequest(
+                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
+            )
+            try:
+                async for delta in self._decode(req, "decode", inflight):
+                    yield delta
+            finally:  # never let the lease outlive the request (a no-op once decode pulled the state)
+                self._release_later(pw, first.lease)
+        except MeshError as e:
+            if not inflight.aborted:
+                raise
+            log.info("aborted", request_id=request_id, during=e.message)
+            yield common_pb2.TokenDelta(finished=True, finish_reason=common_pb2.FINISH_REASON_ABORT)
+        finally:
+            del self._inflight[request_id]
+
+    async def _prefill(self, req: prefill_pb2.PrefillRequest, inflight: _Inflight):
+        tried: set[str] = set()
+        while True:
+            w = self._pick("prefill", tried)
+            w.inflight += 1
+            inflight.call = w.stub.Prefill(req, metadata=metadata(req.request_id), timeout=self.timeout_s)
+            try:
+                return await inflight.call, w
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
+                    self.registry.mark_failed(w, "prefill call unavailable")
+                    tried.add(w.address)
+                    if len(tried) <= self.prefill_retries:
+                        self.retries += 1
+                        log.warning("retrying prefill on another worker", failed=w.address)
+                        continue
+                raise _leg_error(e, "prefill", w) from None
+            finally:
+                w.inflight -= 1
+                inflight.call = None
+
+    async def _decode(self, req: decode_pb2.DecodeRequest, role: str, inflight: _Inflight):
+        tried: set[str] = set()
+        while True:
+            w = self._pick(role, tried)
+            w.inflight += 1
+            call = inflight.call = w.stub.Decode(req, metadata=metadata(req.request_id), timeout=self.timeout_s)
+            streamed = finished = False
+            try:
+                async for delta in call:
+                    streamed = True
+                    finished = delta.finished
+                    yield delta
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
+                    self.registry.mark_failed(w, "decode call unavailable")
+                    tried.add(w.address)
+                    if not streamed and len(tried) <= 1:
+                        self.retries += 1
+                        log.warning("retrying decode on another worker", failed=w.address)
+                        continue
+                raise _leg_error(e, role, w) from None
+            finally:
+                w.inflight -= 1
+                inflight.call = None
+                if not finished:
+                    call.cancel()  # the client left or the stream broke: stop the worker's request
+
+    def _release_later(self, w: WorkerHandle, lease: prefill_pb2.Lease) -> None:
+        async def release() -> None:
+            try:
+                await w.stub.ReleaseLease(prefill_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token), timeout=5)
+            except grpc.aio.AioRpcError:
+                pass  # the worker is gone, and its memory with it; otherwise the lease expires on its own
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
