@@ -139,6 +139,28 @@ def router(
     run(lambda stop: serve(settings, stop))
 
 
+@app.command()
+def health(
+    address: Annotated[str, typer.Argument(help="host:port of a deltamesh service")],
+    service: Annotated[str, typer.Option(help="Service name to check ('' = the whole server)")] = "",
+    timeout: Annotated[float, typer.Option(help="Seconds")] = 3.0,
+) -> None:
+    """Exit 0 if the service answers the standard gRPC health check as SERVING (for container health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as e:
+        print(f"{address}: {e.code().name}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{address}: {status}")
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise typer.Exit(1)
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -194,9 +216,12 @@ def serve(
     if max_model_len is not None:
         router_args += ["--max-model-len", str(max_model_len)]
     start(router_args, {"DELTAMESH_API_KEY": api_key} if api_key else None)
+    metrics_urls = []
     for i, role in enumerate(roles):
         env = {"CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]} if device.startswith("cuda") else {}
-        args = [role, *common, "--port", str(_free_port(host)), "--router", router_addr]
+        metrics_port = _free_port(host)
+        metrics_urls.append(f"{role} http://{host}:{metrics_port}/metrics")
+        args = [role, *common, "--port", str(_free_port(host)), "--router", router_addr, "--metrics-port", str(metrics_port)]
         if device == "cpu":
             args += ["--torch-threads", str(threads)]
         start(args, env)
@@ -210,7 +235,7 @@ def serve(
     signal.signal(signal.SIGINT, stop_all)
     signal.signal(signal.SIGTERM, stop_all)
     print(f"deltamesh: router gRPC {router_addr}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
-          + f", workers: {', '.join(roles)}", file=sys.stderr, flush=True)  # fmt: skip
+          + f"; metrics: {', '.join(metrics_urls)}", file=sys.stderr, flush=True)  # fmt: skip
     while not stopping and all(p.poll() is None for p in procs):
         time.sleep(0.2)
     failed = [p for p in procs if p.poll() not in (None, 0)]

@@ -25,7 +25,8 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
 ]
-SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+# so_reuseport off: a second server on a taken port must fail loudly, not share its traffic.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.so_reuseport", 0)]
 
 
 class GrpcServer:

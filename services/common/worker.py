@@ -71,13 +71,16 @@ class Worker:
 
 async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> None:
     """Start a worker: engine, side channel and gRPC services from `setup(worker)`, which returns
-    (services for GrpcServer, async start hook, async stop hook, background coroutines)."""
+    (services for GrpcServer, async start hook, async stop hook, background coroutines, lease table or None)."""
     from services.common.server import GrpcServer
     from transfer import configure_ucx
 
+    from services.common.metrics import serve_worker_metrics
+
     configure_ucx(settings.host)
     worker = Worker(settings)
-    services, on_start, on_stop, background = setup(worker)
+    services, on_start, on_stop, background, leases = setup(worker)
+    serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
     await on_start()
     server = GrpcServer(settings.host, settings.port, services)
     worker.address = server.address

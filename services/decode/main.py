@@ -21,6 +21,6 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         async def start() -> None:
             pass
 
-        return services, start, puller.close, lambda s: []
+        return services, start, puller.close, lambda s: [], None
 
     await serve_worker(settings, stop, setup)

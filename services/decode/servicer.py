@@ -13,6 +13,7 @@ import structlog
 from deltamesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from engine import PoolExhausted, RequestError
 from services.common.convert import delta_from_output, sampling_from_proto
+from services.common import metrics
 from services.common.logs import bind_request, request_id_from
 from services.common.worker import Worker
 from transfer import StatePuller, TransferError
@@ -23,7 +24,6 @@ log = structlog.get_logger("deltamesh.decode")
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: Worker, puller: StatePuller):
         self.worker, self.engine, self.puller = worker, worker.engine, puller
-        self.transfers: list = []  # recent TransferStats, for metrics and benchmarks
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
         rid = request.request_id or request_id_from(context)
@@ -36,11 +36,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         except (ValueError, RequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         submit = None
+        started = last = time.monotonic()
         if request.HasField("source"):
             reservation = await self._receive_state(request, context)
             first = request.source.first_token_id
             submit = lambda r, sink: self.engine.submit_transferred(r, first, reservation, sink)  # noqa: E731
         async for out in self.engine.stream(req, submit):
+            if out.new_token_ids:
+                now = time.monotonic()
+                if out.num_output_tokens == 1:  # colocated: this worker made the first token too
+                    metrics.TTFT.observe(now - started)
+                else:
+                    metrics.TPOT.observe(now - last)
+                last = now
             yield delta_from_output(out)
 
     async def _receive_state(self, request: decode_pb2.DecodeRequest, context):
@@ -61,6 +69,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 self.worker.settings.transfer_timeout_s,
             )  # fmt: skip
         except TransferError as e:
+            metrics.TRANSFERS.labels("refused" if e.refused else "failed").inc()
             self.engine.core.cancel_reservation(reservation)
             code = grpc.StatusCode.FAILED_PRECONDITION if e.refused else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"state transfer failed: {e}")
@@ -69,7 +78,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             raise
         finally:
             self.worker.reservations -= 1
-        self.transfers = (self.transfers + [stats])[-1000:]
+        metrics.TRANSFERS.labels("ok").inc()
+        metrics.TRANSFER_BYTES.observe(stats.nbytes)
+        metrics.TRANSFER_SECONDS.observe(stats.seconds)
+        metrics.TRANSFER_BUFFERS.observe(stats.buffers)
         log.info("state received", bytes=stats.nbytes, buffers=stats.buffers, seconds=round(stats.seconds, 6),
                  gbps=round(stats.gbps, 3))  # fmt: skip
         return reservation

@@ -4,6 +4,7 @@ request's state under a lease until a decode worker pulls it over the UCX side c
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import structlog
@@ -11,6 +12,7 @@ import structlog
 from deltamesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from engine import FinishReason, RequestError
 from services.common.convert import delta_from_output, sampling_from_proto
+from services.common import metrics
 from services.common.logs import bind_request, request_id_from
 from services.common.worker import Worker
 from transfer import LeaseRefused, LeaseTable, StateServer
@@ -34,9 +36,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         first = None
         leased = False
+        started = time.monotonic()
         try:
             async for out in self.engine.stream(req):
                 first = out
+            metrics.TTFT.observe(time.monotonic() - started)
             if first.finish_reason == FinishReason.ERROR:
                 await context.abort(grpc.StatusCode.INTERNAL, first.error or "prefill failed")
             if first.finish_reason == FinishReason.ABORT:

@@ -20,6 +20,7 @@ from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
 from engine import SamplingParams
 from services.common.convert import sampling_to_proto
 from services.common.logs import metadata
+from services.router import metrics
 from services.router.policies import Policy
 from services.router.registry import WorkerHandle, WorkerRegistry
 
@@ -53,7 +54,6 @@ class Mesh:
         self.prefill_retries, self.timeout_s = prefill_retries, timeout_s
         self._inflight: dict[str, _Inflight] = {}
         self._background: set[asyncio.Task] = set()
-        self.retries = 0
 
     @property
     def colocated(self) -> bool:
@@ -78,6 +78,22 @@ class Mesh:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[common_pb2.TokenDelta]:
+        """The request's token deltas, first token first; raises MeshError when it cannot be served."""
+        timer = metrics.RequestTimer()
+        outcome = "aborted"  # unless it finishes or fails: the client went away
+        try:
+            async for delta in self._generate(request_id, prompt_ids, params):
+                timer.delta(len(delta.token_ids), delta.usage.prompt_tokens)
+                if delta.finished:
+                    outcome = "aborted" if delta.finish_reason == common_pb2.FINISH_REASON_ABORT else "completed"
+                yield delta
+        except MeshError:
+            outcome = "error"
+            raise
+        finally:
+            timer.end(outcome)
+
+    async def _generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         if request_id in self._inflight:
             raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
         inflight = self._inflight[request_id] = _Inflight()
@@ -128,7 +144,7 @@ class Mesh:
                     self.registry.mark_failed(w, "prefill call unavailable")
                     tried.add(w.address)
                     if len(tried) <= self.prefill_retries:
-                        self.retries += 1
+                        metrics.RETRIES.labels("prefill").inc()
                         log.warning("retrying prefill on another worker", failed=w.address)
                         continue
                 raise _leg_error(e, "prefill", w) from None
@@ -154,7 +170,7 @@ class Mesh:
                     self.registry.mark_failed(w, "decode call unavailable")
                     tried.add(w.address)
                     if not streamed and len(tried) <= 1:
-                        self.retries += 1
+                        metrics.RETRIES.labels(role).inc()
                         log.warning("retrying decode on another worker", failed=w.address)
                         continue
                 raise _leg_error(e, role, w) from None

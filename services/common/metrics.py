@@ -1,0 +1,75 @@
+"""Prometheus metrics of a worker process (prefill, decode or colocated), served on --metrics-port.
+
+Engine counters and gauges are read from the engine at scrape time (no work on the hot path); latencies and
+transfer figures are observed by the servicers."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_BYTES = tuple(2**i for i in range(10, 36, 2))
+
+TTFT = Histogram("deltamesh_worker_time_to_first_token_seconds",
+                 "Prefill/colocated: from request arrival to the first token", buckets=_LATENCY)  # fmt: skip
+TPOT = Histogram("deltamesh_worker_time_per_output_token_seconds",
+                 "Decode/colocated: time between output tokens of a request", buckets=_LATENCY)  # fmt: skip
+TRANSFER_BYTES = Histogram("deltamesh_transfer_bytes", "Decode: bytes of state pulled per request", buckets=_BYTES)
+TRANSFER_SECONDS = Histogram("deltamesh_transfer_seconds", "Decode: duration of one state pull", buckets=_LATENCY)
+TRANSFER_BUFFERS = Histogram("deltamesh_transfer_buffers", "Decode: UCX messages (segments) per pull",
+                             buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64))  # fmt: skip
+TRANSFERS = Counter("deltamesh_transfers", "Decode: state pulls by outcome", ["outcome"])
+
+
+class EngineCollector:
+    """Engine pool usage, queue depth and token counters, read at scrape time."""
+
+    def __init__(self, worker, leases=None):
+        self.worker, self.leases = worker, leases
+
+    def collect(self):
+        core = self.worker.core
+        loads, stats, role = core.loads(), core.stats, self.worker.settings.role
+        for name, value, doc in (
+            ("requests_running", loads["running"], "Requests in the running batch"),
+            ("requests_waiting", loads["waiting"], "Requests queued for admission (queue depth)"),
+            ("kv_pages_used", loads["kv_pages_used"], "KV cache pages in use"),
+            ("kv_pages_total", loads["kv_pages_total"], "KV cache pages in the pool"),
+            ("state_slots_used", loads["state_slots_used"], "GDN state slots in use"),
+            ("state_slots_total", loads["state_slots_total"], "GDN state slots in the pool"),
+            ("held_states", loads["held"], "Prefill: request states held for a decode worker"),
+            ("reservations", self.worker.reservations, "Decode: pool space reserved for incoming transfers"),
+        ):
+            g = GaugeMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
+            g.add_metric([role], value)
+            yield g
+        for name, value, doc in (
+            ("prompt_tokens", stats.prompt_tokens, "Prompt tokens prefilled (rate = prefill tokens/s)"),
+            ("generation_tokens", stats.generation_tokens, "Tokens sampled (rate = decode tokens/s)"),
+            ("steps", stats.steps, "Engine steps run"),
+            ("preemptions", stats.preemptions, "Requests preempted for lack of KV pages"),
+        ):
+            c = CounterMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
+            c.add_metric([role], value)
+            yield c
+        finished = CounterMetricFamily("deltamesh_engine_requests_finished", "Requests finished by reason",
+                                       labels=["role", "reason"])  # fmt: skip
+        for reason, n in stats.finished.items():
+            finished.add_metric([role, reason], n)
+        yield finished
+        if self.leases is not None:
+            active = GaugeMetricFamily("deltamesh_prefill_leases_active", "Leases held or being pulled")
+            active.add_metric([], len(self.leases))
+            yield active
+            ended = CounterMetricFamily("deltamesh_prefill_leases_ended", "Leases ended, by reason (expired = "
+                                        "never pulled in time)", labels=["reason"])  # fmt: skip
+            for reason, n in self.leases.counts.items():
+                ended.add_metric([reason], n)
+            yield ended
+
+
+def serve_worker_metrics(worker, host: str, port: int | None, leases=None) -> None:
+    REGISTRY.register(EngineCollector(worker, leases))
+    if port is not None:
+        start_http_server(port, addr=host)

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the router (served at the REST gateway's /metrics)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+REQUESTS = Counter("deltamesh_router_requests", "Requests by outcome", ["outcome"])
+TTFT = Histogram("deltamesh_router_time_to_first_token_seconds", "From request arrival to the first token",
+                 buckets=_LATENCY)  # fmt: skip
+TPOT = Histogram("deltamesh_router_time_per_output_token_seconds",
+                 "Per request: (end - first token) / (output tokens - 1)", buckets=_LATENCY)  # fmt: skip
+E2E = Histogram("deltamesh_router_e2e_request_latency_seconds", "From arrival to the last token", buckets=_LATENCY)
+RUNNING = Gauge("deltamesh_router_requests_running", "Requests in flight through the mesh")
+PROMPT_TOKENS = Counter("deltamesh_router_prompt_tokens", "Prompt tokens of finished requests")
+GENERATION_TOKENS = Counter("deltamesh_router_generation_tokens", "Output tokens streamed to clients")
+RETRIES = Counter("deltamesh_router_retries", "Requests re-sent to another worker", ["leg"])
+
+
+class RequestTimer:
+    """Observes one request's latency figures as its deltas pass by."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.tokens = 0
+        self.prompt_tokens = 0
+        RUNNING.inc()
+
+    def delta(self, n_tokens: int, prompt_tokens: int) -> None:
+        now = time.monotonic()
+        if self.first is None and n_tokens:
+            self.first = now
+            TTFT.observe(now - self.start)
+        self.tokens += n_tokens
+        self.prompt_tokens = prompt_tokens or self.prompt_tokens
+        GENERATION_TOKENS.inc(n_tokens)
+
+    def end(self, outcome: str) -> None:
+        now = time.monotonic()
+        RUNNING.dec()
+        REQUESTS.labels(outcome).inc()
+        if outcome == "completed":
+            E2E.observe(now - self.start)
+            PROMPT_TOKENS.inc(self.prompt_tokens)
+            if self.first is not None and self.tokens > 1:
+                TPOT.observe((now - self.first) / (self.tokens - 1))
+
+
+class WorkerCollector:
+    def __init__(self, registry):
+        self.registry = registry
+
+    def collect(self):
+        g = GaugeMetricFamily("deltamesh_router_workers", "Known workers by role and health", labels=["role", "healthy"])
+        counts: dict[tuple[str, str], int] = {}
+        for w in self.registry.workers.values():
+            key = (w.role, str(w.healthy).lower())
+            counts[key] = counts.get(key, 0) + 1
+        for (role, healthy), n in counts.items():
+            g.add_metric([role, healthy], n)
+        yield g
+
+
+def register_worker_gauge(registry) -> None:
+    REGISTRY.register(WorkerCollector(registry))

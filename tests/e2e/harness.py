@@ -1,0 +1,143 @@
+"""Start the real services as processes on free loopback ports (no mocked gRPC or UCX)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from deltamesh.client import Client
+from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    role: str
+    address: str
+    popen: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stub(self):
+        channel = grpc.insecure_channel(self.address)
+        return (prefill_pb2_grpc.PrefillWorkerStub if self.role == "prefill" else decode_pb2_grpc.DecodeWorkerStub)(channel)
+
+    def load(self) -> common_pb2.WorkerLoad:
+        return self.stub().GetLoads(common_pb2.GetLoadsRequest(), timeout=5).workers[0]
+
+
+@dataclass
+class Mesh:
+    model: str
+    log_dir: Path
+    worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
+    router_address: str = ""
+    http_port: int = 0
+
+    def _spawn(self, role: str, args: list[str], port: int) -> Proc:
+        log = self.log_dir / f"{role}-{port}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        popen = subprocess.Popen([sys.executable, "-m", "services.cli", role, *args], cwd=ROOT, env=env,
+                                 stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+        proc = Proc(role, f"127.0.0.1:{port}", popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def start_router(self, http: bool = False) -> Proc:
+        port = free_port()
+        self.http_port = free_port() if http else 0
+        self.router_address = f"127.0.0.1:{port}"
+        return self._spawn("router", ["--model", self.model, "--grpc-port", str(port), "--http-port",
+                                      str(self.http_port), *self.router_args], port)  # fmt: skip
+
+    def start_worker(self, role: str, extra: list[str] = ()) -> Proc:
+        port = free_port()
+        args = ["--model", self.model, "--port", str(port), "--router", self.router_address, "--torch-threads", "1",
+                *self.worker_args, *extra]  # fmt: skip
+        return self._spawn(role, args, port)
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.router_address, **kwargs)
+
+    def workers(self, role: str | None = None) -> list[Proc]:
+        return [p for p in self.procs if p.role != "router" and (role is None or p.role == role) and p.alive()]
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until the router sees every live worker healthy."""
+        want = {p.address for p in self.workers()}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if not p.alive() and p.role == "router":
+                    raise RuntimeError(f"router exited:\n{p.log.read_text()[-3000:]}")
+            try:
+                with self.client(retries=0) as c:
+                    healthy = {w.address for w in c.loads() if w.healthy}
+                if want <= healthy:
+                    return
+            except Exception:
+                pass
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {p.log.name}\n{p.log.read_text()[-2000:]}" for p in self.procs)
+        raise TimeoutError(f"mesh not ready after {timeout}s\n{logs}")
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, common_pb2.WorkerLoad]:
+        """Until every live worker reports no used pages, slots, held states, leases or reservations."""
+        deadline = time.monotonic() + timeout
+        while True:
+            loads = {p.address: p.load() for p in self.workers()}
+            busy = {a: l for a, l in loads.items() if l.kv_pages_used or l.state_slots_used or l.held_states
+                    or l.leases or l.reservations or l.running or l.waiting}  # fmt: skip
+            if not busy or time.monotonic() > deadline:
+                return busy
+            time.sleep(0.05)
+
+    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
+        proc.popen.send_signal(sig)
+        if sig == signal.SIGKILL:
+            proc.popen.wait(10)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.alive():
+                p.popen.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(5)
+
+
+def start_mesh(model: str, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
+               worker_args: list[str] = (), router_args: list[str] = (), http: bool = False) -> Mesh:  # fmt: skip
+    mesh = Mesh(model, log_dir, list(worker_args), list(router_args))
+    mesh.start_router(http=http)
+    for role, n in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
+        for _ in range(n):
+            mesh.start_worker(role)
+    try:
+        mesh.wait_ready()
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh

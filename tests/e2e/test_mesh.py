@@ -1,0 +1,158 @@
+"""The mesh as real processes on loopback: router + prefill + decode workers over gRPC, state over UCX."""
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from deltamesh.client import AsyncClient, DeltameshError, InvalidRequest
+from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from engine import DEFAULT_MODEL, SamplingParams
+from harness import start_mesh
+
+pytestmark = pytest.mark.e2e
+MODEL = str(DEFAULT_MODEL)
+
+
+def random_prompts(n, vocab, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
+
+
+def spread(n, lo, hi):
+    return [lo + (hi - lo) * i // (n - 1) for i in range(n)]
+
+
+async def generate_all(address, prompts, **kwargs):
+    async with AsyncClient(address) as client:
+        return await asyncio.gather(*(client.generate(p, **kwargs) for p in prompts))
+
+
+def check_against_reference(mesh, reference_engine, n_prompts=20, seed=0):
+    vocab = reference_engine.core.model_config.vocab_size
+    prompts = random_prompts(n_prompts, vocab, spread(n_prompts, 1, 300), seed)
+    results = asyncio.run(generate_all(mesh.router_address, prompts, max_tokens=24, temperature=0))
+    ref = reference_engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    for r, e in zip(results, ref):
+        assert r.token_ids == e.token_ids
+        assert r.text == e.text
+        assert r.finish_reason == e.finish_reason.value
+    assert mesh.wait_idle() == {}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    m = start_mesh(MODEL, tmp_path_factory.mktemp("mesh"))
+    yield m
+    m.stop()
+
+
+def test_concurrent_prompts_match_the_monolithic_engine(mesh, reference_engine):
+    check_against_reference(mesh, reference_engine)
+
+
+def test_two_prefill_two_decode_workers_match_too(tmp_path, reference_engine):
+    m = start_mesh(MODEL, tmp_path, prefill=2, decode=2)
+    try:
+        check_against_reference(m, reference_engine, seed=1)
+        served = {p.address: p.load() for p in m.workers()}
+        assert len(served) == 4
+    finally:
+        m.stop()
+
+
+def test_streaming_delivers_every_token_once_in_order_with_usage(mesh, reference_engine):
+    prompt = "The Python language"
+    ref = reference_engine.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    with mesh.client() as client:
+        deltas = list(client.stream(prompt, max_tokens=30, temperature=0, ignore_eos=True))
+        assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+        assert "".join(d.text for d in deltas) == ref.text
+        assert [d.usage.completion_tokens for d in deltas] == list(range(1, 31))
+        assert all(d.usage.prompt_tokens == len(ref.prompt_token_ids) for d in deltas)
+        assert [d.finished for d in deltas] == [False] * 29 + [True]
+        assert deltas[-1].finish_reason == "length"
+
+        # a stop string ends the text before it, with finish_reason stop
+        stop = ref.text[len(ref.text) // 2 : len(ref.text) // 2 + 3]
+        res = client.generate(prompt, max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+        assert res.finish_reason == "stop" and res.stop_reason == stop
+        assert res.text == ref.text[: ref.text.index(stop)]
+
+
+def test_cancelling_aborts_both_legs_and_frees_everything(mesh):
+    with mesh.client() as client:
+        stream = client.stream("A list is", max_tokens=3000, temperature=0, ignore_eos=True)
+        for i, _ in enumerate(stream):
+            if i == 5:
+                break
+        stream.cancel()  # SDK cancel: sends Abort
+    assert mesh.wait_idle() == {}
+
+    # a client that just goes away (cancels its call, no Abort)
+    channel = grpc.insecure_channel(mesh.router_address)
+    call = router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(
+        text="In this tutorial", sampling=common_pb2.SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)))
+    for i, _ in enumerate(call):
+        if i == 5:
+            break
+    call.cancel()
+    channel.close()
+    assert mesh.wait_idle() == {}
+
+
+def test_a_lease_never_pulled_expires_and_frees_prefill_memory(mesh):
+    prefill = mesh.workers("prefill")[0]
+    reply = prefill.stub().Prefill(prefill_pb2.PrefillRequest(
+        request_id="lonely", prompt_token_ids=list(range(10, 80)), lease_ttl_ms=400,
+        sampling=common_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)), timeout=30)
+    assert reply.lease.lease_id == "lonely"
+    load = prefill.load()
+    assert load.held_states == 1 and load.leases == 1 and load.kv_pages_used > 0
+    time.sleep(0.8)
+    assert mesh.wait_idle() == {}
+
+
+def test_wrong_token_or_layout_is_refused_without_moving_bytes(mesh, reference_engine):
+    prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
+    prompt = list(range(20, 60))
+    sampling = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = prefill.stub().Prefill(prefill_pb2.PrefillRequest(request_id="guarded", prompt_token_ids=prompt,
+                                                              sampling=sampling), timeout=30)  # fmt: skip
+
+    def decode_with(lease=None, layout=None):
+        source = decode_pb2.TransferSource(lease=lease or first.lease, ucx_address=first.ucx_address,
+                                           layout=layout or first.layout, first_token_id=first.first.token_ids[0])  # fmt: skip
+        call = decode.stub().Decode(decode_pb2.DecodeRequest(request_id="guarded", prompt_token_ids=prompt,
+                                                             sampling=sampling, source=source), timeout=30)  # fmt: skip
+        return [t for d in call for t in d.token_ids]
+
+    bad_token = prefill_pb2.Lease(lease_id="guarded", token=b"0" * 16)
+    with pytest.raises(grpc.RpcError) as e:
+        decode_with(lease=bad_token)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "wrong token" in e.value.details()
+    bad_layout = prefill_pb2.StateLayout(compat_hash="0" * 20, num_tokens=40, region_bytes=first.layout.region_bytes)
+    with pytest.raises(grpc.RpcError) as e:
+        decode_with(layout=bad_layout)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "incompatible" in e.value.details()
+    # nothing moved: the state is still held, the decode worker holds nothing
+    assert prefill.load().leases == 1 and decode.load().kv_pages_used == 0
+    tokens = first.first.token_ids[:] + decode_with()
+    ref = reference_engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert tokens == ref.token_ids
+    assert mesh.wait_idle() == {}
+
+
+def test_bad_requests_get_invalid_argument(mesh):
+    with mesh.client() as client:
+        for kwargs in (dict(max_tokens=0), dict(top_p=2.0), dict(max_tokens=10**6)):
+            with pytest.raises(InvalidRequest):
+                client.generate("hi", **kwargs)
+        with pytest.raises(InvalidRequest):
+            client.generate([], max_tokens=4)
+        with pytest.raises(DeltameshError) as e:
+            client.generate("hi", model="no-such-model")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        assert client.generate("still serving", max_tokens=3).usage.completion_tokens == 3
