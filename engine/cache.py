@@ -3,10 +3,12 @@
 - `KVPagePool`: the KV cache of every full-attention layer, page-major
   ([page, layer, k|v, page_size, kv_heads, head_dim]): one page holds all layers' keys and values for
   `page_size` tokens, so a request's KV is as many contiguous regions as its pages form runs. Pages are
-  handed out best-fit as whole runs, so a freshly admitted request usually owns one run.
+  handed out best-fit as whole runs, so a freshly admitted request usually owns one run. Page 0 is never
+  handed out: it is the scratch page that padded rows of a batch (CUDA graphs) write to.
 - `StatePool`: GDN conv + recurrent state, slot-major ([slot, layer, ...]): one request's state is two
   contiguous regions whatever the number of layers. Kernels address a layer's states as the flattened
-  pool [slot * layers + layer], so they read and write in place.
+  pool [slot * layers + layer], so they read and write in place. Slot 0 is never handed out: it is the
+  scratch slot that padded rows of a batch (CUDA graphs) read and write.
 
 Both pools count what is in use, so tests can prove that nothing leaks.
 """
@@ -52,9 +54,10 @@ class KVPagePool:
         device: torch.device,
     ):
         self.num_pages, self.page_size, self.num_layers = num_pages, page_size, num_layers
-        shape = (num_pages, max(num_layers, 1), 2, page_size, num_kv_heads, head_dim)
+        shape = (num_pages + 1, max(num_layers, 1), 2, page_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
-        self._free = np.ones(num_pages, dtype=bool)
+        self._free = np.ones(num_pages + 1, dtype=bool)
+        self._free[0] = False  # the scratch page
         self._lock = threading.Lock()
 
     # -- views -------------------------------------------------------------------------------------
@@ -67,7 +70,7 @@ class KVPagePool:
         return self.data[0].numel() * self.data.element_size()
 
     def regions(self, pages: list[int]) -> list[Region]:
-        flat = self.data.view(self.num_pages, -1)
+        flat = self.data.flatten(1)
         return [Region(byte_view(flat[s : s + n]), f"kv[{s}:{s + n}]") for s, n in page_runs(pages)]
 
     # -- accounting --------------------------------------------------------------------------------
@@ -89,7 +92,7 @@ class KVPagePool:
         with self._lock:
             if n > self._free.sum():
                 raise PoolExhausted(f"need {n} KV pages, {int(self._free.sum())} free")
-            if after is not None and after + 1 + n <= self.num_pages and self._free[after + 1 : after + 1 + n].all():
+            if after is not None and after + 1 + n <= self.num_pages + 1 and self._free[after + 1 : after + 1 + n].all():
                 pages = list(range(after + 1, after + 1 + n))
             else:
                 pages = self._best_fit(n)
@@ -135,12 +138,12 @@ class StatePool:
     ):
         self.num_slots, self.num_layers = num_slots, max(num_layers, 1)
         self.conv = torch.zeros(
-            (num_slots, self.num_layers, conv_dim, conv_width - 1), dtype=conv_dtype, device=device
+            (num_slots + 1, self.num_layers, conv_dim, conv_width - 1), dtype=conv_dtype, device=device
         )
         self.recurrent = torch.zeros(
-            (num_slots, self.num_layers, num_v_heads, value_dim, key_dim), dtype=state_dtype, device=device
+            (num_slots + 1, self.num_layers, num_v_heads, value_dim, key_dim), dtype=state_dtype, device=device
         )
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots, 0, -1))  # slot 0 is the scratch slot
         self._lock = threading.Lock()
 
     @property

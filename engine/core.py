@@ -93,6 +93,11 @@ class EngineCore:
         self.kernels = select_kernels(self.device, shapes, config.kernel_backend)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.kernels, self.device)
+        if self.device.type == "cuda" and config.cuda_graphs:
+            if self.kernels.chosen["paged_attention"] == "torch":
+                log.warning("CUDA graphs off: the torch attention reference reads host lengths")
+            else:
+                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
         self.requests: dict[str, Request] = {}

@@ -28,6 +28,7 @@ class EngineConfig:
     kernel_backend: str | None = None  # None/auto | torch | flashinfer | fla | "op=backend,..."
     seed: int = 0  # dummy weights and unseeded sampling
     torch_threads: int | None = None  # CPU threads for torch (None: torch's default)
+    cuda_graphs: bool = True  # CUDA only: replay decode steps from captured graphs
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         return self.max_model_len or min(max_position_embeddings, 32768)

@@ -15,6 +15,13 @@ from kernels.batch import StepBatch
 class ModelRunner:
     def __init__(self, model: HybridLM, kv_pool: KVPagePool, state_pool: StatePool, kernels: Kernels, device: torch.device):
         self.model, self.kv_pool, self.state_pool, self.kernels, self.device = model, kv_pool, state_pool, kernels, device
+        self.graphs = None  # DecodeGraphs once captured
+
+    def capture_decode_graphs(self, max_batch: int, max_context: int) -> None:
+        from engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_batch, self.kv_pool.pages_for(max_context))
+        self.graphs.capture()
 
     def prepare(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, StepBatch]:
         """Items must be ordered decode-first (single-token items before chunks)."""
@@ -47,8 +54,9 @@ class ModelRunner:
             seq_lens=as_t(np.add(ctx_lens, q_lens), torch.int32),
             block_tables=as_t(tables, torch.int32),
             slot_mapping=as_t(slot_mapping, torch.int64),
-            state_slots=as_t([it.request.slot for it in items], torch.int64),
+            state_slots=as_t([it.request.slot for it in items], torch.int32),
             positions=as_t(positions_np, torch.int64),
+            prefill_cu_seqlens=as_t(np.concatenate(([0], np.cumsum([n for n in q_lens if n != 1] or [0]))), torch.int32),
         )
         return as_t(ids, torch.int64), batch
 
@@ -56,6 +64,8 @@ class ModelRunner:
     def execute(self, items: list[ScheduledItem]) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling items, vocab], in item order."""
         input_ids, batch = self.prepare(items)
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(input_ids, batch)  # decode-only: every item samples
         hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels)
         last = np.cumsum(batch.query_lens) - 1
         rows = [int(last[i]) for i, it in enumerate(items) if it.samples]

@@ -64,12 +64,17 @@ def canonical_name(name: str) -> str | None:
 
 
 def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
+    load_tensors(model, iter_checkpoint(model_dir))
+
+
+def load_tensors(model: HybridLM, named_tensors) -> None:
+    """Fill every weight from (checkpoint name, tensor) pairs; names the missing and the unexpected."""
     slots = model.weight_slots()
     covered: dict[int, int] = {}
     params = {id(s.param): s.param for s in slots.values()}
     unexpected = []
     with torch.no_grad():
-        for raw_name, tensor in iter_checkpoint(model_dir):
+        for raw_name, tensor in named_tensors:
             name = canonical_name(raw_name)
             if name is None:
                 continue
@@ -81,7 +86,7 @@ def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
                 target = slot.target()
                 if tuple(target.shape) != tuple(part.shape):
                     raise WeightError(f"{part_name}: checkpoint shape {tuple(part.shape)}, model expects {tuple(target.shape)}")
-                target.copy_(part)
+                target.copy_(part.to(target.device))
                 covered[id(slot.param)] = covered.get(id(slot.param), 0) + part.numel()
     if unexpected:
         raise WeightError(f"checkpoint has tensors this model does not use: {unexpected[:8]}")

@@ -22,8 +22,9 @@ class StepBatch:
     seq_lens: torch.Tensor  # [N] int32 context + query (device)
     block_tables: torch.Tensor  # [N, max_pages] int32 KV page ids, -1 padded (device)
     slot_mapping: torch.Tensor  # [T] int64 flat KV slot (page * page_size + offset) per token (device)
-    state_slots: torch.Tensor  # [N] int64 GDN state slot per sequence (device)
+    state_slots: torch.Tensor  # [N] int32 GDN state slot per sequence (device)
     positions: torch.Tensor  # [T] int64 absolute position per token (device)
+    prefill_cu_seqlens: torch.Tensor | None = None  # [Np+1] int32 offsets of the prefill chunks (device)
 
     @property
     def num_seqs(self) -> int:

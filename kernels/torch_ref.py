@@ -24,6 +24,12 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, beta) in float32: log-decay g = -exp(A_log) * softplus(a + dt_bias) (<= 0), beta = sigmoid(b)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
 def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32, L2-normalised, q scaled by K^-1/2, key heads repeated so each serves its value-head group."""
     q, k = _l2norm(q.float()), _l2norm(k.float())
@@ -39,12 +45,16 @@ def gdn_decode(
     q: torch.Tensor,  # [B, HK, K]
     k: torch.Tensor,  # [B, HK, K]
     v: torch.Tensor,  # [B, HV, V]
-    g: torch.Tensor,  # [B, HV] log-decay (<= 0)
-    beta: torch.Tensor,  # [B, HV]
+    a: torch.Tensor,  # [B, HV] decay input (before softplus)
+    b: torch.Tensor,  # [B, HV] write-strength input (before sigmoid)
+    A_log: torch.Tensor,  # [HV]
+    dt_bias: torch.Tensor,  # [HV]
     state_pool: torch.Tensor,  # [P, HV, V, K]
     state_idx: torch.Tensor,  # [B]
 ) -> torch.Tensor:
-    """One recurrent step per sequence; updates the pooled states in place. Returns [B, HV, V]."""
+    """One recurrent step per sequence; updates the pooled states in place. Returns [B, HV, V].
+    Gates arrive raw (a, b, A_log, dt_bias) because fast kernels fuse their activation."""
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     q, k = _prepare_qk(q, k, v.shape[-2])
     state = state_pool[state_idx].float() * g.float().exp()[..., None, None]
     predicted = (state @ k.unsqueeze(-1)).squeeze(-1)  # what the state already maps k to
@@ -75,9 +85,12 @@ def gdn_prefill(
     q: torch.Tensor,  # [T, HK, K]
     k: torch.Tensor,  # [T, HK, K]
     v: torch.Tensor,  # [T, HV, V]
-    g: torch.Tensor,  # [T, HV]
-    beta: torch.Tensor,  # [T, HV]
+    a: torch.Tensor,  # [T, HV]
+    b: torch.Tensor,  # [T, HV]
+    A_log: torch.Tensor,  # [HV]
+    dt_bias: torch.Tensor,  # [HV]
     seq_lens: list[int],  # tokens per sequence, summing to T
+    cu_seqlens: torch.Tensor | None,  # [N+1] device offsets (for GPU kernels; unused here)
     state_pool: torch.Tensor,  # [P, HV, V, K]
     state_idx: torch.Tensor,  # [N]
     chunk_size: int = 64,
@@ -85,6 +98,7 @@ def gdn_prefill(
     """Chunked gated delta rule over variable-length sequences, starting from and writing back the pooled
     states. Sequences are zero-padded to whole chunks: a padded token has beta = 0 and g = 0, so it leaves
     the state untouched. Only chunks are looped over, never tokens. Returns [T, HV, V]."""
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     num_v_heads = v.shape[-2]
     q, k = _prepare_qk(q, k, num_v_heads)
     n_chunks = -(-max(seq_lens) // chunk_size)

@@ -41,6 +41,30 @@ Threads = Annotated[Optional[int], _opt("torch CPU threads per worker", "TORCH_T
 UcxEH = Annotated[bool, _opt("UCX peer error handling (off lets UCX use shared memory / cuda_ipc)", "UCX_ERROR_HANDLING",
                              "--ucx-error-handling/--no-ucx-error-handling")]  # fmt: skip
 LogLevel = Annotated[str, _opt("debug | info | warning | error", "LOG_LEVEL")]
+TlsCert = Annotated[Optional[str], _opt("TLS certificate (PEM) for gRPC", "TLS_CERT")]
+TlsKey = Annotated[Optional[str], _opt("TLS private key (PEM)", "TLS_KEY")]
+TlsCa = Annotated[Optional[str], _opt("CA bundle (PEM) to trust for gRPC peers", "TLS_CA")]
+TlsClientAuth = Annotated[bool, _opt("Mutual TLS: require and present client certificates", "TLS_CLIENT_AUTH",
+                                     "--tls-client-auth")]  # fmt: skip
+
+
+def _tls(cert, key, ca, client_auth):
+    from services.common.tls import TlsSettings
+
+    tls = TlsSettings(cert=cert, key=key, ca=ca, client_auth=client_auth)
+    try:
+        tls.check()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return tls
+
+
+def _tls_args(cert, key, ca, client_auth) -> list[str]:
+    args = []
+    for flag, value in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
+        if value:
+            args += [flag, value]
+    return args + (["--tls-client-auth"] if client_auth else [])
 
 
 def _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs, max_num_batched_tokens,
@@ -74,6 +98,8 @@ def _worker_command(role: str):
         host: Host = "127.0.0.1",
         port: Annotated[int, _opt("gRPC port (0: any free port)", "PORT")] = 0,
         router: Annotated[Optional[str], _opt("Router address to register with", "ROUTER")] = None,
+        advertise_host: Annotated[Optional[str], _opt("Host the router should dial (default: --host)",
+                                                      "ADVERTISE_HOST")] = None,  # fmt: skip
         dtype: Dtype = "auto",
         state_dtype: StateDtype = "float32",
         page_size: PageSize = 16,
@@ -88,13 +114,19 @@ def _worker_command(role: str):
         lease_ttl: Annotated[float, _opt("Prefill: seconds a held state waits to be pulled", "LEASE_TTL")] = 30.0,
         transfer_timeout: Annotated[float, _opt("Deadline of one state transfer (s)", "TRANSFER_TIMEOUT")] = 30.0,
         metrics_port: Annotated[Optional[int], _opt("Serve Prometheus /metrics on this port", "METRICS_PORT")] = None,
+        tls_cert: TlsCert = None,
+        tls_key: TlsKey = None,
+        tls_ca: TlsCa = None,
+        tls_client_auth: TlsClientAuth = False,
         log_level: LogLevel = "info",
     ) -> None:
+        tls = _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
         engine = _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs,
                          max_num_batched_tokens, max_model_len, load_format, kernels, torch_threads)  # fmt: skip
         _run_worker(role, dict(
-            host=host, port=port, router=router, engine=engine, ucx_error_handling=ucx_error_handling,
-            lease_ttl_s=lease_ttl, transfer_timeout_s=transfer_timeout, metrics_port=metrics_port, log_level=log_level,
+            host=host, port=port, router=router, advertise_host=advertise_host, engine=engine, ucx_error_handling=ucx_error_handling,
+            lease_ttl_s=lease_ttl, transfer_timeout_s=transfer_timeout, metrics_port=metrics_port, tls=tls,
+            log_level=log_level,
         ))  # fmt: skip
 
     command.__doc__ = {
@@ -121,6 +153,10 @@ def router(
     policy: Annotated[str, _opt("round_robin | least_loaded", "POLICY")] = "least_loaded",
     max_model_len: MaxLen = None,
     api_key: Annotated[Optional[str], _opt("Require this key on /v1 routes", "API_KEY")] = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    tls_ca: TlsCa = None,
+    tls_client_auth: TlsClientAuth = False,
     log_level: LogLevel = "info",
 ) -> None:
     """Run the router: gRPC front door and OpenAI-compatible REST gateway."""
@@ -132,7 +168,7 @@ def router(
     settings = RouterSettings(
         model=model, host=host, grpc_port=grpc_port, http_port=http_port or None, prefill=prefill or [],
         decode=decode or [], colocated=colocated or [], policy=policy, max_model_len=max_model_len,
-        api_key=api_key, log_level=log_level,
+        api_key=api_key, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth), log_level=log_level,
     )  # fmt: skip
     configure_logging("router", settings.log_level)
     print_settings("router", settings)
@@ -144,13 +180,21 @@ def health(
     address: Annotated[str, typer.Argument(help="host:port of a deltamesh service")],
     service: Annotated[str, typer.Option(help="Service name to check ('' = the whole server)")] = "",
     timeout: Annotated[float, typer.Option(help="Seconds")] = 3.0,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    tls_ca: TlsCa = None,
+    tls_client_auth: TlsClientAuth = False,
 ) -> None:
     """Exit 0 if the service answers the standard gRPC health check as SERVING (for container health checks)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from services.common.tls import channel_credentials
+
+    tls = _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
     try:
-        with grpc.insecure_channel(address) as channel:
+        channel = grpc.secure_channel(address, channel_credentials(tls)) if tls.enabled else grpc.insecure_channel(address)
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as e:
         print(f"{address}: {e.code().name}", file=sys.stderr)
@@ -190,9 +234,15 @@ def serve(
     kernels: Kernels = None,
     ucx_error_handling: UcxEH = True,
     api_key: Annotated[Optional[str], _opt("Require this key on /v1 routes", "API_KEY")] = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    tls_ca: TlsCa = None,
+    tls_client_auth: TlsClientAuth = False,
     log_level: LogLevel = "info",
 ) -> None:
     """Start the mesh on one box: router + N prefill + M decode worker processes. Ctrl-C stops them all."""
+    _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
+    tls_args = _tls_args(tls_cert, tls_key, tls_ca, tls_client_auth)
     roles = ["colocated"] * decode_workers if colocated else ["prefill"] * prefill_workers + ["decode"] * decode_workers
     gpu_ids = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
     threads = max(1, (os.cpu_count() or 1) // len(roles))
@@ -201,7 +251,7 @@ def serve(
               "--page-size", str(page_size), "--max-num-seqs", str(max_num_seqs),
               "--max-num-batched-tokens", str(max_num_batched_tokens), "--load-format", load_format,
               "--log-level", log_level,
-              "--ucx-error-handling" if ucx_error_handling else "--no-ucx-error-handling"]  # fmt: skip
+              "--ucx-error-handling" if ucx_error_handling else "--no-ucx-error-handling", *tls_args]  # fmt: skip
     for flag, value in (("--num-kv-pages", num_kv_pages), ("--max-model-len", max_model_len), ("--kernels", kernels)):
         if value is not None:
             common += [flag, str(value)]
@@ -212,7 +262,7 @@ def serve(
         procs.append(subprocess.Popen(cli + args, env={**os.environ, **(env or {})}))
 
     router_args = ["router", "--model", model, "--host", host, "--grpc-port", str(grpc_port),
-                   "--http-port", str(http_port), "--log-level", log_level]  # fmt: skip
+                   "--http-port", str(http_port), "--log-level", log_level, *tls_args]  # fmt: skip
     if max_model_len is not None:
         router_args += ["--max-model-len", str(max_model_len)]
     start(router_args, {"DELTAMESH_API_KEY": api_key} if api_key else None)

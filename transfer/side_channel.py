@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from transfer import failpoints
 from transfer.leases import LeaseRefused, LeaseTable
 
 log = structlog.get_logger("deltamesh.transfer")
@@ -130,6 +131,15 @@ class _Endpoints:
     def drop(self, address: bytes) -> None:
         self._eps.pop(address, None)
 
+    async def close_one(self, address: bytes) -> None:
+        """Forget and close the endpoint to a peer (after a failure on it)."""
+        ep = self._eps.pop(address, None)
+        if ep is not None:
+            try:
+                await ep.close()
+            except Exception:  # already gone with its peer
+                pass
+
     async def close(self) -> None:
         for ep in self._eps.values():
             try:
@@ -211,6 +221,7 @@ class StateServer:
                 await self._send_status(ep, req, transfer_pb2.PullStatus(ok=False, error=str(e)))
                 return
             await self._send_status(ep, req, transfer_pb2.PullStatus(ok=True, num_segments=len(plan)))
+            await failpoints.hit("transfer.after_status")
             # No stream sync needed: the engine synchronised when it sampled the first token, after the
             # kernels that wrote this state.
             sends = [
@@ -222,7 +233,7 @@ class StateServer:
             log.info("state sent", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(plan),
                      seconds=round(time.perf_counter() - started, 6))  # fmt: skip
         except Exception as e:
-            self._eps.drop(req.reply_address)
+            await self._eps.close_one(req.reply_address)
             log.warning("state send failed", lease_id=req.lease_id, error=repr(e))
         finally:
             self.leases.finish_pull(req.lease_id, ok)

@@ -173,8 +173,9 @@ class GatedDeltaNet(nn.Module):
         self.splits = (self.conv_dim, self.value_dim, self.hv, self.hv)  # qkv | z | b | a
         self.in_proj = _param(sum(self.splits), cfg.hidden_size)
         self.conv_weight = _param(self.conv_dim, cfg.linear_conv_kernel_dim)
-        self.dt_bias = _param(self.hv)
-        self.A_log = _param(self.hv)
+        # gate parameters stay float32 whatever the model dtype (exact upcast; GPU kernels take them so)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = _param(cfg.hidden_size, self.value_dim)
         self.activation = cfg.hidden_act
@@ -208,15 +209,14 @@ class GatedDeltaNet(nn.Module):
         key_dim = self.hk * self.dk
         q, k, v = mixed.split((key_dim, key_dim, self.value_dim), dim=-1)
         q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-
+        gates = (self.A_log, self.dt_bias)
         core = []
         if nd:
-            core.append(kernels.gdn_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], rec_pool, idx[:nd]))
+            core.append(kernels.gdn_decode(q[:nd], k[:nd], v[:nd], a[:nd], b[:nd], *gates, rec_pool, idx[:nd]))
         if prefill_lens:
             core.append(
-                kernels.gdn_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], prefill_lens, rec_pool, idx[nd:])
+                kernels.gdn_prefill(q[nd:], k[nd:], v[nd:], a[nd:], b[nd:], *gates, prefill_lens,
+                                    batch.prefill_cu_seqlens, rec_pool, idx[nd:])
             )
         core = torch.cat(core) if len(core) > 1 else core[0]
         out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(t, self.value_dim)
@@ -276,12 +276,15 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
         # Group (token, choice) pairs by expert, then run each used expert once on its tokens.
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // self.top_k
+        shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            return shared + self._grouped(x, flat, order, token_of, weights)
+        out = torch.zeros_like(x)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -292,5 +295,13 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(x[tokens], self.w13[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2[e]) * weights.flatten()[pairs, None]
             out.index_add_(0, tokens, y)
-        shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out + shared
+
+    def _grouped(self, x, flat, order, token_of, weights) -> torch.Tensor:
+        """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation."""
+        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offsets)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
+        y = y * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token_of, y)

@@ -32,8 +32,8 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_
 class GrpcServer:
     """A started grpc.aio server with health (per service name and overall) and reflection."""
 
-    def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]]):
-        """`services`: (add_XServicer_to_server, servicer, full service name)."""
+    def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None):
+        """`services`: (add_XServicer_to_server, servicer, full service name); `tls`: TlsSettings or None."""
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health_async.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -44,7 +44,12 @@ class GrpcServer:
             self.names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is not None and tls.enabled:
+            from services.common.tls import server_credentials
+
+            self.port = self.server.add_secure_port(f"{host}:{port}", server_credentials(tls))
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind gRPC on {host}:{port}")
         self.address = f"{host}:{self.port}"

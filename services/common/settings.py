@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from engine import EngineConfig
+from services.common.tls import TlsSettings
 
 Role = Literal["prefill", "decode", "colocated"]
 
@@ -20,12 +21,14 @@ class WorkerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     router: str | None = None  # router address to register with (heartbeats)
+    advertise_host: str | None = None  # host the router should dial (default: the bind host)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     ucx_error_handling: bool = True  # False lets UCX use shared memory / cuda_ipc, but peer failures go undetected by UCX
     lease_ttl_s: float = 30.0  # prefill: how long a held state waits for its decode worker
     transfer_timeout_s: float = 30.0  # decode: deadline of one state pull
     admission_timeout_s: float = 30.0  # decode: how long a transferred request may wait for pool space
     metrics_port: int | None = None  # Prometheus /metrics over HTTP (None: off)
+    tls: TlsSettings = Field(default_factory=TlsSettings)
     log_level: str = "info"
 
 
@@ -44,6 +47,7 @@ class RouterSettings(BaseModel):
     prefill_retries: int = 2
     request_timeout_s: float = 600.0
     api_key: str | None = None
+    tls: TlsSettings = Field(default_factory=TlsSettings)
     log_level: str = "info"
 
 

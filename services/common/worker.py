@@ -14,6 +14,7 @@ from engine import Engine
 from services.common.compat import compat_hash
 from services.common.server import CHANNEL_OPTIONS
 from services.common.settings import WorkerSettings
+from services.common.tls import aio_channel
 
 log = structlog.get_logger("deltamesh.worker")
 
@@ -46,7 +47,7 @@ class Worker:
             address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash
         )
         interval = 1.0
-        async with grpc.aio.insecure_channel(router, options=CHANNEL_OPTIONS) as channel:
+        async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             registered = False
             while not stop.is_set():
@@ -82,8 +83,8 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> 
     services, on_start, on_stop, background, leases = setup(worker)
     serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
     await on_start()
-    server = GrpcServer(settings.host, settings.port, services)
-    worker.address = server.address
+    server = GrpcServer(settings.host, settings.port, services, settings.tls)
+    worker.address = f"{settings.advertise_host or settings.host}:{server.port}"
     await server.start()
     await server.set_serving(True)
     log.info("worker serving", role=settings.role, address=server.address, model=worker.model_id,

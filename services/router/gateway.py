@@ -68,6 +68,7 @@ class Choice:
     """One generation of a request (a prompt x one of n)."""
 
     index: int
+    prompt_index: int  # which prompt of the request (n choices share one)
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -122,7 +123,7 @@ class Gateway:
                     raise ApiError(400, str(e), param="messages" if isinstance(body, oa.ChatCompletionRequest)
                                    else "prompt", code=code) from None  # fmt: skip
                 index = p * body.n + j
-                choices.append(Choice(index, f"{rid}-{index}", prompt_ids, params))
+                choices.append(Choice(index, p, f"{rid}-{index}", prompt_ids, params))
         return choices
 
     def completion_choices(self, rid: str, body: oa.CompletionRequest) -> list[Choice]:
@@ -217,7 +218,7 @@ class _Accumulator:
         self.text = {c.index: "" for c in choices}
         self.finish = {c.index: None for c in choices}
         self.logprobs = {c.index: [] for c in choices}
-        self.prompt_tokens = {c.index: len(c.prompt_ids) for c in choices}
+        self.prompt_tokens = {c.prompt_index: len(c.prompt_ids) for c in choices}  # once per prompt, as OpenAI
         self.completion_tokens = {c.index: 0 for c in choices}
 
     def add(self, index: int, delta: common_pb2.TokenDelta) -> None:

@@ -22,7 +22,7 @@ log = structlog.get_logger("deltamesh.router")
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     frontend = Frontend(settings.model, settings.max_model_len)
-    registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s)
+    registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, settings.tls)
     for role in ("prefill", "decode", "colocated"):
         for address in getattr(settings, role):
             registry.add(address, role, static=True)
@@ -30,7 +30,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     mesh = Mesh(registry, POLICIES[settings.policy](), settings.prefill_retries, settings.request_timeout_s)
     servicer = RouterServicer(frontend, mesh, registry)
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-    server = GrpcServer(settings.host, settings.grpc_port, [(router_pb2_grpc.add_RouterServicer_to_server, servicer, name)])
+    services = [(router_pb2_grpc.add_RouterServicer_to_server, servicer, name)]
+    server = GrpcServer(settings.host, settings.grpc_port, services, settings.tls)
     await server.start()
     await server.set_serving(True)
     tasks = [asyncio.create_task(registry.poll_forever(stop))]

@@ -13,6 +13,7 @@ import structlog
 
 from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.common.server import CHANNEL_OPTIONS
+from services.common.tls import aio_channel
 
 log = structlog.get_logger("deltamesh.registry")
 
@@ -39,7 +40,8 @@ class WorkerHandle:
 
 
 class WorkerRegistry:
-    def __init__(self, health_interval_s: float, heartbeat_interval_s: float):
+    def __init__(self, health_interval_s: float, heartbeat_interval_s: float, tls=None):
+        self.tls = tls
         self.health_interval_s = health_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, WorkerHandle] = {}
@@ -52,7 +54,7 @@ class WorkerRegistry:
             self._drop(w)
             w = None
         if w is None:
-            w = WorkerHandle(address, role, static, grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+            w = WorkerHandle(address, role, static, aio_channel(address, self.tls, CHANNEL_OPTIONS))
             self.workers[address] = w
             log.info("worker added", address=address, role=role, static=static)
         w.compat_hash = compat_hash or w.compat_hash

@@ -31,12 +31,13 @@ class Proc:
     address: str
     popen: subprocess.Popen
     log: Path
+    credentials: grpc.ChannelCredentials | None = None  # for TLS meshes
 
     def alive(self) -> bool:
         return self.popen.poll() is None
 
     def stub(self):
-        channel = grpc.insecure_channel(self.address)
+        channel = grpc.secure_channel(self.address, self.credentials) if self.credentials else grpc.insecure_channel(self.address)
         return (prefill_pb2_grpc.PrefillWorkerStub if self.role == "prefill" else decode_pb2_grpc.DecodeWorkerStub)(channel)
 
     def load(self) -> common_pb2.WorkerLoad:
@@ -49,6 +50,7 @@ class Mesh:
     log_dir: Path
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    client_kwargs: dict = field(default_factory=dict)  # e.g. TLS credentials for the SDK client
     procs: list[Proc] = field(default_factory=list)
     router_address: str = ""
     http_port: int = 0
@@ -58,7 +60,11 @@ class Mesh:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         popen = subprocess.Popen([sys.executable, "-m", "services.cli", role, *args], cwd=ROOT, env=env,
                                  stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
-        proc = Proc(role, f"127.0.0.1:{port}", popen, log)
+        creds = None
+        if self.client_kwargs.get("root_certificates"):
+            kw = self.client_kwargs
+            creds = grpc.ssl_channel_credentials(kw["root_certificates"], kw.get("private_key"), kw.get("certificate_chain"))
+        proc = Proc(role, f"127.0.0.1:{port}", popen, log, creds)
         self.procs.append(proc)
         return proc
 
@@ -76,7 +82,7 @@ class Mesh:
         return self._spawn(role, args, port)
 
     def client(self, **kwargs) -> Client:
-        return Client(self.router_address, **kwargs)
+        return Client(self.router_address, **{**self.client_kwargs, **kwargs})
 
     def workers(self, role: str | None = None) -> list[Proc]:
         return [p for p in self.procs if p.role != "router" and (role is None or p.role == role) and p.alive()]
@@ -129,8 +135,9 @@ class Mesh:
 
 
 def start_mesh(model: str, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
-               worker_args: list[str] = (), router_args: list[str] = (), http: bool = False) -> Mesh:  # fmt: skip
-    mesh = Mesh(model, log_dir, list(worker_args), list(router_args))
+               worker_args: list[str] = (), router_args: list[str] = (), http: bool = False,
+               client_kwargs: dict | None = None) -> Mesh:  # fmt: skip
+    mesh = Mesh(model, log_dir, list(worker_args), list(router_args), client_kwargs or {})
     mesh.start_router(http=http)
     for role, n in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
         for _ in range(n):

@@ -25,14 +25,18 @@ def gdn_recurrence_f64(q, k, v, g, beta, state):
 
 
 def random_gdn(lens, hk=2, hv=4, dk=16, dv=24, seed=0):
+    """Raw GDN inputs (gates before activation), the float64 gates they mean, and a state pool."""
     gen = torch.Generator().manual_seed(seed)
     t = sum(lens)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q, k, v = r(t, hk, dk), r(t, hk, dk), r(t, hv, dv)
-    g = -torch.rand(t, hv, generator=gen) * 0.5  # log-decay in (-0.5, 0]
-    beta = torch.rand(t, hv, generator=gen)
+    a, b = r(t, hv), r(t, hv) * 2
+    A_log, dt_bias = torch.empty(hv).uniform_(-2, 0.5, generator=gen), r(hv) * 0.5
+    gates = (a, b, A_log, dt_bias)
+    g = -A_log.double().exp() * F.softplus(a.double() + dt_bias.double())  # log-decay <= 0
+    beta = torch.sigmoid(b.double())
     pool = r(len(lens) + 3, hv, dv, dk) * 0.5  # [P, HV, V, K], K-last
-    return q, k, v, g, beta, pool
+    return q, k, v, gates, (g, beta), pool
 
 
 def rel_err(a, b):
@@ -41,10 +45,10 @@ def rel_err(a, b):
 
 def test_chunked_gdn_matches_float64_recurrence_with_initial_state():
     lens = [1, 63, 64, 65, 200]
-    q, k, v, g, beta, pool = random_gdn(lens)
+    q, k, v, gates, (g, beta), pool = random_gdn(lens)
     idx = torch.tensor([4, 0, 2, 5, 1])
     initial = pool.clone()
-    out = torch_ref.gdn_prefill(q, k, v, g, beta, lens, pool, idx)
+    out = torch_ref.gdn_prefill(q, k, v, *gates, lens, None, pool, idx)
     start = 0
     for i, n in enumerate(lens):
         sl = slice(start, start + n)
@@ -57,10 +61,10 @@ def test_chunked_gdn_matches_float64_recurrence_with_initial_state():
 
 
 def test_decode_step_matches_float64_recurrence():
-    q, k, v, g, beta, pool = random_gdn([1, 1, 1], seed=1)
+    q, k, v, gates, (g, beta), pool = random_gdn([1, 1, 1], seed=1)
     idx = torch.tensor([2, 0, 1])
     initial = pool.clone()
-    out = torch_ref.gdn_decode(q, k, v, g, beta, pool, idx)
+    out = torch_ref.gdn_decode(q, k, v, *gates, pool, idx)
     for i in range(3):
         ref_out, ref_state = gdn_recurrence_f64(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1],
                                                 beta[i : i + 1], initial[idx[i]].transpose(-1, -2))  # fmt: skip

@@ -12,10 +12,10 @@ def test_pages_come_as_one_run_best_fit_and_are_counted():
     pool = kv_pool()
     a = pool.alloc(5)
     b = pool.alloc(3)
-    assert page_runs(a) == [(0, 5)] and page_runs(b) == [(5, 3)]
+    assert page_runs(a) == [(1, 5)] and page_runs(b) == [(6, 3)]  # page 0 is the scratch page
     pool.free(a)
     c = pool.alloc(4)  # best fit: the 5-page hole, not the 8-page tail
-    assert page_runs(c) == [(0, 4)]
+    assert page_runs(c) == [(1, 4)]
     assert pool.num_used == 7 and pool.num_free == 9
     pool.free(b)
     pool.free(c)
@@ -25,7 +25,7 @@ def test_pages_come_as_one_run_best_fit_and_are_counted():
 def test_growth_prefers_the_following_page_and_fragmented_alloc_still_succeeds():
     pool = kv_pool(8)
     a = pool.alloc(2)
-    assert pool.alloc(1, after=a[-1]) == [2]
+    assert pool.alloc(1, after=a[-1]) == [3]
     holes = [pool.alloc(1) for _ in range(5)]
     for p in holes[::2]:
         pool.free(p)

@@ -1,0 +1,199 @@
+"""Fault injection against real processes on loopback: killed, stopped and restarted workers and routers, and
+a side-channel connection dropped mid-transfer. Each test records what it measured for docs/RELIABILITY.md."""
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from deltamesh.client import DeltameshError, Unavailable
+from engine import DEFAULT_MODEL
+from harness import start_mesh
+from reliability import record
+
+pytestmark = [pytest.mark.e2e, pytest.mark.fault]
+MODEL = str(DEFAULT_MODEL)
+
+
+class Background:
+    """A generation running in a thread; records when its first token and its end (or error) came."""
+
+    def __init__(self, client, prompt, **kwargs):
+        self.first_token = threading.Event()
+        self.tokens, self.error, self.ended_at, self.result = 0, None, None, None
+        self.thread = threading.Thread(target=self._run, args=(client, prompt, kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, client, prompt, kwargs):
+        try:
+            with client.stream(prompt, **kwargs) as stream:
+                for delta in stream:
+                    self.tokens += len(delta.token_ids)
+                    self.first_token.set()
+                    if delta.finished:
+                        self.result = delta
+        except DeltameshError as e:
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_token.set()
+
+    def wait(self, timeout):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the request outlived its deadline"
+
+
+def long_prompt(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(10, 3000) for _ in range(n)]
+
+
+def wait_until(predicate, timeout=30.0, every=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return False
+
+
+def test_sigkill_prefill_mid_prefill_is_retried_transparently(tmp_path):
+    # small steps make a 3000-token prefill take many engine steps, so the kill lands mid-prefill
+    mesh = start_mesh(MODEL, tmp_path, prefill=2, decode=1, worker_args=["--max-num-batched-tokens", "32"])
+    try:
+        client = mesh.client(retries=0)
+        started = time.monotonic()
+        job = Background(client, long_prompt(3000), max_tokens=8, temperature=0)
+        busy = []
+        assert wait_until(lambda: busy.extend(p for p in mesh.workers("prefill") if p.load().running) or busy)
+        mesh.kill(busy[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.wait(60)
+        assert job.error is None and job.result.usage.completion_tokens == 8
+        assert mesh.wait_idle() == {}
+        record("SIGKILL a prefill worker mid-prefill", "router retries the prefill on another worker; the client "
+               "sees no error", "test_sigkill_prefill_mid_prefill_is_retried_transparently",
+               f"killed {killed_at - started:.2f}s after submit; request completed {job.ended_at - killed_at:.2f}s "
+               f"after the kill")  # fmt: skip
+    finally:
+        mesh.stop()
+
+
+def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_path):
+    mesh = start_mesh(MODEL, tmp_path, prefill=1, decode=2)
+    try:
+        client = mesh.client(retries=0)
+        job = Background(client, "The Python language", max_tokens=3000, temperature=0, ignore_eos=True)
+        assert wait_until(lambda: job.tokens >= 5)
+        victim = next(p for p in mesh.workers("decode") if p.load().running)
+        mesh.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.wait(10)
+        assert isinstance(job.error, Unavailable)
+        error_after = job.ended_at - killed_at
+        assert error_after < 2.0
+        t = time.monotonic()
+        for _ in range(3):
+            assert client.generate("A list is", max_tokens=5).usage.completion_tokens == 5
+        assert mesh.wait_idle() == {}
+        record("SIGKILL a decode worker mid-stream", "client gets UNAVAILABLE within 2 s; new requests go to the "
+               "surviving decode worker", "test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving",
+               f"error {error_after * 1000:.0f} ms after the kill; next 3 requests served in "
+               f"{time.monotonic() - t:.2f}s")  # fmt: skip
+    finally:
+        mesh.stop()
+
+
+def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
+    # the failpoint holds the holder inside the transfer for a moment, so SIGSTOP lands mid-transfer
+    os.environ["DELTAMESH_FAILPOINTS"] = "transfer.after_status=sleep:0.5"
+    try:
+        mesh = start_mesh(MODEL, tmp_path, worker_args=["--transfer-timeout", "2"])
+    finally:
+        del os.environ["DELTAMESH_FAILPOINTS"]
+    try:
+        client = mesh.client(retries=0)
+        prefill = mesh.workers("prefill")[0]
+        job = Background(client, "A list is", max_tokens=50, temperature=0, ignore_eos=True)
+        assert job.first_token.wait(30)
+        mesh.kill(prefill, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        job.wait(10)
+        assert isinstance(job.error, Unavailable), job.error
+        error_after = job.ended_at - stopped_at
+        decode_idle = mesh.workers("decode")[0].load()
+        assert decode_idle.kv_pages_used == 0 and decode_idle.reservations == 0
+        time.sleep(1.0)
+        mesh.kill(prefill, signal.SIGCONT)
+        resumed_at = time.monotonic()
+        assert mesh.wait_idle(timeout=15) == {}
+        freed_after = time.monotonic() - resumed_at
+        assert client.generate("Still serving", max_tokens=4).usage.completion_tokens == 4
+        record("SIGSTOP the prefill worker during a state transfer, SIGCONT 1 s after the client's error",
+               "decode's pull hits its deadline (2 s here), frees its reservation and fails the request "
+               "(UNAVAILABLE); once resumed, the prefill worker's send times out and frees the held state",
+               "test_sigstop_prefill_during_transfer_then_sigcont",
+               f"client error {error_after:.2f}s after SIGSTOP; prefill memory freed {freed_after:.2f}s after "
+               f"SIGCONT")  # fmt: skip
+    finally:
+        mesh.stop()
+
+
+def test_side_channel_dropped_mid_transfer(tmp_path):
+    os.environ["DELTAMESH_FAILPOINTS"] = "transfer.after_status=drop"
+    try:
+        mesh = start_mesh(MODEL, tmp_path, worker_args=["--transfer-timeout", "2"])
+    finally:
+        del os.environ["DELTAMESH_FAILPOINTS"]
+    try:
+        client = mesh.client(retries=0)
+        t = time.monotonic()
+        with pytest.raises(Unavailable):
+            client.generate("A list is", max_tokens=20, temperature=0)
+        error_after = time.monotonic() - t
+        assert error_after < 5
+        assert mesh.wait_idle() == {}
+        record("side-channel connection dropped after the pull was accepted (failpoint)",
+               "holder ends the lease and frees the state at once; puller hits its deadline, frees its reservation "
+               "and fails the request (UNAVAILABLE)", "test_side_channel_dropped_mid_transfer",
+               f"client error {error_after:.2f}s after submit (deadline 2 s); both workers back to zero")  # fmt: skip
+    finally:
+        mesh.stop()
+
+
+def test_restarted_router_and_worker_are_rejoined(tmp_path):
+    mesh = start_mesh(MODEL, tmp_path)
+    try:
+        client = mesh.client(retries=0)
+        assert client.generate("before", max_tokens=3).usage.completion_tokens == 3
+        router = next(p for p in mesh.procs if p.role == "router")
+        port = int(mesh.router_address.rsplit(":", 1)[1])
+        mesh.kill(router, signal.SIGKILL)
+        mesh.procs.remove(router)
+        restarted = time.monotonic()
+        mesh._spawn("router", ["--model", MODEL, "--grpc-port", str(port), "--http-port", "0"], port)
+        mesh.wait_ready()
+        router_back = time.monotonic() - restarted
+        assert client.generate("after router restart", max_tokens=3).usage.completion_tokens == 3
+
+        old = mesh.workers("decode")[0]
+        mesh.kill(old, signal.SIGKILL)
+        restarted = time.monotonic()
+        new = mesh.start_worker("decode")
+        mesh.wait_ready()
+        worker_back = time.monotonic() - restarted
+        assert client.generate("after worker restart", max_tokens=3).usage.completion_tokens == 3
+        assert wait_until(lambda: old.address not in {w.address for w in client.loads()}, timeout=10)
+        assert new.address in {w.address for w in client.loads() if w.healthy}
+        assert mesh.wait_idle() == {}
+        record("router SIGKILLed and restarted on its port", "workers re-register through their heartbeat; the "
+               "router marks them healthy and serves again", "test_restarted_router_and_worker_are_rejoined",
+               f"serving {router_back:.2f}s after the restart (process start included)")  # fmt: skip
+        record("decode worker SIGKILLed and a new one started", "the new worker registers and is used; the dead "
+               "one is dropped after 3 missed heartbeats", "test_restarted_router_and_worker_are_rejoined",
+               f"new worker serving {worker_back:.2f}s after start (model load included)")  # fmt: skip
+    finally:
+        mesh.stop()

@@ -1,0 +1,177 @@
+"""The REST gateway, driven by the official `openai` client (unmodified) and by raw HTTP for bad input."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from engine import DEFAULT_MODEL, SamplingParams
+from harness import start_mesh
+
+pytestmark = pytest.mark.e2e
+MODEL_ID = DEFAULT_MODEL.name
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    m = start_mesh(str(DEFAULT_MODEL), tmp_path_factory.mktemp("rest"), http=True)
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(mesh):
+    return f"http://127.0.0.1:{mesh.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_completions(client, reference_engine):
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    res = client.completions.create(model=MODEL_ID, prompt="The Python language", max_tokens=16, temperature=0)
+    ref = reference_engine.generate("The Python language", SamplingParams(max_tokens=16, temperature=0))[0]
+    assert res.choices[0].text == ref.text
+    assert res.choices[0].finish_reason == ref.finish_reason.value
+    assert res.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert res.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_rest_equals_grpc_equals_monolithic(mesh, client, reference_engine):
+    prompts = ["A list is", "In this tutorial, we", "The module"]
+    with mesh.client() as grpc_client:
+        for p in prompts:
+            rest = client.completions.create(model=MODEL_ID, prompt=p, max_tokens=20, temperature=0).choices[0].text
+            via_grpc = grpc_client.generate(p, max_tokens=20, temperature=0).text
+            mono = reference_engine.generate(p, SamplingParams(max_tokens=20, temperature=0))[0].text
+            assert rest == via_grpc == mono
+
+
+def test_chat_uses_the_checkpoint_template(client, reference_engine):
+    messages = [{"role": "user", "content": "What is a list?"}]
+    res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=12, temperature=0)
+    ids = reference_engine.tokenizer.encode_chat(messages)
+    ref = reference_engine.generate(ids, SamplingParams(max_tokens=12, temperature=0))[0]
+    assert res.choices[0].message.content == ref.text
+    assert res.choices[0].message.role == "assistant"
+    assert res.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_chat_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Tell me about tuples."}], max_tokens=10,
+        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    full = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Tell me about tuples."}],
+                                          max_tokens=10, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert text == full.choices[0].message.content
+
+
+def test_stop_strings_n_and_logprobs(client):
+    base = client.completions.create(model=MODEL_ID, prompt="The Python language", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text  # fmt: skip
+    stop = base[8:11]
+    res = client.completions.create(model=MODEL_ID, prompt="The Python language", max_tokens=24, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})  # fmt: skip
+    assert res.choices[0].finish_reason == "stop" and res.choices[0].text == base[: base.index(stop)]
+
+    kw = dict(model=MODEL_ID, prompt="A dictionary", max_tokens=12, temperature=1.0, n=2, seed=5,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    two = client.completions.create(**kw)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage.completion_tokens == 24  # both choices
+    assert two.usage.prompt_tokens == client.completions.create(model=MODEL_ID, prompt="A dictionary",
+                                                                max_tokens=1).usage.prompt_tokens  # counted once
+    again = client.completions.create(**kw)
+    assert [c.text for c in two.choices] == [c.text for c in again.choices]  # seeded: reproducible
+
+    lp = client.completions.create(model=MODEL_ID, prompt="A set", max_tokens=5, temperature=0, logprobs=3)
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 5 and all(len(t) == 3 for t in logprobs.top_logprobs)
+    assert all(v <= 0 for v in logprobs.token_logprobs)
+    chat = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
+def test_bad_parameters_raise_the_right_openai_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_ID, prompt="x", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_ID, prompt="x", max_tokens=10**7)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_ID, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_ID, prompt="x", temperature=5)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_ID, prompt="", max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        (b"{not json", 400),
+        (json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": "many"}).encode(), 400),
+        (json.dumps({"model": MODEL_ID, "prompt": 12}).encode(), 400),
+        (b'{"model": "' + MODEL_ID.encode() + b'", "prompt": "\xff\xfe"}', 400),  # invalid UTF-8
+        (json.dumps({"model": MODEL_ID, "prompt": "x" * 200_000, "max_tokens": 4}).encode(), 400),  # over context
+        (json.dumps({"model": MODEL_ID, "prompt": "x", "pad": "y" * (5 << 20)}).encode(), 413),
+        (json.dumps({"prompt": "x"}).encode(), 400),
+    ],
+)
+def test_malformed_requests_get_4xx_in_openai_shape_and_the_mesh_keeps_serving(mesh, base_url, body, status):
+    r = httpx.post(f"{base_url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    ok = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL_ID, "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+    assert mesh.wait_idle() == {}
+
+
+def test_health_ready_metrics_and_openapi(mesh, base_url, client):
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{base_url}/ready").status_code == 200
+    schema = httpx.get(f"{base_url}/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(schema["paths"])
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("ChatCompletionRequest")
+
+    def scrape(url):
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in httpx.get(url).text.splitlines()
+                if line and not line.startswith("#")}  # fmt: skip
+
+    before = scrape(f"{base_url}/metrics")
+    client.completions.create(model=MODEL_ID, prompt="Metrics move", max_tokens=5, temperature=0)
+    after = scrape(f"{base_url}/metrics")
+    assert after['deltamesh_router_requests_total{outcome="completed"}'] > before.get(
+        'deltamesh_router_requests_total{outcome="completed"}', 0)
+    assert after["deltamesh_router_time_to_first_token_seconds_count"] > before["deltamesh_router_time_to_first_token_seconds_count"]
+    assert after["deltamesh_router_generation_tokens_total"] >= before["deltamesh_router_generation_tokens_total"] + 5
+
+
+def test_api_key_is_checked_on_v1_routes(tmp_path):
+    m = start_mesh(str(DEFAULT_MODEL), tmp_path, http=True, router_args=["--api-key", "s3cret"])
+    try:
+        url = f"http://127.0.0.1:{m.http_port}"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model=MODEL_ID, prompt="x", max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(f"{url}/health").status_code == 200  # liveness needs no key
+        log = "".join(p.log.read_text() for p in m.procs)
+        assert "s3cret" not in log  # never logged
+    finally:
+        m.stop()
