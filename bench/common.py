@@ -1,0 +1,173 @@
+"""What the benchmarks share: the exact command line, the date, a description of the machine, plain-text
+tables and JSON results."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ensure_repo_on_path() -> None:
+    """Let `python bench/x.py` import the repo's packages (engine, transfer, ...) without installing."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+def command_line() -> str:
+    """The command as it was run (interpreter shown relative to the repo when it lives inside it)."""
+    exe = Path(sys.executable)
+    try:
+        exe_s = str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        exe_s = str(exe)
+    return shlex.join([exe_s, *sys.argv])
+
+
+def rel(path: str | Path) -> str:
+    """A path relative to the repository when it lies inside it (results stay comparable across clones)."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _git() -> dict[str, Any]:
+    def run(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return {"commit": run("rev-parse", "--short", "HEAD"), "dirty": bool(run("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "mem_total_gib": _mem_total_gib(),
+        "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "git": _git(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name()
+    return info
+
+
+def busy_warning(hint: str = "") -> str | None:
+    """A warning when other work is using the CPUs (1-minute load average >= half the usable CPUs)."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load = os.getloadavg()[0]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if load < 0.5 * cpus:
+        return None
+    return f"WARNING: the machine is busy (load average {load:.2f} on {cpus} CPUs): timings are only indicative." + (
+        f" {hint}" if hint else ""
+    )
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def mean(xs: Sequence[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    """Numbers to at most `digits` significant decimals, large ones with thousands separators."""
+    if isinstance(x, bool) or x is None:
+        return "-" if x is None else str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        if x != x:  # nan
+            return "-"
+        if abs(x) >= 1000:
+            return f"{x:,.0f}"
+        if abs(x) >= 100:
+            return f"{x:.1f}"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table (aligned, so it also reads well in a terminal)."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(_looks_numeric(r[i]) for r in cells[1:]) and len(cells) > 1 for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)) + " |"
+
+    sep = "| " + " | ".join(("-" * (w - 1) + ":") if num else "-" * w for w, num in zip(widths, numeric)) + " |"
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def _looks_numeric(s: str) -> bool:
+    s = s.replace(",", "").replace(" ", "").rstrip("%xsBKMGiT")
+    if s in ("-", ""):
+        return True
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False

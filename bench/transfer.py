@@ -1,0 +1,429 @@
+"""Side-channel transfer benchmark (CPU): how fast one request's hybrid state (full-attention KV pages + GDN
+conv and recurrent state) moves from a prefill-like holder process to a decode-like puller process over
+the UCX side channel (transfer.StateServer / transfer.StatePuller), on loopback.
+
+    .venv/bin/python bench/transfer.py                                  # 9B shape, 128 .. 8k tokens, both modes
+    .venv/bin/python bench/transfer.py --quick                          # smoke run
+    .venv/bin/python bench/transfer.py --model-config bench/configs/qwen3.5-35b-a3b --lengths 1024,4096
+
+Setup, per UCX mode (error handling on: UCX must be able to report a dead peer, which on a CPU host
+means TCP over `lo`; off: UCX may use shared memory / CMA between the two processes):
+- two fresh processes (multiprocessing, spawn), each calling transfer.configure_ucx("127.0.0.1") before
+  ucxx is touched. Each allocates engine pools (engine.cache.KVPagePool + StatePool) from the model config
+  alone, no weights: page size 16, KV/conv dtype --dtype, recurrent state --state-dtype.
+- holder: allocates pages + a slot for an L-token request the way the scheduler does (best-fit run),
+  fills them with seeded random bytes, checksums them (CRC32) and offers a lease (transfer.LeaseTable) to
+  its StateServer. The worker address, lease id/token and region sizes go to the puller through the
+  parent (multiprocessing Pipes), as the router carries them over gRPC in the mesh.
+- puller: reserves pages + a slot in its own pools (zeroed), pulls (StatePuller.pull) and checks the
+  CRC32 of what arrived before anything is reported; the holder confirms the lease ended as "pulled".
+Each length runs --reps + 1 pulls; the first is a warm-up and is dropped. Seconds are StatePuller's own
+(request sent -> last segment received, endpoint reuse included as in a running worker). The baseline row
+is a single-threaded torch copy of the same number of bytes within one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    busy_warning,
+    command_line,
+    human_bytes,
+    machine_info,
+    mean,
+    median,
+    rel,
+    table,
+    utc_now,
+    write_json,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPAT = "bench-transfer"
+PAGE_SIZE = 16
+
+
+@dataclass
+class Options:
+    model_config: str
+    dtype: str
+    state_dtype: str
+    max_tokens: int
+    error_handling: bool
+    timeout_s: float
+    proto_info: bool
+
+
+# ---------------------------------------------------------------------------------------------------
+# Both sides
+# ---------------------------------------------------------------------------------------------------
+def _setup_process(opts: Options) -> None:
+    """Before ucxx is imported: loopback only (and UCX's protocol table on request)."""
+    from transfer import configure_ucx
+
+    configure_ucx("127.0.0.1")
+    if opts.proto_info:
+        os.environ["UCX_PROTO_INFO"] = "y"
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def _pools(opts: Options):
+    """The engine's pools for one request of up to opts.max_tokens tokens, sized from the config alone."""
+    import torch
+
+    from engine.cache import KVPagePool, StatePool
+    from engine.config import ModelConfig
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    mc = ModelConfig.from_dir(opts.model_config)
+    dtype, state_dtype = dtypes[opts.dtype], dtypes[opts.state_dtype]
+    cpu = torch.device("cpu")
+    kv = KVPagePool(
+        -(-opts.max_tokens // PAGE_SIZE), PAGE_SIZE, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
+        dtype, cpu,
+    )  # fmt: skip
+    st = StatePool(
+        1, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads,
+        mc.linear_key_head_dim, mc.linear_value_head_dim, dtype, state_dtype, cpu,
+    )  # fmt: skip
+    return kv, st
+
+
+def _crc(buffers) -> int:
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b.numpy(), crc)
+    return crc
+
+
+async def _recv(conn):
+    return await asyncio.to_thread(conn.recv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Holder (prefill side)
+# ---------------------------------------------------------------------------------------------------
+def holder_main(conn, opts: Options) -> None:
+    _setup_process(opts)
+    try:
+        asyncio.run(_holder(conn, opts))
+    except Exception as e:  # tell the parent instead of leaving it waiting
+        conn.send(("error", f"holder: {e!r}"))
+        raise
+
+
+async def _holder(conn, opts: Options) -> None:
+    import torch
+
+    from transfer import LeaseTable, StateServer
+
+    kv, st = _pools(opts)
+    leases = LeaseTable()
+    server = StateServer(leases, error_handling=opts.error_handling, send_timeout_s=opts.timeout_s)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    ended: dict[str, asyncio.Future] = {}
+    conn.send(("ready", server.address))
+    try:
+        while True:
+            msg = await _recv(conn)
+            if msg[0] == "stop":
+                break
+            if msg[0] == "offer":
+                _, lease_id, n_tokens, seed = msg
+                pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
+                kv_regions, st_regions = kv.regions(pages), st.regions(slot)
+                regions = kv_regions + st_regions
+                gen = torch.Generator().manual_seed(seed)
+                for r in regions:
+                    r.tensor.random_(0, 256, generator=gen)
+                fut = loop.create_future()
+                ended[lease_id] = fut
+
+                def on_end(reason, pages=pages, slot=slot, fut=fut):
+                    kv.free(pages)
+                    st.free(slot)
+                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(reason))
+
+                lease = leases.offer(lease_id, COMPAT, [r.tensor for r in regions], opts.timeout_s, on_end)
+                conn.send(("offered", lease.token, [r.nbytes for r in regions], _crc(r.tensor for r in regions),
+                           sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
+            elif msg[0] == "finish":
+                lease_id = msg[1]
+                try:
+                    reason = await asyncio.wait_for(ended.pop(lease_id), opts.timeout_s)
+                except asyncio.TimeoutError:
+                    leases.release(lease_id)
+                    reason = "timeout"
+                conn.send(("finished", reason))
+    finally:
+        await server.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Puller (decode side)
+# ---------------------------------------------------------------------------------------------------
+def puller_main(conn, opts: Options) -> None:
+    _setup_process(opts)
+    try:
+        asyncio.run(_puller(conn, opts))
+    except Exception as e:
+        conn.send(("error", f"puller: {e!r}"))
+        raise
+
+
+async def _puller(conn, opts: Options) -> None:
+    from transfer import StatePuller, TransferError
+
+    kv, st = _pools(opts)
+    puller = StatePuller(error_handling=opts.error_handling)
+    conn.send(("ready", None))
+    try:
+        while True:
+            msg = await _recv(conn)
+            if msg[0] == "stop":
+                break
+            _, address, lease_id, token, holder_sizes, n_tokens, expected_crc = msg
+            pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()  # what EngineCore.reserve does
+            try:
+                buffers = [r.tensor for r in kv.regions(pages) + st.regions(slot)]
+                for b in buffers:
+                    b.zero_()
+                t0 = time.perf_counter()
+                try:
+                    stats = await puller.pull(address, lease_id, token, COMPAT, holder_sizes, buffers, opts.timeout_s)
+                except TransferError as e:
+                    conn.send(("pulled", {"error": str(e)}))
+                    continue
+                wall = time.perf_counter() - t0
+                ok = _crc(buffers) == expected_crc
+                conn.send(("pulled", {"nbytes": stats.nbytes, "buffers": stats.buffers, "seconds": stats.seconds,
+                                      "wall_seconds": wall, "puller_regions": len(buffers), "crc_ok": ok}))  # fmt: skip
+            finally:
+                kv.free(pages)
+                st.free(slot)
+    finally:
+        await puller.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parent
+# ---------------------------------------------------------------------------------------------------
+def _expect(conn, kind: str, timeout_s: float):
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"no {kind!r} from a child within {timeout_s:.0f}s")
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(msg[1])
+    if msg[0] != kind:
+        raise RuntimeError(f"expected {kind!r}, got {msg!r}")
+    return msg[1:]
+
+
+def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    h_conn, h_child = ctx.Pipe()
+    p_conn, p_child = ctx.Pipe()
+    holder = ctx.Process(target=holder_main, args=(h_child, opts), name="bench-holder", daemon=True)
+    puller = ctx.Process(target=puller_main, args=(p_child, opts), name="bench-puller", daemon=True)
+    holder.start()
+    puller.start()
+    mode = "on" if opts.error_handling else "off"
+    rows = []
+    try:
+        (address,) = _expect(h_conn, "ready", 120)
+        _expect(p_conn, "ready", 120)
+        for n_tokens in lengths:
+            samples, info = [], {}
+            for rep in range(reps + 1):
+                lease_id = f"bench-{mode}-{n_tokens}-{rep}"
+                h_conn.send(("offer", lease_id, n_tokens, seed + rep))
+                token, sizes, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
+                p_conn.send(("pull", address, lease_id, token, sizes, n_tokens, crc))
+                (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
+                h_conn.send(("finish", lease_id))
+                (reason,) = _expect(h_conn, "finished", opts.timeout_s + 30)
+                if "error" in res:
+                    raise RuntimeError(f"pull of {n_tokens} tokens failed: {res['error']}")
+                if not res["crc_ok"]:
+                    raise RuntimeError(f"pull of {n_tokens} tokens: received bytes differ from the sent ones")
+                if reason != "pulled":
+                    raise RuntimeError(f"lease ended as {reason!r}, expected 'pulled'")
+                info = {"kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "holder_regions": len(sizes),
+                        "puller_regions": res["puller_regions"], "buffers": res["buffers"]}  # fmt: skip
+                if rep > 0:  # the first pull is the warm-up
+                    samples.append(res)
+            secs = [s["seconds"] for s in samples]
+            total = info["kv_bytes"] + info["gdn_bytes"]
+            row = {
+                "mode": f"ucx error handling {mode}", "error_handling": opts.error_handling, "tokens": n_tokens,
+                **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
+                "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
+                "gb_per_s": total / median(secs) / 1e9, "verified": "crc32",
+            }  # fmt: skip
+            print(f"[ucx eh={mode}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
+                  f"= {row['gb_per_s']:.2f} GB/s, {info['buffers']} buffers", flush=True)  # fmt: skip
+            rows.append(row)
+    finally:
+        for conn in (h_conn, p_conn):
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in (holder, puller):
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+    return rows
+
+
+def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) -> list[dict]:
+    """One-process torch copy of as many bytes as each length's state, single buffer."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        kv, st = _pools(opts)
+        for n_tokens in lengths:
+            kv_bytes = kv.pages_for(n_tokens) * kv.page_bytes
+            total = kv_bytes + st.slot_bytes
+            src = torch.empty(total, dtype=torch.uint8).random_(0, 256)
+            dst = torch.zeros(total, dtype=torch.uint8)
+            secs = []
+            for rep in range(reps + 1):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                dt = time.perf_counter() - t0
+                if rep > 0:
+                    secs.append(dt)
+            if not torch.equal(src, dst):
+                raise RuntimeError("memcpy baseline copied the wrong bytes")
+            rows.append({
+                "mode": f"memcpy (torch copy_, {threads} thread{'s' if threads > 1 else ''})", "error_handling": None,
+                "tokens": n_tokens, "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes, "bytes": total, "buffers": 1,
+                "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
+                "gb_per_s": total / median(secs) / 1e9,
+            })  # fmt: skip
+            del src, dst
+    finally:
+        torch.set_num_threads(prev)
+    return rows
+
+
+def tokens(s: str) -> int:
+    """A token count: 4096, 4k (= 4096) or 0.5k."""
+    s = s.strip().lower()
+    return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
+
+
+def ints(s: str) -> list[int]:
+    return [tokens(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-config", default=str(ROOT / "bench" / "configs" / "qwen3.5-9b"),
+                   help="directory with the model's config.json (default: bench/configs/qwen3.5-9b)")  # fmt: skip
+    p.add_argument("--lengths", type=ints, default=None, help="prompt lengths in tokens (default 128,1k,4k,8k,16k)")
+    p.add_argument("--max-tokens", type=tokens, default=8192,
+                   help="skip lengths above this (RAM: each of the two processes holds one request's state; "
+                        "default 8k)")  # fmt: skip
+    p.add_argument("--reps", type=int, default=None, help="timed pulls per length after one warm-up (default 5)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="KV and conv state dtype (default bfloat16, as served on GPU)")  # fmt: skip
+    p.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="GDN recurrent state dtype (default float32)")  # fmt: skip
+    p.add_argument("--ucx-error-handling", dest="error_handling", action=argparse.BooleanOptionalAction,
+                   default=None, help="run only this mode (default: both, one row each)")  # fmt: skip
+    p.add_argument("--memcpy-threads", type=int, default=1, help="torch threads for the memcpy baseline")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per pull / lease TTL")
+    p.add_argument("--ucx-proto-info", action="store_true", help="let UCX print its protocol choices (UCX_PROTO_INFO)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 128 and 1k tokens, 2 reps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transfer_cpu.json"), help="JSON results")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    max_tokens = args.max_tokens
+    lengths = args.lengths or ([128, 1024] if args.quick else [128, 1024, 4096, 8192, 16384])
+    skipped = [n for n in lengths if n > max_tokens]
+    lengths = [n for n in lengths if n <= max_tokens]
+    if not lengths:
+        raise SystemExit(f"every length is above --max-tokens {max_tokens}")
+    reps = args.reps or (2 if args.quick else 5)
+    modes = [args.error_handling] if args.error_handling is not None else [True, False]
+    started = utc_now()
+    warning = busy_warning()
+    if warning:
+        print(warning, flush=True)
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    t0 = time.perf_counter()
+    if skipped:
+        print(f"skipping lengths above --max-tokens {max_tokens}: {skipped}", flush=True)
+    rows = []
+    for eh in modes:
+        opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
+                       args.ucx_proto_info)  # fmt: skip
+        rows += run_mode(opts, lengths, reps, args.seed)
+    rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads)
+
+    from engine.config import ModelConfig
+
+    mc = ModelConfig.from_dir(args.model_config)
+    try:
+        import ucxx
+
+        ucxx_version = ucxx.__version__
+    except Exception:  # noqa: BLE001
+        ucxx_version = None
+    payload = {
+        "benchmark": "transfer_cpu",
+        "command": command_line(),
+        "date_utc": started,
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+        "machine": {**machine_info(), "ucxx": ucxx_version},
+        "settings": {
+            "model_config": rel(args.model_config), "family": mc.family, "full_attention_layers": len(mc.full_layers),
+            "gdn_layers": len(mc.linear_layers), "page_size": PAGE_SIZE, "dtype": args.dtype,
+            "state_dtype": args.state_dtype, "reps": reps, "warmup": 1, "lengths": lengths,
+            "skipped_lengths": skipped, "ucx_net_devices": "lo", "memcpy_threads": args.memcpy_threads,
+            "load_average_1m_start": load_start, "busy_warning": warning,
+            "timed": "StatePuller.pull: request sent -> every segment received; median of reps after 1 warm-up",
+        },  # fmt: skip
+        "results": rows,
+    }
+    out = write_json(args.out, payload)
+    print()
+    print(f"transfer_cpu  {started}  {Path(args.model_config).name} (KV {args.dtype}, GDN state {args.state_dtype})  "
+          f"{payload['machine']['cpu_model']}  {payload['machine']['cpus_usable']} CPUs  -> {out}")  # fmt: skip
+    print(table(
+        ["mode", "tokens", "KV bytes", "GDN bytes", "buffers", "median ms", "mean ms", "GB/s"],
+        [[r["mode"], r["tokens"], human_bytes(r["kv_bytes"]), human_bytes(r["gdn_bytes"]), r["buffers"],
+          r["seconds_median"] * 1e3, r["seconds_mean"] * 1e3, r["gb_per_s"]] for r in rows],
+    ))  # fmt: skip
+    if warning:
+        print(warning)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
