@@ -64,15 +64,18 @@ class Options:
     error_handling: bool
     timeout_s: float
     proto_info: bool
+    device: str = "cpu"  # cuda: holder on GPU 0, puller on GPU 1 (UCX moves GPU memory, e.g. cuda_ipc/NVLink)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Both sides
 # ---------------------------------------------------------------------------------------------------
-def _setup_process(opts: Options) -> None:
-    """Before ucxx is imported: loopback only (and UCX's protocol table on request)."""
+def _setup_process(opts: Options, gpu: int = 0) -> None:
+    """Before ucxx (and CUDA) is imported: loopback only, one GPU per process, UCX's protocols on request."""
     from transfer import configure_ucx
 
+    if opts.device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     configure_ucx("127.0.0.1")
     if opts.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
@@ -91,7 +94,7 @@ def _pools(opts: Options):
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mc = ModelConfig.from_dir(opts.model_config)
     dtype, state_dtype = dtypes[opts.dtype], dtypes[opts.state_dtype]
-    cpu = torch.device("cpu")
+    cpu = torch.device(opts.device)
     kv = KVPagePool(
         -(-opts.max_tokens // PAGE_SIZE), PAGE_SIZE, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
         dtype, cpu,
@@ -106,7 +109,7 @@ def _pools(opts: Options):
 def _crc(buffers) -> int:
     crc = 0
     for b in buffers:
-        crc = zlib.crc32(b.numpy(), crc)
+        crc = zlib.crc32(b.cpu().numpy(), crc)
     return crc
 
 
@@ -148,7 +151,7 @@ async def _holder(conn, opts: Options) -> None:
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
                 kv_regions, st_regions = kv.regions(pages), st.regions(slot)
                 regions = kv_regions + st_regions
-                gen = torch.Generator().manual_seed(seed)
+                gen = torch.Generator(device=opts.device).manual_seed(seed)
                 for r in regions:
                     r.tensor.random_(0, 256, generator=gen)
                 fut = loop.create_future()
@@ -178,7 +181,7 @@ async def _holder(conn, opts: Options) -> None:
 # Puller (decode side)
 # ---------------------------------------------------------------------------------------------------
 def puller_main(conn, opts: Options) -> None:
-    _setup_process(opts)
+    _setup_process(opts, gpu=1)
     try:
         asyncio.run(_puller(conn, opts))
     except Exception as e:
@@ -296,6 +299,8 @@ def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) 
     """One-process torch copy of as many bytes as each length's state, single buffer."""
     import torch
 
+    if opts.device == "cuda":
+        return peer_copy_baseline(opts, lengths, reps)
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []
@@ -324,6 +329,39 @@ def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) 
             del src, dst
     finally:
         torch.set_num_threads(prev)
+    return rows
+
+
+def peer_copy_baseline(opts: Options, lengths: list[int], reps: int) -> list[dict]:
+    """A raw device-to-device copy of the same bytes from GPU 0 to GPU 1 (NVLink when present), one buffer."""
+    import torch
+
+    kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
+    rows = []
+    for n_tokens in lengths:
+        kv_bytes = kv.pages_for(n_tokens) * kv.page_bytes
+        total = kv_bytes + st.slot_bytes
+        src = torch.empty(total, dtype=torch.uint8, device="cuda:0").random_(0, 256)
+        dst = torch.empty(total, dtype=torch.uint8, device="cuda:1")
+        secs = []
+        for rep in range(reps + 4):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(0))
+            dst.copy_(src)
+            end.record(torch.cuda.current_stream(0))
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            if rep >= 4:
+                secs.append(start.elapsed_time(end) / 1e3)
+        if not torch.equal(src.cpu(), dst.cpu()):
+            raise RuntimeError("peer copy baseline copied the wrong bytes")
+        rows.append({
+            "mode": "raw GPU0->GPU1 copy (torch copy_)", "error_handling": None, "tokens": n_tokens,
+            "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes, "bytes": total, "buffers": 1,
+            "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
+            "gb_per_s": total / median(secs) / 1e9,
+        })  # fmt: skip
+        del src, dst
     return rows
 
 
@@ -356,6 +394,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per pull / lease TTL")
     p.add_argument("--ucx-proto-info", action="store_true", help="let UCX print its protocol choices (UCX_PROTO_INFO)")
     p.add_argument("--quick", action="store_true", help="smoke run: 128 and 1k tokens, 2 reps")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: pools on GPU 0 (holder) and GPU 1 (puller); baseline = raw peer copy")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transfer_cpu.json"), help="JSON results")
     return p.parse_args(argv)
@@ -382,7 +422,7 @@ def main(argv=None) -> int:
     rows = []
     for eh in modes:
         opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
-                       args.ucx_proto_info)  # fmt: skip
+                       args.ucx_proto_info, args.device)  # fmt: skip
         rows += run_mode(opts, lengths, reps, args.seed)
     rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads)
 

@@ -93,13 +93,7 @@ class EngineCore:
         self.kernels = select_kernels(self.device, shapes, config.kernel_backend)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.kernels, self.device)
-        if self.device.type == "cuda" and config.cuda_graphs:
-            if self.kernels.chosen["paged_attention"] == "torch":
-                log.warning("CUDA graphs off: the torch attention reference reads host lengths")
-            else:
-                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, Sink] = {}
         self._held: dict[str, Request] = {}
@@ -107,11 +101,29 @@ class EngineCore:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self.stats = EngineStats()
+        if self.device.type == "cuda":
+            self._warm_up()
+        if self.device.type == "cuda" and config.cuda_graphs:
+            if self.kernels.chosen["paged_attention"] == "torch":
+                log.warning("CUDA graphs off: the torch attention reference reads host lengths")
+            else:
+                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         log.info(
             "engine ready", model=str(model_dir), family=mc.family, device=str(self.device), dtype=str(self.dtype),
             kv_pages=self.kv_pool.num_pages, page_size=config.page_size, state_slots=config.max_num_seqs,
             max_model_len=self.max_model_len, kernels=self.kernels.chosen,
         )  # fmt: skip
+
+    def _warm_up(self) -> None:
+        """Run a small prefill and decode once, so that kernel compilation (CuTe DSL, Triton) and autotuning
+        happen before the worker serves, not inside a client's request."""
+        n = min(2 * self.config.page_size + 1, self.max_model_len - 2)
+        req = self.make_request([1] * n, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "warm-up")
+        self.submit(req, lambda out: None)
+        self.process_commands()
+        while self.has_work:
+            self.step()
+        self.stats = EngineStats()
 
     def _num_kv_pages(self) -> int:
         c, mc = self.config, self.model_config

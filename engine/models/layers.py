@@ -299,7 +299,9 @@ class SparseMoE(nn.Module):
 
     def _grouped(self, x, flat, order, token_of, weights) -> torch.Tensor:
         """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation."""
-        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
         h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offsets)
         gate, up = h.chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)

@@ -18,6 +18,7 @@ from services.common.tls import aio_channel
 log = structlog.get_logger("deltamesh.registry")
 
 ROLES = ("prefill", "decode", "colocated")
+MAX_MISSED_POLLS = 5
 
 
 @dataclass
@@ -31,6 +32,7 @@ class WorkerHandle:
     load: common_pb2.WorkerLoad | None = None
     last_registered: float = field(default_factory=time.monotonic)
     inflight: int = 0  # requests the router has sent here and not yet seen end
+    missed_polls: int = 0  # consecutive load polls without an answer in time
 
     @property
     def stub(self):
@@ -90,14 +92,19 @@ class WorkerRegistry:
         await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
 
     async def _check(self, w: WorkerHandle) -> None:
+        """A worker that is unreachable is out at once; one that is only slow to answer (a long engine step,
+        kernel compilation) is out after MAX_MISSED_POLLS polls in a row."""
         try:
-            reply = await w.stub.GetLoads(common_pb2.GetLoadsRequest(), timeout=max(self.health_interval_s * 2, 1.0))
+            reply = await w.stub.GetLoads(common_pb2.GetLoadsRequest(), timeout=max(self.health_interval_s * 4, 2.0))
             w.load = reply.workers[0]
+            w.missed_polls = 0
             if not w.healthy:
                 log.info("worker healthy", address=w.address, role=w.role)
             w.healthy = True
         except grpc.aio.AioRpcError as e:
-            self.mark_failed(w, e.code().name)
+            w.missed_polls += 1
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.missed_polls >= MAX_MISSED_POLLS:
+                self.mark_failed(w, e.code().name)
 
     def loads(self) -> list[common_pb2.WorkerLoad]:
         out = []

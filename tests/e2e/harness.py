@@ -136,12 +136,12 @@ class Mesh:
 
 def start_mesh(model: str, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
                worker_args: list[str] = (), router_args: list[str] = (), http: bool = False,
-               client_kwargs: dict | None = None) -> Mesh:  # fmt: skip
+               client_kwargs: dict | None = None, role_args: dict[str, list[str]] | None = None) -> Mesh:  # fmt: skip
     mesh = Mesh(model, log_dir, list(worker_args), list(router_args), client_kwargs or {})
     mesh.start_router(http=http)
     for role, n in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
         for _ in range(n):
-            mesh.start_worker(role)
+            mesh.start_worker(role, (role_args or {}).get(role, []))
     try:
         mesh.wait_ready()
     except BaseException:

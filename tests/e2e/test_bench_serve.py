@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 
 N, INPUT_LEN, OUTPUT_LEN, RANGE = 8, 32, 8, 0.25
 METRIC_KEYS = [
-    "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+    "duration", "completed", "failed", "not_sent", "total_input_tokens", "total_output_tokens", "request_throughput",
     "request_goodput", "input_throughput", "output_throughput", "total_token_throughput",
     "max_output_tokens_per_s", "max_concurrent_requests",
     *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p90", "p99")),
@@ -48,7 +48,7 @@ def bench_args(mesh, backend, result_file, *extra):
 
 
 def check_result(result, backend):
-    assert result["completed"] == N and result["failed"] == 0, result["errors"]
+    assert result["completed"] == N and result["failed"] == 0 and result["not_sent"] == 0, result["errors"]
     assert not result["interrupted"]
     lo, hi = int(OUTPUT_LEN * (1 - RANGE)), int(OUTPUT_LEN * (1 + RANGE))
     assert all(lo <= n <= hi for n in result["expected_output_lens"])
@@ -139,7 +139,8 @@ def test_ctrl_c_stops_issuing_and_cancels_in_flight_requests(mesh, tmp_path):
     assert proc.returncode == 130, err
     assert "Interrupted (Ctrl-C):" in out
     saved = json.loads(path.read_text())
-    assert saved["interrupted"] and saved["completed"] < 400
+    assert saved["interrupted"] and saved["completed"] < 400 and saved["not_sent"] > 0 and saved["failed"] > 0
     assert "cancelled (interrupted)" in saved["errors"] and "not sent" in saved["errors"]
+    assert saved["completed"] + saved["failed"] + saved["not_sent"] == 400
     assert math.isfinite(saved["duration"])
     assert mesh.wait_idle(timeout=30) == {}  # the cancelled requests were aborted in the mesh

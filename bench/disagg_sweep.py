@@ -1,0 +1,125 @@
+"""Disaggregated (1 prefill GPU + 1 decode GPU) vs colocated (1 GPU) serving at 8192 input / 1024 output
+tokens, over a concurrency sweep, through the REST gateway with bench/serve.py. Needs two GPUs.
+
+    python bench/disagg_sweep.py --out bench/results/serve_sweep.json
+
+Each point sends `--waves x concurrency` requests with at most `concurrency` in flight. Per GPU figures
+divide the disaggregated mesh's throughput by 2 and the colocated one's by 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu_common import print_table  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
+    grpc_port, http_port = free_port(), free_port()
+    log = Path(args.log_dir) / f"serve-{'colocated' if colocated else 'disagg'}.log"
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", args.model, "--load-format", "dummy",
+           "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+           "--max-model-len", str(args.input_len + args.output_len + 16), "--max-num-seqs", str(max(args.concurrency)),
+           "--max-num-batched-tokens", "16384", "--no-ucx-error-handling", "--log-level", "warning"]  # fmt: skip
+    cmd += ["--colocated", "--decode-workers", "1", "--gpus", "0"] if colocated else ["--gpus", "0,1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, http_port, log
+
+
+def wait_ready(proc: subprocess.Popen, http_port: int, log: Path, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"mesh not ready:\n{log.read_text()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def sweep(args, colocated: bool) -> list[dict]:
+    proc, http_port, log = start_mesh(args, colocated)
+    rows = []
+    try:
+        wait_ready(proc, http_port, log)
+        for c in args.concurrency:
+            result_file = Path(args.log_dir) / f"serve-{'colo' if colocated else 'disagg'}-c{c}.json"
+            cmd = [sys.executable, "bench/serve.py", "--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}",
+                   "--model-dir", args.model, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                   "--num-prompts", str(args.waves * c), "--max-concurrency", str(c), "--disable-tqdm",
+                   "--result-file", str(result_file), "--num-warmups", "1"]  # fmt: skip
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.point_timeout)
+            if done.returncode != 0 or not result_file.is_file():
+                rows.append({"setup": "colocated 1 GPU" if colocated else "1P+1D 2 GPUs", "concurrency": c,
+                             "error": (done.stderr or done.stdout)[-800:]})  # fmt: skip
+                break
+            m = json.loads(result_file.read_text())
+            m = m.get("metrics", m)
+            gpus = 1 if colocated else 2
+            rows.append({
+                "setup": "colocated 1 GPU" if colocated else "1P+1D 2 GPUs", "concurrency": c,
+                "completed": m["completed"], "failed": m["failed"],
+                "total_tok_s_per_gpu": m["total_token_throughput"] / gpus,
+                "output_tok_s_per_gpu": m["output_throughput"] / gpus,
+                "ttft_median_ms": m["median_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"],
+                "tpot_median_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
+            })  # fmt: skip
+    finally:
+        stop(proc)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(ROOT / "bench/configs/qwen3.5-9b"))
+    p.add_argument("--input-len", type=int, default=8192)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 128])
+    p.add_argument("--waves", type=int, default=1)
+    p.add_argument("--point-timeout", type=float, default=300)
+    p.add_argument("--skip-colocated", action="store_true")
+    p.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--out", default="bench/results/serve_sweep.json")
+    args = p.parse_args()
+    rows = sweep(args, colocated=False)
+    if not args.skip_colocated:
+        rows += sweep(args, colocated=True)
+    cols = ["setup", "concurrency", "completed", "failed", "total_tok_s_per_gpu", "output_tok_s_per_gpu",
+            "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "error"]  # fmt: skip
+    print_table(rows, cols)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Disaggregated vs monolithic greedy output on GPUs (needs two): prefill on GPU 0, decode on GPU 1, state
+over UCX (cuda_ipc), against the monolithic engine on GPU 0.
+
+- the embedded default model in fp32: must be token-exact;
+- the dummy Qwen3.5-9B-shaped model in bf16: reports the greedy match rate over 100 prompts x 64 tokens.
+
+    python bench/gpu_fidelity.py --out bench/results/gpu_fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+from deltamesh.client import AsyncClient  # noqa: E402
+from engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams  # noqa: E402
+from harness import start_mesh  # noqa: E402
+
+
+async def through_mesh(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    async with AsyncClient(address) as client:
+        sem = asyncio.Semaphore(32)
+
+        async def one(p):
+            async with sem:
+                return (await client.generate(p, max_tokens=max_tokens, temperature=0, ignore_eos=True)).token_ids
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def compare(model: str, dtype: str, n: int, max_tokens: int, extra: list[str], log_dir: Path) -> dict:
+    rng = random.Random(0)
+    vocab = json.loads((Path(model) / "config.json").read_text())
+    vocab = (vocab.get("text_config") or vocab)["vocab_size"]
+    prompts = [[rng.randrange(10, min(vocab, 30000)) for _ in range(rng.randint(16, 512))] for _ in range(n)]
+    args = ["--dtype", dtype, "--no-ucx-error-handling", "--max-model-len", "1024", *extra]
+    mesh = start_mesh(model, log_dir, worker_args=args, router_args=["--max-model-len", "1024"],
+                      role_args={"prefill": ["--device", "cuda:0"], "decode": ["--device", "cuda:1"]})  # fmt: skip
+    try:
+        disagg = asyncio.run(through_mesh(mesh.router_address, prompts, max_tokens))
+    finally:
+        mesh.stop()
+    with Engine(EngineConfig(model=model, device="cuda", dtype=dtype, max_model_len=1024,
+                             load_format="dummy" if "--load-format" in extra else "auto")) as mono:  # fmt: skip
+        ref = [r.token_ids for r in mono.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                          ignore_eos=True))]  # fmt: skip
+    exact = sum(a == b for a, b in zip(disagg, ref))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(disagg, ref)]
+    diverged = [d for d in first_diff if d is not None]
+    return {"model": Path(model).name, "dtype": dtype, "prompts": n, "tokens": max_tokens, "exact_sequences": exact,
+            "match_rate": exact / n, "token_match_rate": sum(x == y for a, b in zip(disagg, ref) for x, y in zip(a, b))
+            / (n * max_tokens), "first_divergence_positions": sorted(diverged)}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results/gpu_fidelity.json")
+    p.add_argument("--log-dir", default="/tmp")
+    args = p.parse_args()
+    rows = [compare(str(DEFAULT_MODEL), "float32", 32, 64, [], Path(args.log_dir))]
+    print(json.dumps(rows[-1]), flush=True)
+    rows.append(compare(str(ROOT / "bench/configs/qwen3.5-9b"), "bfloat16", 100, 64, ["--load-format", "dummy"],
+                        Path(args.log_dir)))  # fmt: skip
+    print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

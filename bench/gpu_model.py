@@ -1,0 +1,198 @@
+"""Whole-model figures on one GPU, dummy weights at real shapes (bf16):
+
+- decode step of a Qwen3.5-9B-shaped model at batch 64 and 256 with ~9k tokens of context each, against the
+  HBM roofline (weights + KV + GDN state bytes one step must move), CUDA graphs on;
+- prefill of an 8192-token prompt: model FLOP utilisation against the measured bf16 matmul rate;
+- the same model in transformers (`Qwen3_5ForCausalLM`, same weights) generating at the same batch and lengths:
+  throughput ratio;
+- a Qwen3.5-35B-A3B-shaped (MoE) model: decode step time at batch 64.
+
+    python bench/gpu_model.py --out bench/results/gpu_model.json [--skip-hf] [--skip-moe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu_common import hbm_bandwidth, machine_info, matmul_rate, print_table  # noqa: E402
+from engine import EngineConfig, SamplingParams  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.scheduler import ScheduledItem  # noqa: E402
+
+
+def core_for(config_dir: str, max_seqs: int, context: int, extra_tokens: int = 64, **kw) -> EngineCore:
+    pages = max_seqs * (-(-(context + extra_tokens) // 16)) + 64
+    return EngineCore(EngineConfig(
+        model=config_dir, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=max_seqs,
+        num_kv_pages=pages, max_model_len=context + extra_tokens, max_num_batched_tokens=max(8192, context), **kw,
+    ))  # fmt: skip
+
+
+def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn() (it synchronises on its own) after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def decode_items(core: EngineCore, batch: int, context: int) -> list[ScheduledItem]:
+    """Requests that already hold `context` tokens of (random) state: one decode token each."""
+    items = []
+    for i in range(batch):
+        req = Request(f"d{i}", [1] * context, SamplingParams(max_tokens=8, temperature=0), None)
+        req.output_ids = [2]
+        req.num_computed = context
+        req.slot = core.state_pool.alloc()
+        req.pages = core.kv_pool.alloc(core.kv_pool.pages_for(context + 1))
+        items.append(ScheduledItem(req, 1))
+    return items
+
+
+def step_bytes(core: EngineCore, batch: int, context: int) -> dict[str, int]:
+    weights = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    kv_per_token = core.kv_pool.page_bytes // core.kv_pool.page_size
+    state = core.state_pool.slot_bytes
+    return {"weights": weights, "kv": batch * context * kv_per_token, "state": 2 * batch * state}
+
+
+def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: float) -> list[dict]:
+    core = core_for(config_dir, max(batches), context)
+    rows = []
+    for batch in batches:
+        items = decode_items(core, batch, context)
+        ms = time_ms(lambda: core.runner.execute(items).argmax(-1).tolist())
+        parts = step_bytes(core, batch, context)
+        roofline_ms = sum(parts.values()) / bandwidth * 1e3
+        rows.append({"bench": "decode step", "model": Path(config_dir).name, "batch": batch, "context": context,
+                     "ms": ms, "roofline_ms": roofline_ms, "of_roofline": roofline_ms / ms,
+                     "tokens_per_s": batch / ms * 1e3, "bytes": parts,
+                     "graphs": core.runner.graphs is not None})  # fmt: skip
+        for it in items:
+            core.scheduler.free(it.request)
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_flops(core: EngineCore, tokens: int) -> float:
+    """Matmul FLOPs of one prompt: every weight but the embedding and LM head once per token, the LM head
+    once (only the last position is sampled), causal attention; the GDN recurrence is left out (conservative)."""
+    mc = core.model_config
+    head = mc.vocab_size * mc.hidden_size
+    body = sum(p.numel() for n, p in core.model.named_parameters() if n not in ("embed", "lm_head"))
+    attn = 2 * 2 * len(mc.full_layers) * mc.num_attention_heads * mc.head_dim * tokens * tokens / 2  # QK^T, PV
+    return 2 * body * tokens + 2 * head + attn
+
+
+def prefill_row(config_dir: str, tokens: int, peak: float) -> dict:
+    core = core_for(config_dir, 2, tokens)
+
+    def run():
+        req = Request("p", list(range(3, tokens + 3)), SamplingParams(max_tokens=1, temperature=0), None)
+        req.slot, req.pages = core.state_pool.alloc(), core.kv_pool.alloc(core.kv_pool.pages_for(tokens))
+        try:
+            core.runner.execute([ScheduledItem(req, tokens)]).argmax(-1).tolist()
+        finally:
+            core.scheduler.free(req)
+
+    ms = time_ms(run, iters=5)
+    flops = prefill_flops(core, tokens)
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"bench": "prefill", "model": Path(config_dir).name, "tokens": tokens, "ms": ms,
+            "tflops": flops / ms / 1e9, "mfu": flops / (ms / 1e3) / peak, "tokens_per_s": tokens / ms * 1e3}  # fmt: skip
+
+
+def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
+    """transformers' own model vs this engine, same weights, batch of prompts, greedy, fixed lengths."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.weights import load_tensors
+
+    hf_cfg = AutoConfig.from_pretrained(config_dir)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, 1000, (batch, prompt), device="cuda")
+
+    def hf_run():
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    hf_ms = time_ms(hf_run, iters=1, warmup=1)
+    core = core_for(config_dir, batch, prompt, extra_tokens=new + 16)
+    load_tensors(core.model, hf.state_dict().items())
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+
+    def engine_run():
+        reqs = [core.make_request(row.tolist(), params, f"r{i}") for i, row in enumerate(ids)]
+        done = []
+        for r in reqs:
+            core.submit(r, lambda out: done.append(out) if out.finished else None)
+        while len(done) < batch:
+            core.dispatch(core.process_commands())
+            core.dispatch(core.step())
+
+    engine_ms = time_ms(engine_run, iters=1, warmup=1)
+    tokens = batch * new
+    return {"bench": "transformers vs engine", "model": Path(config_dir).name, "batch": batch, "prompt": prompt,
+            "new_tokens": new, "hf_tokens_per_s": tokens / hf_ms * 1e3, "engine_tokens_per_s": tokens / engine_ms * 1e3,
+            "ratio": hf_ms / engine_ms}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dense", default=str(ROOT / "bench/configs/qwen3.5-9b"))
+    p.add_argument("--moe", default=str(ROOT / "bench/configs/qwen3.5-35b-a3b"))
+    p.add_argument("--context", type=int, default=9216)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--only-moe", action="store_true")
+    p.add_argument("--out", default="bench/results/gpu_model.json")
+    args = p.parse_args()
+    bandwidth, peak = hbm_bandwidth(), matmul_rate()
+    print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    if args.only_moe:
+        args.skip_hf = True
+    else:
+        rows += decode_rows(args.dense, [64, 256], args.context, bandwidth)
+        print_table(rows, ["bench", "model", "batch", "context", "ms", "roofline_ms", "of_roofline", "tokens_per_s"])
+        rows.append(prefill_row(args.dense, 8192, peak))
+        print_table(rows[-1:], ["bench", "model", "tokens", "ms", "tflops", "mfu", "tokens_per_s"])
+    if not args.skip_hf:
+        rows.append(hf_vs_engine(args.dense, 64, 1024, 128))
+        print_table(rows[-1:], ["bench", "batch", "prompt", "new_tokens", "hf_tokens_per_s", "engine_tokens_per_s", "ratio"])
+    if not args.skip_moe:
+        rows += decode_rows(args.moe, [64], 2048, bandwidth)
+        print_table(rows[-1:], ["bench", "model", "batch", "context", "ms", "roofline_ms", "of_roofline", "tokens_per_s"])
+    out = {"command": " ".join(sys.argv), "machine": machine_info(), "hbm_copy_bytes_per_s": bandwidth,
+           "bf16_matmul_flops": peak, "rows": rows}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
