@@ -7,14 +7,17 @@ PROTO_SRC := protos
 PROTO_OUT := sdk/src
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup protos run test test-fast test-gpu bench-cpu clean help
+.PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak clean help
 
 help:
 	@echo "make setup     create .venv and install everything (CPU torch $(TORCH_PIN))"
 	@echo "make run       start the mesh (router + 1 prefill + 1 decode) on the embedded default model"
 	@echo "make test      run the test suite (what CI runs)"
 	@echo "make protos    regenerate gRPC stubs from protos/"
-	@echo "make bench-cpu CPU engine benchmark (writes bench/results/engine_cpu.json)"
+	@echo "make reliability  fault-injection suite; rewrites docs/RELIABILITY.md with the measured times"
+	@echo "make bench-cpu      CPU engine benchmark (bench/results/engine_cpu.json)"
+	@echo "make bench-transfer side-channel transfer benchmark on CPU (bench/results/transfer_cpu.json)"
+	@echo "make bench-soak     10-minute soak of the CPU mesh (bench/results/soak_cpu.json)"
 
 $(PYTHON):
 	$(PY) -m venv $(VENV)
@@ -43,8 +46,17 @@ test-fast:
 test-gpu:
 	$(BIN)/pytest -q -m gpu
 
+reliability:
+	DELTAMESH_RELIABILITY_OUT=docs/RELIABILITY.md $(BIN)/pytest -q -m fault
+
 bench-cpu:
 	$(PYTHON) bench/engine_cpu.py --out bench/results/engine_cpu.json
+
+bench-transfer:
+	$(PYTHON) bench/transfer.py --out bench/results/transfer_cpu.json
+
+bench-soak:
+	$(PYTHON) bench/load_soak.py soak --duration 600 --out bench/results/soak_cpu.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache $(PROTO_OUT)/deltamesh/v1/*_pb2*.py*

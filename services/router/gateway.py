@@ -45,7 +45,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
-ERROR_RESPONSES = {code: {"model": oa.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+ERROR_RESPONSES = {code: {"model": oa.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 502, 503)}
 
 
 class ApiError(Exception):
@@ -183,14 +183,19 @@ class Gateway:
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._produce(c, queue)) for c in choices]
         open_choices = len(choices)
+        finished: set[int] = set()
         try:
             while open_choices:
                 index, item = await queue.get()
                 if item is None:
                     open_choices -= 1
+                    if index not in finished:  # never end a choice silently
+                        raise ApiError(502, "a worker stream ended before the request finished", "server_error")
                 elif isinstance(item, ApiError):
                     raise item
                 else:
+                    if item.finished:
+                        finished.add(index)
                     yield index, item
         finally:
             for t in tasks:

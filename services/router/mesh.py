@@ -48,6 +48,19 @@ def _leg_error(e: grpc.aio.AioRpcError, leg: str, w: WorkerHandle) -> MeshError:
     return MeshError(e.code(), f"{leg} worker {w.address}: {e.details()}")
 
 
+def _cancelled_call(inflight: "_Inflight", leg: str, w: WorkerHandle) -> MeshError:
+    """A worker call was cancelled but not our task: an abort, or the call's channel went away. Anything but
+    a silent end of the stream. (When our own task is being cancelled, the caller re-raises instead.)"""
+    if inflight.aborted:
+        return MeshError(grpc.StatusCode.CANCELLED, f"aborted during the {leg} call")
+    return MeshError(grpc.StatusCode.UNAVAILABLE, f"{leg} worker {w.address}: call cancelled (connection closed)")
+
+
+def _own_task_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Mesh:
     def __init__(self, registry: WorkerRegistry, policy: Policy, prefill_retries: int = 2, timeout_s: float = 600.0):
         self.registry, self.policy = registry, policy
@@ -139,6 +152,10 @@ class Mesh:
             inflight.call = w.stub.Prefill(req, metadata=metadata(req.request_id), timeout=self.timeout_s)
             try:
                 return await inflight.call, w
+            except asyncio.CancelledError:
+                if _own_task_cancelled():
+                    raise
+                raise _cancelled_call(inflight, "prefill", w) from None
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
                     self.registry.mark_failed(w, "prefill call unavailable")
@@ -164,7 +181,13 @@ class Mesh:
                     streamed = True
                     finished = delta.finished
                     yield delta
+                if not finished:
+                    raise MeshError(grpc.StatusCode.UNAVAILABLE, f"{role} worker {w.address}: stream ended early")
                 return
+            except asyncio.CancelledError:
+                if _own_task_cancelled():
+                    raise
+                raise _cancelled_call(inflight, role, w) from None
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
                     self.registry.mark_failed(w, "decode call unavailable")

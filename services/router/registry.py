@@ -47,6 +47,7 @@ class WorkerRegistry:
         self.health_interval_s = health_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, WorkerHandle] = {}
+        self._closing: set[asyncio.Task] = set()
 
     def add(self, address: str, role: str, static: bool, compat_hash: str = "") -> WorkerHandle:
         if role not in ROLES:
@@ -65,8 +66,18 @@ class WorkerRegistry:
 
     def _drop(self, w: WorkerHandle) -> None:
         self.workers.pop(w.address, None)
-        asyncio.get_running_loop().create_task(w.channel.close())
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(w))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
         log.info("worker removed", address=w.address, role=w.role)
+
+    @staticmethod
+    async def _close_when_idle(w: WorkerHandle, limit_s: float = 600.0) -> None:
+        """Closing a channel cancels its calls: let the requests already on it finish first."""
+        deadline = time.monotonic() + limit_s
+        while w.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        await w.channel.close()
 
     def healthy(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
@@ -87,7 +98,7 @@ class WorkerRegistry:
     async def poll_once(self) -> None:
         now = time.monotonic()
         for w in list(self.workers.values()):  # dynamic workers that stopped registering are gone
-            if not w.static and now - w.last_registered > 3 * self.heartbeat_interval_s:
+            if not w.static and now - w.last_registered > MAX_MISSED_POLLS * self.heartbeat_interval_s:
                 self._drop(w)
         await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
 

@@ -66,7 +66,7 @@ def test_sigkill_prefill_mid_prefill_is_retried_transparently(tmp_path):
     try:
         client = mesh.client(retries=0)
         started = time.monotonic()
-        job = Background(client, long_prompt(3000), max_tokens=8, temperature=0)
+        job = Background(client, long_prompt(3000), max_tokens=8, temperature=0, ignore_eos=True)
         busy = []
         assert wait_until(lambda: busy.extend(p for p in mesh.workers("prefill") if p.load().running) or busy)
         mesh.kill(busy[0], signal.SIGKILL)
@@ -97,7 +97,7 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
         assert error_after < 2.0
         t = time.monotonic()
         for _ in range(3):
-            assert client.generate("A list is", max_tokens=5).usage.completion_tokens == 5
+            assert client.generate("A list is", max_tokens=5, ignore_eos=True).usage.completion_tokens == 5
         assert mesh.wait_idle() == {}
         record("SIGKILL a decode worker mid-stream", "client gets UNAVAILABLE within 2 s; new requests go to the "
                "surviving decode worker", "test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving",
@@ -131,7 +131,7 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
         resumed_at = time.monotonic()
         assert mesh.wait_idle(timeout=15) == {}
         freed_after = time.monotonic() - resumed_at
-        assert client.generate("Still serving", max_tokens=4).usage.completion_tokens == 4
+        assert client.generate("Still serving", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
         record("SIGSTOP the prefill worker during a state transfer, SIGCONT 1 s after the client's error",
                "decode's pull hits its deadline (2 s here), frees its reservation and fails the request "
                "(UNAVAILABLE); once resumed, the prefill worker's send times out and frees the held state",
@@ -168,7 +168,7 @@ def test_restarted_router_and_worker_are_rejoined(tmp_path):
     mesh = start_mesh(MODEL, tmp_path)
     try:
         client = mesh.client(retries=0)
-        assert client.generate("before", max_tokens=3).usage.completion_tokens == 3
+        assert client.generate("before", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
         router = next(p for p in mesh.procs if p.role == "router")
         port = int(mesh.router_address.rsplit(":", 1)[1])
         mesh.kill(router, signal.SIGKILL)
@@ -177,7 +177,7 @@ def test_restarted_router_and_worker_are_rejoined(tmp_path):
         mesh._spawn("router", ["--model", MODEL, "--grpc-port", str(port), "--http-port", "0"], port)
         mesh.wait_ready()
         router_back = time.monotonic() - restarted
-        assert client.generate("after router restart", max_tokens=3).usage.completion_tokens == 3
+        assert client.generate("after router restart", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
 
         old = mesh.workers("decode")[0]
         mesh.kill(old, signal.SIGKILL)
@@ -185,7 +185,7 @@ def test_restarted_router_and_worker_are_rejoined(tmp_path):
         new = mesh.start_worker("decode")
         mesh.wait_ready()
         worker_back = time.monotonic() - restarted
-        assert client.generate("after worker restart", max_tokens=3).usage.completion_tokens == 3
+        assert client.generate("after worker restart", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
         assert wait_until(lambda: old.address not in {w.address for w in client.loads()}, timeout=10)
         assert new.address in {w.address for w in client.loads() if w.healthy}
         assert mesh.wait_idle() == {}

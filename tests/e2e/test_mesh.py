@@ -155,4 +155,4 @@ def test_bad_requests_get_invalid_argument(mesh):
         with pytest.raises(DeltameshError) as e:
             client.generate("hi", model="no-such-model")
         assert e.value.code == grpc.StatusCode.NOT_FOUND
-        assert client.generate("still serving", max_tokens=3).usage.completion_tokens == 3
+        assert client.generate("still serving", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3

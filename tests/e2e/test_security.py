@@ -35,7 +35,7 @@ def test_mutual_tls_mesh(tmp_path):
                                          certificate_chain=pki["client.pem"]))  # fmt: skip
     try:
         with mesh.client() as client:
-            assert client.generate("Secure", max_tokens=4).usage.completion_tokens == 4
+            assert client.generate("Secure", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
         with Client(mesh.router_address, retries=0, root_certificates=pki["ca.pem"]) as no_cert:
             with pytest.raises(Unavailable):
                 no_cert.generate("x", max_tokens=2)
