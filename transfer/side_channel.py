@@ -275,6 +275,11 @@ class StatePuller:
         except asyncio.TimeoutError:
             self._eps.drop(holder_address)
             raise TransferError(f"state transfer for lease {lease_id!r} did not finish within {timeout_s:.1f}s") from None
+        except TransferError:
+            raise
+        except Exception as e:  # UCX errors: the holder is unreachable or went away mid-transfer
+            await self._eps.close_one(holder_address)
+            raise TransferError(f"state transfer for lease {lease_id!r} failed: {e!r}") from e
 
     async def _pull(self, address, lease_id, token, compat_hash, holder_sizes, buffers, started) -> TransferStats:
         import numpy as np

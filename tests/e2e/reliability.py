@@ -44,6 +44,16 @@ def render() -> str:
         "| --- | --- | --- | --- |",
     ]
     lines += [f"| {r.fault} | {r.expected} | `{r.test}` | {r.measured} |" for r in ROWS]
+    lines += [
+        "",
+        "Known limits:",
+        "- A UCX receive that has already matched a rendezvous cannot be cancelled. When a pull hits its",
+        "  deadline the decode worker frees its reservation; if the stalled holder later resumes, its send has",
+        "  timed out on its side too (the holder's send deadline equals the pull deadline), so no late write has",
+        "  been seen, but UCX gives no guarantee of it.",
+        "- With `--no-ucx-error-handling` (shared memory / cuda_ipc) UCX cannot report a dead peer; the pull and",
+        "  send deadlines and the gRPC legs still end every request in bounded time.",
+    ]
     return "\n".join(lines) + "\n"
 
 
