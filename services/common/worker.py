@@ -10,13 +10,29 @@ import grpc
 import structlog
 
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from engine import Engine
+from engine import Engine, RequestError
+from services.common.convert import sampling_from_proto
+from services.common.logs import bind_request, request_id_from
 from services.common.compat import compat_hash
 from services.common.server import CHANNEL_OPTIONS
 from services.common.settings import WorkerSettings
 from services.common.tls import aio_channel
 
 log = structlog.get_logger("deltamesh.worker")
+
+
+async def engine_request(engine, request, context, hold_state: bool = False):
+    """The engine request of a Prefill/Decode call, with its id bound to the logs; INVALID_ARGUMENT for bad
+    input, so nothing invalid reaches the engine loop."""
+    rid = request.request_id or request_id_from(context)
+    if not rid:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+    bind_request(rid)
+    try:
+        params = sampling_from_proto(request.sampling, request.stop)
+        return engine.make_request(list(request.prompt_token_ids), params, rid, hold_state=hold_state)
+    except (ValueError, RequestError) as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
 class Worker:

@@ -11,11 +11,10 @@ import grpc
 import structlog
 
 from deltamesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from engine import PoolExhausted, RequestError
-from services.common.convert import delta_from_output, sampling_from_proto
+from engine import PoolExhausted
 from services.common import metrics
-from services.common.logs import bind_request, request_id_from
-from services.common.worker import Worker
+from services.common.convert import delta_from_output
+from services.common.worker import Worker, engine_request
 from transfer import StatePuller, TransferError
 
 log = structlog.get_logger("deltamesh.decode")
@@ -26,15 +25,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.worker, self.engine, self.puller = worker, worker.engine, puller
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
-        rid = request.request_id or request_id_from(context)
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        bind_request(rid)
-        try:
-            params = sampling_from_proto(request.sampling, request.stop)
-            req = self.engine.make_request(list(request.prompt_token_ids), params, rid)
-        except (ValueError, RequestError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        req = await engine_request(self.engine, request, context)
         submit = None
         started = last = time.monotonic()
         if request.HasField("source"):

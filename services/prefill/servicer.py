@@ -10,11 +10,10 @@ import grpc
 import structlog
 
 from deltamesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from engine import FinishReason, RequestError
-from services.common.convert import delta_from_output, sampling_from_proto
+from engine import FinishReason
 from services.common import metrics
-from services.common.logs import bind_request, request_id_from
-from services.common.worker import Worker
+from services.common.convert import delta_from_output
+from services.common.worker import Worker, engine_request
 from transfer import LeaseRefused, LeaseTable, StateServer
 
 log = structlog.get_logger("deltamesh.prefill")
@@ -25,15 +24,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.worker, self.engine, self.leases, self.state_server = worker, worker.engine, leases, state_server
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
-        rid = request.request_id or request_id_from(context)
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        bind_request(rid)
-        try:
-            params = sampling_from_proto(request.sampling, request.stop)
-            req = self.engine.make_request(list(request.prompt_token_ids), params, rid, hold_state=True)
-        except (ValueError, RequestError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        req = await engine_request(self.engine, request, context, hold_state=True)
+        rid = req.request_id
         first = None
         leased = False
         started = time.monotonic()

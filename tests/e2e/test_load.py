@@ -43,7 +43,6 @@ def test_mixed_load_with_cancellations_and_faults_leaks_nothing(tmp_path):
         slowest = 0.0
 
         async def run():
-            nonlocal slowest
             rng = random.Random(7)
             sem = asyncio.Semaphore(48)
             done = 0
