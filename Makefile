@@ -7,7 +7,8 @@ PROTO_SRC := protos
 PROTO_OUT := sdk/src
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak clean help
+.PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak \
+	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity clean help
 
 help:
 	@echo "make setup     create .venv and install everything (CPU torch $(TORCH_PIN))"
@@ -57,6 +58,24 @@ bench-transfer:
 
 bench-soak:
 	$(PYTHON) bench/load_soak.py soak --duration 600 --out bench/results/soak_cpu.json
+
+# GPU figures (one command each; on a GPU host with the packages from gpu-wheels, see bench/RESULTS.md)
+bench-gpu-kernels:
+	python bench/gpu_kernels.py --out bench/results/gpu_kernels.json
+
+bench-gpu-model:
+	python bench/gpu_model.py --out bench/results/gpu_model.json
+
+bench-transfer-gpu:
+	python bench/transfer.py --device cuda --no-ucx-error-handling --ucx-proto-info --lengths 1k,8k,32k \
+		--max-tokens 32k --out bench/results/transfer_gpu.json
+
+bench-disagg:
+	python bench/disagg_sweep.py --out bench/results/serve_sweep.json
+
+bench-gpu-fidelity:
+	python bench/gpu_fidelity.py --out bench/results/gpu_fidelity.json
+	python bench/gpu_batch_invariance.py --out bench/results/gpu_batch_invariance.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache $(PROTO_OUT)/deltamesh/v1/*_pb2*.py*

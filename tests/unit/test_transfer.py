@@ -1,0 +1,76 @@
+"""Leases and the UCX side channel (real ucxx, in one process over loopback): bytes move exactly, and a
+pull with an unknown, wrong-token, expired, already-used or incompatible lease is refused before any byte
+moves."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from transfer import LeaseRefused, LeaseTable, StatePuller, StateServer, TransferError, configure_ucx, segments
+
+
+def test_segments_cut_both_region_lists_at_every_boundary():
+    assert segments([10, 5], [4, 11]) == [(0, 0, 0, 0, 4), (0, 4, 1, 0, 6), (1, 0, 1, 6, 5)]
+    with pytest.raises(TransferError):
+        segments([10], [9])
+
+
+def test_lease_table_ends_each_lease_once_and_refuses_bad_pulls():
+    ended = []
+    table = LeaseTable()
+    lease = table.offer("a", "h", [torch.zeros(4, dtype=torch.uint8)], 0.05, ended.append)
+    with pytest.raises(LeaseRefused, match="wrong token"):
+        table.take("a", b"x" * 16, "h")
+    with pytest.raises(LeaseRefused, match="incompatible"):
+        table.take("a", lease.token, "other")
+    with pytest.raises(LeaseRefused, match="unknown"):
+        table.take("b", lease.token, "h")
+    time.sleep(0.06)
+    with pytest.raises(LeaseRefused, match="expired"):
+        table.take("a", lease.token, "h")
+    assert table.expire() == 1 and ended == ["expired"] and len(table) == 0
+    lease = table.offer("c", "h", [], 5, ended.append)
+    assert table.take("c", lease.token, "h").lease_id == "c"
+    with pytest.raises(LeaseRefused, match="already being pulled"):
+        table.take("c", lease.token, "h")
+    table.finish_pull("c", ok=True)
+    assert ended == ["expired", "pulled"] and table.counts["refused"] == 5
+
+
+def test_pull_over_ucx_moves_exact_bytes_and_refusals_move_none():
+    configure_ucx("127.0.0.1")
+
+    async def main():
+        leases = LeaseTable()
+        server = StateServer(leases)
+        await server.start()
+        puller = StatePuller()
+        try:
+            src_pool = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+            src = [src_pool[: 2 << 20], src_pool[(2 << 20) + 7 :]]  # two regions, odd sizes
+            sizes = [b.numel() for b in src]
+            dst_pool = torch.zeros(4 << 20, dtype=torch.uint8)
+            dst = [dst_pool[: 1 << 20], dst_pool[1 << 20 : (1 << 20) + sum(sizes) - (1 << 20)]]
+            ended = []
+            lease = leases.offer("L", "h", src, 10, ended.append)
+            for token, compat, why in ((b"0" * 16, "h", "wrong token"), (lease.token, "x", "incompatible")):
+                with pytest.raises(TransferError, match=why) as e:
+                    await puller.pull(server.address, "L", token, compat, sizes, dst, 10)
+                assert e.value.refused and int(dst_pool.count_nonzero()) == 0  # nothing moved
+            stats = await puller.pull(server.address, "L", lease.token, "h", sizes, dst, 10)
+            assert torch.equal(torch.cat(src), torch.cat(dst)) and stats.nbytes == sum(sizes)
+            assert stats.buffers == len(segments(sizes, [b.numel() for b in dst]))
+            for _ in range(100):
+                if ended:
+                    break
+                await asyncio.sleep(0.01)
+            assert ended == ["pulled"]
+            with pytest.raises(TransferError, match="unknown or ended"):  # used once, never again
+                await puller.pull(server.address, "L", lease.token, "h", sizes, dst, 10)
+        finally:
+            await puller.close()
+            await server.stop()
+
+    asyncio.run(main())
