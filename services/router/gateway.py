@@ -245,6 +245,10 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def _api_error(request: Request, e: ApiError):
         return e.response()
 
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, e: BodyTooLarge):
+        return ApiError(413, f"request body over {MAX_BODY_BYTES} bytes").response()
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
@@ -256,22 +260,15 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        if isinstance(e.__cause__, BodyTooLarge):  # FastAPI wraps errors raised while reading the body
+            return await _too_large(request, e.__cause__)
         return ApiError(e.status_code, str(e.detail), "invalid_request_error").response()
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
         return ApiError(500, f"internal error: {e!r}", "server_error").response()
 
-    @app.middleware("http")
-    async def _limits_and_auth(request: Request, call_next):
-        if request.url.path.startswith("/v1"):
-            if gateway.api_key and request.headers.get("authorization") != f"Bearer {gateway.api_key}":
-                return ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                                code="invalid_api_key").response()  # fmt: skip
-            length = request.headers.get("content-length")
-            if length is not None and int(length) > MAX_BODY_BYTES:
-                return ApiError(413, f"request body over {MAX_BODY_BYTES} bytes").response()
-        return await call_next(request)
+    app.add_middleware(LimitsAndAuth, api_key=gateway.api_key)
 
     @app.get("/health", summary="Liveness")
     async def health() -> dict:
@@ -431,6 +428,49 @@ def create_app(gateway: Gateway) -> FastAPI:
         ).model_dump())  # fmt: skip
 
     return app
+
+
+class LimitsAndAuth:
+    """API key and body-size checks on /v1 routes. Plain ASGI (not BaseHTTPMiddleware) so that handlers still
+    see the client's disconnect, which aborts its request in the mesh."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length", b"").strip()
+            error = None
+            if self.api_key and headers.get(b"authorization") != f"Bearer {self.api_key}".encode():
+                error = ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
+                                 code="invalid_api_key")  # fmt: skip
+            elif length.isdigit() and int(length) > MAX_BODY_BYTES:
+                error = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+            if error is not None:
+                return await error.response()(scope, receive, send)
+            return await self.app(scope, _capped(receive), send)
+        return await self.app(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _capped(receive):
+    """A receive that stops a body without Content-Length (chunked) once it passes the limit."""
+    received = 0
+
+    async def capped():
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                raise BodyTooLarge()
+        return message
+
+    return capped
 
 
 class _EmbeddedServer(uvicorn.Server):

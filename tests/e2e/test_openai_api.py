@@ -141,6 +141,17 @@ def test_malformed_requests_get_4xx_in_openai_shape_and_the_mesh_keeps_serving(m
     assert mesh.wait_idle() == {}
 
 
+def test_chunked_oversized_body_is_refused(mesh, base_url):
+    def chunks():
+        yield b'{"model": "' + MODEL_ID.encode() + b'", "prompt": "x", "pad": "'
+        for _ in range(5):
+            yield b"y" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(f"{base_url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+
 def test_health_ready_metrics_and_openapi(mesh, base_url, client):
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{base_url}/ready").status_code == 200
@@ -176,3 +187,16 @@ def test_api_key_is_checked_on_v1_routes(tmp_path):
         assert "s3cret" not in log  # never logged
     finally:
         m.stop()
+
+
+def test_client_disconnect_aborts_the_request_in_the_mesh(mesh, base_url):
+    body = {"model": MODEL_ID, "prompt": "A long story", "max_tokens": 3000, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{base_url}/v1/completions", json=body | {"stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+        # leaving the block closes the connection mid-stream
+    assert mesh.wait_idle(timeout=15) == {}
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=1.0)
+    assert mesh.wait_idle(timeout=15) == {}
