@@ -196,6 +196,10 @@ class Mesh:
                         metrics.RETRIES.labels(role).inc()
                         log.warning("retrying decode on another worker", failed=w.address)
                         continue
+                if tried and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # the failed worker may have pulled (used up) the lease before dying: a worker fault
+                    raise MeshError(grpc.StatusCode.UNAVAILABLE, f"decode worker failed and the retry could not "
+                                    f"take over the request's state: {e.details()}") from None  # fmt: skip
                 raise _leg_error(e, role, w) from None
             finally:
                 w.inflight -= 1

@@ -9,7 +9,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from deltamesh.client.errors import DeltameshError, Unavailable, from_rpc_error
+from deltamesh.client.errors import DeltameshError, InvalidRequest, Unavailable, from_rpc_error
 from deltamesh.client.types import Delta, Result
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -34,7 +34,17 @@ def build_request(
     model: str = "",
     request_id: str | None = None,
 ) -> router_pb2.GenerateRequest:
-    """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...})."""
+    """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...}). Values the protocol
+    cannot carry (negative counts, ids over 32 bits) raise InvalidRequest before anything is sent."""
+    try:
+        return _build(prompt, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, logprobs,
+                      ignore_eos, model, request_id)  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {e}") from None
+
+
+def _build(prompt, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, logprobs, ignore_eos,
+           model, request_id) -> router_pb2.GenerateRequest:  # fmt: skip
     req = router_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
         model=model,
