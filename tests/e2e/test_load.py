@@ -72,7 +72,8 @@ def test_mixed_load_with_cancellations_and_faults_leaks_nothing(tmp_path):
                 async def faults():
                     while done < 300:
                         await asyncio.sleep(0.05)
-                    victim = next(p for p in mesh.workers("decode") if p.load().running)
+                    decoders = mesh.workers("decode")
+                    victim = next((p for p in decoders if p.load().running), decoders[0])
                     mesh.kill(victim, signal.SIGKILL)
                     mesh.start_worker("decode")
                     while done < 600:
