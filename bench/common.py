@@ -17,12 +17,6 @@ from typing import Any, Iterable, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def ensure_repo_on_path() -> None:
-    """Let `python bench/x.py` import the repo's packages (engine, transfer, ...) without installing."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-
-
 def command_line() -> str:
     """The command as it was run (interpreter shown relative to the repo when it lives inside it)."""
     exe = Path(sys.executable)

@@ -1,11 +1,11 @@
-"""Helpers shared by the GPU benchmarks: measured ceilings, machine facts, a printed table."""
+"""What the GPU benchmarks add to bench/common.py: measured ceilings, the GPU's description, a table of
+result rows."""
 
 from __future__ import annotations
 
-import datetime
-import platform
-
 import torch
+
+from bench import common
 
 
 def hbm_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -31,18 +31,10 @@ def matmul_rate(n: int = 8192) -> float:
 def machine_info() -> dict:
     p = torch.cuda.get_device_properties(0)
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": p.name, "gpus": torch.cuda.device_count(), "sm": f"{p.major}.{p.minor}",
-        "memory_gib": round(p.total_memory / 2**30, 1), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "platform": platform.platform(),
+        **common.machine_info(), "date": common.utc_now(), "gpu": p.name, "gpus": torch.cuda.device_count(),
+        "sm": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1), "cuda": torch.version.cuda,
     }  # fmt: skip
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
-    def fmt(v):
-        return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
-
-    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
+    print(common.table(cols, [[r.get(c) for c in cols] for r in rows]))

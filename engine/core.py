@@ -45,7 +45,6 @@ Sink = Callable[[RequestOutput], None]
 class Reservation:
     """Pool space held for a request state arriving from a prefill worker."""
 
-    num_tokens: int
     slot: int
     pages: list[int]
     regions: list[Region] = field(default_factory=list)
@@ -56,7 +55,6 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
-    preemptions: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -249,7 +247,6 @@ class EngineCore:
         )  # fmt: skip
         now = time.monotonic()
         outputs = [self._append_token(it.request, tok, lp, now) for it, tok, lp in zip(sampling, tokens, logprobs)]
-        self.stats.preemptions = self.scheduler.num_preemptions
         return outputs
 
     def _append_token(self, req: Request, token: int, lp, now: float) -> RequestOutput:
@@ -337,7 +334,7 @@ class EngineCore:
             self.state_pool.free(slot)
             raise
         regions = self.kv_pool.regions(pages) + self.state_pool.regions(slot)
-        return Reservation(num_tokens, slot, pages, regions)
+        return Reservation(slot, pages, regions)
 
     def cancel_reservation(self, reservation: Reservation) -> None:
         self.kv_pool.free(reservation.pages)

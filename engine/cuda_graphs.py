@@ -40,7 +40,6 @@ class DecodeGraphs:
     def _batch(self, b: int) -> StepBatch:
         return StepBatch(
             num_decode=b, query_lens=[1] * b, context_lens=[0] * b,
-            query_start=torch.arange(b + 1, dtype=torch.int32, device=self.input_ids.device),
             seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
             state_slots=self.state_slots[:b], positions=self.positions[:b],
         )  # fmt: skip

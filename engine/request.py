@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from engine.sampling import SamplingParams, TokenLogprobs
@@ -70,7 +69,6 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     # Prefill-only (disaggregated prefill worker): finish after the first token but keep the state.
     hold_state: bool = False
-    arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV / GDN state are in the pools
     slot: int | None = None

@@ -50,7 +50,6 @@ class ModelRunner:
             num_decode=sum(1 for n in q_lens if n == 1),
             query_lens=q_lens,
             context_lens=ctx_lens,
-            query_start=as_t(np.concatenate(([0], np.cumsum(q_lens))), torch.int32),
             seq_lens=as_t(np.add(ctx_lens, q_lens), torch.int32),
             block_tables=as_t(tables, torch.int32),
             slot_mapping=as_t(slot_mapping, torch.int64),

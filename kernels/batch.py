@@ -18,7 +18,6 @@ class StepBatch:
     num_decode: int  # leading sequences with a single query token
     query_lens: list[int]  # tokens this step, per sequence
     context_lens: list[int]  # tokens already cached before this step, per sequence
-    query_start: torch.Tensor  # [N+1] int32 cumulative query offsets (device)
     seq_lens: torch.Tensor  # [N] int32 context + query (device)
     block_tables: torch.Tensor  # [N, max_pages] int32 KV page ids, -1 padded (device)
     slot_mapping: torch.Tensor  # [T] int64 flat KV slot (page * page_size + offset) per token (device)
@@ -33,11 +32,3 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode
-
-    @property
-    def seq_lens_host(self) -> list[int]:
-        return [c + q for c, q in zip(self.context_lens, self.query_lens)]

@@ -149,7 +149,7 @@ def paged_attention(q, k_cache, v_cache, batch: StepBatch, scale: float) -> torc
     if nd:
         parts.append(paged_decode(q[:nd], k_cache, v_cache, batch.block_tables[:nd], batch.seq_lens[:nd], scale))
     if batch.num_seqs > nd:
-        parts.append(_prefill(q[batch.num_decode_tokens :], k_cache, v_cache, batch, scale))
+        parts.append(_prefill(q[nd:], k_cache, v_cache, batch, scale))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

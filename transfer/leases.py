@@ -11,7 +11,7 @@ import hmac
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,7 +29,6 @@ class Lease:
     buffers: list[torch.Tensor]  # 1-D uint8 views of the held memory, in order
     expires_at: float  # time.monotonic()
     on_end: Callable[[str], None]  # called once with the reason: pulled | released | expired | aborted
-    created_at: float = field(default_factory=time.monotonic)
 
     @property
     def nbytes(self) -> int:

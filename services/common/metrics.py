@@ -48,7 +48,7 @@ class EngineCollector:
             ("prompt_tokens", stats.prompt_tokens, "Prompt tokens prefilled (rate = prefill tokens/s)"),
             ("generation_tokens", stats.generation_tokens, "Tokens sampled (rate = decode tokens/s)"),
             ("steps", stats.steps, "Engine steps run"),
-            ("preemptions", stats.preemptions, "Requests preempted for lack of KV pages"),
+            ("preemptions", core.scheduler.num_preemptions, "Requests preempted for lack of KV pages"),
         ):
             c = CounterMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             c.add_metric([role], value)

@@ -80,7 +80,3 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
     uvloop.run(runner())
 
-
-def grpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """An error to raise from client-side helpers with the same shape a failed call has."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -57,6 +56,3 @@ def print_settings(name: str, settings: BaseModel) -> None:
         data["api_key"] = "***"  # never log secrets
     print(json.dumps({"service": name, "settings": data}, default=str), file=sys.stderr, flush=True)
 
-
-def engine_config_dict(cfg: EngineConfig) -> dict:
-    return asdict(cfg)

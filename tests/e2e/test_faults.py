@@ -46,6 +46,15 @@ class Background:
         assert not self.thread.is_alive(), "the request outlived its deadline"
 
 
+def mesh_with_failpoint(tmp_path, spec: str):
+    """A mesh whose workers carry the failpoint `spec` and a 2 s transfer deadline."""
+    os.environ["DELTAMESH_FAILPOINTS"] = spec
+    try:
+        return start_mesh(MODEL, tmp_path, worker_args=["--transfer-timeout", "2"])
+    finally:
+        del os.environ["DELTAMESH_FAILPOINTS"]
+
+
 def long_prompt(n, seed=0):
     rng = random.Random(seed)
     return [rng.randrange(10, 3000) for _ in range(n)]
@@ -109,11 +118,7 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
 
 def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
     # the failpoint holds the holder inside the transfer for a moment, so SIGSTOP lands mid-transfer
-    os.environ["DELTAMESH_FAILPOINTS"] = "transfer.after_status=sleep:0.5"
-    try:
-        mesh = start_mesh(MODEL, tmp_path, worker_args=["--transfer-timeout", "2"])
-    finally:
-        del os.environ["DELTAMESH_FAILPOINTS"]
+    mesh = mesh_with_failpoint(tmp_path, "transfer.after_status=sleep:0.5")
     try:
         client = mesh.client(retries=0)
         prefill = mesh.workers("prefill")[0]
@@ -143,11 +148,7 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
 
 
 def test_side_channel_dropped_mid_transfer(tmp_path):
-    os.environ["DELTAMESH_FAILPOINTS"] = "transfer.after_status=drop"
-    try:
-        mesh = start_mesh(MODEL, tmp_path, worker_args=["--transfer-timeout", "2"])
-    finally:
-        del os.environ["DELTAMESH_FAILPOINTS"]
+    mesh = mesh_with_failpoint(tmp_path, "transfer.after_status=drop")
     try:
         client = mesh.client(retries=0)
         t = time.monotonic()

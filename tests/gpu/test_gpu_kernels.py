@@ -91,11 +91,11 @@ def test_triton_paged_attention_matches_reference():
         used += need
     q = torch.randn(sum(qlen), hq, d, generator=g, device=DEV).bfloat16()
     seq = torch.tensor([c + n for c, n in zip(ctx, qlen)], dtype=torch.int32, device=DEV)
-    batch = StepBatch(2, qlen, ctx, torch.tensor([0, 1, 2, 42, 65]), seq, tables,
+    batch = StepBatch(2, qlen, ctx, seq, tables,
                       torch.zeros(65, dtype=torch.long, device=DEV), torch.arange(4, device=DEV),
                       torch.zeros(65, dtype=torch.long, device=DEV))  # fmt: skip
     out = ops["paged_attention"](q, k_cache, v_cache, batch, d**-0.5)
-    cpu_batch = StepBatch(2, qlen, ctx, batch.query_start, seq.cpu(), tables.cpu(), batch.slot_mapping.cpu(),
+    cpu_batch = StepBatch(2, qlen, ctx, seq.cpu(), tables.cpu(), batch.slot_mapping.cpu(),
                           batch.state_slots.cpu(), batch.positions.cpu())  # fmt: skip
     ref = torch_ref.paged_attention(q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(), cpu_batch, d**-0.5)
     assert rel(out, ref) <= 1e-2

@@ -119,8 +119,8 @@ def test_paged_attention_matches_dense_causal_attention():
     tables = torch.full((3, 4), -1, dtype=torch.int32)
     for s, p in enumerate(pages):
         tables[s, : len(p)] = torch.tensor(p)
-    batch = StepBatch(1, qlen, ctx, torch.tensor([0, 1, 6, 9]), torch.tensor([c + n for c, n in zip(ctx, qlen)]),
-                      tables, mapping, torch.tensor([0, 1, 2]), torch.zeros(9, dtype=torch.long))  # fmt: skip
+    batch = StepBatch(1, qlen, ctx, torch.tensor([c + n for c, n in zip(ctx, qlen)]), tables, mapping,
+                      torch.tensor([0, 1, 2]), torch.zeros(9, dtype=torch.long))  # fmt: skip
     out = torch_ref.paged_attention(q, *kv, batch, d**-0.5)
     start = 0
     for s, (c, n) in enumerate(zip(ctx, qlen)):

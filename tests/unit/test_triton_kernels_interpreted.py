@@ -34,7 +34,7 @@ def test_paged_decode_attention_matches_reference():
         q = torch.randn(3, 8, 64)
         lens = torch.tensor(seq, dtype=torch.int32)
         got = triton_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
-        batch = StepBatch(3, [1, 1, 1], [s - 1 for s in seq], torch.arange(4), lens, tables,
+        batch = StepBatch(3, [1, 1, 1], [s - 1 for s in seq], lens, tables,
                           torch.zeros(3, dtype=torch.long), torch.arange(3), torch.zeros(3, dtype=torch.long))
         ref = torch_ref.paged_attention(q, k_cache, v_cache, batch, 0.125)
         print(float((got - ref).abs().max()))
