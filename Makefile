@@ -62,13 +62,14 @@ bench-soak:
 # GPU figures (one command each; on a GPU host with the packages from gpu-wheels, see bench/RESULTS.md)
 bench-gpu-kernels:
 	python bench/gpu_kernels.py --out bench/results/gpu_kernels.json
+	python bench/gpu_kernels.py --attention --no-gdn --out bench/results/gpu_attention.json
 
 bench-gpu-model:
 	python bench/gpu_model.py --out bench/results/gpu_model.json
 
 bench-transfer-gpu:
 	python bench/transfer.py --device cuda --no-ucx-error-handling --ucx-proto-info --lengths 1k,8k,32k \
-		--max-tokens 32k --out bench/results/transfer_gpu.json
+		--max-tokens 32k --progress-modes thread,thread-polling --out bench/results/transfer_gpu.json
 
 bench-disagg:
 	python bench/disagg_sweep.py --out bench/results/serve_sweep.json

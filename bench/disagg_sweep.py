@@ -2,6 +2,7 @@
 tokens, over a concurrency sweep, through the REST gateway with bench/serve.py. Needs two GPUs.
 
     python bench/disagg_sweep.py --out bench/results/serve_sweep.json
+    python bench/disagg_sweep.py --setups colocated --concurrency 8,16 --out /tmp/colocated.json
 
 Each point sends `--waves x concurrency` requests with at most `concurrency` in flight. Per GPU figures
 divide the disaggregated mesh's throughput by 2 and the colocated one's by 1.
@@ -104,16 +105,17 @@ def main() -> None:
     p.add_argument("--model", default=str(ROOT / "bench/configs/qwen3.5-9b"))
     p.add_argument("--input-len", type=int, default=8192)
     p.add_argument("--output-len", type=int, default=1024)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 128])
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64, 128])
     p.add_argument("--waves", type=int, default=1)
     p.add_argument("--point-timeout", type=float, default=300)
-    p.add_argument("--skip-colocated", action="store_true")
+    p.add_argument("--setups", type=lambda s: s.split(","), default=["disagg", "colocated"],
+                   help="disagg (1P+1D on GPUs 0,1), colocated (one worker on GPU 0), or both")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--out", default="bench/results/serve_sweep.json")
     args = p.parse_args()
-    rows = sweep(args, colocated=False)
-    if not args.skip_colocated:
-        rows += sweep(args, colocated=True)
+    rows = []
+    for setup in args.setups:
+        rows += sweep(args, colocated=setup == "colocated")
     cols = ["setup", "concurrency", "completed", "failed", "total_tok_s_per_gpu", "output_tok_s_per_gpu",
             "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "error"]  # fmt: skip
     print_table(rows, cols)

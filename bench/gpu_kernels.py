@@ -1,9 +1,13 @@
-"""GDN kernel table on one GPU: the project's registry path vs FlashInfer called directly vs FLA, next to
-the HBM floor (decode) — medians of `triton.testing.do_bench`.
+"""Kernel tables on one GPU — medians of `triton.testing.do_bench`:
+
+- GDN: the project's registry path vs FlashInfer called directly vs FLA, next to the HBM floor (decode).
+  Shapes: Qwen3.5-9B/35B GDN (HK 16, HV 32, d 128) and the 397B head shape (HK 16, HV 64); fp32 state.
+- Paged decode attention (`--attention`): the Triton kernel on the Qwen3.5-9B attention shape (16 query /
+  4 KV heads of 256, 16-token pages of the engine's page-major pool, pages in random order) at ~9k
+  tokens of context, over a sweep of its launch settings, against the HBM floor of the KV bytes it reads.
 
     python bench/gpu_kernels.py --out bench/results/gpu_kernels.json
-
-Shapes: Qwen3.5-9B/35B GDN (HK 16, HV 32, d 128) and the 397B head shape (HK 16, HV 64); fp32 state.
+    python bench/gpu_kernels.py --attention --no-gdn --out bench/results/gpu_attention.json
 """
 
 from __future__ import annotations
@@ -92,22 +96,71 @@ def decode_rows(batch, hk, hv, state_dtype, bandwidth):
             "registry_vs_floor": floor_ms / t_reg}  # fmt: skip
 
 
+def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list[dict]:
+    """The paged decode kernel on a pool laid out as the engine's (8 attention layers, page-major)."""
+    from kernels.triton_attention import paged_decode
+
+    page, kv_heads, heads, dim, layers = 16, 4, 16, 256, 8
+    n_pages = -(-context // page)
+    g = torch.Generator(device=DEV).manual_seed(batch)
+    pool = torch.empty(batch * n_pages + 1, layers, 2, page, kv_heads, dim, dtype=torch.bfloat16, device=DEV)
+    pool.normal_(generator=g)
+    k_cache, v_cache = pool[:, 3, 0], pool[:, 3, 1]
+    order = torch.randperm(batch * n_pages, device=DEV, generator=g) + 1
+    tables = order.view(batch, n_pages).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+    q = torch.randn(batch, heads, dim, generator=g, device=DEV).bfloat16()
+    floor_ms = batch * context * 2 * kv_heads * dim * 2 / bandwidth * 1e3
+    ref = paged_decode(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, launches[0])
+    rows = []
+    for launch in launches:
+        out = paged_decode(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, launch)
+        agree = float((out.float() - ref.float()).abs().max())
+        ms = bench(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, launch))
+        rows.append({"op": "paged decode attention", "case": f"B={batch} ctx={context}", "block_n": launch.block_n,
+                     "warps": launch.num_warps, "stages": launch.num_stages, "splits": launch.splits(batch, kv_heads),
+                     "ms": ms, "hbm_floor_ms": floor_ms, "of_floor": floor_ms / ms, "max_diff_vs_first": agree})  # fmt: skip
+    del pool
+    torch.cuda.empty_cache()
+    return rows
+
+
+def attention_launches() -> list:
+    from kernels.triton_attention import DEFAULT_LAUNCH, DecodeLaunch
+
+    sweep = [DecodeLaunch(block_n=n, num_warps=w, num_stages=st, target_programs=tp)
+             for n in (32, 64, 128) for w in (4, 8) for st in (2, 3) for tp in (2048, 8192)]  # fmt: skip
+    one_page = DecodeLaunch(block_n=16, num_warps=4, num_stages=3, target_programs=1024, max_splits=16)
+    return [DEFAULT_LAUNCH, one_page] + [x for x in sweep if x != DEFAULT_LAUNCH]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/gpu_kernels.json")
+    p.add_argument("--attention", action="store_true", help="add the paged decode attention sweep")
+    p.add_argument("--no-gdn", action="store_true", help="skip the GDN table")
     args = p.parse_args()
     bandwidth = hbm_bandwidth()
-    rows = [
-        prefill_rows("1x8192", [8192], 16, 32),
-        prefill_rows("16x512", [512] * 16, 16, 32),
-        prefill_rows("8x8192", [8192] * 8, 16, 32),
-        prefill_rows("397B heads 1x8192 (HK16/HV64)", [8192], 16, 64),
-        decode_rows(64, 16, 32, torch.float32, bandwidth),
-        decode_rows(256, 16, 32, torch.float32, bandwidth),
-        decode_rows(256, 16, 32, torch.bfloat16, bandwidth),
-    ]
-    print_table(rows, ["op", "case", "registry_ms", "flashinfer_ms", "fla_ms", "hbm_floor_ms", "registry_vs_flashinfer",
-                       "registry_vs_floor"])  # fmt: skip
+    rows = []
+    if not args.no_gdn:
+        rows += [
+            prefill_rows("1x8192", [8192], 16, 32),
+            prefill_rows("16x512", [512] * 16, 16, 32),
+            prefill_rows("8x8192", [8192] * 8, 16, 32),
+            prefill_rows("397B heads 1x8192 (HK16/HV64)", [8192], 16, 64),
+            decode_rows(64, 16, 32, torch.float32, bandwidth),
+            decode_rows(256, 16, 32, torch.float32, bandwidth),
+            decode_rows(256, 16, 32, torch.bfloat16, bandwidth),
+        ]
+        print_table(rows, ["op", "case", "registry_ms", "flashinfer_ms", "fla_ms", "hbm_floor_ms",
+                           "registry_vs_flashinfer", "registry_vs_floor"])  # fmt: skip
+    if args.attention:
+        attn = []
+        for batch in (64, 256):
+            attn += attention_rows(batch, 9216, bandwidth, attention_launches())
+        print_table(attn, ["op", "case", "block_n", "warps", "stages", "splits", "ms", "hbm_floor_ms", "of_floor",
+                           "max_diff_vs_first"])  # fmt: skip
+        rows += attn
     out = {"command": " ".join(sys.argv), "machine": machine_info(), "hbm_copy_bytes_per_s": bandwidth, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

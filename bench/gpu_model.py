@@ -67,24 +67,101 @@ def decode_items(core: EngineCore, batch: int, context: int) -> list[ScheduledIt
 
 
 def step_bytes(core: EngineCore, batch: int, context: int) -> dict[str, int]:
-    weights = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    """Bytes a decode step must move: every weight but the embedding table (a step reads `batch` rows of it),
+    every request's KV, its GDN state read and written."""
+    m = core.model
+    weights = sum(p.numel() * p.element_size() for p in m.parameters() if p is not m.embed or m.lm_head is m.embed)
+    weights += batch * m.embed.shape[1] * m.embed.element_size()
     kv_per_token = core.kv_pool.page_bytes // core.kv_pool.page_size
     state = core.state_pool.slot_bytes
     return {"weights": weights, "kv": batch * context * kv_per_token, "state": 2 * batch * state}
 
 
-def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: float) -> list[dict]:
+def gpu_ms(fn, iters: int = 20) -> float:
+    """Median GPU time of fn() between CUDA events, after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+KERNEL_GROUPS = [  # (group, regex over CUDA kernel names), first match wins
+    ("GDN recurrence", r"gdn|gated_delta|delta_rule|recurrent|gates"),
+    ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|grouped_mm"),
+    ("paged attention", r"decode_split|merge_splits"),
+    ("attention inputs / gate", r"attention_inputs|sigmoid_gate"),
+    ("conv1d", r"conv1d"),
+    ("norms", r"rms_norm"),
+    ("silu*mul", r"silu_mul"),
+    ("kv write / index", r"index|scatter|gather"),
+    ("copies", r"copy|memcpy|memset|cat"),
+]
+
+
+def kernel_breakdown(core: EngineCore, items, steps: int = 3) -> tuple[list[dict], list[dict]]:
+    """CUDA time per kernel of eager decode steps (the kernels a graph replays), grouped by KERNEL_GROUPS."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    r = core.runner
+    input_ids, batch = r.prepare(items)
+
+    def step():
+        with torch.inference_mode():
+            r.model.logits(r.model(input_ids, batch, r.kv_pool, r.state_pool, r.kernels))
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            kernels.append({"kernel": e.key[:90], "calls": e.count // steps, "ms": us / steps / 1e3})
+    kernels.sort(key=lambda k: -k["ms"])
+    groups: dict[str, dict] = {}
+    for k in kernels:
+        name = next((g for g, rx in KERNEL_GROUPS if re.search(rx, k["kernel"], re.I)), "other elementwise")
+        grp = groups.setdefault(name, {"group": name, "kernels": 0, "calls": 0, "ms": 0.0})
+        grp["kernels"] += 1
+        grp["calls"] += k["calls"]
+        grp["ms"] += k["ms"]
+    return sorted(groups.values(), key=lambda g: -g["ms"]), kernels[:25]
+
+
+def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: float, profile: bool = False) -> list[dict]:
     core = core_for(config_dir, max(batches), context)
     rows = []
     for batch in batches:
         items = decode_items(core, batch, context)
         ms = time_ms(lambda: core.runner.execute(items).argmax(-1).tolist())
+        prepare_ms = time_ms(lambda: core.runner.prepare(items))
+        graph_ms = None
+        if core.runner.graphs is not None:
+            graph_ms = gpu_ms(lambda: core.runner.graphs.run(*core.runner.prepare(items)))
         parts = step_bytes(core, batch, context)
         roofline_ms = sum(parts.values()) / bandwidth * 1e3
-        rows.append({"bench": "decode step", "model": Path(config_dir).name, "batch": batch, "context": context,
-                     "ms": ms, "roofline_ms": roofline_ms, "of_roofline": roofline_ms / ms,
-                     "tokens_per_s": batch / ms * 1e3, "bytes": parts,
-                     "graphs": core.runner.graphs is not None})  # fmt: skip
+        row = {"bench": "decode step", "model": Path(config_dir).name, "batch": batch, "context": context,
+               "ms": ms, "host_prepare_ms": prepare_ms, "graph_gpu_ms": graph_ms, "roofline_ms": roofline_ms,
+               "of_roofline": roofline_ms / ms, "tokens_per_s": batch / ms * 1e3, "bytes": parts,
+               "graphs": core.runner.graphs is not None}  # fmt: skip
+        if profile:
+            groups, top = kernel_breakdown(core, items)
+            print(f"kernel time per eager decode step, batch {batch} (sum {sum(g['ms'] for g in groups):.2f} ms):")
+            print_table(groups, ["group", "kernels", "calls", "ms"])
+            print_table(top, ["kernel", "calls", "ms"])
+            row |= {"kernel_groups": groups, "top_kernels": top}
+        rows.append(row)
         for it in items:
             core.scheduler.free(it.request)
     del core
@@ -170,6 +247,8 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--only-moe", action="store_true")
+    p.add_argument("--only-decode", action="store_true", help="the dense decode rows only")
+    p.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of each decode step")
     p.add_argument("--out", default="bench/results/gpu_model.json")
     args = p.parse_args()
     bandwidth, peak = hbm_bandwidth(), matmul_rate()
@@ -178,10 +257,14 @@ def main() -> None:
     if args.only_moe:
         args.skip_hf = True
     else:
-        rows += decode_rows(args.dense, [64, 256], args.context, bandwidth)
-        print_table(rows, ["bench", "model", "batch", "context", "ms", "roofline_ms", "of_roofline", "tokens_per_s"])
-        rows.append(prefill_row(args.dense, 8192, peak))
-        print_table(rows[-1:], ["bench", "model", "tokens", "ms", "tflops", "mfu", "tokens_per_s"])
+        rows += decode_rows(args.dense, [64, 256], args.context, bandwidth, args.profile)
+        print_table(rows, ["bench", "model", "batch", "context", "ms", "host_prepare_ms", "graph_gpu_ms", "roofline_ms",
+                           "of_roofline", "tokens_per_s"])  # fmt: skip
+        if args.only_decode:
+            args.skip_hf = args.skip_moe = True
+        else:
+            rows.append(prefill_row(args.dense, 8192, peak))
+            print_table(rows[-1:], ["bench", "model", "tokens", "ms", "tflops", "mfu", "tokens_per_s"])
     if not args.skip_hf:
         rows.append(hf_vs_engine(args.dense, 64, 1024, 128))
         print_table(rows[-1:], ["bench", "batch", "prompt", "new_tokens", "hf_tokens_per_s", "engine_tokens_per_s", "ratio"])

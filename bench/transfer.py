@@ -65,6 +65,8 @@ class Options:
     timeout_s: float
     proto_info: bool
     device: str = "cpu"  # cuda: holder on GPU 0, puller on GPU 1 (UCX moves GPU memory, e.g. cuda_ipc/NVLink)
+    progress_mode: str | None = None  # ucxx progress mode (None: what transfer.configure_ucx picks)
+    in_flight: int = 1  # requests pulled at once (their pulls overlap)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -76,7 +78,9 @@ def _setup_process(opts: Options, gpu: int = 0) -> None:
 
     if opts.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    configure_ucx("127.0.0.1")
+    if opts.progress_mode:
+        os.environ["UCXPY_PROGRESS_MODE"] = opts.progress_mode
+    configure_ucx("127.0.0.1", gpu=opts.device == "cuda")
     if opts.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
     import structlog
@@ -85,7 +89,7 @@ def _setup_process(opts: Options, gpu: int = 0) -> None:
 
 
 def _pools(opts: Options):
-    """The engine's pools for one request of up to opts.max_tokens tokens, sized from the config alone."""
+    """The engine's pools for opts.in_flight requests of up to opts.max_tokens tokens, sized from the config."""
     import torch
 
     from engine.cache import KVPagePool, StatePool
@@ -96,11 +100,11 @@ def _pools(opts: Options):
     dtype, state_dtype = dtypes[opts.dtype], dtypes[opts.state_dtype]
     cpu = torch.device(opts.device)
     kv = KVPagePool(
-        -(-opts.max_tokens // PAGE_SIZE), PAGE_SIZE, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
+        opts.in_flight * -(-opts.max_tokens // PAGE_SIZE), PAGE_SIZE, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
         dtype, cpu,
     )  # fmt: skip
     st = StatePool(
-        1, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads,
+        opts.in_flight, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads,
         mc.linear_key_head_dim, mc.linear_value_head_dim, dtype, state_dtype, cpu,
     )  # fmt: skip
     return kv, st
@@ -200,25 +204,30 @@ async def _puller(conn, opts: Options) -> None:
             msg = await _recv(conn)
             if msg[0] == "stop":
                 break
-            _, address, lease_id, token, holder_sizes, n_tokens, expected_crc = msg
-            pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()  # what EngineCore.reserve does
+            _, address, n_tokens, offers = msg  # offers: [(lease id, token, holder sizes, crc)]
+            held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc()) for _ in offers]  # what EngineCore.reserve does
             try:
-                buffers = [r.tensor for r in kv.regions(pages) + st.regions(slot)]
-                for b in buffers:
+                targets = [[r.tensor for r in kv.regions(pages) + st.regions(slot)] for pages, slot in held]
+                for b in (b for buffers in targets for b in buffers):
                     b.zero_()
                 t0 = time.perf_counter()
                 try:
-                    stats = await puller.pull(address, lease_id, token, COMPAT, holder_sizes, buffers, opts.timeout_s)
+                    stats = await asyncio.gather(*(
+                        puller.pull(address, lease_id, token, COMPAT, sizes, buffers, opts.timeout_s)
+                        for (lease_id, token, sizes, _), buffers in zip(offers, targets)
+                    ))  # fmt: skip
                 except TransferError as e:
                     conn.send(("pulled", {"error": str(e)}))
                     continue
                 wall = time.perf_counter() - t0
-                ok = _crc(buffers) == expected_crc
-                conn.send(("pulled", {"nbytes": stats.nbytes, "buffers": stats.buffers, "seconds": stats.seconds,
-                                      "wall_seconds": wall, "puller_regions": len(buffers), "crc_ok": ok}))  # fmt: skip
+                ok = all(_crc(buffers) == offer[3] for offer, buffers in zip(offers, targets))
+                conn.send(("pulled", {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
+                                      "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
+                                      "puller_regions": len(targets[0]), "crc_ok": ok}))  # fmt: skip
             finally:
-                kv.free(pages)
-                st.free(slot)
+                for pages, slot in held:
+                    kv.free(pages)
+                    st.free(slot)
     finally:
         await puller.close()
 
@@ -246,6 +255,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> list[di
     holder.start()
     puller.start()
     mode = "on" if opts.error_handling else "off"
+    progress = opts.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE") or "default"
+    label = f"eh-{mode}-{progress}-x{opts.in_flight}"
     rows = []
     try:
         (address,) = _expect(h_conn, "ready", 120)
@@ -253,32 +264,39 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> list[di
         for n_tokens in lengths:
             samples, info = [], {}
             for rep in range(reps + 1):
-                lease_id = f"bench-{mode}-{n_tokens}-{rep}"
-                h_conn.send(("offer", lease_id, n_tokens, seed + rep))
-                token, sizes, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
-                p_conn.send(("pull", address, lease_id, token, sizes, n_tokens, crc))
+                lease_ids = [f"bench-{label}-{n_tokens}-{rep}-{i}" for i in range(opts.in_flight)]
+                offers = []
+                for i, lease_id in enumerate(lease_ids):
+                    h_conn.send(("offer", lease_id, n_tokens, seed + rep * opts.in_flight + i))
+                    token, sizes, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
+                    offers.append((lease_id, token, sizes, crc))
+                p_conn.send(("pull", address, n_tokens, offers))
                 (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
-                h_conn.send(("finish", lease_id))
-                (reason,) = _expect(h_conn, "finished", opts.timeout_s + 30)
+                reasons = []
+                for lease_id in lease_ids:
+                    h_conn.send(("finish", lease_id))
+                    reasons += _expect(h_conn, "finished", opts.timeout_s + 30)
                 if "error" in res:
                     raise RuntimeError(f"pull of {n_tokens} tokens failed: {res['error']}")
                 if not res["crc_ok"]:
                     raise RuntimeError(f"pull of {n_tokens} tokens: received bytes differ from the sent ones")
-                if reason != "pulled":
-                    raise RuntimeError(f"lease ended as {reason!r}, expected 'pulled'")
+                if set(reasons) != {"pulled"}:
+                    raise RuntimeError(f"leases ended as {reasons!r}, expected 'pulled'")
                 info = {"kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "holder_regions": len(sizes),
                         "puller_regions": res["puller_regions"], "buffers": res["buffers"]}  # fmt: skip
                 if rep > 0:  # the first pull is the warm-up
                     samples.append(res)
             secs = [s["seconds"] for s in samples]
-            total = info["kv_bytes"] + info["gdn_bytes"]
+            total = (info["kv_bytes"] + info["gdn_bytes"]) * opts.in_flight
+            in_flight = f", {opts.in_flight} pulls at once" if opts.in_flight > 1 else ""
             row = {
-                "mode": f"ucx error handling {mode}", "error_handling": opts.error_handling, "tokens": n_tokens,
+                "mode": f"ucx error handling {mode}, progress {progress}{in_flight}", "error_handling": opts.error_handling,
+                "progress_mode": progress, "in_flight": opts.in_flight, "tokens": n_tokens,
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
                 "gb_per_s": total / median(secs) / 1e9, "verified": "crc32",
             }  # fmt: skip
-            print(f"[ucx eh={mode}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
+            print(f"[{label}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
                   f"= {row['gb_per_s']:.2f} GB/s, {info['buffers']} buffers", flush=True)  # fmt: skip
             rows.append(row)
     finally:
@@ -390,6 +408,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="GDN recurrent state dtype (default float32)")  # fmt: skip
     p.add_argument("--ucx-error-handling", dest="error_handling", action=argparse.BooleanOptionalAction,
                    default=None, help="run only this mode (default: both, one row each)")  # fmt: skip
+    p.add_argument("--progress-modes", type=lambda s: [x for x in s.split(",") if x], default=[None],
+                   help="ucxx progress modes to compare, e.g. thread,thread-polling (default: configure_ucx's choice)")
+    p.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="requests pulled at once, e.g. 1,4: their pulls overlap; a row per value (default 1)")
     p.add_argument("--memcpy-threads", type=int, default=1, help="torch threads for the memcpy baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per pull / lease TTL")
     p.add_argument("--ucx-proto-info", action="store_true", help="let UCX print its protocol choices (UCX_PROTO_INFO)")
@@ -421,9 +443,13 @@ def main(argv=None) -> int:
         print(f"skipping lengths above --max-tokens {max_tokens}: {skipped}", flush=True)
     rows = []
     for eh in modes:
-        opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
-                       args.ucx_proto_info, args.device)  # fmt: skip
-        rows += run_mode(opts, lengths, reps, args.seed)
+        for progress in args.progress_modes:
+            for in_flight in args.in_flight:
+                opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
+                               args.ucx_proto_info, args.device, progress, in_flight)  # fmt: skip
+                rows += run_mode(opts, lengths, reps, args.seed)
+    opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), modes[0], args.timeout,
+                   args.ucx_proto_info, args.device)  # fmt: skip
     rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads)
 
     from engine.config import ModelConfig

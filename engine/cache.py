@@ -156,8 +156,10 @@ class StatePool:
         """[slots * layers, HV, V, K]: layer i of slot s is row `s * num_layers + i`."""
         return self.recurrent.flatten(0, 1)
 
-    def layer_index(self, slots: torch.Tensor, i: int) -> torch.Tensor:
-        return slots * self.num_layers + i
+    def layer_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """[layers, B]: row i holds the flat-pool rows of layer i for `slots` (computed once per step)."""
+        layers = torch.arange(self.num_layers, dtype=slots.dtype, device=slots.device)
+        return slots[None, :] * self.num_layers + layers[:, None]
 
     def regions(self, slot: int) -> list[Region]:
         return [

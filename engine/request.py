@@ -72,6 +72,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV / GDN state are in the pools
     slot: int | None = None
+    # KV pages in token order. Only ever appended to in place or replaced by a new list: the model
+    # runner caches each request's pages as an array on that basis.
     pages: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -81,6 +83,15 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def ids_between(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (a decode step needs one id of a long prompt)."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
 
     @property
     def num_tokens(self) -> int:

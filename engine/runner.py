@@ -12,10 +12,16 @@ from kernels import Kernels
 from kernels.batch import StepBatch
 
 
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
 class ModelRunner:
     def __init__(self, model: HybridLM, kv_pool: KVPagePool, state_pool: StatePool, kernels: Kernels, device: torch.device):
         self.model, self.kv_pool, self.state_pool, self.kernels, self.device = model, kv_pool, state_pool, kernels, device
         self.graphs = None  # DecodeGraphs once captured
+        self._page_rows: dict[str, tuple[list[int], np.ndarray]] = {}  # request id -> (pages list, as array)
+        self._staging: torch.Tensor | None = None  # pinned host buffer of the step's index arrays (CUDA)
+        self._staged: torch.cuda.Event | None = None  # recorded after its last copy to the device
 
     def capture_decode_graphs(self, max_batch: int, max_context: int) -> None:
         from engine.cuda_graphs import DecodeGraphs
@@ -24,40 +30,75 @@ class ModelRunner:
         self.graphs.capture()
 
     def prepare(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, StepBatch]:
-        """Items must be ordered decode-first (single-token items before chunks)."""
+        """Items must be ordered decode-first (single-token items before chunks). Vectorised over items:
+        at batch 256 with 9k-token contexts this is host time on every decode step."""
         ps = self.kv_pool.page_size
-        ids, positions, q_lens, ctx_lens = [], [], [], []
-        for it in items:
-            start = it.request.num_computed
-            ids.extend(it.request.all_ids[start : start + it.num_tokens])
-            positions.append(np.arange(start, start + it.num_tokens))
-            q_lens.append(it.num_tokens)
-            ctx_lens.append(start)
-        positions_np = np.concatenate(positions)
-        page_counts = [-(-(c + q) // ps) for c, q in zip(ctx_lens, q_lens)]
-        tables = np.full((len(items), max(page_counts)), -1, dtype=np.int32)
-        slot_mapping = np.empty(len(positions_np), dtype=np.int64)
-        offset = 0
-        for row, (it, n_pages, pos) in enumerate(zip(items, page_counts, positions)):
-            pages = np.asarray(it.request.pages[:n_pages], dtype=np.int64)
-            tables[row, :n_pages] = pages
-            slot_mapping[offset : offset + len(pos)] = pages[pos // ps] * ps + pos % ps
-            offset += len(pos)
+        n = len(items)
+        starts = np.fromiter((it.request.num_computed for it in items), np.int64, n)
+        q_lens = np.fromiter((it.num_tokens for it in items), np.int64, n)
+        page_counts = -(-(starts + q_lens) // ps)
+        self._page_rows = rows = {it.request.request_id: self._page_row(it.request) for it in items}
+        tables = np.full((n, int(page_counts.max())), -1, dtype=np.int32)
+        for row, (it, count) in enumerate(zip(items, page_counts)):
+            tables[row, :count] = rows[it.request.request_id][1][:count]
+        seq_of_token = np.repeat(np.arange(n), q_lens)
+        first_token = np.cumsum(q_lens) - q_lens
+        positions = np.arange(int(q_lens.sum())) - first_token[seq_of_token] + starts[seq_of_token]
+        slot_mapping = tables[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps
+        ids = [t for it, s in zip(items, starts.tolist()) for t in it.request.ids_between(s, s + it.num_tokens)]
 
-        dev = self.device
-        as_t = lambda a, dt: torch.as_tensor(a, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
+        q_list = q_lens.tolist()
+        prefill_lens = [q for q in q_list if q != 1] or [0]
+        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens = self._upload([
+            np.asarray(ids, dtype=np.int64),
+            (starts + q_lens).astype(np.int32),
+            tables,
+            slot_mapping,
+            np.fromiter((it.request.slot for it in items), np.int32, n),
+            positions,
+            np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32),
+        ])  # fmt: skip
         batch = StepBatch(
-            num_decode=sum(1 for n in q_lens if n == 1),
-            query_lens=q_lens,
-            context_lens=ctx_lens,
-            seq_lens=as_t(np.add(ctx_lens, q_lens), torch.int32),
-            block_tables=as_t(tables, torch.int32),
-            slot_mapping=as_t(slot_mapping, torch.int64),
-            state_slots=as_t([it.request.slot for it in items], torch.int32),
-            positions=as_t(positions_np, torch.int64),
-            prefill_cu_seqlens=as_t(np.concatenate(([0], np.cumsum([n for n in q_lens if n != 1] or [0]))), torch.int32),
-        )
-        return as_t(ids, torch.int64), batch
+            num_decode=int((q_lens == 1).sum()), query_lens=q_list, context_lens=starts.tolist(), seq_lens=seq_lens,
+            block_tables=tables_t, slot_mapping=slot_mapping_t, state_slots=slots, positions=positions_t,
+            prefill_cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        return ids_t, batch
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """The step's index arrays on the device. On CUDA they travel in one copy from a pinned staging
+        buffer: one pageable copy per array costs tens of microseconds of host time each, every step."""
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // 8) * 8  # 8-byte aligned, so every slice can be viewed as its dtype
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
+        elif self._staged is not None:
+            self._staged.synchronize()  # the previous step's copy has left the buffer (it has, after sampling)
+        host = self._staging.numpy()
+        for a, off in zip(arrays, offsets):
+            host[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        device = self._staging[:total].to(self.device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return [
+            device[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)
+        ]
+
+    def _page_row(self, req) -> tuple[list[int], np.ndarray]:
+        """(the request's page list, its pages as an array), extended from the last step's array when the
+        list only grew in place since (see Request.pages), rebuilt when the list was replaced."""
+        cached = self._page_rows.get(req.request_id)
+        if cached is not None and cached[0] is req.pages:
+            known = cached[1]
+            if len(known) == len(req.pages):
+                return cached
+            if len(known) < len(req.pages):
+                return req.pages, np.concatenate((known, np.asarray(req.pages[len(known) :], dtype=np.int64)))
+        return req.pages, np.asarray(req.pages, dtype=np.int64)
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem]) -> torch.Tensor:

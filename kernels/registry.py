@@ -15,7 +15,10 @@ from typing import Callable
 import structlog
 import torch
 
-OPS = ("gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update", "write_kv", "paged_attention")
+OPS = (
+    "gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update", "attention_inputs", "paged_attention",
+    "sigmoid_gate", "rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul",
+)  # fmt: skip
 
 log = structlog.get_logger("deltamesh.kernels")
 
@@ -52,8 +55,13 @@ class Kernels:
     gdn_decode: Callable
     conv1d_prefill: Callable
     conv1d_update: Callable
-    write_kv: Callable
+    attention_inputs: Callable
     paged_attention: Callable
+    sigmoid_gate: Callable
+    rms_norm: Callable
+    add_rms_norm: Callable
+    gated_rms_norm: Callable
+    silu_mul: Callable
     chosen: dict[str, str] = field(default_factory=dict)
 
 

@@ -249,3 +249,74 @@ def paged_attention(
     if batch.num_seqs > nd:
         parts.append(_attend(q[nd:], k_cache, v_cache, batch, range(nd, batch.num_seqs), scale))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Norms and activations (fused into one kernel each on GPU)
+# ---------------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm over the last dim: x / rms(x) * (1 + weight), computed in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the residual add and the next layer's norm."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The GDN output norm: weight * x / rms(x), gated by silu(z)."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: [T, 2I] (gate | up) -> silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention layer inputs and output gate
+# ---------------------------------------------------------------------------------------------------
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary embedding (rotate-half form) on the first cos.shape[-1] dims of each head.
+    x: [T, H, D]; cos/sin: [T, rotary_dim]."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    rot = rot * cos[:, None] + rotated * sin[:, None]
+    return torch.cat((rot, rest), dim=-1)
+
+
+def attention_inputs(
+    qkv: torch.Tensor,  # [T, 2*H*D + 2*Hkv*D]: per query head [q | gate], then k, then v
+    heads: int,
+    q_weight: torch.Tensor,  # [D] q RMSNorm weight
+    k_weight: torch.Tensor,  # [D]
+    eps: float,
+    cos: torch.Tensor,  # [T, rotary_dim]
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [P, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]
+) -> torch.Tensor:
+    """q and k RMS-normed per head and rotated, k and v written into the paged cache. Returns q [T, H, D]."""
+    t, dim, kv_heads = qkv.shape[0], k_cache.shape[-1], k_cache.shape[-2]
+    q_rows, kv_rows = 2 * heads * dim, kv_heads * dim
+    q = qkv[:, :q_rows].view(t, heads, 2 * dim)[..., :dim]
+    k = qkv[:, q_rows : q_rows + kv_rows].view(t, kv_heads, dim)
+    v = qkv[:, q_rows + kv_rows :].view(t, kv_heads, dim)
+    q = rope(rms_norm(q, q_weight, eps), cos, sin)
+    k = rope(rms_norm(k, k_weight, eps), cos, sin)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q.contiguous()
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output gate: x * sigmoid(gate), x [T, H, D], gate a [T, H, D] view; returns [T, H*D]."""
+    return (x * torch.sigmoid(gate)).reshape(x.shape[0], -1)

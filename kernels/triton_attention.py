@@ -2,21 +2,44 @@
 place (GQA: each program serves one KV head's whole query group), and prefill through PyTorch's fused
 SDPA over each sequence's gathered pages (bottom-right causal mask for chunks that continue a prefix).
 
-The decode kernel has no host synchronisation and a grid fixed by (batch, kv heads, splits), so a decode
-step can be captured in a CUDA graph.
+The decode kernel streams BLOCK_N tokens (several pages, gathered row by row through the block table)
+per loop trip, so enough KV bytes are in flight to keep HBM busy; the number of splits per sequence is
+chosen from the batch size so the grid covers the GPU several times over at any batch. It has no host
+synchronisation and a grid fixed by (batch, kv heads, splits), so a decode step can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.batch import StepBatch
-from kernels.registry import Backend, ModelShapes, register_backend
 
-NUM_SPLITS = 16  # KV splits per (sequence, kv head); partial results are merged by a second kernel
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Tile and grid of the decode kernel (bench/gpu_kernels.py --attention sweeps these)."""
+
+    # Defaults: the best of the sweep in bench/RESULTS.md (H200, 9B shape, 9k tokens, batch 64 and 256).
+    block_n: int = 32  # tokens per loop trip
+    num_warps: int = 4
+    num_stages: int = 2
+    target_programs: int = 2048  # splits are chosen so batch * kv_heads * splits reaches about this
+    max_splits: int = 32
+
+    def splits(self, batch: int, kv_heads: int) -> int:
+        want = -(-self.target_programs // (batch * kv_heads))
+        return min(self.max_splits, triton_next_pow2(max(1, want)))
+
+
+DEFAULT_LAUNCH = DecodeLaunch()
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _kernels():
@@ -29,28 +52,30 @@ def _kernels():
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh, scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        SPLITS: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     ):  # fmt: skip
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
-        n_pages = tl.cdiv(seq_len, PAGE)
-        per_split = tl.cdiv(n_pages, SPLITS)
-        first, last = split * per_split, tl.minimum((split + 1) * per_split, n_pages)
+        n_blocks = tl.cdiv(seq_len, BLOCK_N)
+        per_split = tl.cdiv(n_blocks, SPLITS)
+        first, last = split * per_split, tl.minimum((split + 1) * per_split, n_blocks)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
-        s = tl.arange(0, PAGE)
+        n = tl.arange(0, BLOCK_N)
         q_rows = kvh * GROUP + g
         q = tl.load(q_ptr + b * stride_qt + q_rows[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for p in range(first, last):
-            page = tl.load(tables_ptr + b * stride_tb + p).to(tl.int64)
-            offs = page * stride_kp + s[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offs)
-            v = tl.load(v_ptr + offs)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, PAGE]
-            valid = (p * PAGE + s) < seq_len
+        for blk in range(first, last):
+            tok = blk * BLOCK_N + n
+            valid = tok < seq_len
+            page = tl.load(tables_ptr + b * stride_tb + tok // PAGE, mask=valid, other=0).to(tl.int64)
+            rows = page * stride_kp + (tok % PAGE) * stride_ks + kvh * stride_kh
+            offs = rows[:, None] + d[None, :]
+            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             alpha = tl.exp(m - m_new)
@@ -73,7 +98,7 @@ def _kernels():
         d = tl.arange(0, HEAD_DIM)
         base = b * stride_ob + h * stride_oh
         lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + sp)
-        weights = tl.exp(lse - tl.max(lse, 0))
+        weights = tl.exp(lse - tl.max(lse, 0))  # an empty split has lse -inf: weight 0
         weights = weights / tl.sum(weights, 0)
         parts = tl.load(part_out_ptr + base + sp[:, None] * stride_os + d[None, :])
         out = tl.sum(parts * weights[:, None], 0)
@@ -92,6 +117,7 @@ def paged_decode(
     block_tables: torch.Tensor,  # [B, max_pages] int32
     seq_lens: torch.Tensor,  # [B] int32, including the new token
     scale: float,
+    launch: DecodeLaunch = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
     global _KERNELS
     if _KERNELS is None:
@@ -101,24 +127,22 @@ def paged_decode(
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.stride(2) == dim
-    part_out = torch.empty(batch, heads, NUM_SPLITS, dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, heads, NUM_SPLITS, dtype=torch.float32, device=q.device)
-    decode_split[(batch, kv_heads, NUM_SPLITS)](
+    splits = launch.splits(batch, kv_heads)
+    part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    decode_split[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), scale,
-        GROUP=group, GROUP_PAD=max(16, triton_next_pow2(group)), HEAD_DIM=dim, PAGE=page, SPLITS=NUM_SPLITS,
+        GROUP=group, GROUP_PAD=max(16, triton_next_pow2(group)), HEAD_DIM=dim, PAGE=page, BLOCK_N=launch.block_n,
+        SPLITS=splits, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     out = torch.empty_like(q)
     merge_splits[(batch, heads)](
         part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
-        part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, SPLITS=NUM_SPLITS,
+        part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, SPLITS=splits,
     )  # fmt: skip
     return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _prefill(q, k_cache, v_cache, batch: StepBatch, scale: float) -> torch.Tensor:
@@ -151,20 +175,3 @@ def paged_attention(q, k_cache, v_cache, batch: StepBatch, scale: float) -> torc
     if batch.num_seqs > nd:
         parts.append(_prefill(q[nd:], k_cache, v_cache, batch, scale))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable], str]:
-    if device.type != "cuda":
-        return {}, "needs a CUDA device"
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return {}, f"triton is not installed ({e})"
-    if shapes.head_dim & (shapes.head_dim - 1) or shapes.page_size < 16:
-        return {}, "needs a power-of-two head dim and page size >= 16"
-    if shapes.dtype == torch.float32:
-        return {}, "fp32 models keep the exact torch reference (Triton dots would run in tf32)"
-    return {"paged_attention": paged_attention}, ""
-
-
-register_backend(Backend("triton", 15, _load))

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One stage of the GPU measurements, run on the GPU host from the repo root after the wheel parts from
 # `../shared/tools/gpu-wheels build --ucx --no-jit-sources` are installed. Logs and JSON go to $OUT.
-#   stage a: GPU tests (kernels + whole model) and the kernel benchmark (one GPU)
-#   stage m: the whole-model benchmark (one GPU)
-#   stage b: side-channel transfer GPU0 -> GPU1 and the disaggregated vs colocated serving sweep (two GPUs)
+#   stage a: GPU tests (kernels + whole model) and the whole-model benchmark with its per-kernel profile
+#   stage k: the GDN kernel table and the paged-attention launch sweep (one GPU)
+#   stage b: side-channel transfer GPU0 -> GPU1 (two UCX progress modes) and the 1P+1D serving sweep
+#   stage c: the colocated serving sweep (one GPU)
 set -u
-stage=${1:?stage a or b}
+stage=${1:?stage a, k, b or c}
 parts=(.gpu-wheels2/p*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -26,15 +27,19 @@ case $stage in
 a)
   run env 60 python -c "import torch, triton, flashinfer, fla, ucxx; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), triton.__version__, flashinfer.__version__, ucxx.__version__)"
   TAIL=30 run gpu_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE
-  run gpu_kernels 180 python bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
+  TAIL=120 run gpu_model 420 python bench/gpu_model.py --skip-hf --profile --out "$OUT/gpu_model.json"
   ;;
-m)
-  run gpu_model 540 python bench/gpu_model.py --out "$OUT/gpu_model.json"
+k)
+  run gpu_kernels 180 python bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
+  TAIL=70 run gpu_attention 240 python bench/gpu_kernels.py --attention --no-gdn --out "$OUT/gpu_attention.json"
   ;;
 b)
-  run transfer 150 python bench/transfer.py --device cuda --no-ucx-error-handling --ucx-proto-info \
-    --lengths 1k,8k,32k --max-tokens 32k --reps 5 --out "$OUT/transfer_gpu.json"
+  TAIL=30 run transfer 150 python bench/transfer.py --device cuda --no-ucx-error-handling --ucx-proto-info \
+    --lengths 1k,8k,32k --max-tokens 32k --reps 5 --progress-modes thread,thread-polling --out "$OUT/transfer_gpu.json"
   grep -m 12 -E "cuda_ipc|cuda_copy|rndv|zcopy" "$OUT/transfer.log" | cut -c1-200
-  run serve_sweep 420 python bench/disagg_sweep.py --out "$OUT/serve_sweep.json"
+  run serve_disagg 400 python bench/disagg_sweep.py --setups disagg --out "$OUT/serve_disagg.json"
+  ;;
+c)
+  run serve_colocated 540 python bench/disagg_sweep.py --setups colocated --out "$OUT/serve_colocated.json"
   ;;
 esac

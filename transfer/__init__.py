@@ -8,6 +8,7 @@ from transfer.side_channel import (
     TransferError,
     TransferStats,
     configure_ucx,
+    shutdown_ucx,
     segments,
     worker_address,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "TransferError",
     "TransferStats",
     "configure_ucx",
+    "shutdown_ucx",
     "segments",
     "worker_address",
 ]

@@ -56,12 +56,31 @@ class TransferStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def configure_ucx(bind_host: str) -> None:
-    """Must run before the first ucxx call. When the side channel is bound to loopback, UCX may use only
-    `lo`: by default it would open every network device it finds."""
+def configure_ucx(bind_host: str, gpu: bool = False) -> None:
+    """Must run before the first ucxx call.
+
+    - Loopback: when the side channel is bound to loopback, UCX may use only `lo` (by default it would
+      open every network device it finds).
+    - Completion: ucxx's notifier thread wakes the asyncio loop when a request completes. Without it each
+      pending receive is polled by the event loop, which keeps a core busy even when nothing moves.
+    - Progress: on a GPU a polling progress thread, so cuda_ipc completions and control messages are seen
+      within microseconds (the blocking thread waits up to 1 ms per wake-up, which was most of a pull's
+      fixed cost); on a CPU host a blocking one, so idle workers cost no CPU. `UCXPY_PROGRESS_MODE` in the
+      environment wins.
+    """
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if _is_loopback(bind_host):
         os.environ["UCX_NET_DEVICES"] = "lo"
+    os.environ["UCXPY_ENABLE_PYTHON_FUTURE"] = "1"
+    os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread-polling" if gpu else "thread")
+
+
+def shutdown_ucx() -> None:
+    """Stop ucxx's notifier thread (a process exit would otherwise wait for it)."""
+    import sys
+
+    if "ucxx" in sys.modules:
+        sys.modules["ucxx"].stop_notifier_thread()
 
 
 def _is_loopback(host: str) -> bool:
@@ -220,15 +239,24 @@ class StateServer:
             except TransferError as e:
                 await self._send_status(ep, req, transfer_pb2.PullStatus(ok=False, error=str(e)))
                 return
-            await self._send_status(ep, req, transfer_pb2.PullStatus(ok=True, num_segments=len(plan)))
-            await failpoints.hit("transfer.after_status")
+            # The status goes out with the data, not before it: each awaited completion costs a wake-up of this
+            # event loop, and the puller has posted every receive before asking.
+            status = asyncio.ensure_future(
+                ep.send(_frame(transfer_pb2.PullStatus(ok=True, num_segments=len(plan))), tag=req.reply_tag,
+                        force_tag=True)
+            )  # fmt: skip
+            try:
+                await failpoints.hit("transfer.after_status")
+            except BaseException:
+                status.cancel()
+                raise
             # No stream sync needed: the engine synchronised when it sampled the first token, after the
             # kernels that wrote this state.
             sends = [
                 ep.send(_ucx_buffer(lease.buffers[i][off : off + n]), tag=req.reply_tag + 1 + k, force_tag=True)
                 for k, (i, off, _, _, n) in enumerate(plan)
             ]
-            await asyncio.wait_for(asyncio.gather(*sends), self.send_timeout_s)
+            await asyncio.wait_for(asyncio.gather(status, *sends), self.send_timeout_s)
             ok = True
             log.info("state sent", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(plan),
                      seconds=round(time.perf_counter() - started, 6))  # fmt: skip
@@ -251,6 +279,7 @@ class StatePuller:
 
     def __init__(self, error_handling: bool = True):
         self._eps = _Endpoints(error_handling)
+        self._address = b""  # this worker's UCX address, sent with every pull
 
     async def close(self) -> None:
         await self._eps.close()
@@ -288,6 +317,7 @@ class StatePuller:
         from deltamesh.v1 import transfer_pb2
 
         plan = segments(list(holder_sizes), [b.numel() for b in buffers])
+        self._address = self._address or worker_address()
         reply_tag = secrets.randbits(40) << 20  # room for up to 2^20 - 1 segments
         if len(plan) >= 1 << 20:
             raise TransferError(f"{len(plan)} segments is too many for one pull")
@@ -297,21 +327,28 @@ class StatePuller:
             asyncio.ensure_future(ucxx.recv(_ucx_buffer(buffers[j][off : off + n]), tag=reply_tag + 1 + k))
             for k, (_, _, j, off, n) in enumerate(plan)
         ]
+        sent = None
         try:
             ep = await self._eps.get(address)
             request = transfer_pb2.PullRequest(
                 lease_id=lease_id, token=token, compat_hash=compat_hash, reply_tag=reply_tag,
-                reply_address=worker_address(), region_bytes=[b.numel() for b in buffers],
+                reply_address=self._address, region_bytes=[b.numel() for b in buffers],
             )  # fmt: skip
-            await ep.send(_frame(request), tag=REQUEST_TAG, force_tag=True)
-            await status_rx
+            sent = asyncio.ensure_future(ep.send(_frame(request), tag=REQUEST_TAG, force_tag=True))
+            # Wait for the answer, or for the request to fail; not for the request's completion first (one
+            # wake-up of the event loop fewer on the critical path).
+            await asyncio.wait((sent, status_rx), return_when=asyncio.FIRST_EXCEPTION)
+            if sent.done():
+                sent.result()
+            status_rx.result()  # raises if the receive failed
             status = _unframe(status_buf, transfer_pb2.PullStatus)
             if not status.ok:
                 raise TransferError(f"holder refused the pull: {status.error}", refused=True)
-            await asyncio.gather(*data_rx)
+            await asyncio.gather(sent, *data_rx)
         except BaseException:
-            for f in [status_rx, *data_rx]:
-                f.cancel()
+            for f in (status_rx, *data_rx, sent):
+                if f is not None:
+                    f.cancel()
             raise
         nbytes = sum(n for *_, n in plan)
         return TransferStats(nbytes, len(plan), time.perf_counter() - started)

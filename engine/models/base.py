@@ -85,17 +85,23 @@ class HybridLM(nn.Module, ABC):
         kernels: Kernels,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
-        x = F.embedding(input_ids, self.embed)
-        rope = self.rotary.cos_sin(batch.positions, x.dtype)
+        residual = F.embedding(input_ids, self.embed)
+        rope = self.rotary.cos_sin(batch.positions, residual.dtype)
+        state_rows = state_pool.layer_rows(batch.state_slots)
+        h = None  # the last block's output, not yet added to the residual stream
         for layer in self.layers:
-            h = layer.input_norm(x)
-            if isinstance(layer.mixer, GatedAttention):
-                h = layer.mixer(h, batch, rope, kv_pool, kernels)
+            # each residual add is fused with the norm that reads its result
+            if h is None:
+                x = layer.input_norm(residual, kernels)
             else:
-                h = layer.mixer(h, batch, state_pool, kernels)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_norm(x))
-        return self.norm(x)
+                x, residual = kernels.add_rms_norm(h, residual, layer.input_norm.weight, layer.input_norm.eps)
+            if isinstance(layer.mixer, GatedAttention):
+                h = layer.mixer(x, batch, rope, kv_pool, kernels)
+            else:
+                h = layer.mixer(x, batch, state_pool, state_rows, kernels)
+            x, residual = kernels.add_rms_norm(h, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps)
+            h = layer.mlp(x, kernels)
+        return kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

@@ -52,33 +52,30 @@ def _fused_slots(param: torch.Tensor, names_and_rows: list[tuple[str, int]], dim
 
 # ---------------------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: x / rms(x) * (1 + w), computed in float32."""
+    """Zero-centred RMSNorm: x / rms(x) * (1 + w), computed in float32 (kernels.rms_norm)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight, self.eps = _param(dim), eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
-        return out.to(x.dtype)
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
-    """The GDN output norm: w * x / rms(x), gated by silu(z)."""
+    """The GDN output norm: w * x / rms(x), gated by silu(z) (kernels.gated_rms_norm)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight, self.eps = _param(dim), eps
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, z: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class Rotary:
-    """Partial rotary embedding (rotate-half form) on the first `rotary_dim` dims of each head.
+    """cos/sin tables of the partial rotary embedding (rotate-half form, applied by kernels.attention_inputs)
+    on the first `rotary_dim` dims of each head.
 
     Qwen3.5's multimodal RoPE gives each frequency one of three position streams (time, height, width),
     interleaved per `mrope_section`. Text tokens carry the same position in all three streams, so for text
@@ -104,16 +101,6 @@ class Rotary:
             idx = slice(stream, section[stream] * 3, 3)
             out[..., idx] = freqs[stream][..., idx]
         return out
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; cos/sin: [T, rotary_dim]."""
-        rd = cos.shape[-1]
-        rot, rest = x[..., :rd], x[..., rd:]
-        half = rd // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        rot = rot * cos[:, None] + rotated * sin[:, None]
-        return torch.cat((rot, rest), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,19 +132,14 @@ class GatedAttention(nn.Module):
         return slots
 
     def forward(self, x, batch: StepBatch, rope: tuple, kv_pool: KVPagePool, kernels: Kernels):
-        t = x.shape[0]
-        qg, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.splits, dim=-1)
-        q, gate = qg.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.kv_heads, self.head_dim))
-        v = v.view(t, self.kv_heads, self.head_dim)
-        cos, sin = rope
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        t, d = x.shape[0], self.head_dim
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
         k_cache, v_cache = kv_pool.layer(self.kv_layer)
-        kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        attn = kernels.paged_attention(q.contiguous(), k_cache, v_cache, batch, self.head_dim**-0.5)
-        attn = attn.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return F.linear(attn, self.o_proj, self.o_bias)
+        q = kernels.attention_inputs(qkv, self.heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope,
+                                     k_cache, v_cache, batch.slot_mapping)  # fmt: skip
+        attn = kernels.paged_attention(q, k_cache, v_cache, batch, d**-0.5)
+        gate = qkv[:, : self.splits[0]].view(t, self.heads, 2 * d)[..., d:]
+        return F.linear(kernels.sigmoid_gate(attn, gate), self.o_proj, self.o_bias)
 
 
 class GatedDeltaNet(nn.Module):
@@ -190,10 +172,11 @@ class GatedDeltaNet(nn.Module):
         slots[f"{prefix}.out_proj.weight"] = WeightSlot(self.out_proj)
         return slots
 
-    def forward(self, x, batch: StepBatch, state_pool: StatePool, kernels: Kernels):
+    def forward(self, x, batch: StepBatch, state_pool: StatePool, state_rows: torch.Tensor, kernels: Kernels):
+        """state_rows: StatePool.layer_rows of the step's slots."""
         t, nd = x.shape[0], batch.num_decode
         mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
-        idx = state_pool.layer_index(batch.state_slots, self.state_layer)
+        idx = state_rows[self.state_layer]
         conv_pool, rec_pool = state_pool.conv_flat, state_pool.recurrent_flat
         prefill_lens = batch.query_lens[nd:]
 
@@ -219,7 +202,7 @@ class GatedDeltaNet(nn.Module):
                                     batch.prefill_cu_seqlens, rec_pool, idx[nd:])
             )
         core = torch.cat(core) if len(core) > 1 else core[0]
-        out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(t, self.value_dim)
+        out = self.norm(core, z.view(t, self.hv, self.dv), kernels).reshape(t, self.value_dim)
         return F.linear(out, self.out_proj)
 
 
@@ -238,9 +221,8 @@ class MLP(nn.Module):
         slots[f"{prefix}.down_proj.weight"] = WeightSlot(self.down)
         return slots
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return F.linear(kernels.silu_mul(F.linear(x, self.gate_up)), self.down)
 
 
 class SparseMoE(nn.Module):
@@ -270,7 +252,7 @@ class SparseMoE(nn.Module):
             slots[f"{prefix}.experts.{e}.down_proj.weight"] = WeightSlot(self.w2, index=e)
         return slots | self.shared.weight_slots(f"{prefix}.shared_expert")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
@@ -280,9 +262,9 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
-        shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, kernels)
         if x.is_cuda and x.dtype == torch.bfloat16:
-            return shared + self._grouped(x, flat, order, token_of, weights)
+            return shared + self._grouped(x, flat, order, token_of, weights, kernels)
         out = torch.zeros_like(x)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         start = 0
@@ -292,18 +274,16 @@ class SparseMoE(nn.Module):
             pairs = order[start : start + n]
             tokens = token_of[start : start + n]
             start += n
-            gate, up = F.linear(x[tokens], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e]) * weights.flatten()[pairs, None]
+            y = F.linear(kernels.silu_mul(F.linear(x[tokens], self.w13[e])), self.w2[e]) * weights.flatten()[pairs, None]
             out.index_add_(0, tokens, y)
         return out + shared
 
-    def _grouped(self, x, flat, order, token_of, weights) -> torch.Tensor:
+    def _grouped(self, x, flat, order, token_of, weights, kernels: Kernels) -> torch.Tensor:
         """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation."""
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offsets)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
+        y = torch._grouped_mm(kernels.silu_mul(h), self.w2.transpose(1, 2), offs=offsets)
         y = y * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token_of, y)

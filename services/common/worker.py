@@ -90,11 +90,11 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> 
     """Start a worker: engine, side channel and gRPC services from `setup(worker)`, which returns
     (services for GrpcServer, async start hook, async stop hook, background coroutines, lease table or None)."""
     from services.common.server import GrpcServer
-    from transfer import configure_ucx
+    from transfer import configure_ucx, shutdown_ucx
 
     from services.common.metrics import serve_worker_metrics
 
-    configure_ucx(settings.host)
+    configure_ucx(settings.host, gpu=settings.engine.torch_device().type == "cuda")
     worker = Worker(settings)
     services, on_start, on_stop, background, leases = setup(worker)
     serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
@@ -112,4 +112,5 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> 
     await server.stop(grace_s=2.0)
     await asyncio.gather(*tasks, return_exceptions=True)
     await on_stop()
+    shutdown_ucx()
     worker.shutdown()

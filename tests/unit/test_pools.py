@@ -62,7 +62,7 @@ def test_state_slots_are_zeroed_and_slot_major():
     assert pool.recurrent[s].abs().sum() == 0 and pool.conv[s].abs().sum() == 0
     conv, rec = pool.regions(s)
     assert rec.nbytes == 4 * 2 * 8 * 8 * 4  # every layer's state in one region
-    flat_idx = pool.layer_index(torch.tensor([s]), 3)
+    flat_idx = pool.layer_rows(torch.tensor([s]))[3]
     assert pool.recurrent_flat[int(flat_idx)].data_ptr() == pool.recurrent[s, 3].data_ptr()
     pool.alloc(), pool.alloc()
     with pytest.raises(PoolExhausted):
