@@ -157,9 +157,14 @@ class StatePool:
         return self.recurrent.flatten(0, 1)
 
     def layer_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """[layers, B]: row i holds the flat-pool rows of layer i for `slots` (computed once per step)."""
+        """[layers, B]: row i holds the flat-pool rows of layer i for `slots` (computed once per step). Each row
+        starts 16-byte aligned, as FlashInfer requires of its index tensors."""
+        b = slots.shape[0]
+        padded = -(-b * slots.element_size() // 16) * 16 // slots.element_size()
         layers = torch.arange(self.num_layers, dtype=slots.dtype, device=slots.device)
-        return slots[None, :] * self.num_layers + layers[:, None]
+        rows = torch.empty((self.num_layers, padded), dtype=slots.dtype, device=slots.device)
+        torch.add(slots[None, :] * self.num_layers, layers[:, None], out=rows[:, :b])
+        return rows[:, :b]
 
     def regions(self, slot: int) -> list[Region]:
         return [

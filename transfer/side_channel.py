@@ -7,8 +7,10 @@ messages are tagged. A pull goes:
    receive for every segment straight into its own buffers, then sends a `PullRequest` (lease id, token,
    compatibility hash, its address, a reply tag) to the holder's well-known request tag.
 2. The holder (prefill) checks the lease before touching any byte, replies `PullStatus`, and on success
-   sends every segment zero-copy from its pools. Send completion is the acknowledgement: the lease is then
-   ended and the held memory freed.
+   sends it together with every segment, zero-copy from its pools. Send completion is the
+   acknowledgement: the lease is then ended and the held memory freed.
+3. A puller that gives up (cancelled, or past its deadline) sends an abandon notice for the lease; the
+   holder cancels its sends and frees the state at once.
 
 Everything is bounded by a deadline. Buffers are 1-D uint8 tensors (CPU or CUDA); CUDA tensors go through
 `__cuda_array_interface__`, so UCX picks cuda_ipc / NVLink on a GPU host with no host staging.
@@ -76,11 +78,15 @@ def configure_ucx(bind_host: str, gpu: bool = False) -> None:
 
 
 def shutdown_ucx() -> None:
-    """Stop ucxx's notifier thread (a process exit would otherwise wait for it)."""
+    """Shut UCX down once the side channel's endpoints are closed: stops ucxx's notifier thread (a process
+    exit would otherwise wait for it) and unbinds ucxx from this event loop, so a later loop can use it."""
     import sys
 
     if "ucxx" in sys.modules:
-        sys.modules["ucxx"].stop_notifier_thread()
+        try:
+            sys.modules["ucxx"].reset()
+        except Exception as e:  # something still holds an endpoint: the notifier thread is stopped anyway
+            log.warning("ucx reset incomplete", error=str(e))
 
 
 def _is_loopback(host: str) -> bool:
@@ -183,6 +189,7 @@ class StateServer:
         self._eps = _Endpoints(error_handling)
         self._task: asyncio.Task | None = None
         self._pulls: set[asyncio.Task] = set()
+        self._sending: dict[str, tuple[bytes, asyncio.Task]] = {}  # lease id -> (token, task) of pulls under way
         self.address = b""
 
     async def start(self) -> None:
@@ -212,11 +219,30 @@ class StateServer:
             except Exception as e:  # malformed or truncated request: drop it, keep serving
                 log.warning("bad pull request", error=str(e))
                 continue
+            if req.abandon:
+                self._abandon(req)
+                continue
             task = asyncio.create_task(self._answer(req))
             self._pulls.add(task)
             task.add_done_callback(self._pulls.discard)
+            # registered before the next message is read, so an abandon right behind the request finds it
+            self._sending.setdefault(req.lease_id, (req.token, task))
+
+    def _abandon(self, req) -> None:
+        """The puller gave up: cancel the sends (the lease then ends as aborted and frees its memory)."""
+        token, task = self._sending.get(req.lease_id, (b"", None))
+        if task is not None and secrets.compare_digest(token, req.token):
+            log.warning("pull abandoned by the puller", lease_id=req.lease_id)
+            task.cancel()
 
     async def _answer(self, req) -> None:
+        try:
+            await self._answer_pull(req)
+        finally:
+            if self._sending.get(req.lease_id, (b"", None))[1] is asyncio.current_task():
+                del self._sending[req.lease_id]
+
+    async def _answer_pull(self, req) -> None:
         from deltamesh.v1 import transfer_pb2
 
         started = time.perf_counter()
@@ -280,9 +306,24 @@ class StatePuller:
     def __init__(self, error_handling: bool = True):
         self._eps = _Endpoints(error_handling)
         self._address = b""  # this worker's UCX address, sent with every pull
+        self._notices: set[asyncio.Future] = set()  # abandon notices on their way
 
     async def close(self) -> None:
+        if self._notices:
+            await asyncio.wait(self._notices, timeout=1.0)
         await self._eps.close()
+
+    def _tell_abandoned(self, ep, lease_id: str, token: bytes) -> None:
+        """Let the holder stop sending and free the state now rather than at its send deadline. Fire and
+        forget: this runs while the pull is being cancelled."""
+        from deltamesh.v1 import transfer_pb2
+
+        notice = asyncio.ensure_future(
+            ep.send(_frame(transfer_pb2.PullRequest(lease_id=lease_id, token=token, abandon=True)), tag=REQUEST_TAG,
+                    force_tag=True)
+        )  # fmt: skip
+        self._notices.add(notice)
+        notice.add_done_callback(lambda t: self._notices.discard(t) or t.cancelled() or t.exception())
 
     async def pull(
         self,
@@ -327,7 +368,7 @@ class StatePuller:
             asyncio.ensure_future(ucxx.recv(_ucx_buffer(buffers[j][off : off + n]), tag=reply_tag + 1 + k))
             for k, (_, _, j, off, n) in enumerate(plan)
         ]
-        sent = None
+        ep = sent = None
         try:
             ep = await self._eps.get(address)
             request = transfer_pb2.PullRequest(
@@ -345,10 +386,12 @@ class StatePuller:
             if not status.ok:
                 raise TransferError(f"holder refused the pull: {status.error}", refused=True)
             await asyncio.gather(sent, *data_rx)
-        except BaseException:
+        except BaseException as e:
             for f in (status_rx, *data_rx, sent):
                 if f is not None:
                     f.cancel()
+            if sent is not None and not (isinstance(e, TransferError) and e.refused):
+                self._tell_abandoned(ep, lease_id, token)
             raise
         nbytes = sum(n for *_, n in plan)
         return TransferStats(nbytes, len(plan), time.perf_counter() - started)

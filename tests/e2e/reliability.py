@@ -48,9 +48,10 @@ def render() -> str:
         "",
         "Known limits:",
         "- A UCX receive that has already matched a rendezvous cannot be cancelled. When a pull hits its",
-        "  deadline the decode worker frees its reservation; if the stalled holder later resumes, its send has",
-        "  timed out on its side too (the holder's send deadline equals the pull deadline), so no late write has",
-        "  been seen, but UCX gives no guarantee of it.",
+        "  deadline or is cancelled, the decode worker frees its reservation and sends the holder an abandon",
+        "  notice (the holder then cancels its sends and frees the held state at once, not at its send",
+        "  deadline); a receive the puller's UCX had already matched may still finish into the freed",
+        "  pages. No late write has been seen, but UCX gives no guarantee against it.",
         "- With `--no-ucx-error-handling` (shared memory / cuda_ipc) UCX cannot report a dead peer; the pull and",
         "  send deadlines and the gRPC legs still end every request in bounded time.",
     ]

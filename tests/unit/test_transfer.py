@@ -8,7 +8,16 @@ import time
 import pytest
 import torch
 
-from transfer import LeaseRefused, LeaseTable, StatePuller, StateServer, TransferError, configure_ucx, segments
+from transfer import (
+    LeaseRefused,
+    LeaseTable,
+    StatePuller,
+    StateServer,
+    TransferError,
+    configure_ucx,
+    segments,
+    shutdown_ucx,
+)
 
 
 def test_segments_cut_both_region_lists_at_every_boundary():
@@ -72,5 +81,37 @@ def test_pull_over_ucx_moves_exact_bytes_and_refusals_move_none():
         finally:
             await puller.close()
             await server.stop()
+            shutdown_ucx()  # ucxx is bound to this event loop until reset
+
+    asyncio.run(main())
+
+
+def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
+    """A puller that gives up (here: its deadline passes while the holder stalls after the status) tells the
+    holder, which stops sending and frees the state now, not at its own 30 s send deadline."""
+    from transfer import failpoints
+
+    configure_ucx("127.0.0.1")
+    monkeypatch.setitem(failpoints._ACTIVE, "transfer.after_status", "sleep:20")
+
+    async def main():
+        leases = LeaseTable()
+        server = StateServer(leases, send_timeout_s=30)
+        await server.start()
+        puller = StatePuller()
+        try:
+            src, dst = [torch.ones(1 << 20, dtype=torch.uint8)], [torch.zeros(1 << 20, dtype=torch.uint8)]
+            ended = []
+            lease = leases.offer("L", "h", src, 60, ended.append)
+            with pytest.raises(TransferError, match="did not finish"):
+                await puller.pull(server.address, "L", lease.token, "h", [1 << 20], dst, 0.5)
+            t0 = time.monotonic()
+            while not ended and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.01)
+            assert ended == ["aborted"] and len(leases) == 0
+        finally:
+            await puller.close()
+            await server.stop()
+            shutdown_ucx()  # ucxx is bound to this event loop until reset
 
     asyncio.run(main())
