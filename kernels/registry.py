@@ -1,4 +1,5 @@
-"""One registry picks a backend per op: FlashInfer (SM100/SM90) > FLA (Triton) > torch reference.
+"""One registry picks a backend per op, by priority: FlashInfer (GDN; SM100/SM90) > our Triton kernels
+(attention, norms, activations, conv1d update) > FLA (GDN, Triton) > torch reference.
 
 A backend is a loader that, given the device and the model's shapes, returns the ops it can run there
 (possibly a subset, possibly none, with the reason). Selection can be forced for every op
