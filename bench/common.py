@@ -165,3 +165,21 @@ def _looks_numeric(s: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def decode_items(core, batch: int, context: int) -> list:
+    """Scheduled decode items of an EngineCore: `batch` requests that already hold `context` tokens of
+    (random) state, one new token each, with their pages and state slot allocated."""
+    from engine import SamplingParams
+    from engine.request import Request
+    from engine.scheduler import ScheduledItem
+
+    items = []
+    for i in range(batch):
+        req = Request(f"d{i}", [1] * context, SamplingParams(max_tokens=8, temperature=0), None)
+        req.output_ids = [2]
+        req.num_computed = context
+        req.slot = core.state_pool.alloc()
+        req.pages = core.kv_pool.alloc(core.kv_pool.pages_for(context + 1))
+        items.append(ScheduledItem(req, 1))
+    return items

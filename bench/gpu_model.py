@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import decode_items  # noqa: E402
 from bench.gpu_common import hbm_bandwidth, machine_info, matmul_rate, print_table  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
@@ -51,19 +52,6 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
     return sorted(times)[len(times) // 2]
-
-
-def decode_items(core: EngineCore, batch: int, context: int) -> list[ScheduledItem]:
-    """Requests that already hold `context` tokens of (random) state: one decode token each."""
-    items = []
-    for i in range(batch):
-        req = Request(f"d{i}", [1] * context, SamplingParams(max_tokens=8, temperature=0), None)
-        req.output_ids = [2]
-        req.num_computed = context
-        req.slot = core.state_pool.alloc()
-        req.pages = core.kv_pool.alloc(core.kv_pool.pages_for(context + 1))
-        items.append(ScheduledItem(req, 1))
-    return items
 
 
 def step_bytes(core: EngineCore, batch: int, context: int) -> dict[str, int]:

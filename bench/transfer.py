@@ -19,7 +19,10 @@ means TCP over `lo`; off: UCX may use shared memory / CMA between the two proces
   CRC32 of what arrived before anything is reported; the holder confirms the lease ended as "pulled".
 Each length runs --reps + 1 pulls; the first is a warm-up and is dropped. Seconds are StatePuller's own
 (request sent -> last segment received, endpoint reuse included as in a running worker). The baseline row
-is a single-threaded torch copy of the same number of bytes within one process.
+is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
+GPU 0 -> GPU 1 copy). Options: --progress-modes compares ucxx progress modes; --in-flight N pulls N requests
+at once; --overlap-model DIR runs a real engine decode loop on a thread of the puller (as a decode worker
+does) and reports its step times before the first pull vs during pulls.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import logging
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -67,6 +71,10 @@ class Options:
     device: str = "cpu"  # cuda: holder on GPU 0, puller on GPU 1 (UCX moves GPU memory, e.g. cuda_ipc/NVLink)
     progress_mode: str | None = None  # ucxx progress mode (None: what transfer.configure_ucx picks)
     in_flight: int = 1  # requests pulled at once (their pulls overlap)
+    overlap_model: str | None = None  # run a decode loop of this model in the puller while it pulls
+    overlap_batch: int = 8
+    overlap_context: int = 1024
+    overlap_idle_s: float = 3.0  # decode steps before the first pull: the undisturbed baseline
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,17 +201,78 @@ def puller_main(conn, opts: Options) -> None:
         raise
 
 
+class DecodeLoop:
+    """A real engine decode loop on its own thread, as a decode worker runs one beside its event loop:
+    `batch` requests of `context` tokens stepped back to back; (start, end) of each step, perf_counter."""
+
+    def __init__(self, opts: Options):
+        from bench.common import decode_items
+        from engine import EngineConfig
+        from engine.core import EngineCore
+
+        ctx, batch = opts.overlap_context, opts.overlap_batch
+        weights = "auto" if any(Path(opts.overlap_model).glob("*.safetensors")) else "dummy"
+        self.core = EngineCore(EngineConfig(
+            model=opts.overlap_model, load_format=weights, device=opts.device, max_num_seqs=batch,
+            num_kv_pages=batch * -(-(ctx + 64) // 16) + 64, max_model_len=ctx + 64,
+            max_num_batched_tokens=max(1024, ctx),
+        ))  # fmt: skip
+        self.items = decode_items(self.core, batch, ctx)
+        self.steps: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            self.core.runner.execute(self.items).argmax(-1).tolist()
+            self.steps.append((t0, time.perf_counter()))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self._thread.join()
+        return self.steps
+
+
+def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, float]]) -> dict:
+    """Decode step times before the first pull (idle) vs steps that overlapped a pull."""
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(x * 1e3 for x in xs)
+        pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None  # noqa: E731
+        return {"steps": len(xs), "median_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": xs[-1] if xs else None}
+
+    first = min(start for start, _ in pulls)
+    idle = [end - start for start, end in steps if end <= first]
+    overlapping = [[end - start for start, end in steps if start < p1 and end > p0] for p0, p1 in pulls]
+    during = [end - start for start, end in steps if any(start < p1 and end > p0 for p0, p1 in pulls)]
+    return {"idle": stats(idle), "during_pulls": stats(during), "pulls": len(pulls),
+            "max_step_ms_per_pull": [round(max(x) * 1e3, 3) if x else None for x in overlapping],
+            "pull_ms": [round((p1 - p0) * 1e3, 3) for p0, p1 in pulls]}  # fmt: skip
+
+
 async def _puller(conn, opts: Options) -> None:
     from transfer import StatePuller, TransferError
 
     kv, st = _pools(opts)
     puller = StatePuller(error_handling=opts.error_handling)
+    await puller.start()
+    decode_loop = DecodeLoop(opts) if opts.overlap_model else None
+    pulls: list[tuple[float, float]] = []
     conn.send(("ready", None))
+    if decode_loop:
+        decode_loop.start()
     try:
         while True:
             msg = await _recv(conn)
             if msg[0] == "stop":
                 break
+            if msg[0] == "report":
+                conn.send(("overlap", overlap_summary(decode_loop.stop(), pulls)))
+                continue
             _, address, n_tokens, offers = msg  # offers: [(lease id, token, holder sizes, crc)]
             held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc()) for _ in offers]  # what EngineCore.reserve does
             try:
@@ -220,9 +289,11 @@ async def _puller(conn, opts: Options) -> None:
                     conn.send(("pulled", {"error": str(e)}))
                     continue
                 wall = time.perf_counter() - t0
+                pulls.append((t0, t0 + wall))
                 ok = all(_crc(buffers) == offer[3] for offer, buffers in zip(offers, targets))
                 conn.send(("pulled", {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
                                       "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
+                                      "status_seconds": max(x.status_seconds for x in stats),
                                       "puller_regions": len(targets[0]), "crc_ok": ok}))  # fmt: skip
             finally:
                 for pages, slot in held:
@@ -246,7 +317,8 @@ def _expect(conn, kind: str, timeout_s: float):
     return msg[1:]
 
 
-def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> list[dict]:
+def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[list[dict], dict | None]:
+    """Transfer rows for each length, and (with opts.overlap_model) the decode loop's step times."""
     ctx = mp.get_context("spawn")
     h_conn, h_child = ctx.Pipe()
     p_conn, p_child = ctx.Pipe()
@@ -257,10 +329,12 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> list[di
     mode = "on" if opts.error_handling else "off"
     progress = opts.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE") or "default"
     label = f"eh-{mode}-{progress}-x{opts.in_flight}"
-    rows = []
+    rows, overlap = [], None
     try:
         (address,) = _expect(h_conn, "ready", 120)
-        _expect(p_conn, "ready", 120)
+        _expect(p_conn, "ready", 300)
+        if opts.overlap_model:
+            time.sleep(opts.overlap_idle_s)  # the decode loop runs undisturbed: its baseline
         for n_tokens in lengths:
             samples, info = [], {}
             for rep in range(reps + 1):
@@ -294,11 +368,17 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> list[di
                 "progress_mode": progress, "in_flight": opts.in_flight, "tokens": n_tokens,
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
+                "status_seconds_median": median([s["status_seconds"] for s in samples]),
                 "gb_per_s": total / median(secs) / 1e9, "verified": "crc32",
             }  # fmt: skip
             print(f"[{label}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
                   f"= {row['gb_per_s']:.2f} GB/s, {info['buffers']} buffers", flush=True)  # fmt: skip
             rows.append(row)
+        if opts.overlap_model:
+            p_conn.send(("report",))
+            (summary,) = _expect(p_conn, "overlap", 300)
+            overlap = {"mode": label, "model": rel(opts.overlap_model), "batch": opts.overlap_batch,
+                       "context": opts.overlap_context, **summary}  # fmt: skip
     finally:
         for conn in (h_conn, p_conn):
             try:
@@ -310,7 +390,7 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> list[di
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
-    return rows
+    return rows, overlap
 
 
 def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) -> list[dict]:
@@ -412,6 +492,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ucxx progress modes to compare, e.g. thread,thread-polling (default: configure_ucx's choice)")
     p.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="requests pulled at once, e.g. 1,4: their pulls overlap; a row per value (default 1)")
+    p.add_argument("--overlap-model", default=None,
+                   help="also run a decode loop of this model (a checkpoint, or a config dir: dummy weights) on a "
+                        "thread of the puller, as a decode worker does, and compare its step times before and "
+                        "during the pulls")  # fmt: skip
+    p.add_argument("--overlap-batch", type=int, default=8, help="requests in the decode loop's batch")
+    p.add_argument("--overlap-context", type=tokens, default=1024, help="their context length")
     p.add_argument("--memcpy-threads", type=int, default=1, help="torch threads for the memcpy baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per pull / lease TTL")
     p.add_argument("--ucx-proto-info", action="store_true", help="let UCX print its protocol choices (UCX_PROTO_INFO)")
@@ -441,13 +527,16 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if skipped:
         print(f"skipping lengths above --max-tokens {max_tokens}: {skipped}", flush=True)
-    rows = []
+    rows, overlaps = [], []
     for eh in modes:
         for progress in args.progress_modes:
             for in_flight in args.in_flight:
                 opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
-                               args.ucx_proto_info, args.device, progress, in_flight)  # fmt: skip
-                rows += run_mode(opts, lengths, reps, args.seed)
+                               args.ucx_proto_info, args.device, progress, in_flight, args.overlap_model,
+                               args.overlap_batch, args.overlap_context)  # fmt: skip
+                mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
+                rows += mode_rows
+                overlaps += [overlap] if overlap else []
     opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), modes[0], args.timeout,
                    args.ucx_proto_info, args.device)  # fmt: skip
     rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads)
@@ -473,19 +562,31 @@ def main(argv=None) -> int:
             "state_dtype": args.state_dtype, "reps": reps, "warmup": 1, "lengths": lengths,
             "skipped_lengths": skipped, "ucx_net_devices": "lo", "memcpy_threads": args.memcpy_threads,
             "load_average_1m_start": load_start, "busy_warning": warning,
-            "timed": "StatePuller.pull: request sent -> every segment received; median of reps after 1 warm-up",
+            "timed": "StatePuller.pull: request sent -> every segment received; median of reps after 1 warm-up; "
+                     "status: request sent -> the holder's status received",
         },  # fmt: skip
         "results": rows,
+        "overlap": overlaps,
     }
     out = write_json(args.out, payload)
     print()
     print(f"transfer_cpu  {started}  {Path(args.model_config).name} (KV {args.dtype}, GDN state {args.state_dtype})  "
           f"{payload['machine']['cpu_model']}  {payload['machine']['cpus_usable']} CPUs  -> {out}")  # fmt: skip
     print(table(
-        ["mode", "tokens", "KV bytes", "GDN bytes", "buffers", "median ms", "mean ms", "GB/s"],
+        ["mode", "tokens", "KV bytes", "GDN bytes", "buffers", "median ms", "mean ms", "status ms", "GB/s"],
         [[r["mode"], r["tokens"], human_bytes(r["kv_bytes"]), human_bytes(r["gdn_bytes"]), r["buffers"],
-          r["seconds_median"] * 1e3, r["seconds_mean"] * 1e3, r["gb_per_s"]] for r in rows],
+          r["seconds_median"] * 1e3, r["seconds_mean"] * 1e3,
+          r["status_seconds_median"] * 1e3 if "status_seconds_median" in r else None, r["gb_per_s"]] for r in rows],
     ))  # fmt: skip
+    if overlaps:
+        print("\ndecode loop in the puller (step ms): before the first pull vs steps that overlapped a pull")
+        print(table(
+            ["mode", "model", "batch", "context", "idle steps", "idle median", "idle p99", "during steps",
+             "during median", "during p99", "during max"],
+            [[o["mode"], o["model"], o["batch"], o["context"], o["idle"]["steps"], o["idle"]["median_ms"],
+              o["idle"]["p99_ms"], o["during_pulls"]["steps"], o["during_pulls"]["median_ms"],
+              o["during_pulls"]["p99_ms"], o["during_pulls"]["max_ms"]] for o in overlaps],
+        ))  # fmt: skip
     if warning:
         print(warning)
     return 0

@@ -19,7 +19,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         services = [(decode_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, name)]
 
         async def start() -> None:
-            pass
+            if settings.role == "decode":  # a colocated worker never pulls
+                await puller.start()
 
         return services, start, puller.close, lambda s: [], None
 

@@ -103,7 +103,7 @@ class Gateway:
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
             min_p=body.min_p or 0.0,
-            seed=None if body.seed is None else body.seed + choice,  # n choices must differ
+            seed=None if body.seed is None else (body.seed + choice) % 2**64,  # n choices must differ
             stop=body.stop_list(),
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,

@@ -37,7 +37,8 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    # No upper bound: a schema bound near 2**63 is compared as a float by JSON tools; seeds are used mod 2**64.
+    seed: int | None = Field(None, ge=0, description="makes sampling reproducible (taken modulo 2**64)")
     presence_penalty: float | None = Field(None, description="Only 0 is supported")
     frequency_penalty: float | None = Field(None, description="Only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)")

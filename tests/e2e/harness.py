@@ -106,13 +106,20 @@ class Mesh:
         logs = "\n".join(f"--- {p.log.name}\n{p.log.read_text()[-2000:]}" for p in self.procs)
         raise TimeoutError(f"mesh not ready after {timeout}s\n{logs}")
 
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, common_pb2.WorkerLoad]:
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, common_pb2.WorkerLoad | str]:
         """Until every live worker reports no used pages, slots, held states, leases or reservations."""
         deadline = time.monotonic() + timeout
         while True:
-            loads = {p.address: p.load() for p in self.workers()}
-            busy = {a: l for a, l in loads.items() if l.kv_pages_used or l.state_slots_used or l.held_states
-                    or l.leases or l.reservations or l.running or l.waiting}  # fmt: skip
+            busy = {}
+            for p in self.workers():
+                try:
+                    load = p.load()
+                except grpc.RpcError as e:  # a worker too busy to answer in time is not idle yet
+                    busy[p.address] = f"GetLoads: {e.code().name}"
+                    continue
+                if (load.kv_pages_used or load.state_slots_used or load.held_states or load.leases
+                        or load.reservations or load.running or load.waiting):  # fmt: skip
+                    busy[p.address] = load
             if not busy or time.monotonic() > deadline:
                 return busy
             time.sleep(0.05)
