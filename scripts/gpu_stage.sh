@@ -5,8 +5,9 @@
 #   stage k: the GDN kernel table and the paged-attention launch sweep (one GPU)
 #   stage b: side-channel transfer GPU0 -> GPU1 (two UCX progress modes) and the 1P+1D serving sweep
 #   stage c: the colocated serving sweep (one GPU)
+#   stage t: side-channel diagnostics: UCX variants, pulls at once, a decode loop beside the pulls
 set -u
-stage=${1:?stage a, k, b or c}
+stage=${1:?stage a, k, b, c or t}
 parts=(.gpu-wheels2/p*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -41,5 +42,16 @@ b)
   ;;
 c)
   run serve_colocated 540 python bench/disagg_sweep.py --setups colocated --out "$OUT/serve_colocated.json"
+  ;;
+t)
+  # Where does the constant ~1.7 ms per pull go? The same pulls under UCX variants (env reaches both
+  # processes), two pulls at once, and the decode loop beside them (bench/RESULTS.md, side channel).
+  pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --lengths 1k,32k --max-tokens 32k --reps 5
+    --progress-modes thread-polling)
+  run t_default 120 "${pull[@]}" --in-flight 1,2 --out "$OUT/t_default.json"
+  UCX_CUDA_IPC_CACHE=n run t_no_ipc_cache 120 "${pull[@]}" --out "$OUT/t_no_ipc_cache.json"
+  UCX_RNDV_SCHEME=put_zcopy run t_put_zcopy 120 "${pull[@]}" --out "$OUT/t_put_zcopy.json"
+  run t_overlap 240 "${pull[@]}" --overlap-model bench/configs/qwen3.5-9b --overlap-batch 64 --overlap-context 4k \
+    --out "$OUT/t_overlap.json"
   ;;
 esac
