@@ -80,12 +80,9 @@ class Request:
     stop_reason: str | int | None = None
     first_token_time: float | None = None
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def ids_between(self, start: int, stop: int) -> list[int]:
-        """all_ids[start:stop] without building all_ids (a decode step needs one id of a long prompt)."""
+        """(prompt_ids + output_ids)[start:stop] without concatenating them (a decode step needs one id of a
+        long prompt)."""
         n = len(self.prompt_ids)
         if stop <= n:
             return self.prompt_ids[start:stop]
