@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -177,6 +178,16 @@ async def _holder(conn, opts: Options) -> None:
                 lease = leases.offer(lease_id, COMPAT, [r.tensor for r in regions], opts.timeout_s, on_end)
                 conn.send(("offered", lease.token, [r.nbytes for r in regions], _crc(r.tensor for r in regions),
                            sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
+            elif msg[0] == "floor":
+                _, n_tokens, reps, tag, puller_address = msg
+                pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
+                try:
+                    buffers = [r.tensor for r in kv.regions(pages) + st.regions(slot)]
+                    conn.send(("floor-ready", None))
+                    await floor_holder(puller_address, buffers, reps, tag, opts.error_handling)
+                finally:
+                    kv.free(pages)
+                    st.free(slot)
             elif msg[0] == "finish":
                 lease_id = msg[1]
                 try:
@@ -184,7 +195,8 @@ async def _holder(conn, opts: Options) -> None:
                 except asyncio.TimeoutError:
                     leases.release(lease_id)
                     reason = "timeout"
-                conn.send(("finished", reason))
+                times = next((t for t in server.timeline if t["lease_id"] == lease_id), None)
+                conn.send(("finished", reason, times))
     finally:
         await server.stop()
 
@@ -262,7 +274,9 @@ async def _puller(conn, opts: Options) -> None:
     await puller.start()
     decode_loop = DecodeLoop(opts) if opts.overlap_model else None
     pulls: list[tuple[float, float]] = []
-    conn.send(("ready", None))
+    from transfer.side_channel import worker_address
+
+    conn.send(("ready", worker_address()))
     if decode_loop:
         decode_loop.start()
     try:
@@ -270,6 +284,17 @@ async def _puller(conn, opts: Options) -> None:
             msg = await _recv(conn)
             if msg[0] == "stop":
                 break
+            if msg[0] == "floor":
+                _, n_tokens, reps, tag, holder_address = msg
+                pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
+                try:
+                    buffers = [r.tensor for r in kv.regions(pages) + st.regions(slot)]
+                    secs = await floor_puller(holder_address, buffers, reps, tag, opts.error_handling)
+                    conn.send(("floored", secs, len(buffers)))
+                finally:
+                    kv.free(pages)
+                    st.free(slot)
+                continue
             if msg[0] == "report":
                 conn.send(("overlap", overlap_summary(decode_loop.stop(), pulls)))
                 continue
@@ -294,6 +319,7 @@ async def _puller(conn, opts: Options) -> None:
                 conn.send(("pulled", {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
                                       "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
                                       "status_seconds": max(x.status_seconds for x in stats),
+                                      "marks": [x.marks for x in stats],
                                       "puller_regions": len(targets[0]), "crc_ok": ok}))  # fmt: skip
             finally:
                 for pages, slot in held:
@@ -301,6 +327,90 @@ async def _puller(conn, opts: Options) -> None:
                     st.free(slot)
     finally:
         await puller.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Floor: the same buffers moved by bare ucxx tag messages, both sides busy-polling their requests
+# ---------------------------------------------------------------------------------------------------
+# No lease, no protocol, no asyncio or notifier thread on the path: what UCX itself needs to move a request's
+# state once the puller has asked (a one-byte "go" message, then the rendezvous of every buffer). Its
+# distance to a pull is what the side channel's own code costs; its distance to the raw copy is UCX's.
+async def _bare_endpoint(address: bytes, error_handling: bool):
+    import ucxx
+
+    return await ucxx.create_endpoint_from_worker_address(
+        ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=error_handling
+    )
+
+
+def _spin(request) -> None:
+    while not request.completed:
+        pass
+    request.check_error()
+
+
+async def floor_holder(puller_address: bytes, buffers, reps: int, tag: int, error_handling: bool) -> None:
+    import numpy as np
+    import ucxx
+    from ucxx._lib.arr import Array
+    from ucxx._lib.libucxx import UCXXTag
+
+    from transfer.side_channel import _ucx_buffer
+
+    ep, worker = await _bare_endpoint(puller_address, error_handling), ucxx.core._get_ctx().worker
+    go = np.zeros(8, dtype=np.uint8)
+    for _ in range(reps + 1):
+        _spin(worker.tag_recv(Array(go), UCXXTag(tag)))
+        for request in [ep._ep.tag_send(Array(_ucx_buffer(b)), UCXXTag(tag + 1 + i)) for i, b in enumerate(buffers)]:
+            _spin(request)
+
+
+async def floor_puller(holder_address: bytes, buffers, reps: int, tag: int, error_handling: bool) -> list[float]:
+    import numpy as np
+    import ucxx
+    from ucxx._lib.arr import Array
+    from ucxx._lib.libucxx import UCXXTag
+
+    from transfer.side_channel import _ucx_buffer
+
+    ep, worker = await _bare_endpoint(holder_address, error_handling), ucxx.core._get_ctx().worker
+    go = np.ones(8, dtype=np.uint8)
+    secs = []
+    for _ in range(reps + 1):
+        receives = [worker.tag_recv(Array(_ucx_buffer(b)), UCXXTag(tag + 1 + i)) for i, b in enumerate(buffers)]
+        t0 = time.perf_counter()
+        asked = ep._ep.tag_send(Array(go), UCXXTag(tag))
+        for request in receives:
+            _spin(request)
+        secs.append(time.perf_counter() - t0)
+        _spin(asked)
+    return secs[1:]  # the first is the warm-up
+
+
+def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
+    """One row per length: the state's buffers moved by bare tag messages (see floor_holder)."""
+    progress = opts.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE") or "default"
+    rows = []
+    with _processes(opts) as (h_conn, p_conn):
+        (holder_address,) = _expect(h_conn, "ready", 120)
+        (puller_address,) = _expect(p_conn, "ready", 300)
+        for k, n_tokens in enumerate(lengths):
+            tag = 0x666C_6F6F_0000_0000 + (k << 20)  # "floo"
+            h_conn.send(("floor", n_tokens, reps, tag, puller_address))
+            _expect(h_conn, "floor-ready", 120)
+            p_conn.send(("floor", n_tokens, reps, tag, holder_address))
+            secs, buffers = _expect(p_conn, "floored", opts.timeout_s + 30)
+            kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
+            kv_bytes = kv.pages_for(n_tokens) * kv.page_bytes
+            rows.append({
+                "mode": f"floor: bare ucxx tag messages, busy-polled, progress {progress}", "error_handling": opts.error_handling,
+                "progress_mode": progress, "tokens": n_tokens, "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes,
+                "bytes": kv_bytes + st.slot_bytes, "buffers": buffers,
+                "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
+                "gb_per_s": (kv_bytes + st.slot_bytes) / median(secs) / 1e9,
+            })  # fmt: skip
+            print(f"[floor] {n_tokens} tokens: {rows[-1]['seconds_median'] * 1e3:.2f} ms", flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,8 +427,9 @@ def _expect(conn, kind: str, timeout_s: float):
     return msg[1:]
 
 
-def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[list[dict], dict | None]:
-    """Transfer rows for each length, and (with opts.overlap_model) the decode loop's step times."""
+@contextlib.contextmanager
+def _processes(opts: Options):
+    """A holder and a puller process; yields the parent's ends of their pipes and stops them on exit."""
     ctx = mp.get_context("spawn")
     h_conn, h_child = ctx.Pipe()
     p_conn, p_child = ctx.Pipe()
@@ -326,11 +437,28 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
     puller = ctx.Process(target=puller_main, args=(p_child, opts), name="bench-puller", daemon=True)
     holder.start()
     puller.start()
+    try:
+        yield h_conn, p_conn
+    finally:
+        for conn in (h_conn, p_conn):
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in (holder, puller):
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
+def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[list[dict], dict | None]:
+    """Transfer rows for each length, and (with opts.overlap_model) the decode loop's step times."""
     mode = "on" if opts.error_handling else "off"
     progress = opts.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE") or "default"
     label = f"eh-{mode}-{progress}-x{opts.in_flight}"
     rows, overlap = [], None
-    try:
+    with _processes(opts) as (h_conn, p_conn):
         (address,) = _expect(h_conn, "ready", 120)
         _expect(p_conn, "ready", 300)
         if opts.overlap_model:
@@ -346,10 +474,12 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                     offers.append((lease_id, token, sizes, crc))
                 p_conn.send(("pull", address, n_tokens, offers))
                 (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
-                reasons = []
+                reasons, holder_times = [], []
                 for lease_id in lease_ids:
                     h_conn.send(("finish", lease_id))
-                    reasons += _expect(h_conn, "finished", opts.timeout_s + 30)
+                    reason, times = _expect(h_conn, "finished", opts.timeout_s + 30)
+                    reasons.append(reason)
+                    holder_times.append(times)
                 if "error" in res:
                     raise RuntimeError(f"pull of {n_tokens} tokens failed: {res['error']}")
                 if not res["crc_ok"]:
@@ -359,7 +489,7 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                 info = {"kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "holder_regions": len(sizes),
                         "puller_regions": res["puller_regions"], "buffers": res["buffers"]}  # fmt: skip
                 if rep > 0:  # the first pull is the warm-up
-                    samples.append(res)
+                    samples.append({**res, "phases": phases(res["marks"], holder_times)})
             secs = [s["seconds"] for s in samples]
             total = (info["kv_bytes"] + info["gdn_bytes"]) * opts.in_flight
             in_flight = f", {opts.in_flight} pulls at once" if opts.in_flight > 1 else ""
@@ -369,6 +499,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
                 "status_seconds_median": median([s["status_seconds"] for s in samples]),
+                "phases_ms_median": {
+                    k: median([s["phases"][k] for s in samples if s["phases"][k] is not None]) for k in PHASES},
                 "gb_per_s": total / median(secs) / 1e9, "verified": "crc32",
             }  # fmt: skip
             print(f"[{label}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
@@ -379,18 +511,30 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             (summary,) = _expect(p_conn, "overlap", 300)
             overlap = {"mode": label, "model": rel(opts.overlap_model), "batch": opts.overlap_batch,
                        "context": opts.overlap_context, **summary}  # fmt: skip
-    finally:
-        for conn in (h_conn, p_conn):
-            try:
-                conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in (holder, puller):
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
     return rows, overlap
+
+
+PHASES = {  # where a pull's time goes: (from, to) marks of the puller (p) and the holder (h), one clock
+    "puller prepares": ("p.start", "p.request"),
+    "request reaches holder": ("p.request", "h.received"),
+    "holder checks + posts": ("h.received", "h.posted"),
+    "posted -> status at puller": ("h.posted", "p.status"),
+    "status -> last byte at puller": ("p.status", "p.done"),
+    "holder's sends complete": ("h.posted", "h.sent"),
+}
+
+
+def phases(puller_marks: list[dict], holder_times: list[dict | None]) -> dict:
+    """Milliseconds of each PHASES step, the worst over the requests pulled at once."""
+    out = {}
+    for name, (a, b) in PHASES.items():
+        spans = []
+        for p, h in zip(puller_marks, holder_times):
+            marks = {**{f"p.{k}": v for k, v in p.items()}, **{f"h.{k}": v for k, v in (h or {}).items()}}
+            if a in marks and b in marks:
+                spans.append((marks[b] - marks[a]) * 1e3)
+        out[name] = max(spans) if spans else None
+    return out
 
 
 def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) -> list[dict]:
@@ -498,6 +642,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "during the pulls")  # fmt: skip
     p.add_argument("--overlap-batch", type=int, default=8, help="requests in the decode loop's batch")
     p.add_argument("--overlap-context", type=tokens, default=1024, help="their context length")
+    p.add_argument("--floor", action="store_true",
+                   help="also move the same buffers with bare ucxx tag messages, busy-polled on both sides (no lease, "
+                        "protocol, asyncio): what UCX itself needs")  # fmt: skip
     p.add_argument("--memcpy-threads", type=int, default=1, help="torch threads for the memcpy baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per pull / lease TTL")
     p.add_argument("--ucx-proto-info", action="store_true", help="let UCX print its protocol choices (UCX_PROTO_INFO)")
@@ -538,7 +685,9 @@ def main(argv=None) -> int:
                 rows += mode_rows
                 overlaps += [overlap] if overlap else []
     opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), modes[0], args.timeout,
-                   args.ucx_proto_info, args.device)  # fmt: skip
+                   args.ucx_proto_info, args.device, args.progress_modes[-1])  # fmt: skip
+    if args.floor:
+        rows += run_floor(opts, lengths, reps)
     rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads)
 
     from engine.config import ModelConfig
@@ -578,6 +727,9 @@ def main(argv=None) -> int:
           r["seconds_median"] * 1e3, r["seconds_mean"] * 1e3,
           r["status_seconds_median"] * 1e3 if "status_seconds_median" in r else None, r["gb_per_s"]] for r in rows],
     ))  # fmt: skip
+    pulls = [r for r in rows if "phases_ms_median" in r]
+    print("\nwhere a pull's time goes (median ms; one clock for both processes)")
+    print(table(["mode", "tokens", *PHASES], [[r["mode"], r["tokens"], *r["phases_ms_median"].values()] for r in pulls]))
     if overlaps:
         print("\ndecode loop in the puller (step ms): before the first pull vs steps that overlapped a pull")
         print(table(

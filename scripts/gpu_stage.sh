@@ -5,9 +5,10 @@
 #   stage k: the GDN kernel table and the paged-attention launch sweep (one GPU)
 #   stage b: side-channel transfer GPU0 -> GPU1 (two UCX progress modes) and the 1P+1D serving sweep
 #   stage c: the colocated serving sweep (one GPU)
-#   stage t: side-channel diagnostics: UCX variants, pulls at once, a decode loop beside the pulls
+#   stage t: side-channel diagnostics: phases of a pull, UCX's floor, UCX variants, pulls at once
+#   stage f: a decode loop beside GPU pulls; disaggregated vs monolithic greedy fidelity on the two GPUs
 set -u
-stage=${1:?stage a, k, b, c or t}
+stage=${1:?stage a, k, b, c, t or f}
 parts=(.gpu-wheels2/p*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -44,14 +45,26 @@ c)
   run serve_colocated 540 python bench/disagg_sweep.py --setups colocated --out "$OUT/serve_colocated.json"
   ;;
 t)
-  # Where does the constant ~1.7 ms per pull go? The same pulls under UCX variants (env reaches both
-  # processes), two pulls at once, and the decode loop beside them (bench/RESULTS.md, side channel).
-  pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --lengths 1k,32k --max-tokens 32k --reps 5
+  # Where does a pull's time go? Per-phase timestamps on one clock, the same buffers moved by bare busy-polled
+  # ucxx messages (UCX's own floor), UCX variants (env reaches both processes), two pulls at once
+  # (bench/RESULTS.md, side channel).
+  "$(python -c 'import libucx, os; print(os.path.dirname(libucx.__file__))')/bin/ucx_info" -c 2>/dev/null \
+    | grep -E "CUDA_IPC|RNDV_(SCHEME|THRESH)|PROTO_ENABLE|MEMTYPE_CACHE" | head -40
+  pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7
     --progress-modes thread-polling)
-  run t_default 120 "${pull[@]}" --in-flight 1,2 --out "$OUT/t_default.json"
-  UCX_CUDA_IPC_CACHE=n run t_no_ipc_cache 120 "${pull[@]}" --out "$OUT/t_no_ipc_cache.json"
-  UCX_RNDV_SCHEME=put_zcopy run t_put_zcopy 120 "${pull[@]}" --out "$OUT/t_put_zcopy.json"
-  run t_overlap 240 "${pull[@]}" --overlap-model bench/configs/qwen3.5-9b --overlap-batch 64 --overlap-context 4k \
+  TAIL=30 run t_default 180 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --out "$OUT/t_default.json"
+  TAIL=16 run t_tiny 120 "${pull[@]}" --model-config models/deltamesh-tiny --lengths 16,1k --floor --out "$OUT/t_tiny.json"
+  for v in UCXPY_ENABLE_DELAYED_SUBMISSION=0 UCX_CUDA_IPC_CACHE=n UCX_RNDV_SCHEME=put_zcopy UCX_PROTO_ENABLE=n; do
+    TAIL=14 run "t_${v%%=*}" 120 env "$v" "${pull[@]}" --lengths 1k,32k --floor --out "$OUT/t_${v%%=*}.json"
+  done
+  ;;
+f)
+  # A decode loop (9B shape, batch 64 at 4k) beside GPU pulls; disaggregated (GPU 0 -> GPU 1) vs monolithic greedy
+  # output, and the bf16 batch-invariance control
+  TAIL=12 run t_overlap 240 python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7 \
+    --lengths 1k,32k --overlap-model bench/configs/qwen3.5-9b --overlap-batch 64 --overlap-context 4k \
     --out "$OUT/t_overlap.json"
+  run gpu_fidelity 480 python bench/gpu_fidelity.py --out "$OUT/gpu_fidelity.json" --log-dir /tmp
+  run gpu_batch_invariance 240 python bench/gpu_batch_invariance.py --out "$OUT/gpu_batch_invariance.json"
   ;;
 esac

@@ -24,7 +24,8 @@ import os
 import secrets
 import struct
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -53,6 +54,9 @@ class TransferStats:
     buffers: int  # messages on the wire (segments)
     seconds: float
     status_seconds: float = 0.0  # request sent -> the holder's status received (the control round trip)
+    # perf_counter() at each step of the pull ("start", "request", "status", "done"); on Linux that clock is
+    # CLOCK_MONOTONIC, shared by the processes of one host, so they line up with StateServer.timeline
+    marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -191,6 +195,9 @@ class StateServer:
         self._task: asyncio.Task | None = None
         self._pulls: set[asyncio.Task] = set()
         self._sending: dict[str, tuple[bytes, asyncio.Task]] = {}  # lease id -> (token, task) of pulls under way
+        # the last pulls answered: lease id and perf_counter() when the request arrived, the sends were posted and
+        # completed (see TransferStats.marks)
+        self.timeline: deque[dict] = deque(maxlen=256)
         self.address = b""
 
     async def start(self) -> None:
@@ -214,6 +221,7 @@ class StateServer:
             buf = np.empty(_MAX_REQUEST_BYTES, dtype=np.uint8)
             try:
                 await ucxx.recv(buf, tag=REQUEST_TAG)
+                received = time.perf_counter()
                 req = _unframe(buf, transfer_pb2.PullRequest)
             except asyncio.CancelledError:
                 raise
@@ -223,7 +231,7 @@ class StateServer:
             if req.abandon:
                 self._abandon(req)
                 continue
-            task = asyncio.create_task(self._answer(req))
+            task = asyncio.create_task(self._answer(req, received))
             self._pulls.add(task)
             task.add_done_callback(self._pulls.discard)
             # registered before the next message is read, so an abandon right behind the request finds it
@@ -236,17 +244,16 @@ class StateServer:
             log.warning("pull abandoned by the puller", lease_id=req.lease_id)
             task.cancel()
 
-    async def _answer(self, req) -> None:
+    async def _answer(self, req, received: float) -> None:
         try:
-            await self._answer_pull(req)
+            await self._answer_pull(req, received)
         finally:
             if self._sending.get(req.lease_id, (b"", None))[1] is asyncio.current_task():
                 del self._sending[req.lease_id]
 
-    async def _answer_pull(self, req) -> None:
+    async def _answer_pull(self, req, received: float) -> None:
         from deltamesh.v1 import transfer_pb2
 
-        started = time.perf_counter()
         try:
             ep = await self._eps.get(req.reply_address)
         except Exception as e:
@@ -283,10 +290,13 @@ class StateServer:
                 ep.send(_ucx_buffer(lease.buffers[i][off : off + n]), tag=req.reply_tag + 1 + k, force_tag=True)
                 for k, (i, off, _, _, n) in enumerate(plan)
             ]
+            posted = time.perf_counter()
             await asyncio.wait_for(asyncio.gather(status, *sends), self.send_timeout_s)
             ok = True
+            sent = time.perf_counter()
+            self.timeline.append({"lease_id": req.lease_id, "received": received, "posted": posted, "sent": sent})
             log.info("state sent", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(plan),
-                     seconds=round(time.perf_counter() - started, 6))  # fmt: skip
+                     seconds=round(sent - received, 6))  # fmt: skip
         except Exception as e:
             await self._eps.close_one(req.reply_address)
             log.warning("state send failed", lease_id=req.lease_id, error=repr(e))
@@ -382,6 +392,7 @@ class StatePuller:
                 reply_address=self._address, region_bytes=[b.numel() for b in buffers],
             )  # fmt: skip
             sent = asyncio.ensure_future(ep.send(_frame(request), tag=REQUEST_TAG, force_tag=True))
+            requested = time.perf_counter()
             # Wait for the answer, or for the request to fail; not for the request's completion first (one
             # wake-up of the event loop fewer on the critical path).
             await asyncio.wait((sent, status_rx), return_when=asyncio.FIRST_EXCEPTION)
@@ -400,5 +411,6 @@ class StatePuller:
             if sent is not None and not (isinstance(e, TransferError) and e.refused):
                 self._tell_abandoned(ep, lease_id, token)
             raise
-        nbytes = sum(n for *_, n in plan)
-        return TransferStats(nbytes, len(plan), time.perf_counter() - started, status_at - started)
+        done = time.perf_counter()
+        marks = {"start": started, "request": requested, "status": status_at, "done": done}
+        return TransferStats(sum(n for *_, n in plan), len(plan), done - started, status_at - started, marks)
