@@ -20,7 +20,7 @@ means TCP over `lo`; off: UCX may use shared memory / CMA between the two proces
 Each length runs --reps + 1 pulls; the first is a warm-up and is dropped. Seconds are StatePuller's own
 (request sent -> last segment received, endpoint reuse included as in a running worker). The baseline row
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
-GPU 0 -> GPU 1 copy). Options: --progress-modes compares ucxx progress modes; --in-flight N pulls N requests
+GPU 0 -> GPU 1 copy). Options: --floor adds UCX's own floor (see floor_holder); --in-flight N pulls N requests
 at once; --overlap-model DIR runs a real engine decode loop on a thread of the puller (as a decode worker
 does) and reports its step times before the first pull vs during pulls.
 """
@@ -70,7 +70,6 @@ class Options:
     timeout_s: float
     proto_info: bool
     device: str = "cpu"  # cuda: holder on GPU 0, puller on GPU 1 (UCX moves GPU memory, e.g. cuda_ipc/NVLink)
-    progress_mode: str | None = None  # ucxx progress mode (None: what transfer.configure_ucx picks)
     in_flight: int = 1  # requests pulled at once (their pulls overlap)
     overlap_model: str | None = None  # run a decode loop of this model in the puller while it pulls
     overlap_batch: int = 8
@@ -87,9 +86,7 @@ def _setup_process(opts: Options, gpu: int = 0) -> None:
 
     if opts.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    if opts.progress_mode:
-        os.environ["UCXPY_PROGRESS_MODE"] = opts.progress_mode
-    configure_ucx("127.0.0.1", gpu=opts.device == "cuda")
+    configure_ucx("127.0.0.1")
     if opts.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
     import structlog
@@ -330,66 +327,67 @@ async def _puller(conn, opts: Options) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Floor: the same buffers moved by bare ucxx tag messages, both sides busy-polling their requests
+# Floor: the same buffers moved by bare tag messages, both sides spinning on UCX progress
 # ---------------------------------------------------------------------------------------------------
-# No lease, no protocol, no asyncio or notifier thread on the path: what UCX itself needs to move a request's
-# state once the puller has asked (a one-byte "go" message, then the rendezvous of every buffer). Its
-# distance to a pull is what the side channel's own code costs; its distance to the raw copy is UCX's.
-async def _bare_endpoint(address: bytes, error_handling: bool):
-    import ucxx
-
-    return await ucxx.create_endpoint_from_worker_address(
-        ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=error_handling
-    )
-
-
-def _spin(request) -> None:
+# No lease, no protocol, no waiting on the event loop: what UCX itself needs to move a request's state once the
+# puller has asked (a small "go" message, then the rendezvous of every buffer). Its distance to a pull is what
+# the side channel's own code costs; its distance to the raw copy is UCX's.
+def _spin(worker, request) -> None:
     while not request.completed:
-        pass
+        worker.progress()
     request.check_error()
+
+
+def _floor_tools(peer_address: bytes, error_handling: bool):
+    from ucxx._lib.arr import Array
+    from ucxx._lib.libucxx import UCXXTag
+
+    from transfer import loop_worker
+
+    ucx = loop_worker.get()
+    return ucx.worker, ucx.endpoint(peer_address, error_handling), Array, UCXXTag
 
 
 async def floor_holder(puller_address: bytes, buffers, reps: int, tag: int, error_handling: bool) -> None:
     import numpy as np
-    import ucxx
-    from ucxx._lib.arr import Array
-    from ucxx._lib.libucxx import UCXXTag
 
     from transfer.side_channel import _ucx_buffer
 
-    ep, worker = await _bare_endpoint(puller_address, error_handling), ucxx.core._get_ctx().worker
+    worker, ep, Array, UCXXTag = _floor_tools(puller_address, error_handling)
     go = np.zeros(8, dtype=np.uint8)
-    for _ in range(reps + 1):
-        _spin(worker.tag_recv(Array(go), UCXXTag(tag)))
-        for request in [ep._ep.tag_send(Array(_ucx_buffer(b)), UCXXTag(tag + 1 + i)) for i, b in enumerate(buffers)]:
-            _spin(request)
+    try:
+        for _ in range(reps + 1):
+            _spin(worker, worker.tag_recv(Array(go), UCXXTag(tag)))
+            for request in [ep.tag_send(Array(_ucx_buffer(b)), UCXXTag(tag + 1 + i)) for i, b in enumerate(buffers)]:
+                _spin(worker, request)
+    finally:
+        ep.close()
 
 
 async def floor_puller(holder_address: bytes, buffers, reps: int, tag: int, error_handling: bool) -> list[float]:
     import numpy as np
-    import ucxx
-    from ucxx._lib.arr import Array
-    from ucxx._lib.libucxx import UCXXTag
 
     from transfer.side_channel import _ucx_buffer
 
-    ep, worker = await _bare_endpoint(holder_address, error_handling), ucxx.core._get_ctx().worker
+    worker, ep, Array, UCXXTag = _floor_tools(holder_address, error_handling)
     go = np.ones(8, dtype=np.uint8)
     secs = []
-    for _ in range(reps + 1):
-        receives = [worker.tag_recv(Array(_ucx_buffer(b)), UCXXTag(tag + 1 + i)) for i, b in enumerate(buffers)]
-        t0 = time.perf_counter()
-        asked = ep._ep.tag_send(Array(go), UCXXTag(tag))
-        for request in receives:
-            _spin(request)
-        secs.append(time.perf_counter() - t0)
-        _spin(asked)
+    try:
+        for _ in range(reps + 1):
+            receives = [worker.tag_recv(Array(_ucx_buffer(b)), UCXXTag(tag + 1 + i)) for i, b in enumerate(buffers)]
+            t0 = time.perf_counter()
+            asked = ep.tag_send(Array(go), UCXXTag(tag))
+            for request in receives:
+                _spin(worker, request)
+            secs.append(time.perf_counter() - t0)
+            _spin(worker, asked)
+    finally:
+        ep.close()
     return secs[1:]  # the first is the warm-up
 
 
 def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
     """One row per length: the state's buffers moved by bare tag messages (see floor_holder)."""
-    progress = opts.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE") or "default"
     rows = []
     with _processes(opts) as (h_conn, p_conn):
         (holder_address,) = _expect(h_conn, "ready", 120)
@@ -403,8 +401,8 @@ def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
             kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
             kv_bytes = kv.pages_for(n_tokens) * kv.page_bytes
             rows.append({
-                "mode": f"floor: bare ucxx tag messages, busy-polled, progress {progress}", "error_handling": opts.error_handling,
-                "progress_mode": progress, "tokens": n_tokens, "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes,
+                "mode": "floor: bare tag messages, spinning on UCX progress", "error_handling": opts.error_handling,
+                "tokens": n_tokens, "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes,
                 "bytes": kv_bytes + st.slot_bytes, "buffers": buffers,
                 "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
                 "gb_per_s": (kv_bytes + st.slot_bytes) / median(secs) / 1e9,
@@ -455,8 +453,7 @@ def _processes(opts: Options):
 def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[list[dict], dict | None]:
     """Transfer rows for each length, and (with opts.overlap_model) the decode loop's step times."""
     mode = "on" if opts.error_handling else "off"
-    progress = opts.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE") or "default"
-    label = f"eh-{mode}-{progress}-x{opts.in_flight}"
+    label = f"eh-{mode}-x{opts.in_flight}"
     rows, overlap = [], None
     with _processes(opts) as (h_conn, p_conn):
         (address,) = _expect(h_conn, "ready", 120)
@@ -494,8 +491,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             total = (info["kv_bytes"] + info["gdn_bytes"]) * opts.in_flight
             in_flight = f", {opts.in_flight} pulls at once" if opts.in_flight > 1 else ""
             row = {
-                "mode": f"ucx error handling {mode}, progress {progress}{in_flight}", "error_handling": opts.error_handling,
-                "progress_mode": progress, "in_flight": opts.in_flight, "tokens": n_tokens,
+                "mode": f"ucx error handling {mode}{in_flight}", "error_handling": opts.error_handling,
+                "in_flight": opts.in_flight, "tokens": n_tokens,
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
                 "status_seconds_median": median([s["status_seconds"] for s in samples]),
@@ -632,8 +629,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="GDN recurrent state dtype (default float32)")  # fmt: skip
     p.add_argument("--ucx-error-handling", dest="error_handling", action=argparse.BooleanOptionalAction,
                    default=None, help="run only this mode (default: both, one row each)")  # fmt: skip
-    p.add_argument("--progress-modes", type=lambda s: [x for x in s.split(",") if x], default=[None],
-                   help="ucxx progress modes to compare, e.g. thread,thread-polling (default: configure_ucx's choice)")
     p.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="requests pulled at once, e.g. 1,4: their pulls overlap; a row per value (default 1)")
     p.add_argument("--overlap-model", default=None,
@@ -643,8 +638,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap-batch", type=int, default=8, help="requests in the decode loop's batch")
     p.add_argument("--overlap-context", type=tokens, default=1024, help="their context length")
     p.add_argument("--floor", action="store_true",
-                   help="also move the same buffers with bare ucxx tag messages, busy-polled on both sides (no lease, "
-                        "protocol, asyncio): what UCX itself needs")  # fmt: skip
+                   help="also move the same buffers with bare tag messages, both sides spinning on UCX progress (no "
+                        "lease, protocol or event loop): what UCX itself needs")  # fmt: skip
     p.add_argument("--memcpy-threads", type=int, default=1, help="torch threads for the memcpy baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per pull / lease TTL")
     p.add_argument("--ucx-proto-info", action="store_true", help="let UCX print its protocol choices (UCX_PROTO_INFO)")
@@ -676,16 +671,15 @@ def main(argv=None) -> int:
         print(f"skipping lengths above --max-tokens {max_tokens}: {skipped}", flush=True)
     rows, overlaps = [], []
     for eh in modes:
-        for progress in args.progress_modes:
-            for in_flight in args.in_flight:
-                opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
-                               args.ucx_proto_info, args.device, progress, in_flight, args.overlap_model,
-                               args.overlap_batch, args.overlap_context)  # fmt: skip
-                mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
-                rows += mode_rows
-                overlaps += [overlap] if overlap else []
+        for in_flight in args.in_flight:
+            opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
+                           args.ucx_proto_info, args.device, in_flight, args.overlap_model, args.overlap_batch,
+                           args.overlap_context)  # fmt: skip
+            mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
+            rows += mode_rows
+            overlaps += [overlap] if overlap else []
     opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), modes[0], args.timeout,
-                   args.ucx_proto_info, args.device, args.progress_modes[-1])  # fmt: skip
+                   args.ucx_proto_info, args.device)  # fmt: skip
     if args.floor:
         rows += run_floor(opts, lengths, reps)
     rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads)

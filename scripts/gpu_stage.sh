@@ -5,8 +5,8 @@
 #   stage k: the GDN kernel table and the paged-attention launch sweep (one GPU)
 #   stage b: side-channel transfer GPU0 -> GPU1 (two UCX progress modes) and the 1P+1D serving sweep
 #   stage c: the colocated serving sweep (one GPU)
-#   stage t: side-channel diagnostics: phases of a pull, UCX's floor, UCX variants, pulls at once
-#   stage f: a decode loop beside GPU pulls; disaggregated vs monolithic greedy fidelity on the two GPUs
+#   stage t: side channel: phases of a pull, UCX's floor, pulls at once, a decode loop beside them, fidelity
+#   stage f: disaggregated vs monolithic greedy fidelity on the two GPUs (+ the bf16 batch-invariance control)
 set -u
 stage=${1:?stage a, k, b, c, t or f}
 parts=(.gpu-wheels2/p*)
@@ -37,7 +37,7 @@ k)
   ;;
 b)
   TAIL=30 run transfer 150 python bench/transfer.py --device cuda --no-ucx-error-handling --ucx-proto-info \
-    --lengths 1k,8k,32k --max-tokens 32k --reps 5 --progress-modes thread,thread-polling --out "$OUT/transfer_gpu.json"
+    --lengths 1k,8k,32k --max-tokens 32k --reps 5 --floor --out "$OUT/transfer_gpu.json"
   grep -m 12 -E "cuda_ipc|cuda_copy|rndv|zcopy" "$OUT/transfer.log" | cut -c1-200
   run serve_disagg 400 python bench/disagg_sweep.py --setups disagg --out "$OUT/serve_disagg.json"
   ;;
@@ -45,25 +45,17 @@ c)
   run serve_colocated 540 python bench/disagg_sweep.py --setups colocated --out "$OUT/serve_colocated.json"
   ;;
 t)
-  # Where does a pull's time go? Per-phase timestamps on one clock, the same buffers moved by bare busy-polled
-  # ucxx messages (UCX's own floor), UCX variants (env reaches both processes), two pulls at once
-  # (bench/RESULTS.md, side channel).
-  "$(python -c 'import libucx, os; print(os.path.dirname(libucx.__file__))')/bin/ucx_info" -c 2>/dev/null \
-    | grep -E "CUDA_IPC|RNDV_(SCHEME|THRESH)|PROTO_ENABLE|MEMTYPE_CACHE" | head -40
-  pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7
-    --progress-modes thread-polling)
-  TAIL=30 run t_default 180 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --out "$OUT/t_default.json"
-  TAIL=16 run t_tiny 120 "${pull[@]}" --model-config models/deltamesh-tiny --lengths 16,1k --floor --out "$OUT/t_tiny.json"
-  for v in UCXPY_ENABLE_DELAYED_SUBMISSION=0 UCX_CUDA_IPC_CACHE=n UCX_RNDV_SCHEME=put_zcopy UCX_PROTO_ENABLE=n; do
-    TAIL=14 run "t_${v%%=*}" 120 env "$v" "${pull[@]}" --lengths 1k,32k --floor --out "$OUT/t_${v%%=*}.json"
-  done
+  # The side channel on the GPUs: where a pull's time goes (one clock for both processes), UCX's own floor for
+  # the same buffers, two pulls at once; a decode loop (9B shape, batch 64 at 4k) beside the pulls; then
+  # disaggregated vs monolithic greedy output (bench/RESULTS.md, side channel and fidelity).
+  pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7)
+  TAIL=32 run t_pulls 150 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --out "$OUT/t_pulls.json"
+  TAIL=14 run t_overlap 200 "${pull[@]}" --lengths 1k,32k --overlap-model bench/configs/qwen3.5-9b \
+    --overlap-batch 64 --overlap-context 4k --out "$OUT/t_overlap.json"
+  TAIL=3 run gpu_fidelity 240 python bench/gpu_fidelity.py --out "$OUT/gpu_fidelity.json" --log-dir /tmp
   ;;
 f)
-  # A decode loop (9B shape, batch 64 at 4k) beside GPU pulls; disaggregated (GPU 0 -> GPU 1) vs monolithic greedy
-  # output, and the bf16 batch-invariance control
-  TAIL=12 run t_overlap 240 python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7 \
-    --lengths 1k,32k --overlap-model bench/configs/qwen3.5-9b --overlap-batch 64 --overlap-context 4k \
-    --out "$OUT/t_overlap.json"
+  # Disaggregated (GPU 0 -> GPU 1) vs monolithic greedy output, and the bf16 batch-invariance control
   run gpu_fidelity 480 python bench/gpu_fidelity.py --out "$OUT/gpu_fidelity.json" --log-dir /tmp
   run gpu_batch_invariance 240 python bench/gpu_batch_invariance.py --out "$OUT/gpu_batch_invariance.json"
   ;;

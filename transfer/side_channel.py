@@ -13,7 +13,8 @@ messages are tagged. A pull goes:
    holder cancels its sends and frees the state at once.
 
 Everything is bounded by a deadline. Buffers are 1-D uint8 tensors (CPU or CUDA); CUDA tensors go through
-`__cuda_array_interface__`, so UCX picks cuda_ipc / NVLink on a GPU host with no host staging.
+`__cuda_array_interface__`, so UCX picks cuda_ipc / NVLink on a GPU host with no host staging. The UCX worker
+is progressed by the event loop (transfer.loop_worker).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from transfer import failpoints
+from transfer import failpoints, loop_worker
 from transfer.leases import LeaseRefused, LeaseTable
 
 log = structlog.get_logger("deltamesh.transfer")
@@ -63,35 +64,18 @@ class TransferStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def configure_ucx(bind_host: str, gpu: bool = False) -> None:
-    """Must run before the first ucxx call.
-
-    - Loopback: when the side channel is bound to loopback, UCX may use only `lo` (by default it would
-      open every network device it finds).
-    - Completion: ucxx's notifier thread wakes the asyncio loop when a request completes. Without it each
-      pending receive is polled by the event loop, which keeps a core busy even when nothing moves.
-    - Progress: on a GPU a polling progress thread, so cuda_ipc completions and control messages are seen
-      within microseconds (the blocking thread waits up to 1 ms per wake-up, which was most of a pull's
-      fixed cost); on a CPU host a blocking one, so idle workers cost no CPU. `UCXPY_PROGRESS_MODE` in the
-      environment wins.
-    """
+def configure_ucx(bind_host: str) -> None:
+    """Must run before the UCX worker is created: when the side channel is bound to loopback, UCX may use
+    only `lo` (by default it would open every network device it finds)."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if _is_loopback(bind_host):
         os.environ["UCX_NET_DEVICES"] = "lo"
-    os.environ["UCXPY_ENABLE_PYTHON_FUTURE"] = "1"
-    os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread-polling" if gpu else "thread")
 
 
 def shutdown_ucx() -> None:
-    """Shut UCX down once the side channel's endpoints are closed: stops ucxx's notifier thread (a process
-    exit would otherwise wait for it) and unbinds ucxx from this event loop, so a later loop can use it."""
-    import sys
-
-    if "ucxx" in sys.modules:
-        try:
-            sys.modules["ucxx"].reset()
-        except Exception:  # an endpoint is still referenced: the notifier thread is stopped, all an exit needs
-            log.debug("ucx context still referenced at shutdown")
+    """Release this process's UCX worker once the side channel's endpoints are closed, so that another event
+    loop (tests) can create a new one."""
+    loop_worker.close()
 
 
 def _is_loopback(host: str) -> bool:
@@ -147,42 +131,33 @@ class _Endpoints:
         self.error_handling = error_handling
         self._eps: dict[bytes, object] = {}
 
-    async def get(self, address: bytes):
-        import ucxx
-
+    def get(self, address: bytes):
         ep = self._eps.get(address)
-        if ep is None or ep.closed:
-            ep = await ucxx.create_endpoint_from_worker_address(
-                ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=self.error_handling
-            )
-            self._eps[address] = ep
+        if ep is None:
+            ep = self._eps[address] = loop_worker.get().endpoint(address, self.error_handling)
         return ep
 
     def drop(self, address: bytes) -> None:
-        self._eps.pop(address, None)
+        """Forget and close the endpoint to a peer (after a failure on it): the next transfer makes a new one."""
+        _close(self._eps.pop(address, None))
 
-    async def close_one(self, address: bytes) -> None:
-        """Forget and close the endpoint to a peer (after a failure on it)."""
-        ep = self._eps.pop(address, None)
-        if ep is not None:
-            try:
-                await ep.close()
-            except Exception:  # already gone with its peer
-                pass
-
-    async def close(self) -> None:
+    def close(self) -> None:
         for ep in self._eps.values():
-            try:
-                await ep.close()
-            except Exception:  # already gone with its peer
-                pass
+            _close(ep)
         self._eps.clear()
 
 
-def worker_address() -> bytes:
-    import ucxx
+def _close(ep) -> None:
+    if ep is not None:
+        try:
+            ep.close()
+        except Exception:  # already gone with its peer
+            pass
 
-    return ucxx.get_worker_address().tobytes()
+
+def worker_address() -> bytes:
+    """This process's UCX worker address (what peers connect to); starts UCX on first use."""
+    return loop_worker.get().address
 
 
 class StateServer:
@@ -209,18 +184,18 @@ class StateServer:
             if t:
                 t.cancel()
         await asyncio.gather(*(t for t in [self._task, *self._pulls] if t), return_exceptions=True)
-        await self._eps.close()
+        self._eps.close()
 
     async def _serve(self) -> None:
         import numpy as np
-        import ucxx
 
         from deltamesh.v1 import transfer_pb2
 
+        ucx = loop_worker.get()
         while True:
             buf = np.empty(_MAX_REQUEST_BYTES, dtype=np.uint8)
             try:
-                await ucxx.recv(buf, tag=REQUEST_TAG)
+                await ucx.recv(buf, REQUEST_TAG, listening=True)
                 received = time.perf_counter()
                 req = _unframe(buf, transfer_pb2.PullRequest)
             except asyncio.CancelledError:
@@ -254,8 +229,9 @@ class StateServer:
     async def _answer_pull(self, req, received: float) -> None:
         from deltamesh.v1 import transfer_pb2
 
+        ucx = loop_worker.get()
         try:
-            ep = await self._eps.get(req.reply_address)
+            ep = self._eps.get(req.reply_address)
         except Exception as e:
             log.warning("cannot reach puller", lease_id=req.lease_id, error=str(e))
             return
@@ -265,7 +241,7 @@ class StateServer:
             log.warning("pull refused", lease_id=req.lease_id, reason=str(e))
             await self._send_status(ep, req, transfer_pb2.PullStatus(ok=False, error=str(e)))
             return
-        ok = False
+        ok, pending = False, []
         try:
             sizes = [b.numel() for b in lease.buffers]
             try:
@@ -275,37 +251,32 @@ class StateServer:
                 return
             # The status goes out with the data, not before it: each awaited completion costs a wake-up of this
             # event loop, and the puller has posted every receive before asking.
-            status = asyncio.ensure_future(
-                ep.send(_frame(transfer_pb2.PullStatus(ok=True, num_segments=len(plan))), tag=req.reply_tag,
-                        force_tag=True)
-            )  # fmt: skip
-            try:
-                await failpoints.hit("transfer.after_status")
-            except BaseException:
-                status.cancel()
-                raise
+            pending.append(ucx.send(ep, _frame(transfer_pb2.PullStatus(ok=True, num_segments=len(plan))), req.reply_tag))
+            await failpoints.hit("transfer.after_status")
             # No stream sync needed: the engine synchronised when it sampled the first token, after the
             # kernels that wrote this state.
-            sends = [
-                ep.send(_ucx_buffer(lease.buffers[i][off : off + n]), tag=req.reply_tag + 1 + k, force_tag=True)
+            pending += [
+                ucx.send(ep, _ucx_buffer(lease.buffers[i][off : off + n]), req.reply_tag + 1 + k)
                 for k, (i, off, _, _, n) in enumerate(plan)
             ]
             posted = time.perf_counter()
-            await asyncio.wait_for(asyncio.gather(status, *sends), self.send_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*pending), self.send_timeout_s)
             ok = True
             sent = time.perf_counter()
             self.timeline.append({"lease_id": req.lease_id, "received": received, "posted": posted, "sent": sent})
             log.info("state sent", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(plan),
                      seconds=round(sent - received, 6))  # fmt: skip
         except Exception as e:
-            await self._eps.close_one(req.reply_address)
+            self._eps.drop(req.reply_address)  # also cancels what UCX still has in flight to this puller
             log.warning("state send failed", lease_id=req.lease_id, error=repr(e))
         finally:
+            for f in pending:
+                f.cancel()
             self.leases.finish_pull(req.lease_id, ok)
 
     async def _send_status(self, ep, req, status) -> None:
         try:
-            await asyncio.wait_for(ep.send(_frame(status), tag=req.reply_tag, force_tag=True), self.send_timeout_s)
+            await asyncio.wait_for(loop_worker.get().send(ep, _frame(status), req.reply_tag), self.send_timeout_s)
         except Exception as e:
             self._eps.drop(req.reply_address)
             log.warning("cannot answer puller", lease_id=req.lease_id, error=repr(e))
@@ -320,24 +291,23 @@ class StatePuller:
         self._notices: set[asyncio.Future] = set()  # abandon notices on their way
 
     async def start(self) -> None:
-        """Bring UCX up now (context, worker, progress thread). Left to the first pull, that holds the GIL
-        for a few hundred milliseconds (measured: ~0.45 s on a CPU host), stalling the engine's loop."""
+        """Bring UCX up now (context and worker). Left to the first pull, that holds the GIL for a few hundred
+        milliseconds (measured: ~0.45 s on a CPU host), stalling the engine's loop."""
         self._address = worker_address()
 
     async def close(self) -> None:
         if self._notices:
             await asyncio.wait(self._notices, timeout=1.0)
-        await self._eps.close()
+        self._eps.close()
 
     def _tell_abandoned(self, ep, lease_id: str, token: bytes) -> None:
         """Let the holder stop sending and free the state now rather than at its send deadline. Fire and
         forget: this runs while the pull is being cancelled."""
         from deltamesh.v1 import transfer_pb2
 
-        notice = asyncio.ensure_future(
-            ep.send(_frame(transfer_pb2.PullRequest(lease_id=lease_id, token=token, abandon=True)), tag=REQUEST_TAG,
-                    force_tag=True)
-        )  # fmt: skip
+        notice = loop_worker.get().send(
+            ep, _frame(transfer_pb2.PullRequest(lease_id=lease_id, token=token, abandon=True)), REQUEST_TAG
+        )
         self._notices.add(notice)
         notice.add_done_callback(lambda t: self._notices.discard(t) or t.cancelled() or t.exception())
 
@@ -364,35 +334,32 @@ class StatePuller:
         except TransferError:
             raise
         except Exception as e:  # UCX errors: the holder is unreachable or went away mid-transfer
-            await self._eps.close_one(holder_address)
+            self._eps.drop(holder_address)
             raise TransferError(f"state transfer for lease {lease_id!r} failed: {e!r}") from e
 
     async def _pull(self, address, lease_id, token, compat_hash, holder_sizes, buffers, started) -> TransferStats:
         import numpy as np
-        import ucxx
 
         from deltamesh.v1 import transfer_pb2
 
+        ucx = loop_worker.get()
         plan = segments(list(holder_sizes), [b.numel() for b in buffers])
         self._address = self._address or worker_address()
         reply_tag = secrets.randbits(40) << 20  # room for up to 2^20 - 1 segments
         if len(plan) >= 1 << 20:
             raise TransferError(f"{len(plan)} segments is too many for one pull")
         status_buf = np.empty(4096, dtype=np.uint8)
-        status_rx = asyncio.ensure_future(ucxx.recv(status_buf, tag=reply_tag))
-        data_rx = [
-            asyncio.ensure_future(ucxx.recv(_ucx_buffer(buffers[j][off : off + n]), tag=reply_tag + 1 + k))
-            for k, (_, _, j, off, n) in enumerate(plan)
-        ]
+        status_rx = ucx.recv(status_buf, reply_tag)
+        data_rx = [ucx.recv(_ucx_buffer(buffers[j][off : off + n]), reply_tag + 1 + k) for k, (_, _, j, off, n) in enumerate(plan)]
         ep = sent = None
         try:
-            ep = await self._eps.get(address)
+            ep = self._eps.get(address)
             request = transfer_pb2.PullRequest(
                 lease_id=lease_id, token=token, compat_hash=compat_hash, reply_tag=reply_tag,
                 reply_address=self._address, region_bytes=[b.numel() for b in buffers],
             )  # fmt: skip
-            sent = asyncio.ensure_future(ep.send(_frame(request), tag=REQUEST_TAG, force_tag=True))
             requested = time.perf_counter()
+            sent = ucx.send(ep, _frame(request), REQUEST_TAG)
             # Wait for the answer, or for the request to fail; not for the request's completion first (one
             # wake-up of the event loop fewer on the critical path).
             await asyncio.wait((sent, status_rx), return_when=asyncio.FIRST_EXCEPTION)

@@ -94,8 +94,13 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> 
 
     from services.common.metrics import serve_worker_metrics
 
-    configure_ucx(settings.host, gpu=settings.engine.torch_device().type == "cuda")
+    configure_ucx(settings.host)
     worker = Worker(settings)
+    device = settings.engine.torch_device()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)  # UCX's CUDA copies are issued from this (the event loop's) thread
     services, on_start, on_stop, background, leases = setup(worker)
     serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
     await on_start()

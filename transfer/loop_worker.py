@@ -1,0 +1,132 @@
+"""One UCX worker per process, progressed by the asyncio event loop itself.
+
+ucxx's asyncio layer completes each request through two helper threads (a progress thread, then a Python
+notifier thread that hands the result to the loop), and both need the GIL. Measured on the H200 host, each
+such hand-over cost 0.3-0.8 ms, most of a pull's fixed cost; next to a busy decode thread it grew to ~10 ms.
+Here the worker's wake-up file descriptor sits in the loop's own epoll set instead: when UCX has something
+to do (a message arrived, a GPU copy finished: cuda_ipc signals through an eventfd) the loop wakes, progresses
+the worker and resolves the futures of the requests that completed. No extra thread; nothing spins.
+
+All calls must come from the loop that created the worker (`get()`); `close()` releases it so that another
+loop (tests) can create a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+log = structlog.get_logger("deltamesh.transfer")
+
+# Progress now and then while requests are pending, in case a wake-up is ever missed (ucxx does the same, at
+# 1 s): this bounds the damage to a delay, never a hang. Often while a transfer is under way, rarely while only
+# a listening receive waits.
+_SAFETY_PROGRESS_S = 0.005
+_IDLE_PROGRESS_S = 1.0
+
+_worker: "LoopWorker | None" = None
+
+
+def get() -> "LoopWorker":
+    """This process's worker, created on first use on the running loop."""
+    global _worker
+    loop = asyncio.get_running_loop()
+    if _worker is None:
+        _worker = LoopWorker(loop)
+    elif _worker.loop is not loop:
+        raise RuntimeError("the UCX worker belongs to another event loop: call transfer.shutdown_ucx() first")
+    return _worker
+
+
+def close() -> None:
+    global _worker
+    if _worker is not None:
+        _worker.close()
+        _worker = None
+
+
+class LoopWorker:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        from ucxx._lib import libucxx as ucx
+
+        self._ucx = ucx
+        self.loop = loop
+        self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        self.worker = ucx.UCXWorker(self.context)  # no delayed submission, no Python futures: requests post at once
+        self.worker.init_blocking_progress_mode()
+        self._fd = self.worker.epoll_file_descriptor
+        self._waiting: dict[object, tuple] = {}  # UCX request -> (caller's future, buffer, listening)
+        self._safety: asyncio.TimerHandle | None = None
+        self._scheduled = False
+        loop.add_reader(self._fd, self._progress)
+        self.address: bytes = self.worker.address.tobytes()
+
+    def endpoint(self, address: bytes, error_handling: bool):
+        ucx = self._ucx
+        return ucx.UCXEndpoint.create_from_worker_address(
+            self.worker, ucx.UCXAddress.create_from_buffer(address), error_handling
+        )
+
+    def send(self, ep, buffer, tag: int) -> asyncio.Future:
+        """Post a tagged send now; the future resolves when UCX is done with `buffer`."""
+        from ucxx._lib.arr import Array
+
+        array = Array(buffer)
+        return self._track(ep.tag_send(array, self._ucx.UCXXTag(tag)), array)
+
+    def recv(self, buffer, tag: int, listening: bool = False) -> asyncio.Future:
+        """Post a tagged receive (any sender) now; the future resolves when `buffer` holds the message.
+        `listening`: a receive that may wait for a long time (for requests), not part of a transfer."""
+        from ucxx._lib.arr import Array
+
+        array = Array(buffer)
+        return self._track(self.worker.tag_recv(array, self._ucx.UCXXTag(tag)), array, listening)
+
+    def _track(self, request, array, listening: bool = False) -> asyncio.Future:
+        future = self.loop.create_future()
+        # Until UCX completes the request it may write to or read from the buffer, so the buffer stays
+        # referenced here even when the caller gave up (cancelled its future).
+        self._waiting[request] = (future, array, listening)
+        self._schedule()  # a new request may need progress (a rendezvous) before any event arrives
+        return future
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._progress)
+
+    def _progress(self) -> None:
+        self._scheduled = False
+        while True:
+            self.worker.progress()
+            for request in [r for r in self._waiting if r.completed]:
+                future, _, _ = self._waiting.pop(request)
+                if future.done():
+                    continue
+                try:
+                    request.check_error()
+                except Exception as e:  # the peer went away, the endpoint closed, the message was truncated
+                    future.set_exception(e)
+                else:
+                    future.set_result(None)
+            if self.worker.arm():  # nothing left to do: sleep until the fd wakes the loop
+                break
+        if self._safety is not None:
+            self._safety.cancel()
+            self._safety = None
+        if self._waiting:
+            busy = any(not (listening or future.done()) for future, _, listening in self._waiting.values())
+            self._safety = self.loop.call_later(_SAFETY_PROGRESS_S if busy else _IDLE_PROGRESS_S, self._progress)
+
+    def close(self) -> None:
+        try:
+            self.loop.remove_reader(self._fd)
+        except Exception:  # the loop is already closed
+            pass
+        if self._safety is not None:
+            self._safety.cancel()
+        for future, _, _ in self._waiting.values():
+            if not future.done():
+                future.cancel()
+        self._waiting.clear()
