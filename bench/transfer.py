@@ -232,9 +232,11 @@ class DecodeLoop:
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
 
     def _run(self) -> None:
+        from engine.sampling import host_list
+
         while not self._stop.is_set():
             t0 = time.perf_counter()
-            self.core.runner.execute(self.items).argmax(-1).tolist()
+            host_list(self.core.runner.execute(self.items).argmax(-1))  # the engine's own wait for the GPU
             self.steps.append((t0, time.perf_counter()))
 
     def start(self) -> None:
@@ -264,15 +266,21 @@ def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, f
 
 
 async def _puller(conn, opts: Options) -> None:
+    import torch
+
     from transfer import StatePuller, TransferError
+
+    from transfer.side_channel import worker_address
 
     kv, st = _pools(opts)
     puller = StatePuller(error_handling=opts.error_handling)
     await puller.start()
     decode_loop = DecodeLoop(opts) if opts.overlap_model else None
+    # The bench's own GPU work (zeroing the targets, copying them out for the CRC) runs on a side stream, so
+    # the decode loop's kernels (on the default stream) never queue behind it and its step times stay clean.
+    aux = torch.cuda.Stream() if opts.device == "cuda" else None
+    on_aux = (lambda: torch.cuda.stream(aux)) if aux else contextlib.nullcontext
     pulls: list[tuple[float, float]] = []
-    from transfer.side_channel import worker_address
-
     conn.send(("ready", worker_address()))
     if decode_loop:
         decode_loop.start()
@@ -296,11 +304,14 @@ async def _puller(conn, opts: Options) -> None:
                 conn.send(("overlap", overlap_summary(decode_loop.stop(), pulls)))
                 continue
             _, address, n_tokens, offers = msg  # offers: [(lease id, token, holder sizes, crc)]
-            held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc()) for _ in offers]  # what EngineCore.reserve does
+            held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False)) for _ in offers]  # as EngineCore.reserve
             try:
                 targets = [[r.tensor for r in kv.regions(pages) + st.regions(slot)] for pages, slot in held]
-                for b in (b for buffers in targets for b in buffers):
-                    b.zero_()
+                with on_aux():
+                    for b in (b for buffers in targets for b in buffers):
+                        b.zero_()
+                if aux:  # UCX writes from its own stream: the zeroing must be done before the pull starts
+                    aux.synchronize()
                 t0 = time.perf_counter()
                 try:
                     stats = await asyncio.gather(*(
@@ -312,7 +323,8 @@ async def _puller(conn, opts: Options) -> None:
                     continue
                 wall = time.perf_counter() - t0
                 pulls.append((t0, t0 + wall))
-                ok = all(_crc(buffers) == offer[3] for offer, buffers in zip(offers, targets))
+                with on_aux():
+                    ok = all(_crc(buffers) == offer[3] for offer, buffers in zip(offers, targets))
                 conn.send(("pulled", {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
                                       "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
                                       "status_seconds": max(x.status_seconds for x in stats),

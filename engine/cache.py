@@ -184,14 +184,15 @@ class StatePool:
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
 
-    def alloc(self) -> int:
-        """A zeroed slot: a new request starts from the empty state."""
+    def alloc(self, zeroed: bool = True) -> int:
+        """A slot, zeroed (a new request starts from the empty state) unless the caller overwrites all of it."""
         with self._lock:
             if not self._free:
                 raise PoolExhausted(f"all {self.num_slots} GDN state slots are in use")
             slot = self._free.pop()
-        self.conv[slot].zero_()
-        self.recurrent[slot].zero_()
+        if zeroed:
+            self.conv[slot].zero_()
+            self.recurrent[slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:

@@ -326,8 +326,10 @@ class EngineCore:
 
     # ---- reservations (decode side; any thread) ----------------------------------------------------------
     def reserve(self, num_tokens: int) -> Reservation:
-        """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free."""
-        slot = self.state_pool.alloc()
+        """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free.
+        Nothing is written to them here: the pull fills every byte, from UCX's own CUDA stream, and a zeroing
+        kernel queued on the engine's stream could land after it (found on the H200: the pulled state wiped)."""
+        slot = self.state_pool.alloc(zeroed=False)
         try:
             pages = self.kv_pool.alloc(self.kv_pool.pages_for(num_tokens))
         except PoolExhausted:

@@ -127,9 +127,11 @@ def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
 
     got = {}
     reqs = []
+    decode.state_pool.recurrent.fill_(7.0)  # every slot is free: a reservation must leave its bytes as they are
     for i, p in enumerate(ps):
         rid = f"r{i}"
         res = decode.reserve(len(p))
+        assert bool((decode.state_pool.recurrent[res.slot] == 7.0).all())  # left to the pull, not zeroed
         src = prefill.held_regions(rid)
         # KV pages differ in size between the two pools, so copy page contents token-range by token-range:
         # here both hold the same bytes per token, laid out page-major; compare through the pool views.
