@@ -81,7 +81,7 @@ def test_pull_over_ucx_moves_exact_bytes_and_refusals_move_none():
         finally:
             await puller.close()
             await server.stop()
-            shutdown_ucx()  # ucxx is bound to this event loop until reset
+            shutdown_ucx()  # the UCX worker is bound to this event loop
 
     asyncio.run(main())
 
@@ -112,6 +112,30 @@ def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
         finally:
             await puller.close()
             await server.stop()
-            shutdown_ucx()  # ucxx is bound to this event loop until reset
+            shutdown_ucx()  # the UCX worker is bound to this event loop
+
+    asyncio.run(main())
+
+
+def test_an_idle_holder_costs_no_cpu_and_needs_no_helper_thread():
+    """The UCX worker is progressed by the event loop: while a holder only waits for requests nothing spins
+    (before, ucxx's polling made an idle worker burn a core), and completions need no extra Python thread."""
+    import threading
+
+    configure_ucx("127.0.0.1")
+
+    async def main():
+        threads = threading.active_count()
+        server = StateServer(LeaseTable())
+        await server.start()
+        try:
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            await asyncio.sleep(1.0)
+            cpu = time.process_time() - cpu0
+            assert cpu < 0.2 * (time.monotonic() - wall0), f"idle holder used {cpu:.2f} CPU-s in 1 s"
+            assert threading.active_count() == threads
+        finally:
+            await server.stop()
+            shutdown_ucx()
 
     asyncio.run(main())
