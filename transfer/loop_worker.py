@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import asyncio
 
-import structlog
-
-log = structlog.get_logger("deltamesh.transfer")
-
 # Progress now and then while requests are pending, in case a wake-up is ever missed (ucxx does the same, at
 # 1 s): this bounds the damage to a delay, never a hang. Often while a transfer is under way, rarely while only
 # a listening receive waits.

@@ -100,7 +100,8 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> 
     if device.type == "cuda":
         import torch
 
-        torch.cuda.set_device(device)  # UCX's CUDA copies are issued from this (the event loop's) thread
+        # UCX's CUDA copies are issued from this (the event loop's) thread; plain "cuda" is device 0 as in torch
+        torch.cuda.set_device(device.index or 0)
     services, on_start, on_stop, background, leases = setup(worker)
     serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
     await on_start()
