@@ -53,6 +53,8 @@ class LoopWorker:
         self.worker.init_blocking_progress_mode()
         self._fd = self.worker.epoll_file_descriptor
         self._waiting: dict[object, tuple] = {}  # UCX request -> (caller's future, buffer, listening)
+        self._request_of: dict[asyncio.Future, object] = {}  # caller's future -> its UCX request, until done
+        self._settle_waiters: list[tuple[set, asyncio.Future]] = []  # (requests not done yet, who waits)
         self._safety: asyncio.TimerHandle | None = None
         self._scheduled = False
         loop.add_reader(self._fd, self._progress)
@@ -84,8 +86,20 @@ class LoopWorker:
         # Until UCX completes the request it may write to or read from the buffer, so the buffer stays
         # referenced here even when the caller gave up (cancelled its future).
         self._waiting[request] = (future, array, listening)
+        self._request_of[future] = request
         self._schedule()  # a new request may need progress (a rendezvous) before any event arrives
         return future
+
+    def settled(self, futures) -> asyncio.Future:
+        """Resolves once UCX is done with the requests behind `futures`, even if those were cancelled: until
+        then a posted receive can still be written into."""
+        pending = {self._request_of[f] for f in futures if f in self._request_of}
+        waiter = self.loop.create_future()
+        if pending:
+            self._settle_waiters.append((pending, waiter))
+        else:
+            waiter.set_result(None)
+        return waiter
 
     def _schedule(self) -> None:
         if not self._scheduled:
@@ -98,6 +112,8 @@ class LoopWorker:
             self.worker.progress()
             for request in [r for r in self._waiting if r.completed]:
                 future, _, _ = self._waiting.pop(request)
+                self._request_of.pop(future, None)
+                self._settle(request)
                 if future.done():
                     continue
                 try:
@@ -115,6 +131,13 @@ class LoopWorker:
             busy = any(not (listening or future.done()) for future, _, listening in self._waiting.values())
             self._safety = self.loop.call_later(_SAFETY_PROGRESS_S if busy else _IDLE_PROGRESS_S, self._progress)
 
+    def _settle(self, request) -> None:
+        for pending, waiter in self._settle_waiters:
+            pending.discard(request)
+            if not pending and not waiter.done():
+                waiter.set_result(None)
+        self._settle_waiters = [(p, w) for p, w in self._settle_waiters if p]
+
     def close(self) -> None:
         try:
             self.loop.remove_reader(self._fd)
@@ -122,7 +145,9 @@ class LoopWorker:
             pass
         if self._safety is not None:
             self._safety.cancel()
-        for future, _, _ in self._waiting.values():
+        for future in [f for f, _, _ in self._waiting.values()] + [w for _, w in self._settle_waiters]:
             if not future.done():
                 future.cancel()
         self._waiting.clear()
+        self._request_of.clear()
+        self._settle_waiters.clear()

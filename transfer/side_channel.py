@@ -37,6 +37,9 @@ from transfer.leases import LeaseRefused, LeaseTable
 log = structlog.get_logger("deltamesh.transfer")
 
 REQUEST_TAG = 0x646D_7368_0000_0001  # "dmsh" + 1: where holders receive pull requests
+# A pull's tags: status on reply_tag, segment k on reply_tag + 1 + k, the abandon acknowledgement last.
+_TAGS_PER_PULL = 1 << 20
+_ACK_OFFSET = _TAGS_PER_PULL - 1
 _MAX_REQUEST_BYTES = 1 << 16
 _LEN = struct.Struct("<I")
 
@@ -155,6 +158,19 @@ def _close(ep) -> None:
             pass
 
 
+def _first_of(*futures: asyncio.Future) -> asyncio.Future:
+    """Resolves when any of `futures` succeeds."""
+    first = asyncio.get_running_loop().create_future()
+
+    def done(f: asyncio.Future) -> None:
+        if not (first.done() or f.cancelled() or f.exception()):
+            first.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return first
+
+
 def worker_address() -> bytes:
     """This process's UCX worker address (what peers connect to); starts UCX on first use."""
     return loop_worker.get().address
@@ -169,7 +185,8 @@ class StateServer:
         self._eps = _Endpoints(error_handling)
         self._task: asyncio.Task | None = None
         self._pulls: set[asyncio.Task] = set()
-        self._sending: dict[str, tuple[bytes, asyncio.Task]] = {}  # lease id -> (token, task) of pulls under way
+        # lease id -> (token, task, its posted sends) of the pulls under way
+        self._sending: dict[str, tuple[bytes, asyncio.Task, list]] = {}
         # the last pulls answered: lease id and perf_counter() when the request arrived, the sends were posted and
         # completed (see TransferStats.marks)
         self.timeline: deque[dict] = deque(maxlen=256)
@@ -206,27 +223,47 @@ class StateServer:
             if req.abandon:
                 self._abandon(req)
                 continue
-            task = asyncio.create_task(self._answer(req, received))
+            sends: list[asyncio.Future] = []
+            task = asyncio.create_task(self._answer(req, received, sends))
             self._pulls.add(task)
             task.add_done_callback(self._pulls.discard)
             # registered before the next message is read, so an abandon right behind the request finds it
-            self._sending.setdefault(req.lease_id, (req.token, task))
+            self._sending.setdefault(req.lease_id, (req.token, task, sends))
 
     def _abandon(self, req) -> None:
-        """The puller gave up: cancel the sends (the lease then ends as aborted and frees its memory)."""
-        token, task = self._sending.get(req.lease_id, (b"", None))
-        if task is not None and secrets.compare_digest(token, req.token):
+        """The puller gave up: stop answering (the lease then ends as aborted and frees its memory) and, once
+        what was already posted is done, tell the puller that nothing more of this pull will reach it."""
+        token, task, sends = self._sending.get(req.lease_id, (b"", None, []))
+        if task is not None:
+            if not secrets.compare_digest(token, req.token):
+                return
             log.warning("pull abandoned by the puller", lease_id=req.lease_id)
             task.cancel()
+        if req.reply_address:
+            ack = asyncio.ensure_future(self._acknowledge_abandon(req, loop_worker.get().settled(sends)))
+            self._pulls.add(ack)
+            ack.add_done_callback(self._pulls.discard)
 
-    async def _answer(self, req, received: float) -> None:
+    async def _acknowledge_abandon(self, req, settled: asyncio.Future) -> None:
+        from deltamesh.v1 import transfer_pb2
+
+        await settled  # UCX is done with every send of this pull already posted (sent, or failed)
+        status = transfer_pb2.PullStatus(ok=False, error="abandoned")
         try:
-            await self._answer_pull(req, received)
+            ep = self._eps.get(req.reply_address)
+            await asyncio.wait_for(loop_worker.get().send(ep, _frame(status), req.reply_tag + _ACK_OFFSET),
+                                   self.send_timeout_s)  # fmt: skip
+        except Exception as e:  # the puller is gone: nobody left to tell
+            log.debug("cannot acknowledge an abandoned pull", lease_id=req.lease_id, error=repr(e))
+
+    async def _answer(self, req, received: float, sends: list) -> None:
+        try:
+            await self._answer_pull(req, received, sends)
         finally:
-            if self._sending.get(req.lease_id, (b"", None))[1] is asyncio.current_task():
+            if self._sending.get(req.lease_id, (b"", None, []))[1] is asyncio.current_task():
                 del self._sending[req.lease_id]
 
-    async def _answer_pull(self, req, received: float) -> None:
+    async def _answer_pull(self, req, received: float, pending: list) -> None:
         from deltamesh.v1 import transfer_pb2
 
         ucx = loop_worker.get()
@@ -241,7 +278,7 @@ class StateServer:
             log.warning("pull refused", lease_id=req.lease_id, reason=str(e))
             await self._send_status(ep, req, transfer_pb2.PullStatus(ok=False, error=str(e)))
             return
-        ok, pending = False, []
+        ok = False
         try:
             sizes = [b.numel() for b in lease.buffers]
             try:
@@ -255,10 +292,10 @@ class StateServer:
             await failpoints.hit("transfer.after_status")
             # No stream sync needed: the engine synchronised when it sampled the first token, after the
             # kernels that wrote this state.
-            pending += [
+            pending.extend(
                 ucx.send(ep, _ucx_buffer(lease.buffers[i][off : off + n]), req.reply_tag + 1 + k)
                 for k, (i, off, _, _, n) in enumerate(plan)
-            ]
+            )
             posted = time.perf_counter()
             await asyncio.wait_for(asyncio.gather(*pending), self.send_timeout_s)
             ok = True
@@ -285,10 +322,13 @@ class StateServer:
 class StatePuller:
     """Puller side (decode): receives leased state straight into its own buffers."""
 
-    def __init__(self, error_handling: bool = True):
+    def __init__(self, error_handling: bool = True, settle_grace_s: float = 10.0):
         self._eps = _Endpoints(error_handling)
         self._address = b""  # this worker's UCX address, sent with every pull
         self._notices: set[asyncio.Future] = set()  # abandon notices on their way
+        # failed pulls whose receives UCX may still fill: lease id -> resolves when it no longer can
+        self._unsettled: dict[str, asyncio.Future] = {}
+        self.settle_grace_s = settle_grace_s
 
     async def start(self) -> None:
         """Bring UCX up now (context and worker). Left to the first pull, that holds the GIL for a few hundred
@@ -300,16 +340,44 @@ class StatePuller:
             await asyncio.wait(self._notices, timeout=1.0)
         self._eps.close()
 
-    def _tell_abandoned(self, ep, lease_id: str, token: bytes) -> None:
+    def release_after(self, lease_id: str, release) -> None:
+        """Call `release()` (give the failed pull's buffers back) once UCX can no longer write into them. A
+        holder that had already posted its sends when the puller gave up still completes them into the posted
+        receives, and buffers reused by then would be overwritten silently. So: at once when the request never
+        left or the holder refused; else when those receives complete or the holder acknowledges the abandon
+        notice, and at the latest after `settle_grace_s` (a holder that never answers is gone or stalled)."""
+        settled = self._unsettled.pop(lease_id, None)
+        if settled is None or settled.done():
+            release()
+            return
+        done = False
+
+        def fire(*_) -> None:
+            nonlocal done
+            if not done:
+                done = True
+                timer.cancel()
+                release()
+
+        timer = asyncio.get_running_loop().call_later(self.settle_grace_s, fire)
+        settled.add_done_callback(fire)
+
+    def _tell_abandoned(self, ep, lease_id: str, token: bytes, reply_tag: int) -> asyncio.Future:
         """Let the holder stop sending and free the state now rather than at its send deadline. Fire and
-        forget: this runs while the pull is being cancelled."""
+        forget: this runs while the pull is being cancelled. Returns the holder's acknowledgement: after it,
+        nothing of this pull can reach the puller's buffers."""
+        import numpy as np
+
         from deltamesh.v1 import transfer_pb2
 
-        notice = loop_worker.get().send(
-            ep, _frame(transfer_pb2.PullRequest(lease_id=lease_id, token=token, abandon=True)), REQUEST_TAG
-        )
+        ucx = loop_worker.get()
+        acked = ucx.recv(np.empty(4096, dtype=np.uint8), reply_tag + _ACK_OFFSET, listening=True)
+        notice = ucx.send(ep, _frame(transfer_pb2.PullRequest(
+            lease_id=lease_id, token=token, abandon=True, reply_tag=reply_tag, reply_address=self._address,
+        )), REQUEST_TAG)  # fmt: skip
         self._notices.add(notice)
         notice.add_done_callback(lambda t: self._notices.discard(t) or t.cancelled() or t.exception())
+        return acked
 
     async def pull(
         self,
@@ -345,8 +413,8 @@ class StatePuller:
         ucx = loop_worker.get()
         plan = segments(list(holder_sizes), [b.numel() for b in buffers])
         self._address = self._address or worker_address()
-        reply_tag = secrets.randbits(40) << 20  # room for up to 2^20 - 1 segments
-        if len(plan) >= 1 << 20:
+        reply_tag = secrets.randbits(40) * _TAGS_PER_PULL
+        if len(plan) > _ACK_OFFSET - 1:
             raise TransferError(f"{len(plan)} segments is too many for one pull")
         status_buf = np.empty(4096, dtype=np.uint8)
         status_rx = ucx.recv(status_buf, reply_tag)
@@ -376,7 +444,10 @@ class StatePuller:
                 if f is not None:
                     f.cancel()
             if sent is not None and not (isinstance(e, TransferError) and e.refused):
-                self._tell_abandoned(ep, lease_id, token)
+                # the holder may have posted sends that still land here: the buffers are free again once the
+                # receives are done or the holder acknowledges the abandon (release_after)
+                acked = self._tell_abandoned(ep, lease_id, token, reply_tag)
+                self._unsettled[lease_id] = _first_of(ucx.settled(data_rx), acked)
             raise
         done = time.perf_counter()
         marks = {"start": started, "request": requested, "status": status_at, "done": done}

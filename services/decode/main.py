@@ -13,7 +13,8 @@ from transfer import StatePuller
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     def setup(worker: Worker):
-        puller = StatePuller(settings.ucx_error_handling)
+        # a holder gets as long to act on an abandon notice as the pull was given
+        puller = StatePuller(settings.ucx_error_handling, settle_grace_s=settings.transfer_timeout_s)
         servicer = DecodeServicer(worker, puller)
         name = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
         services = [(decode_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, name)]

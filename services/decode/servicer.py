@@ -61,11 +61,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             )  # fmt: skip
         except TransferError as e:
             metrics.TRANSFERS.labels("refused" if e.refused else "failed").inc()
-            self.engine.core.cancel_reservation(reservation)
+            self._release(src.lease.lease_id, reservation)
             code = grpc.StatusCode.FAILED_PRECONDITION if e.refused else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"state transfer failed: {e}")
         except BaseException:
-            self.engine.core.cancel_reservation(reservation)
+            self._release(src.lease.lease_id, reservation)
             raise
         finally:
             self.worker.reservations -= 1
@@ -76,6 +76,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         log.info("state received", bytes=stats.nbytes, buffers=stats.buffers, seconds=round(stats.seconds, 6),
                  gbps=round(stats.gbps, 3))  # fmt: skip
         return reservation
+
+    def _release(self, lease_id: str, reservation) -> None:
+        """A failed pull's pages and slot go back to the pool once UCX can no longer write into them."""
+        self.puller.release_after(lease_id, lambda: self.engine.core.cancel_reservation(reservation))
 
     async def _reserve(self, num_tokens: int, context):
         """Pool space for the incoming state; waits (bounded) while the batch is full."""

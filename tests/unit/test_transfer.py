@@ -88,7 +88,8 @@ def test_pull_over_ucx_moves_exact_bytes_and_refusals_move_none():
 
 def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
     """A puller that gives up (here: its deadline passes while the holder stalls after the status) tells the
-    holder, which stops sending and frees the state now, not at its own 30 s send deadline."""
+    holder, which stops sending and frees the state now, not at its own 30 s send deadline, and acknowledges,
+    so the puller can reuse its buffers: nothing of that pull can land in them any more."""
     from transfer import failpoints
 
     configure_ucx("127.0.0.1")
@@ -98,17 +99,22 @@ def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
         leases = LeaseTable()
         server = StateServer(leases, send_timeout_s=30)
         await server.start()
-        puller = StatePuller()
+        puller = StatePuller(settle_grace_s=30)
         try:
             src, dst = [torch.ones(1 << 20, dtype=torch.uint8)], [torch.zeros(1 << 20, dtype=torch.uint8)]
-            ended = []
+            ended, released = [], []
             lease = leases.offer("L", "h", src, 60, ended.append)
             with pytest.raises(TransferError, match="did not finish"):
                 await puller.pull(server.address, "L", lease.token, "h", [1 << 20], dst, 0.5)
             t0 = time.monotonic()
-            while not ended and time.monotonic() - t0 < 5:
+            # the data receive is still posted: the buffers go back only once nothing can write into them, here
+            # when the holder acknowledges the abandon notice (long before the 30 s grace)
+            puller.release_after("L", lambda: released.append(time.monotonic() - t0))
+            assert released == []
+            while not (ended and released) and time.monotonic() - t0 < 5:
                 await asyncio.sleep(0.01)
             assert ended == ["aborted"] and len(leases) == 0
+            assert released and released[0] < 2.0
         finally:
             await puller.close()
             await server.stop()
