@@ -20,6 +20,7 @@ import asyncio
 # a listening receive waits.
 _SAFETY_PROGRESS_S = 0.005
 _IDLE_PROGRESS_S = 1.0
+_MAX_ROUNDS = 64  # progress rounds per wake-up before yielding to the loop's other callbacks
 
 _worker: "LoopWorker | None" = None
 
@@ -108,7 +109,7 @@ class LoopWorker:
 
     def _progress(self) -> None:
         self._scheduled = False
-        while True:
+        for _ in range(_MAX_ROUNDS):
             self.worker.progress()
             for request in [r for r in self._waiting if r.completed]:
                 future, _, _ = self._waiting.pop(request)
@@ -124,6 +125,8 @@ class LoopWorker:
                     future.set_result(None)
             if self.worker.arm():  # nothing left to do: sleep until the fd wakes the loop
                 break
+        else:  # still busy: let the loop's other callbacks run, then go on
+            self._schedule()
         if self._safety is not None:
             self._safety.cancel()
             self._safety = None
