@@ -47,11 +47,12 @@ def render() -> str:
     lines += [
         "",
         "Known limits:",
-        "- A UCX receive that has already matched a rendezvous cannot be cancelled. When a pull hits its",
-        "  deadline or is cancelled, the decode worker frees its reservation and sends the holder an abandon",
-        "  notice (the holder then cancels its sends and frees the held state at once, not at its send",
-        "  deadline); a receive the puller's UCX had already matched may still finish into the freed",
-        "  pages. No late write has been seen, but UCX gives no guarantee against it.",
+        "- A posted UCX receive cannot be cancelled. When a pull hits its deadline or is cancelled, the decode",
+        "  worker sends the holder an abandon notice; the holder cancels what it has not sent, frees the held",
+        "  state at once and, once its already-posted sends are done, acknowledges. The decode worker gives the",
+        "  reserved pages back only then (or when its receives complete), so a late write cannot reach pages",
+        "  another request uses. A holder that never answers (dead, or stopped) is waited for one more transfer",
+        "  deadline; one stopped longer than that which then sends before reading the notice is the case left.",
         "- With `--no-ucx-error-handling` (shared memory / cuda_ipc) UCX cannot report a dead peer; the pull and",
         "  send deadlines and the gRPC legs still end every request in bounded time.",
     ]
