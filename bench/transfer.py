@@ -401,6 +401,7 @@ async def floor_puller(holder_address: bytes, buffers, reps: int, tag: int, erro
 def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
     """One row per length: the state's buffers moved by bare tag messages (see floor_holder)."""
     rows = []
+    kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
     with _processes(opts) as (h_conn, p_conn):
         (holder_address,) = _expect(h_conn, "ready", 120)
         (puller_address,) = _expect(p_conn, "ready", 300)
@@ -410,7 +411,6 @@ def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
             _expect(h_conn, "floor-ready", 120)
             p_conn.send(("floor", n_tokens, reps, tag, holder_address))
             secs, buffers = _expect(p_conn, "floored", opts.timeout_s + 30)
-            kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
             kv_bytes = kv.pages_for(n_tokens) * kv.page_bytes
             rows.append({
                 "mode": "floor: bare tag messages, spinning on UCX progress", "error_handling": opts.error_handling,
@@ -535,13 +535,11 @@ PHASES = {  # where a pull's time goes: (from, to) marks of the puller (p) and t
 
 def phases(puller_marks: list[dict], holder_times: list[dict | None]) -> dict:
     """Milliseconds of each PHASES step, the worst over the requests pulled at once."""
+    pulls = [{**{f"p.{k}": v for k, v in p.items()}, **{f"h.{k}": v for k, v in (h or {}).items()}}
+             for p, h in zip(puller_marks, holder_times)]  # fmt: skip
     out = {}
     for name, (a, b) in PHASES.items():
-        spans = []
-        for p, h in zip(puller_marks, holder_times):
-            marks = {**{f"p.{k}": v for k, v in p.items()}, **{f"h.{k}": v for k, v in (h or {}).items()}}
-            if a in marks and b in marks:
-                spans.append((marks[b] - marks[a]) * 1e3)
+        spans = [(m[b] - m[a]) * 1e3 for m in pulls if a in m and b in m]
         out[name] = max(spans) if spans else None
     return out
 

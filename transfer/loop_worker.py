@@ -135,6 +135,8 @@ class LoopWorker:
             self._safety = self.loop.call_later(_SAFETY_PROGRESS_S if busy else _IDLE_PROGRESS_S, self._progress)
 
     def _settle(self, request) -> None:
+        if not self._settle_waiters:
+            return
         for pending, waiter in self._settle_waiters:
             pending.discard(request)
             if not pending and not waiter.done():

@@ -26,7 +26,7 @@ import secrets
 import struct
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -56,11 +56,18 @@ class TransferError(RuntimeError):
 class TransferStats:
     nbytes: int
     buffers: int  # messages on the wire (segments)
-    seconds: float
-    status_seconds: float = 0.0  # request sent -> the holder's status received (the control round trip)
     # perf_counter() at each step of the pull ("start", "request", "status", "done"); on Linux that clock is
     # CLOCK_MONOTONIC, shared by the processes of one host, so they line up with StateServer.timeline
-    marks: dict[str, float] = field(default_factory=dict)
+    marks: dict[str, float]
+
+    @property
+    def seconds(self) -> float:
+        return self.marks["done"] - self.marks["start"]
+
+    @property
+    def status_seconds(self) -> float:
+        """Until the holder's status arrived: the control round trip."""
+        return self.marks["status"] - self.marks["start"]
 
     @property
     def gbps(self) -> float:
@@ -451,4 +458,4 @@ class StatePuller:
             raise
         done = time.perf_counter()
         marks = {"start": started, "request": requested, "status": status_at, "done": done}
-        return TransferStats(sum(n for *_, n in plan), len(plan), done - started, status_at - started, marks)
+        return TransferStats(sum(n for *_, n in plan), len(plan), marks)
