@@ -151,6 +151,10 @@ class _Endpoints:
         """Forget and close the endpoint to a peer (after a failure on it): the next transfer makes a new one."""
         _close(self._eps.pop(address, None))
 
+    def forget(self, address: bytes) -> None:
+        """Make a new endpoint next time, leaving this one to the messages still on it (an abandon notice)."""
+        self._eps.pop(address, None)
+
     def close(self) -> None:
         for ep in self._eps.values():
             _close(ep)
@@ -322,7 +326,7 @@ class StateServer:
         try:
             await asyncio.wait_for(loop_worker.get().send(ep, _frame(status), req.reply_tag), self.send_timeout_s)
         except Exception as e:
-            self._eps.drop(req.reply_address)
+            self._eps.forget(req.reply_address)
             log.warning("cannot answer puller", lease_id=req.lease_id, error=repr(e))
 
 
@@ -371,8 +375,9 @@ class StatePuller:
 
     def _tell_abandoned(self, ep, lease_id: str, token: bytes, reply_tag: int) -> asyncio.Future:
         """Let the holder stop sending and free the state now rather than at its send deadline. Fire and
-        forget: this runs while the pull is being cancelled. Returns the holder's acknowledgement: after it,
-        nothing of this pull can reach the puller's buffers."""
+        forget: this runs while the pull is being cancelled. Returns what ends the wait for the buffers: the
+        holder's acknowledgement (nothing of this pull can reach them any more), or the notice failing to leave
+        (the holder is gone, as UCX reports with peer error handling on)."""
         import numpy as np
 
         from deltamesh.v1 import transfer_pb2
@@ -382,9 +387,16 @@ class StatePuller:
         notice = ucx.send(ep, _frame(transfer_pb2.PullRequest(
             lease_id=lease_id, token=token, abandon=True, reply_tag=reply_tag, reply_address=self._address,
         )), REQUEST_TAG)  # fmt: skip
+        gone = asyncio.get_running_loop().create_future()
+
+        def sent(t: asyncio.Future) -> None:
+            self._notices.discard(t)
+            if (t.cancelled() or t.exception()) and not gone.done():
+                gone.set_result(None)
+
         self._notices.add(notice)
-        notice.add_done_callback(lambda t: self._notices.discard(t) or t.cancelled() or t.exception())
-        return acked
+        notice.add_done_callback(sent)
+        return _first_of(acked, gone)
 
     async def pull(
         self,
@@ -404,7 +416,7 @@ class StatePuller:
                 timeout_s,
             )
         except asyncio.TimeoutError:
-            self._eps.drop(holder_address)
+            self._eps.forget(holder_address)  # closing it would cancel the abandon notice just posted
             raise TransferError(f"state transfer for lease {lease_id!r} did not finish within {timeout_s:.1f}s") from None
         except TransferError:
             raise
