@@ -51,8 +51,9 @@ def render() -> str:
         "  worker sends the holder an abandon notice; the holder cancels what it has not sent, frees the held",
         "  state at once and, once its already-posted sends are done, acknowledges. The decode worker gives the",
         "  reserved pages back only then (or when its receives complete), so a late write cannot reach pages",
-        "  another request uses. A holder that never answers (dead, or stopped) is waited for one more transfer",
-        "  deadline; one stopped longer than that which then sends before reading the notice is the case left.",
+        "  another request uses. A holder that UCX reports gone frees them at once; one that never answers",
+        "  (stopped, or gone unnoticed without peer error handling) is waited for one more transfer deadline. A",
+        "  holder stopped longer than that which then sends before reading the notice is the case left.",
         "- With `--no-ucx-error-handling` (shared memory / cuda_ipc) UCX cannot report a dead peer; the pull and",
         "  send deadlines and the gRPC legs still end every request in bounded time.",
     ]
