@@ -12,11 +12,11 @@ means TCP over `lo`; off: UCX may use shared memory / CMA between the two proces
   ucxx is touched. Each allocates engine pools (engine.cache.KVPagePool + StatePool) from the model config
   alone, no weights: page size 16, KV/conv dtype --dtype, recurrent state --state-dtype.
 - holder: allocates pages + a slot for an L-token request the way the scheduler does (best-fit run),
-  fills them with seeded random bytes, checksums them (CRC32) and offers a lease (transfer.LeaseTable) to
+  fills them with seeded random bytes, checksums them (CRC32; on GPUs a sum on the device) and offers a lease (transfer.LeaseTable) to
   its StateServer. The worker address, lease id/token and region sizes go to the puller through the
   parent (multiprocessing Pipes), as the router carries them over gRPC in the mesh.
 - puller: reserves pages + a slot in its own pools (zeroed), pulls (StatePuller.pull) and checks the
-  CRC32 of what arrived before anything is reported; the holder confirms the lease ended as "pulled".
+  checksum of what arrived before anything is reported; the holder confirms the lease ended as "pulled".
 Each length runs --reps + 1 pulls; the first is a warm-up and is dropped. Seconds are StatePuller's own
 (request sent -> last segment received, endpoint reuse included as in a running worker). The baseline row
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
@@ -75,6 +75,7 @@ class Options:
     overlap_batch: int = 8
     overlap_context: int = 1024
     overlap_idle_s: float = 3.0  # decode steps before the first pull: the undisturbed baseline
+    spin_s: float = 0.02  # StatePuller(spin_s=...): GPU pulls progress UCX on every loop turn for at most this long
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -116,11 +117,28 @@ def _pools(opts: Options):
     return kv, st
 
 
-def _crc(buffers) -> int:
-    crc = 0
+def _checksum(buffers) -> int:
+    """Of the byte stream the buffers make up, whatever way it is split: CRC32 on the host; for GPU buffers a
+    position-weighted sum computed on the device, because copying a GiB out for a CRC occupies the copy engine
+    the decode loop's small result reads queue behind (that stalled its steps by up to 0.9 s)."""
+    import torch
+
+    buffers = list(buffers)
+    if not buffers[0].is_cuda:
+        crc = 0
+        for b in buffers:
+            crc = zlib.crc32(b.numpy(), crc)
+        return crc
+    from engine.sampling import host_list
+
+    total, offset, chunk = torch.zeros((), dtype=torch.int64, device=buffers[0].device), 0, 1 << 24
     for b in buffers:
-        crc = zlib.crc32(b.cpu().numpy(), crc)
-    return crc
+        for start in range(0, b.numel(), chunk):
+            part = b[start : start + chunk]
+            weights = torch.arange(offset, offset + part.numel(), device=b.device, dtype=torch.int64)
+            total += (part.to(torch.int64) * (weights * 0x9E3779B97F4A7C1 + 1)).sum()  # int64 wraps around
+            offset += part.numel()
+    return host_list(total)  # waits with the GIL released
 
 
 async def _recv(conn):
@@ -173,7 +191,7 @@ async def _holder(conn, opts: Options) -> None:
                     loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(reason))
 
                 lease = leases.offer(lease_id, COMPAT, [r.tensor for r in regions], opts.timeout_s, on_end)
-                conn.send(("offered", lease.token, [r.nbytes for r in regions], _crc(r.tensor for r in regions),
+                conn.send(("offered", lease.token, [r.nbytes for r in regions], _checksum(r.tensor for r in regions),
                            sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
             elif msg[0] == "floor":
                 _, n_tokens, reps, tag, puller_address = msg
@@ -273,10 +291,10 @@ async def _puller(conn, opts: Options) -> None:
     from transfer.side_channel import worker_address
 
     kv, st = _pools(opts)
-    puller = StatePuller(error_handling=opts.error_handling)
+    puller = StatePuller(error_handling=opts.error_handling, spin_s=opts.spin_s)
     await puller.start()
     decode_loop = DecodeLoop(opts) if opts.overlap_model else None
-    # The bench's own GPU work (zeroing the targets, copying them out for the CRC) runs on a side stream, so
+    # The bench's own GPU work (zeroing the targets, their checksum) runs on a side stream, so
     # the decode loop's kernels (on the default stream) never queue behind it and its step times stay clean.
     aux = torch.cuda.Stream() if opts.device == "cuda" else None
     on_aux = (lambda: torch.cuda.stream(aux)) if aux else contextlib.nullcontext
@@ -324,7 +342,7 @@ async def _puller(conn, opts: Options) -> None:
                 wall = time.perf_counter() - t0
                 pulls.append((t0, t0 + wall))
                 with on_aux():
-                    ok = all(_crc(buffers) == offer[3] for offer, buffers in zip(offers, targets))
+                    ok = all(_checksum(buffers) == offer[3] for offer, buffers in zip(offers, targets))
                 conn.send(("pulled", {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
                                       "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
                                       "status_seconds": max(x.status_seconds for x in stats),
@@ -465,7 +483,8 @@ def _processes(opts: Options):
 def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[list[dict], dict | None]:
     """Transfer rows for each length, and (with opts.overlap_model) the decode loop's step times."""
     mode = "on" if opts.error_handling else "off"
-    label = f"eh-{mode}-x{opts.in_flight}"
+    spin = f", spin {opts.spin_s * 1e3:g} ms" if opts.device == "cuda" else ""
+    label = f"eh-{mode}-x{opts.in_flight}" + (f"-spin{opts.spin_s * 1e3:g}" if spin else "")
     rows, overlap = [], None
     with _processes(opts) as (h_conn, p_conn):
         (address,) = _expect(h_conn, "ready", 120)
@@ -503,14 +522,14 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             total = (info["kv_bytes"] + info["gdn_bytes"]) * opts.in_flight
             in_flight = f", {opts.in_flight} pulls at once" if opts.in_flight > 1 else ""
             row = {
-                "mode": f"ucx error handling {mode}{in_flight}", "error_handling": opts.error_handling,
-                "in_flight": opts.in_flight, "tokens": n_tokens,
+                "mode": f"ucx error handling {mode}{in_flight}{spin}", "error_handling": opts.error_handling,
+                "in_flight": opts.in_flight, "spin_ms": opts.spin_s * 1e3 if spin else None, "tokens": n_tokens,
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
                 "status_seconds_median": median([s["status_seconds"] for s in samples]),
                 "phases_ms_median": {
                     k: median([s["phases"][k] for s in samples if s["phases"][k] is not None]) for k in PHASES},
-                "gb_per_s": total / median(secs) / 1e9, "verified": "crc32",
+                "gb_per_s": total / median(secs) / 1e9, "verified": "crc32" if opts.device == "cpu" else "position-weighted sum on the GPU",
             }  # fmt: skip
             print(f"[{label}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
                   f"= {row['gb_per_s']:.2f} GB/s, {info['buffers']} buffers", flush=True)  # fmt: skip
@@ -647,6 +666,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "during the pulls")  # fmt: skip
     p.add_argument("--overlap-batch", type=int, default=8, help="requests in the decode loop's batch")
     p.add_argument("--overlap-context", type=tokens, default=1024, help="their context length")
+    p.add_argument("--spin-ms", type=lambda s: [float(x) for x in s.split(",")], default=[20.0],
+                   help="comma list: how long a GPU pull may spin on UCX progress (StatePuller spin_s; 0: events only)")
     p.add_argument("--floor", action="store_true",
                    help="also move the same buffers with bare tag messages, both sides spinning on UCX progress (no "
                         "lease, protocol or event loop): what UCX itself needs")  # fmt: skip
@@ -681,13 +702,14 @@ def main(argv=None) -> int:
         print(f"skipping lengths above --max-tokens {max_tokens}: {skipped}", flush=True)
     rows, overlaps = [], []
     for eh in modes:
-        for in_flight in args.in_flight:
-            opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
-                           args.ucx_proto_info, args.device, in_flight, args.overlap_model, args.overlap_batch,
-                           args.overlap_context)  # fmt: skip
-            mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
-            rows += mode_rows
-            overlaps += [overlap] if overlap else []
+        for spin_ms in args.spin_ms if args.device == "cuda" else [0.0]:
+            for in_flight in args.in_flight:
+                opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
+                               args.ucx_proto_info, args.device, in_flight, args.overlap_model, args.overlap_batch,
+                               args.overlap_context, spin_s=spin_ms / 1e3)  # fmt: skip
+                mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
+                rows += mode_rows
+                overlaps += [overlap] if overlap else []
     opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), modes[0], args.timeout,
                    args.ucx_proto_info, args.device)  # fmt: skip
     if args.floor:

@@ -3,9 +3,10 @@
 # `../shared/tools/gpu-wheels build --ucx --no-jit-sources` are installed. Logs and JSON go to $OUT.
 #   stage a: GPU tests (kernels + whole model) and the whole-model benchmark with its per-kernel profile
 #   stage k: the GDN kernel table and the paged-attention launch sweep (one GPU)
-#   stage b: side-channel transfer GPU0 -> GPU1 (two UCX progress modes) and the 1P+1D serving sweep
+#   stage b: the 1P+1D serving sweep (prefill GPU 0, decode GPU 1)
 #   stage c: the colocated serving sweep (one GPU)
-#   stage t: side channel: phases of a pull, UCX's floor, pulls at once, a decode loop beside them, fidelity
+#   stage t: side channel: phases of a pull (events only vs spinning), UCX's floor, pulls at once, a decode
+#            loop beside them, fidelity
 #   stage f: disaggregated vs monolithic greedy fidelity on the two GPUs (+ the bf16 batch-invariance control)
 set -u
 stage=${1:?stage a, k, b, c, t or f}
@@ -36,10 +37,7 @@ k)
   TAIL=70 run gpu_attention 240 python bench/gpu_kernels.py --attention --no-gdn --out "$OUT/gpu_attention.json"
   ;;
 b)
-  TAIL=30 run transfer 150 python bench/transfer.py --device cuda --no-ucx-error-handling --ucx-proto-info \
-    --lengths 1k,8k,32k --max-tokens 32k --reps 5 --floor --out "$OUT/transfer_gpu.json"
-  grep -m 12 -E "cuda_ipc|cuda_copy|rndv|zcopy" "$OUT/transfer.log" | cut -c1-200
-  run serve_disagg 400 python bench/disagg_sweep.py --setups disagg --out "$OUT/serve_disagg.json"
+  run serve_disagg 590 python bench/disagg_sweep.py --setups disagg --out "$OUT/serve_disagg.json"
   ;;
 c)
   run serve_colocated 540 python bench/disagg_sweep.py --setups colocated --out "$OUT/serve_colocated.json"
@@ -49,8 +47,10 @@ t)
   # the same buffers, two pulls at once; a decode loop (9B shape, batch 64 at 4k) beside the pulls; then
   # disaggregated vs monolithic greedy output (bench/RESULTS.md, side channel and fidelity).
   pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7)
-  TAIL=32 run t_pulls 150 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --out "$OUT/t_pulls.json"
-  TAIL=14 run t_overlap 200 "${pull[@]}" --lengths 1k,32k --overlap-model bench/configs/qwen3.5-9b \
+  TAIL=40 run t_pulls 240 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --spin-ms 0,20 \
+    --ucx-proto-info --out "$OUT/t_pulls.json"
+  grep -m 8 -E "cuda_ipc" "$OUT/t_pulls.log" | cut -c1-200
+  TAIL=16 run t_overlap 150 "${pull[@]}" --lengths 1k,32k --spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b \
     --overlap-batch 64 --overlap-context 4k --out "$OUT/t_overlap.json"
   TAIL=3 run gpu_fidelity 240 python bench/gpu_fidelity.py --out "$OUT/gpu_fidelity.json" --log-dir /tmp
   ;;

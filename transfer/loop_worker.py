@@ -5,7 +5,12 @@ notifier thread that hands the result to the loop), and both need the GIL. Measu
 such hand-over cost 0.3-0.8 ms, most of a pull's fixed cost; next to a busy decode thread it grew to ~10 ms.
 Here the worker's wake-up file descriptor sits in the loop's own epoll set instead: when UCX has something
 to do (a message arrived, a GPU copy finished: cuda_ipc signals through an eventfd) the loop wakes, progresses
-the worker and resolves the futures of the requests that completed. No extra thread; nothing spins.
+the worker and resolves the futures of the requests that completed. No extra thread; nothing spins when idle.
+
+A request may ask to be spun for (`spin_s`): until it completes, or for at most that long, the worker is
+progressed on every turn of the loop instead of waiting for the wake-up. On the H200 pair each event-driven
+hand-over (a message arrived, a copy finished) cost ~0.2-0.3 ms beyond what UCX needs; a transfer that is
+expected to finish in a few milliseconds is better watched. Other callbacks still run between rounds.
 
 All calls must come from the loop that created the worker (`get()`); `close()` releases it so that another
 loop (tests) can create a new one.
@@ -14,6 +19,7 @@ loop (tests) can create a new one.
 from __future__ import annotations
 
 import asyncio
+import time
 
 # Progress now and then while requests are pending, in case a wake-up is ever missed (ucxx does the same, at
 # 1 s): this bounds the damage to a delay, never a hang. Often while a transfer is under way, rarely while only
@@ -53,7 +59,8 @@ class LoopWorker:
         self.worker = ucx.UCXWorker(self.context)  # no delayed submission, no Python futures: requests post at once
         self.worker.init_blocking_progress_mode()
         self._fd = self.worker.epoll_file_descriptor
-        self._waiting: dict[object, tuple] = {}  # UCX request -> (caller's future, buffer, listening)
+        # UCX request -> (caller's future, buffer, listening, spin until this perf_counter())
+        self._waiting: dict[object, tuple] = {}
         self._request_of: dict[asyncio.Future, object] = {}  # caller's future -> its UCX request, until done
         self._settle_waiters: list[tuple[set, asyncio.Future]] = []  # (requests not done yet, who waits)
         self._safety: asyncio.TimerHandle | None = None
@@ -74,19 +81,21 @@ class LoopWorker:
         array = Array(buffer)
         return self._track(ep.tag_send(array, self._ucx.UCXXTag(tag)), array)
 
-    def recv(self, buffer, tag: int, listening: bool = False) -> asyncio.Future:
+    def recv(self, buffer, tag: int, listening: bool = False, spin_s: float = 0.0) -> asyncio.Future:
         """Post a tagged receive (any sender) now; the future resolves when `buffer` holds the message.
-        `listening`: a receive that may wait for a long time (for requests), not part of a transfer."""
+        `listening`: a receive that may wait for a long time (for requests), not part of a transfer.
+        `spin_s`: progress the worker on every turn of the loop until this receive completes, at most this long."""
         from ucxx._lib.arr import Array
 
         array = Array(buffer)
-        return self._track(self.worker.tag_recv(array, self._ucx.UCXXTag(tag)), array, listening)
+        request = self.worker.tag_recv(array, self._ucx.UCXXTag(tag))
+        return self._track(request, array, listening, time.perf_counter() + spin_s if spin_s > 0 else 0.0)
 
-    def _track(self, request, array, listening: bool = False) -> asyncio.Future:
+    def _track(self, request, array, listening: bool = False, spin_until: float = 0.0) -> asyncio.Future:
         future = self.loop.create_future()
         # Until UCX completes the request it may write to or read from the buffer, so the buffer stays
         # referenced here even when the caller gave up (cancelled its future).
-        self._waiting[request] = (future, array, listening)
+        self._waiting[request] = (future, array, listening, spin_until)
         self._request_of[future] = request
         self._schedule()  # a new request may need progress (a rendezvous) before any event arrives
         return future
@@ -112,7 +121,7 @@ class LoopWorker:
         for _ in range(_MAX_ROUNDS):
             self.worker.progress()
             for request in [r for r in self._waiting if r.completed]:
-                future, _, _ = self._waiting.pop(request)
+                future, *_ = self._waiting.pop(request)
                 self._request_of.pop(future, None)
                 self._settle(request)
                 if future.done():
@@ -130,9 +139,14 @@ class LoopWorker:
         if self._safety is not None:
             self._safety.cancel()
             self._safety = None
-        if self._waiting:
-            busy = any(not (listening or future.done()) for future, _, listening in self._waiting.values())
-            self._safety = self.loop.call_later(_SAFETY_PROGRESS_S if busy else _IDLE_PROGRESS_S, self._progress)
+        if not self._waiting:
+            return
+        now = time.perf_counter()
+        if any(until > now and not future.done() for future, _, _, until in self._waiting.values()):
+            self._schedule()  # spinning: again on the loop's next turn
+            return
+        busy = any(not (listening or future.done()) for future, _, listening, _ in self._waiting.values())
+        self._safety = self.loop.call_later(_SAFETY_PROGRESS_S if busy else _IDLE_PROGRESS_S, self._progress)
 
     def _settle(self, request) -> None:
         if not self._settle_waiters:
@@ -150,7 +164,7 @@ class LoopWorker:
             pass
         if self._safety is not None:
             self._safety.cancel()
-        for future in [f for f, _, _ in self._waiting.values()] + [w for _, w in self._settle_waiters]:
+        for future in [f for f, *_ in self._waiting.values()] + [w for _, w in self._settle_waiters]:
             if not future.done():
                 future.cancel()
         self._waiting.clear()

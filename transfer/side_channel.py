@@ -333,8 +333,12 @@ class StateServer:
 class StatePuller:
     """Puller side (decode): receives leased state straight into its own buffers."""
 
-    def __init__(self, error_handling: bool = True, settle_grace_s: float = 10.0):
+    def __init__(self, error_handling: bool = True, settle_grace_s: float = 10.0, spin_s: float = 0.02):
+        """`spin_s`: how long a pull into GPU buffers may keep the event loop progressing UCX on every turn
+        instead of waiting to be woken (see loop_worker); 0 never spins. Host pulls never spin: their bytes are
+        copied by CPU cores, which spinning would take away."""
         self._eps = _Endpoints(error_handling)
+        self.spin_s = spin_s
         self._address = b""  # this worker's UCX address, sent with every pull
         self._notices: set[asyncio.Future] = set()  # abandon notices on their way
         # failed pulls whose receives UCX may still fill: lease id -> resolves when it no longer can
@@ -435,9 +439,13 @@ class StatePuller:
         reply_tag = secrets.randbits(40) * _TAGS_PER_PULL
         if len(plan) > _ACK_OFFSET - 1:
             raise TransferError(f"{len(plan)} segments is too many for one pull")
+        spin_s = self.spin_s if buffers and buffers[0].is_cuda else 0.0
         status_buf = np.empty(4096, dtype=np.uint8)
-        status_rx = ucx.recv(status_buf, reply_tag)
-        data_rx = [ucx.recv(_ucx_buffer(buffers[j][off : off + n]), reply_tag + 1 + k) for k, (_, _, j, off, n) in enumerate(plan)]
+        status_rx = ucx.recv(status_buf, reply_tag, spin_s=spin_s)
+        data_rx = [
+            ucx.recv(_ucx_buffer(buffers[j][off : off + n]), reply_tag + 1 + k, spin_s=spin_s)
+            for k, (_, _, j, off, n) in enumerate(plan)
+        ]
         ep = sent = None
         try:
             ep = self._eps.get(address)

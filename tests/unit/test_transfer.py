@@ -145,3 +145,43 @@ def test_an_idle_holder_costs_no_cpu_and_needs_no_helper_thread():
             shutdown_ucx()
 
     asyncio.run(main())
+
+
+def test_a_spinning_receive_spins_only_until_done_or_its_budget():
+    """A receive posted with spin_s keeps the loop progressing UCX (busy) until it completes or its budget ends;
+    then the worker sleeps on its wake-up fd again."""
+    import numpy as np
+
+    from transfer import loop_worker
+
+    configure_ucx("127.0.0.1")
+
+    def cpu_share(seconds: float):
+        async def measure():
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            await asyncio.sleep(seconds)
+            return (time.process_time() - cpu0) / (time.monotonic() - wall0)
+
+        return measure()
+
+    async def main():
+        ucx = loop_worker.get()
+        try:
+            ep = ucx.endpoint(ucx.address, error_handling=False)
+            got = np.zeros(64, dtype=np.uint8)
+            done = ucx.recv(got, 7, spin_s=5.0)  # completes long before its budget
+            await ucx.send(ep, np.arange(64, dtype=np.uint8), 7)
+            await asyncio.wait_for(done, 5)
+            assert got.tolist() == list(range(64))
+            assert await cpu_share(0.3) < 0.2, "still spinning after the receive completed"
+
+            never = ucx.recv(np.zeros(8, dtype=np.uint8), 8, spin_s=0.4)  # nobody sends: spins for its budget
+            assert await cpu_share(0.3) > 0.6, "a spinning receive did not keep the loop busy"
+            await asyncio.sleep(0.2)  # budget over
+            assert await cpu_share(0.3) < 0.2, "still spinning after the budget"
+            assert not never.done()
+            ep.close()
+        finally:
+            shutdown_ucx()
+
+    asyncio.run(main())
