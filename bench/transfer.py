@@ -13,7 +13,7 @@ means TCP over `lo`; off: UCX may use shared memory / CMA between the two proces
   alone, no weights: page size 16, KV/conv dtype --dtype, recurrent state --state-dtype.
 - holder: allocates pages + a slot for an L-token request the way the scheduler does (best-fit run),
   fills them with seeded random bytes, checksums them (CRC32; on GPUs a sum on the device) and offers a lease (transfer.LeaseTable) to
-  its StateServer. The worker address, lease id/token and region sizes go to the puller through the
+  its StateServer. The worker address, lease id/token and regions (sizes, addresses, remote keys) go to the puller through the
   parent (multiprocessing Pipes), as the router carries them over gRPC in the mesh.
 - puller: reserves pages + a slot in its own pools (zeroed), pulls (StatePuller.pull) and checks the
   checksum of what arrived before anything is reported; the holder confirms the lease ended as "pulled".
@@ -191,7 +191,7 @@ async def _holder(conn, opts: Options) -> None:
                     loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(reason))
 
                 lease = leases.offer(lease_id, COMPAT, [r.tensor for r in regions], opts.timeout_s, on_end)
-                conn.send(("offered", lease.token, [r.nbytes for r in regions], _checksum(r.tensor for r in regions),
+                conn.send(("offered", lease.token, server.regions([r.tensor for r in regions]), _checksum(r.tensor for r in regions),
                            sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
             elif msg[0] == "floor":
                 _, n_tokens, reps, tag, puller_address = msg
@@ -321,7 +321,7 @@ async def _puller(conn, opts: Options) -> None:
             if msg[0] == "report":
                 conn.send(("overlap", overlap_summary(decode_loop.stop(), pulls)))
                 continue
-            _, address, n_tokens, offers = msg  # offers: [(lease id, token, holder sizes, crc)]
+            _, address, n_tokens, offers = msg  # offers: [(lease id, token, holder regions, checksum)]
             held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False)) for _ in offers]  # as EngineCore.reserve
             try:
                 targets = [[r.tensor for r in kv.regions(pages) + st.regions(slot)] for pages, slot in held]
@@ -333,8 +333,8 @@ async def _puller(conn, opts: Options) -> None:
                 t0 = time.perf_counter()
                 try:
                     stats = await asyncio.gather(*(
-                        puller.pull(address, lease_id, token, COMPAT, sizes, buffers, opts.timeout_s)
-                        for (lease_id, token, sizes, _), buffers in zip(offers, targets)
+                        puller.pull(address, lease_id, token, COMPAT, regions, buffers, opts.timeout_s)
+                        for (lease_id, token, regions, _), buffers in zip(offers, targets)
                     ))  # fmt: skip
                 except TransferError as e:
                     conn.send(("pulled", {"error": str(e)}))
@@ -362,6 +362,11 @@ async def _puller(conn, opts: Options) -> None:
 # No lease, no protocol, no waiting on the event loop: what UCX itself needs to move a request's state once the
 # puller has asked (a small "go" message, then the rendezvous of every buffer). Its distance to a pull is what
 # the side channel's own code costs; its distance to the raw copy is UCX's.
+def _ucx_buffer(t):
+    """What ucxx's Array takes: numpy for host memory, the tensor itself (CUDA array interface) on a GPU."""
+    return t if t.is_cuda else t.numpy()
+
+
 def _spin(worker, request) -> None:
     while not request.completed:
         worker.progress()
@@ -381,8 +386,6 @@ def _floor_tools(peer_address: bytes, error_handling: bool):
 async def floor_holder(puller_address: bytes, buffers, reps: int, tag: int, error_handling: bool) -> None:
     import numpy as np
 
-    from transfer.side_channel import _ucx_buffer
-
     worker, ep, Array, UCXXTag = _floor_tools(puller_address, error_handling)
     go = np.zeros(8, dtype=np.uint8)
     try:
@@ -396,8 +399,6 @@ async def floor_holder(puller_address: bytes, buffers, reps: int, tag: int, erro
 
 async def floor_puller(holder_address: bytes, buffers, reps: int, tag: int, error_handling: bool) -> list[float]:
     import numpy as np
-
-    from transfer.side_channel import _ucx_buffer
 
     worker, ep, Array, UCXXTag = _floor_tools(holder_address, error_handling)
     go = np.ones(8, dtype=np.uint8)
@@ -498,8 +499,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                 offers = []
                 for i, lease_id in enumerate(lease_ids):
                     h_conn.send(("offer", lease_id, n_tokens, seed + rep * opts.in_flight + i))
-                    token, sizes, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
-                    offers.append((lease_id, token, sizes, crc))
+                    token, regions, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
+                    offers.append((lease_id, token, regions, crc))
                 p_conn.send(("pull", address, n_tokens, offers))
                 (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
                 reasons, holder_times = [], []
@@ -514,7 +515,7 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                     raise RuntimeError(f"pull of {n_tokens} tokens: received bytes differ from the sent ones")
                 if set(reasons) != {"pulled"}:
                     raise RuntimeError(f"leases ended as {reasons!r}, expected 'pulled'")
-                info = {"kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "holder_regions": len(sizes),
+                info = {"kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "holder_regions": len(regions),
                         "puller_regions": res["puller_regions"], "buffers": res["buffers"]}  # fmt: skip
                 if rep > 0:  # the first pull is the warm-up
                     samples.append({**res, "phases": phases(res["marks"], holder_times)})
@@ -544,11 +545,11 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
 
 PHASES = {  # where a pull's time goes: (from, to) marks of the puller (p) and the holder (h), one clock
     "puller prepares": ("p.start", "p.request"),
-    "request reaches holder": ("p.request", "h.received"),
-    "holder checks + posts": ("h.received", "h.posted"),
-    "posted -> status at puller": ("h.posted", "p.status"),
-    "status -> last byte at puller": ("p.status", "p.done"),
-    "holder's sends complete": ("h.posted", "h.sent"),
+    "claim reaches holder": ("p.request", "h.received"),
+    "holder checks, posts status": ("h.received", "h.posted"),
+    "status reaches puller": ("h.posted", "p.status"),
+    "claim -> last byte at puller (reads run meanwhile)": ("p.request", "p.done"),
+    "done notice reaches holder": ("p.done", "h.sent"),
 }
 
 

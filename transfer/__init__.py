@@ -3,6 +3,7 @@ It moves lists of byte buffers and knows nothing of models."""
 
 from transfer.leases import Lease, LeaseRefused, LeaseTable
 from transfer.side_channel import (
+    Region,
     StatePuller,
     StateServer,
     TransferError,
@@ -17,6 +18,7 @@ __all__ = [
     "Lease",
     "LeaseRefused",
     "LeaseTable",
+    "Region",
     "StatePuller",
     "StateServer",
     "TransferError",

@@ -55,11 +55,12 @@ class LoopWorker:
 
         self._ucx = ucx
         self.loop = loop
-        self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.RMA, ucx.Feature.WAKEUP))
         self.worker = ucx.UCXWorker(self.context)  # no delayed submission, no Python futures: requests post at once
         self.worker.init_blocking_progress_mode()
         self._fd = self.worker.epoll_file_descriptor
-        # UCX request -> (caller's future, buffer, listening, spin until this perf_counter())
+        # UCX request (ucxx's, or transfer.rma.GetRequest) -> (caller's future, buffer, listening, spin until
+        # this perf_counter())
         self._waiting: dict[object, tuple] = {}
         self._request_of: dict[asyncio.Future, object] = {}  # caller's future -> its UCX request, until done
         self._settle_waiters: list[tuple[set, asyncio.Future]] = []  # (requests not done yet, who waits)
@@ -90,6 +91,22 @@ class LoopWorker:
         array = Array(buffer)
         request = self.worker.tag_recv(array, self._ucx.UCXXTag(tag))
         return self._track(request, array, listening, time.perf_counter() + spin_s if spin_s > 0 else 0.0)
+
+    def get(self, ep, buffer, remote_address: int, rkey, spin_s: float = 0.0) -> asyncio.Future:
+        """Read `buffer.nbytes` bytes at `remote_address` of the peer (memory registered there, `rkey` unpacked
+        for `ep`) into `buffer` (a 1-D uint8 tensor, host or CUDA); resolves when they are there."""
+        from transfer import rma
+
+        memory_type = rma.MEMORY_TYPE_CUDA if buffer.is_cuda else rma.MEMORY_TYPE_HOST
+        request = rma.GetRequest(ep.handle, buffer.data_ptr(), buffer.numel(), remote_address, rkey, memory_type)
+        return self._track(request, buffer, False, time.perf_counter() + spin_s if spin_s > 0 else 0.0)
+
+    def register(self, address: int, length: int, cuda: bool):
+        """Register memory for peers' reads (see transfer.rma.Registration)."""
+        from transfer import rma
+
+        memory_type = rma.MEMORY_TYPE_CUDA if cuda else rma.MEMORY_TYPE_HOST
+        return rma.Registration(self.context.handle, address, length, memory_type)
 
     def _track(self, request, array, listening: bool = False, spin_until: float = 0.0) -> asyncio.Future:
         future = self.loop.create_future()

@@ -1,20 +1,22 @@
-"""The UCX side channel (ucxx) that moves a request's state from a prefill worker to a decode worker.
+"""The UCX side channel (ucxx + UCX RMA) that moves a request's state from a prefill worker to a decode worker.
 
-No listening socket: each side publishes its UCX *worker address* through the gRPC control plane, and
-messages are tagged. A pull goes:
+No listening socket: each side publishes its UCX *worker address* through the gRPC control plane. The holder
+(prefill) registers its pools with UCX once; with each lease it hands out, through the control plane, where
+the held regions are and the remote keys to read them (`StateServer.regions`). A pull goes:
 
-1. The puller (decode) computes how the holder's regions and its own split into common segments, posts a
-   receive for every segment straight into its own buffers, then sends a `PullRequest` (lease id, token,
-   compatibility hash, its address, a reply tag) to the holder's well-known request tag.
-2. The holder (prefill) checks the lease before touching any byte, replies `PullStatus`, and on success
-   sends it together with every segment, zero-copy from its pools. Send completion is the
-   acknowledgement: the lease is then ended and the held memory freed.
-3. A puller that gives up (cancelled, or past its deadline) sends an abandon notice for the lease; the
-   holder cancels its sends and frees the state at once.
+1. The puller (decode) sends a `PullRequest` (lease id, token, compatibility hash, its address, a reply tag)
+   to the holder's well-known request tag and, without waiting, reads every region straight into its own
+   buffers (one RMA get per segment, zero-copy at both ends).
+2. The holder checks the lease and answers `PullStatus`; an accepted lease can no longer expire. The bytes
+   read count only if the answer is ok: the lease was alive when the claim arrived, so its memory had not
+   been reused while the reads ran before it, and cannot be after.
+3. The puller sends a done notice once its reads completed: the lease ends as pulled and the held memory is
+   freed. A puller that gives up (cancelled, past its deadline) sends an abandon notice instead.
 
-Everything is bounded by a deadline. Buffers are 1-D uint8 tensors (CPU or CUDA); CUDA tensors go through
-`__cuda_array_interface__`, so UCX picks cuda_ipc / NVLink on a GPU host with no host staging. The UCX worker
-is progressed by the event loop (transfer.loop_worker).
+Why this shape: the request round trip overlaps the data instead of preceding it, and the holder's event loop
+is off the data path. Everything is bounded by a deadline. Buffers are 1-D uint8 tensors (CPU or CUDA); UCX
+reads CUDA memory with cuda_ipc / NVLink on a GPU host, no host staging. The UCX worker is progressed by the
+event loop (transfer.loop_worker).
 """
 
 from __future__ import annotations
@@ -36,10 +38,7 @@ from transfer.leases import LeaseRefused, LeaseTable
 
 log = structlog.get_logger("deltamesh.transfer")
 
-REQUEST_TAG = 0x646D_7368_0000_0001  # "dmsh" + 1: where holders receive pull requests
-# A pull's tags: status on reply_tag, segment k on reply_tag + 1 + k, the abandon acknowledgement last.
-_TAGS_PER_PULL = 1 << 20
-_ACK_OFFSET = _TAGS_PER_PULL - 1
+REQUEST_TAG = 0x646D_7368_0000_0001  # "dmsh" + 1: where holders receive pull requests and notices
 _MAX_REQUEST_BYTES = 1 << 16
 _LEN = struct.Struct("<I")
 
@@ -52,10 +51,20 @@ class TransferError(RuntimeError):
         self.refused = refused
 
 
+@dataclass(frozen=True)
+class Region:
+    """One held region as a puller reads it: its size, where it starts in the holder's memory, and the
+    packed UCX remote key of the registered memory around it."""
+
+    nbytes: int
+    address: int
+    rkey: bytes
+
+
 @dataclass
 class TransferStats:
     nbytes: int
-    buffers: int  # messages on the wire (segments)
+    buffers: int  # reads on the wire (segments)
     # perf_counter() at each step of the pull ("start", "request", "status", "done"); on Linux that clock is
     # CLOCK_MONOTONIC, shared by the processes of one host, so they line up with StateServer.timeline
     marks: dict[str, float]
@@ -115,11 +124,6 @@ def segments(src: list[int], dst: list[int]) -> list[tuple[int, int, int, int, i
     return out
 
 
-def _ucx_buffer(t: torch.Tensor):
-    """What ucxx accepts: numpy for host memory, the tensor itself (CUDA array interface) on a GPU."""
-    return t if t.is_cuda else t.numpy()
-
-
 def _frame(msg) -> "object":
     import numpy as np
 
@@ -135,11 +139,13 @@ def _unframe(buf, cls):
 
 
 class _Endpoints:
-    """One UCX endpoint per peer worker address, reused across transfers."""
+    """One UCX endpoint per peer worker address, reused across transfers, with the remote keys unpacked for it."""
 
     def __init__(self, error_handling: bool):
         self.error_handling = error_handling
         self._eps: dict[bytes, object] = {}
+        self._rkeys: dict[bytes, dict[bytes, object]] = {}  # peer address -> packed key -> unpacked
+        self._retired: list[tuple[object, dict]] = []  # forgotten endpoints and their keys
 
     def get(self, address: bytes):
         ep = self._eps.get(address)
@@ -147,18 +153,36 @@ class _Endpoints:
             ep = self._eps[address] = loop_worker.get().endpoint(address, self.error_handling)
         return ep
 
+    def rkey(self, address: bytes, packed: bytes):
+        """The peer's remote key, unpacked once per endpoint (a holder registers its pools once, so every lease
+        from it carries the same few keys)."""
+        from transfer import rma
+
+        keys = self._rkeys.setdefault(address, {})
+        key = keys.get(packed)
+        if key is None:
+            key = keys[packed] = rma.RemoteKey(self.get(address).handle, packed)
+        return key
+
     def drop(self, address: bytes) -> None:
         """Forget and close the endpoint to a peer (after a failure on it): the next transfer makes a new one."""
+        for key in self._rkeys.pop(address, {}).values():
+            key.close()
         _close(self._eps.pop(address, None))
 
     def forget(self, address: bytes) -> None:
-        """Make a new endpoint next time, leaving this one to the messages still on it (an abandon notice)."""
-        self._eps.pop(address, None)
+        """Make a new endpoint next time, leaving this one to what is still on it (reads, a notice) until
+        `close()`."""
+        self._retired.append((self._eps.pop(address, None), self._rkeys.pop(address, {})))
 
     def close(self) -> None:
-        for ep in self._eps.values():
+        for address in list(self._eps):
+            self.drop(address)
+        for ep, keys in self._retired:
+            for key in keys.values():
+                key.close()
             _close(ep)
-        self._eps.clear()
+        self._retired.clear()
 
 
 def _close(ep) -> None:
@@ -169,37 +193,26 @@ def _close(ep) -> None:
             pass
 
 
-def _first_of(*futures: asyncio.Future) -> asyncio.Future:
-    """Resolves when any of `futures` succeeds."""
-    first = asyncio.get_running_loop().create_future()
-
-    def done(f: asyncio.Future) -> None:
-        if not (first.done() or f.cancelled() or f.exception()):
-            first.set_result(None)
-
-    for f in futures:
-        f.add_done_callback(done)
-    return first
-
-
 def worker_address() -> bytes:
     """This process's UCX worker address (what peers connect to); starts UCX on first use."""
     return loop_worker.get().address
 
 
 class StateServer:
-    """Holder side (prefill): answers pulls of leased state."""
+    """Holder side (prefill): publishes where held state lives and answers claims on leases."""
 
     def __init__(self, leases: LeaseTable, error_handling: bool = True, send_timeout_s: float = 30.0):
+        """`send_timeout_s`: how long an accepted claim may take to be read; then the lease ends as aborted."""
         self.leases = leases
         self.send_timeout_s = send_timeout_s
         self._eps = _Endpoints(error_handling)
         self._task: asyncio.Task | None = None
         self._pulls: set[asyncio.Task] = set()
-        # lease id -> (token, task, its posted sends) of the pulls under way
-        self._sending: dict[str, tuple[bytes, asyncio.Task, list]] = {}
-        # the last pulls answered: lease id and perf_counter() when the request arrived, the sends were posted and
-        # completed (see TransferStats.marks)
+        # lease id -> (token, task, future the done notice resolves) of the claims under way
+        self._claims: dict[str, tuple[bytes, asyncio.Task, asyncio.Future]] = {}
+        self._registered: dict[tuple[int, int], object] = {}  # (start, bytes) of an allocation -> registration
+        # the last claims answered: lease id and perf_counter() when the claim arrived, the status was posted and
+        # the done notice arrived (see TransferStats.marks)
         self.timeline: deque[dict] = deque(maxlen=256)
         self.address = b""
 
@@ -213,6 +226,23 @@ class StateServer:
                 t.cancel()
         await asyncio.gather(*(t for t in [self._task, *self._pulls] if t), return_exceptions=True)
         self._eps.close()
+        for registration in self._registered.values():
+            registration.close()
+        self._registered.clear()
+
+    def regions(self, buffers: list[torch.Tensor]) -> list[Region]:
+        """Where `buffers` (views of this worker's pools) can be read by a puller. The allocation behind each is
+        registered with UCX on first use and stays registered: pools live as long as the worker."""
+        out = []
+        for b in buffers:
+            storage = b.untyped_storage()
+            start, size = storage.data_ptr(), storage.nbytes()
+            registration = self._registered.get((start, size))
+            if registration is None:
+                registration = loop_worker.get().register(start, size, b.is_cuda)
+                self._registered[(start, size)] = registration
+            out.append(Region(b.numel(), b.data_ptr(), registration.rkey))
+        return out
 
     async def _serve(self) -> None:
         import numpy as np
@@ -231,50 +261,37 @@ class StateServer:
             except Exception as e:  # malformed or truncated request: drop it, keep serving
                 log.warning("bad pull request", error=str(e))
                 continue
-            if req.abandon:
-                self._abandon(req)
+            if req.abandon or req.done:
+                self._notice(req)
                 continue
-            sends: list[asyncio.Future] = []
-            task = asyncio.create_task(self._answer(req, received, sends))
+            done = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._answer(req, received, done))
             self._pulls.add(task)
             task.add_done_callback(self._pulls.discard)
-            # registered before the next message is read, so an abandon right behind the request finds it
-            self._sending.setdefault(req.lease_id, (req.token, task, sends))
+            # registered before the next message is read, so a notice right behind the claim finds it
+            self._claims.setdefault(req.lease_id, (req.token, task, done))
 
-    def _abandon(self, req) -> None:
-        """The puller gave up: stop answering (the lease then ends as aborted and frees its memory) and, once
-        what was already posted is done, tell the puller that nothing more of this pull will reach it."""
-        token, task, sends = self._sending.get(req.lease_id, (b"", None, []))
-        if task is not None:
-            if not secrets.compare_digest(token, req.token):
-                return
+    def _notice(self, req) -> None:
+        """The puller has read everything (done) or gave up (abandon): the lease ends now, as pulled or aborted,
+        instead of at the claim's deadline."""
+        token, task, done = self._claims.get(req.lease_id, (b"", None, None))
+        if task is None or not secrets.compare_digest(token, req.token):
+            return
+        if req.done:
+            if not done.done():
+                done.set_result(time.perf_counter())
+        else:
             log.warning("pull abandoned by the puller", lease_id=req.lease_id)
             task.cancel()
-        if req.reply_address:
-            ack = asyncio.ensure_future(self._acknowledge_abandon(req, loop_worker.get().settled(sends)))
-            self._pulls.add(ack)
-            ack.add_done_callback(self._pulls.discard)
 
-    async def _acknowledge_abandon(self, req, settled: asyncio.Future) -> None:
-        from deltamesh.v1 import transfer_pb2
-
-        await settled  # UCX is done with every send of this pull already posted (sent, or failed)
-        status = transfer_pb2.PullStatus(ok=False, error="abandoned")
+    async def _answer(self, req, received: float, done: asyncio.Future) -> None:
         try:
-            ep = self._eps.get(req.reply_address)
-            await asyncio.wait_for(loop_worker.get().send(ep, _frame(status), req.reply_tag + _ACK_OFFSET),
-                                   self.send_timeout_s)  # fmt: skip
-        except Exception as e:  # the puller is gone: nobody left to tell
-            log.debug("cannot acknowledge an abandoned pull", lease_id=req.lease_id, error=repr(e))
-
-    async def _answer(self, req, received: float, sends: list) -> None:
-        try:
-            await self._answer_pull(req, received, sends)
+            await self._answer_claim(req, received, done)
         finally:
-            if self._sending.get(req.lease_id, (b"", None, []))[1] is asyncio.current_task():
-                del self._sending[req.lease_id]
+            if self._claims.get(req.lease_id, (b"", None, None))[1] is asyncio.current_task():
+                del self._claims[req.lease_id]
 
-    async def _answer_pull(self, req, received: float, pending: list) -> None:
+    async def _answer_claim(self, req, received: float, done: asyncio.Future) -> None:
         from deltamesh.v1 import transfer_pb2
 
         ucx = loop_worker.get()
@@ -287,51 +304,41 @@ class StateServer:
             lease = self.leases.take(req.lease_id, req.token, req.compat_hash)
         except LeaseRefused as e:
             log.warning("pull refused", lease_id=req.lease_id, reason=str(e))
-            await self._send_status(ep, req, transfer_pb2.PullStatus(ok=False, error=str(e)))
-            return
-        ok = False
-        try:
-            sizes = [b.numel() for b in lease.buffers]
+            status = transfer_pb2.PullStatus(ok=False, error=str(e))
             try:
-                plan = segments(sizes, list(req.region_bytes))
-            except TransferError as e:
-                await self._send_status(ep, req, transfer_pb2.PullStatus(ok=False, error=str(e)))
-                return
-            # The status goes out with the data, not before it: each awaited completion costs a wake-up of this
-            # event loop, and the puller has posted every receive before asking.
-            pending.append(ucx.send(ep, _frame(transfer_pb2.PullStatus(ok=True, num_segments=len(plan))), req.reply_tag))
-            await failpoints.hit("transfer.after_status")
-            # No stream sync needed: the engine synchronised when it sampled the first token, after the
-            # kernels that wrote this state.
-            pending.extend(
-                ucx.send(ep, _ucx_buffer(lease.buffers[i][off : off + n]), req.reply_tag + 1 + k)
-                for k, (i, off, _, _, n) in enumerate(plan)
-            )
+                await asyncio.wait_for(ucx.send(ep, _frame(status), req.reply_tag), self.send_timeout_s)
+            except Exception as e:
+                self._eps.forget(req.reply_address)
+                log.warning("cannot answer puller", lease_id=req.lease_id, error=repr(e))
+            return
+        ok, status_sent = False, None
+        try:
+            await failpoints.hit("transfer.before_status")
+            status_sent = ucx.send(ep, _frame(transfer_pb2.PullStatus(ok=True)), req.reply_tag)
             posted = time.perf_counter()
-            await asyncio.wait_for(asyncio.gather(*pending), self.send_timeout_s)
+            # The puller reads on its own; its done notice ends the lease. The held memory stays put until then.
+            done_at = await asyncio.wait_for(_both(status_sent, done), self.send_timeout_s)
             ok = True
-            sent = time.perf_counter()
-            self.timeline.append({"lease_id": req.lease_id, "received": received, "posted": posted, "sent": sent})
-            log.info("state sent", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(plan),
-                     seconds=round(sent - received, 6))  # fmt: skip
+            self.timeline.append({"lease_id": req.lease_id, "received": received, "posted": posted, "sent": done_at})
+            log.info("state pulled", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(lease.buffers),
+                     seconds=round(done_at - received, 6))  # fmt: skip
         except Exception as e:
-            self._eps.drop(req.reply_address)  # also cancels what UCX still has in flight to this puller
-            log.warning("state send failed", lease_id=req.lease_id, error=repr(e))
+            self._eps.drop(req.reply_address)
+            log.warning("pull failed at the holder", lease_id=req.lease_id, error=repr(e))
         finally:
-            for f in pending:
-                f.cancel()
+            if status_sent is not None:
+                status_sent.cancel()
             self.leases.finish_pull(req.lease_id, ok)
 
-    async def _send_status(self, ep, req, status) -> None:
-        try:
-            await asyncio.wait_for(loop_worker.get().send(ep, _frame(status), req.reply_tag), self.send_timeout_s)
-        except Exception as e:
-            self._eps.forget(req.reply_address)
-            log.warning("cannot answer puller", lease_id=req.lease_id, error=repr(e))
+
+async def _both(sent: asyncio.Future, done: asyncio.Future):
+    """The done notice's time, once the status has left too (a failed status send raises)."""
+    await sent
+    return await done
 
 
 class StatePuller:
-    """Puller side (decode): receives leased state straight into its own buffers."""
+    """Puller side (decode): reads leased state straight into its own buffers."""
 
     def __init__(self, error_handling: bool = True, settle_grace_s: float = 10.0, spin_s: float = 0.02):
         """`spin_s`: how long a pull into GPU buffers may keep the event loop progressing UCX on every turn
@@ -340,8 +347,8 @@ class StatePuller:
         self._eps = _Endpoints(error_handling)
         self.spin_s = spin_s
         self._address = b""  # this worker's UCX address, sent with every pull
-        self._notices: set[asyncio.Future] = set()  # abandon notices on their way
-        # failed pulls whose receives UCX may still fill: lease id -> resolves when it no longer can
+        self._notices: set[asyncio.Future] = set()  # done and abandon notices on their way
+        # failed pulls whose reads may still write into their buffers: lease id -> resolves when they no longer can
         self._unsettled: dict[str, asyncio.Future] = {}
         self.settle_grace_s = settle_grace_s
 
@@ -356,11 +363,11 @@ class StatePuller:
         self._eps.close()
 
     def release_after(self, lease_id: str, release) -> None:
-        """Call `release()` (give the failed pull's buffers back) once UCX can no longer write into them. A
-        holder that had already posted its sends when the puller gave up still completes them into the posted
-        receives, and buffers reused by then would be overwritten silently. So: at once when the request never
-        left or the holder refused; else when those receives complete or the holder acknowledges the abandon
-        notice, and at the latest after `settle_grace_s` (a holder that never answers is gone or stalled)."""
+        """Call `release()` (give the failed pull's buffers back) once UCX can no longer write into them: a read
+        already posted completes into its buffer whatever happened to the pull, and buffers reused by then would
+        be overwritten silently. So: at once when no read was posted, else when the reads are done, and at the
+        latest after `settle_grace_s` (a read that needs the holder's help, as over TCP, waits for a stalled
+        holder)."""
         settled = self._unsettled.pop(lease_id, None)
         if settled is None or settled.done():
             release()
@@ -377,30 +384,14 @@ class StatePuller:
         timer = asyncio.get_running_loop().call_later(self.settle_grace_s, fire)
         settled.add_done_callback(fire)
 
-    def _tell_abandoned(self, ep, lease_id: str, token: bytes, reply_tag: int) -> asyncio.Future:
-        """Let the holder stop sending and free the state now rather than at its send deadline. Fire and
-        forget: this runs while the pull is being cancelled. Returns what ends the wait for the buffers: the
-        holder's acknowledgement (nothing of this pull can reach them any more), or the notice failing to leave
-        (the holder is gone, as UCX reports with peer error handling on)."""
-        import numpy as np
-
+    def _notify(self, ep, lease_id: str, token: bytes, **kind) -> None:
+        """Fire and forget a done or abandon notice to the holder."""
         from deltamesh.v1 import transfer_pb2
 
-        ucx = loop_worker.get()
-        acked = ucx.recv(np.empty(4096, dtype=np.uint8), reply_tag + _ACK_OFFSET, listening=True)
-        notice = ucx.send(ep, _frame(transfer_pb2.PullRequest(
-            lease_id=lease_id, token=token, abandon=True, reply_tag=reply_tag, reply_address=self._address,
-        )), REQUEST_TAG)  # fmt: skip
-        gone = asyncio.get_running_loop().create_future()
-
-        def sent(t: asyncio.Future) -> None:
-            self._notices.discard(t)
-            if (t.cancelled() or t.exception()) and not gone.done():
-                gone.set_result(None)
-
+        notice = loop_worker.get().send(ep, _frame(transfer_pb2.PullRequest(lease_id=lease_id, token=token, **kind)),
+                                        REQUEST_TAG)  # fmt: skip
         self._notices.add(notice)
-        notice.add_done_callback(sent)
-        return _first_of(acked, gone)
+        notice.add_done_callback(self._notices.discard)
 
     async def pull(
         self,
@@ -408,7 +399,7 @@ class StatePuller:
         lease_id: str,
         token: bytes,
         compat_hash: str,
-        holder_region_bytes: list[int],
+        holder_regions: list[Region],
         buffers: list[torch.Tensor],
         timeout_s: float,
     ) -> TransferStats:
@@ -416,7 +407,7 @@ class StatePuller:
         started = time.perf_counter()
         try:
             return await asyncio.wait_for(
-                self._pull(holder_address, lease_id, token, compat_hash, holder_region_bytes, buffers, started),
+                self._pull(holder_address, lease_id, token, compat_hash, holder_regions, buffers, started),
                 timeout_s,
             )
         except asyncio.TimeoutError:
@@ -428,35 +419,34 @@ class StatePuller:
             self._eps.drop(holder_address)
             raise TransferError(f"state transfer for lease {lease_id!r} failed: {e!r}") from e
 
-    async def _pull(self, address, lease_id, token, compat_hash, holder_sizes, buffers, started) -> TransferStats:
+    async def _pull(self, address, lease_id, token, compat_hash, regions, buffers, started) -> TransferStats:
         import numpy as np
 
         from deltamesh.v1 import transfer_pb2
 
         ucx = loop_worker.get()
-        plan = segments(list(holder_sizes), [b.numel() for b in buffers])
+        plan = segments([r.nbytes for r in regions], [b.numel() for b in buffers])
         self._address = self._address or worker_address()
-        reply_tag = secrets.randbits(40) * _TAGS_PER_PULL
-        if len(plan) > _ACK_OFFSET - 1:
-            raise TransferError(f"{len(plan)} segments is too many for one pull")
         spin_s = self.spin_s if buffers and buffers[0].is_cuda else 0.0
+        reply_tag = secrets.randbits(63)
         status_buf = np.empty(4096, dtype=np.uint8)
         status_rx = ucx.recv(status_buf, reply_tag, spin_s=spin_s)
-        data_rx = [
-            ucx.recv(_ucx_buffer(buffers[j][off : off + n]), reply_tag + 1 + k, spin_s=spin_s)
-            for k, (_, _, j, off, n) in enumerate(plan)
-        ]
         ep = sent = None
+        reads: list[asyncio.Future] = []
         try:
             ep = self._eps.get(address)
-            request = transfer_pb2.PullRequest(
-                lease_id=lease_id, token=token, compat_hash=compat_hash, reply_tag=reply_tag,
-                reply_address=self._address, region_bytes=[b.numel() for b in buffers],
+            keys = [self._eps.rkey(address, r.rkey) for r in regions]
+            claim = transfer_pb2.PullRequest(
+                lease_id=lease_id, token=token, compat_hash=compat_hash, reply_tag=reply_tag, reply_address=self._address,
             )  # fmt: skip
             requested = time.perf_counter()
-            sent = ucx.send(ep, _frame(request), REQUEST_TAG)
-            # Wait for the answer, or for the request to fail; not for the request's completion first (one
-            # wake-up of the event loop fewer on the critical path).
+            sent = ucx.send(ep, _frame(claim), REQUEST_TAG)
+            reads = [
+                ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
+                for i, src_off, j, dst_off, n in plan
+            ]
+            # Wait for the answer, or for the claim to fail; not for the claim's completion first (one wake-up of
+            # the event loop fewer on the critical path).
             await asyncio.wait((sent, status_rx), return_when=asyncio.FIRST_EXCEPTION)
             if sent.done():
                 sent.result()
@@ -465,17 +455,17 @@ class StatePuller:
             status = _unframe(status_buf, transfer_pb2.PullStatus)
             if not status.ok:
                 raise TransferError(f"holder refused the pull: {status.error}", refused=True)
-            await asyncio.gather(sent, *data_rx)
+            await asyncio.gather(sent, *reads)
         except BaseException as e:
-            for f in (status_rx, *data_rx, sent):
+            for f in (status_rx, sent, *reads):
                 if f is not None:
                     f.cancel()
+            if reads:  # posted reads still land in the buffers: they are free again once those are done
+                self._unsettled[lease_id] = ucx.settled(reads)
             if sent is not None and not (isinstance(e, TransferError) and e.refused):
-                # the holder may have posted sends that still land here: the buffers are free again once the
-                # receives are done or the holder acknowledges the abandon (release_after)
-                acked = self._tell_abandoned(ep, lease_id, token, reply_tag)
-                self._unsettled[lease_id] = _first_of(ucx.settled(data_rx), acked)
+                self._notify(ep, lease_id, token, abandon=True)  # the holder frees the state now
             raise
         done = time.perf_counter()
+        self._notify(ep, lease_id, token, done=True)
         marks = {"start": started, "request": requested, "status": status_at, "done": done}
         return TransferStats(sum(n for *_, n in plan), len(plan), marks)

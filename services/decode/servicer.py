@@ -15,7 +15,7 @@ from engine import PoolExhausted
 from services.common import metrics
 from services.common.convert import delta_from_output
 from services.common.worker import Worker, engine_request
-from transfer import StatePuller, TransferError
+from transfer import Region, StatePuller, TransferError
 
 log = structlog.get_logger("deltamesh.decode")
 
@@ -51,12 +51,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             )
         if src.layout.num_tokens != len(request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state token count does not match the prompt")
+        layout = src.layout
+        if not len(layout.region_bytes) == len(layout.region_addresses) == len(layout.region_rkeys):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state layout: one address and key per region needed")
+        regions = [Region(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
         reservation = await self._reserve(len(request.prompt_token_ids), context)
         self.worker.reservations += 1
         try:
             stats = await self.puller.pull(
                 src.ucx_address, src.lease.lease_id, src.lease.token, src.layout.compat_hash,
-                list(src.layout.region_bytes), [r.tensor for r in reservation.regions],
+                regions, [r.tensor for r in reservation.regions],
                 self.worker.settings.transfer_timeout_s,
             )  # fmt: skip
         except TransferError as e:

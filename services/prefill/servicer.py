@@ -56,10 +56,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.Lease(lease_id=rid, token=lease.token, expires_unix_ms=lease.expires_unix_ms())
 
     def _layout(self, rid: str, num_tokens: int) -> prefill_pb2.StateLayout:
-        regions = self.engine.core.held_regions(rid)
+        regions = self.state_server.regions([r.tensor for r in self.engine.core.held_regions(rid)])
         return prefill_pb2.StateLayout(
-            compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[r.nbytes for r in regions]
-        )
+            compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[r.nbytes for r in regions],
+            region_addresses=[r.address for r in regions], region_rkeys=[r.rkey for r in regions],
+        )  # fmt: skip
 
     def _ended(self, rid: str, reason: str) -> None:
         self.engine.core.release_held(rid)

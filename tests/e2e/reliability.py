@@ -47,13 +47,11 @@ def render() -> str:
     lines += [
         "",
         "Known limits:",
-        "- A posted UCX receive cannot be cancelled. When a pull hits its deadline or is cancelled, the decode",
-        "  worker sends the holder an abandon notice; the holder cancels what it has not sent, frees the held",
-        "  state at once and, once its already-posted sends are done, acknowledges. The decode worker gives the",
-        "  reserved pages back only then (or when its receives complete), so a late write cannot reach pages",
-        "  another request uses. A holder that UCX reports gone frees them at once; one that never answers",
-        "  (stopped, or gone unnoticed without peer error handling) is waited for one more transfer deadline. A",
-        "  holder stopped longer than that which then sends before reading the notice is the case left.",
+        "- A posted UCX read cannot be cancelled. When a pull hits its deadline or is cancelled, the decode",
+        "  worker sends the holder an abandon notice (the holder frees the held state at once) and gives the",
+        "  reserved pages back once its posted reads are done, so a late write cannot reach pages another",
+        "  request uses. Reads that need the holder's help (RMA over TCP, the CPU default) wait for a stopped",
+        "  holder; then the pages come back one more transfer deadline later.",
         "- With `--no-ucx-error-handling` (shared memory / cuda_ipc) UCX cannot report a dead peer; the pull and",
         "  send deadlines and the gRPC legs still end every request in bounded time.",
     ]

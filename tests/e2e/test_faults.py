@@ -117,8 +117,8 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
 
 
 def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
-    # the failpoint holds the holder inside the transfer for a moment, so SIGSTOP lands mid-transfer
-    mesh = mesh_with_failpoint(tmp_path, "transfer.after_status=sleep:0.5")
+    # the failpoint holds the holder before it answers the claim, so SIGSTOP lands mid-transfer
+    mesh = mesh_with_failpoint(tmp_path, "transfer.before_status=sleep:0.5")
     try:
         client = mesh.client(retries=0)
         prefill = mesh.workers("prefill")[0]
@@ -140,8 +140,8 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
         assert client.generate("Still serving", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
         record("SIGSTOP the prefill worker during a state transfer, SIGCONT 1 s after the client's error",
                "decode's pull hits its deadline (2 s here), fails the request (UNAVAILABLE) and frees its reservation "
-               "once UCX can no longer write into it; once resumed, the prefill worker's send times out and frees the "
-               "held state",
+               "once UCX can no longer write into it; once resumed, the prefill worker reads the abandon notice and "
+               "frees the held state",
                "test_sigstop_prefill_during_transfer_then_sigcont",
                f"client error {error_after:.2f}s after SIGSTOP; prefill memory freed {freed_after:.2f}s after "
                f"SIGCONT")  # fmt: skip
@@ -150,7 +150,7 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
 
 
 def test_side_channel_dropped_mid_transfer(tmp_path):
-    mesh = mesh_with_failpoint(tmp_path, "transfer.after_status=drop")
+    mesh = mesh_with_failpoint(tmp_path, "transfer.before_status=drop")
     try:
         client = mesh.client(retries=0)
         t = time.monotonic()
@@ -159,7 +159,7 @@ def test_side_channel_dropped_mid_transfer(tmp_path):
         error_after = time.monotonic() - t
         assert error_after < 5
         assert mesh.wait_idle() == {}
-        record("side-channel connection dropped after the pull was accepted (failpoint)",
+        record("side-channel connection dropped by the holder after it took the lease, before answering (failpoint)",
                "holder ends the lease and frees the state at once; puller hits its deadline, frees its reservation "
                "and fails the request (UNAVAILABLE)", "test_side_channel_dropped_mid_transfer",
                f"client error {error_after:.2f}s after submit (deadline 2 s); both workers back to zero")  # fmt: skip

@@ -115,7 +115,7 @@ def test_a_lease_never_pulled_expires_and_frees_prefill_memory(mesh):
     assert mesh.wait_idle() == {}
 
 
-def test_wrong_token_or_layout_is_refused_without_moving_bytes(mesh, reference_engine):
+def test_wrong_token_or_layout_is_refused_and_the_state_stays_held(mesh, reference_engine):
     prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
     prompt = list(range(20, 60))
     sampling = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -137,8 +137,17 @@ def test_wrong_token_or_layout_is_refused_without_moving_bytes(mesh, reference_e
     with pytest.raises(grpc.RpcError) as e:
         decode_with(layout=bad_layout)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "incompatible" in e.value.details()
-    # nothing moved: the state is still held, the decode worker holds nothing
-    assert prefill.load().leases == 1 and decode.load().kv_pages_used == 0
+    unreadable = prefill_pb2.StateLayout(compat_hash=first.layout.compat_hash, num_tokens=40,
+                                         region_bytes=first.layout.region_bytes)  # no addresses or keys
+    with pytest.raises(grpc.RpcError) as e:
+        decode_with(layout=unreadable)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one address and key per region" in e.value.details()
+    # the state is still held; the decode worker gave its reservation back (once the refused pull's reads were done)
+    assert prefill.load().leases == 1
+    deadline = time.monotonic() + 5
+    while decode.load().kv_pages_used and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert decode.load().kv_pages_used == 0
     tokens = first.first.token_ids[:] + decode_with()
     ref = reference_engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert tokens == ref.token_ids

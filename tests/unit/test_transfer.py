@@ -1,6 +1,6 @@
-"""Leases and the UCX side channel (real ucxx, in one process over loopback): bytes move exactly, and a
-pull with an unknown, wrong-token, expired, already-used or incompatible lease is refused before any byte
-moves."""
+"""Leases and the UCX side channel (real ucxx and UCX RMA, in one process over loopback): bytes move exactly,
+and a pull with an unknown, wrong-token, expired, already-used or incompatible lease is refused (what its
+reads brought in is never used)."""
 
 import asyncio
 import time
@@ -48,7 +48,7 @@ def test_lease_table_ends_each_lease_once_and_refuses_bad_pulls():
     assert ended == ["expired", "pulled"] and table.counts["refused"] == 5
 
 
-def test_pull_over_ucx_moves_exact_bytes_and_refusals_move_none():
+def test_pull_over_ucx_moves_exact_bytes_and_refuses_bad_claims():
     configure_ucx("127.0.0.1")
 
     async def main():
@@ -58,26 +58,30 @@ def test_pull_over_ucx_moves_exact_bytes_and_refusals_move_none():
         puller = StatePuller()
         try:
             src_pool = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
-            src = [src_pool[: 2 << 20], src_pool[(2 << 20) + 7 :]]  # two regions, odd sizes
-            sizes = [b.numel() for b in src]
+            src = [src_pool[: 2 << 20], src_pool[(2 << 20) + 7 :]]  # two regions, odd sizes and offsets
+            regions = server.regions(src)
+            assert [r.nbytes for r in regions] == [b.numel() for b in src]
+            assert len({r.rkey for r in regions}) == 1  # one registration for the pool behind both
             dst_pool = torch.zeros(4 << 20, dtype=torch.uint8)
-            dst = [dst_pool[: 1 << 20], dst_pool[1 << 20 : (1 << 20) + sum(sizes) - (1 << 20)]]
+            total = sum(r.nbytes for r in regions)
+            dst = [dst_pool[: 1 << 20], dst_pool[1 << 20 : total]]
             ended = []
             lease = leases.offer("L", "h", src, 10, ended.append)
             for token, compat, why in ((b"0" * 16, "h", "wrong token"), (lease.token, "x", "incompatible")):
                 with pytest.raises(TransferError, match=why) as e:
-                    await puller.pull(server.address, "L", token, compat, sizes, dst, 10)
-                assert e.value.refused and int(dst_pool.count_nonzero()) == 0  # nothing moved
-            stats = await puller.pull(server.address, "L", lease.token, "h", sizes, dst, 10)
-            assert torch.equal(torch.cat(src), torch.cat(dst)) and stats.nbytes == sum(sizes)
-            assert stats.buffers == len(segments(sizes, [b.numel() for b in dst]))
-            for _ in range(100):
+                    await puller.pull(server.address, "L", token, compat, regions, dst, 10)
+                assert e.value.refused and ended == []  # the lease is still there for the right puller
+            dst_pool.zero_()
+            stats = await puller.pull(server.address, "L", lease.token, "h", regions, dst, 10)
+            assert torch.equal(torch.cat(src), torch.cat(dst)) and stats.nbytes == total
+            assert stats.buffers == len(segments([r.nbytes for r in regions], [b.numel() for b in dst]))
+            for _ in range(100):  # the done notice ends the lease
                 if ended:
                     break
                 await asyncio.sleep(0.01)
-            assert ended == ["pulled"]
+            assert ended == ["pulled"] and len(leases) == 0
             with pytest.raises(TransferError, match="unknown or ended"):  # used once, never again
-                await puller.pull(server.address, "L", lease.token, "h", sizes, dst, 10)
+                await puller.pull(server.address, "L", lease.token, "h", regions, dst, 10)
         finally:
             await puller.close()
             await server.stop()
@@ -87,13 +91,13 @@ def test_pull_over_ucx_moves_exact_bytes_and_refusals_move_none():
 
 
 def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
-    """A puller that gives up (here: its deadline passes while the holder stalls after the status) tells the
-    holder, which stops sending and frees the state now, not at its own 30 s send deadline, and acknowledges,
-    so the puller can reuse its buffers: nothing of that pull can land in them any more."""
+    """A puller that gives up (here: its deadline passes while the holder stalls before answering) tells the
+    holder, which frees the state now, not at its own 30 s deadline; the puller reuses its buffers once its
+    reads are done (nothing of that pull can land in them any more), long before its 30 s grace."""
     from transfer import failpoints
 
     configure_ucx("127.0.0.1")
-    monkeypatch.setitem(failpoints._ACTIVE, "transfer.after_status", "sleep:20")
+    monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_status", "sleep:20")
 
     async def main():
         leases = LeaseTable()
@@ -105,16 +109,14 @@ def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
             ended, released = [], []
             lease = leases.offer("L", "h", src, 60, ended.append)
             with pytest.raises(TransferError, match="did not finish"):
-                await puller.pull(server.address, "L", lease.token, "h", [1 << 20], dst, 0.5)
+                await puller.pull(server.address, "L", lease.token, "h", server.regions(src), dst, 0.5)
             t0 = time.monotonic()
-            # the data receive is still posted: the buffers go back only once nothing can write into them, here
-            # when the holder acknowledges the abandon notice (long before the 30 s grace)
             puller.release_after("L", lambda: released.append(time.monotonic() - t0))
-            assert released == []
             while not (ended and released) and time.monotonic() - t0 < 5:
                 await asyncio.sleep(0.01)
             assert ended == ["aborted"] and len(leases) == 0
             assert released and released[0] < 2.0
+            assert torch.equal(dst[0], src[0])  # the reads themselves went through
         finally:
             await puller.close()
             await server.stop()
