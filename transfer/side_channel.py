@@ -145,7 +145,7 @@ class _Endpoints:
         self.error_handling = error_handling
         self._eps: dict[bytes, object] = {}
         self._rkeys: dict[bytes, dict[bytes, object]] = {}  # peer address -> packed key -> unpacked
-        self._retired: list[tuple[object, dict]] = []  # forgotten endpoints and their keys
+        self._retired: list[tuple[object, dict]] = []  # (endpoint left open or None, its keys) until close()
 
     def get(self, address: bytes):
         ep = self._eps.get(address)
@@ -165,19 +165,24 @@ class _Endpoints:
         return key
 
     def drop(self, address: bytes) -> None:
-        """Forget and close the endpoint to a peer (after a failure on it): the next transfer makes a new one."""
-        for key in self._rkeys.pop(address, {}).values():
-            key.close()
-        _close(self._eps.pop(address, None))
+        """Close the endpoint to a peer (after a failure on it; UCX then ends what is still on it): the next
+        transfer makes a new one."""
+        self._retire(address, close=True)
 
     def forget(self, address: bytes) -> None:
-        """Make a new endpoint next time, leaving this one to what is still on it (reads, a notice) until
-        `close()`."""
-        self._retired.append((self._eps.pop(address, None), self._rkeys.pop(address, {})))
+        """Make a new endpoint next time, leaving this one to what is still on it (reads, a notice)."""
+        self._retire(address, close=False)
+
+    def _retire(self, address: bytes, close: bool) -> None:
+        # A remote key may still be used by a read in flight: keys are destroyed only in close().
+        ep = self._eps.pop(address, None)
+        if close:
+            _close(ep)
+        self._retired.append((None if close else ep, self._rkeys.pop(address, {})))
 
     def close(self) -> None:
         for address in list(self._eps):
-            self.drop(address)
+            self._retire(address, close=False)
         for ep, keys in self._retired:
             for key in keys.values():
                 key.close()
