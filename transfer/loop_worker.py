@@ -31,6 +31,10 @@ _MAX_ROUNDS = 64  # progress rounds per wake-up before yielding to the loop's ot
 _worker: "LoopWorker | None" = None
 
 
+def _spin_until(spin_s: float) -> float:
+    return time.perf_counter() + spin_s if spin_s > 0 else 0.0
+
+
 def get() -> "LoopWorker":
     """This process's worker, created on first use on the running loop."""
     global _worker
@@ -90,23 +94,22 @@ class LoopWorker:
 
         array = Array(buffer)
         request = self.worker.tag_recv(array, self._ucx.UCXXTag(tag))
-        return self._track(request, array, listening, time.perf_counter() + spin_s if spin_s > 0 else 0.0)
+        return self._track(request, array, listening, _spin_until(spin_s))
 
     def get(self, ep, buffer, remote_address: int, rkey, spin_s: float = 0.0) -> asyncio.Future:
-        """Read `buffer.nbytes` bytes at `remote_address` of the peer (memory registered there, `rkey` unpacked
+        """Read `buffer.numel()` bytes at `remote_address` of the peer (memory registered there, `rkey` unpacked
         for `ep`) into `buffer` (a 1-D uint8 tensor, host or CUDA); resolves when they are there."""
         from transfer import rma
 
-        memory_type = rma.MEMORY_TYPE_CUDA if buffer.is_cuda else rma.MEMORY_TYPE_HOST
-        request = rma.GetRequest(ep.handle, buffer.data_ptr(), buffer.numel(), remote_address, rkey, memory_type)
-        return self._track(request, buffer, False, time.perf_counter() + spin_s if spin_s > 0 else 0.0)
+        request = rma.GetRequest(ep.handle, buffer.data_ptr(), buffer.numel(), remote_address, rkey,
+                                 rma.memory_type(buffer.is_cuda))  # fmt: skip
+        return self._track(request, buffer, False, _spin_until(spin_s))
 
     def register(self, address: int, length: int, cuda: bool):
         """Register memory for peers' reads (see transfer.rma.Registration)."""
         from transfer import rma
 
-        memory_type = rma.MEMORY_TYPE_CUDA if cuda else rma.MEMORY_TYPE_HOST
-        return rma.Registration(self.context.handle, address, length, memory_type)
+        return rma.Registration(self.context.handle, address, length, rma.memory_type(cuda))
 
     def _track(self, request, array, listening: bool = False, spin_until: float = 0.0) -> asyncio.Future:
         future = self.loop.create_future()

@@ -23,6 +23,11 @@ _OP_ATTR_MEMORY_TYPE = 1 << 6
 MEMORY_TYPE_HOST, MEMORY_TYPE_CUDA = 0, 1  # ucs_memory_type_t
 
 
+def memory_type(cuda: bool) -> int:
+    """Told to UCX up front, so it does not ask the driver for every buffer (ucxx turns its cache off)."""
+    return MEMORY_TYPE_CUDA if cuda else MEMORY_TYPE_HOST
+
+
 class _MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t
     _fields_ = [
         ("field_mask", ctypes.c_uint64),
