@@ -117,6 +117,11 @@ def _pools(opts: Options):
     return kv, st
 
 
+def _buffers(kv, st, pages, slot) -> list:
+    """A request's state as the side channel moves it: its KV page runs, then its GDN conv and recurrent state."""
+    return [r.tensor for r in kv.regions(pages) + st.regions(slot)]
+
+
 def _checksum(buffers) -> int:
     """Of the byte stream the buffers make up, whatever way it is split: CRC32 on the host; for GPU buffers a
     position-weighted sum computed on the device, because copying a GiB out for a CRC occupies the copy engine
@@ -178,10 +183,10 @@ async def _holder(conn, opts: Options) -> None:
                 _, lease_id, n_tokens, seed = msg
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
                 kv_regions, st_regions = kv.regions(pages), st.regions(slot)
-                regions = kv_regions + st_regions
+                tensors = [r.tensor for r in kv_regions + st_regions]
                 gen = torch.Generator(device=opts.device).manual_seed(seed)
-                for r in regions:
-                    r.tensor.random_(0, 256, generator=gen)
+                for t in tensors:
+                    t.random_(0, 256, generator=gen)
                 fut = loop.create_future()
                 ended[lease_id] = fut
 
@@ -190,14 +195,14 @@ async def _holder(conn, opts: Options) -> None:
                     st.free(slot)
                     loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(reason))
 
-                lease = leases.offer(lease_id, COMPAT, [r.tensor for r in regions], opts.timeout_s, on_end)
-                conn.send(("offered", lease.token, server.regions([r.tensor for r in regions]), _checksum(r.tensor for r in regions),
+                lease = leases.offer(lease_id, COMPAT, tensors, opts.timeout_s, on_end)
+                conn.send(("offered", lease.token, server.regions(tensors), _checksum(tensors),
                            sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
             elif msg[0] == "floor":
                 _, n_tokens, reps, tag, puller_address = msg
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
                 try:
-                    buffers = [r.tensor for r in kv.regions(pages) + st.regions(slot)]
+                    buffers = _buffers(kv, st, pages, slot)
                     conn.send(("floor-ready", None))
                     await floor_holder(puller_address, buffers, reps, tag, opts.error_handling)
                 finally:
@@ -311,7 +316,7 @@ async def _puller(conn, opts: Options) -> None:
                 _, n_tokens, reps, tag, holder_address = msg
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
                 try:
-                    buffers = [r.tensor for r in kv.regions(pages) + st.regions(slot)]
+                    buffers = _buffers(kv, st, pages, slot)
                     secs = await floor_puller(holder_address, buffers, reps, tag, opts.error_handling)
                     conn.send(("floored", secs, len(buffers)))
                 finally:
@@ -324,7 +329,7 @@ async def _puller(conn, opts: Options) -> None:
             _, address, n_tokens, offers = msg  # offers: [(lease id, token, holder regions, checksum)]
             held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False)) for _ in offers]  # as EngineCore.reserve
             try:
-                targets = [[r.tensor for r in kv.regions(pages) + st.regions(slot)] for pages, slot in held]
+                targets = [_buffers(kv, st, pages, slot) for pages, slot in held]
                 with on_aux():
                     for b in (b for buffers in targets for b in buffers):
                         b.zero_()

@@ -43,15 +43,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             yield delta_from_output(out)
 
     async def _receive_state(self, request: decode_pb2.DecodeRequest, context):
-        src = request.source
-        if src.layout.compat_hash != self.worker.compat_hash:
+        src, layout = request.source, request.source.layout
+        if layout.compat_hash != self.worker.compat_hash:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"incompatible state layout: prefill {src.layout.compat_hash}, decode {self.worker.compat_hash}",
+                f"incompatible state layout: prefill {layout.compat_hash}, decode {self.worker.compat_hash}",
             )
-        if src.layout.num_tokens != len(request.prompt_token_ids):
+        if layout.num_tokens != len(request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state token count does not match the prompt")
-        layout = src.layout
         if not len(layout.region_bytes) == len(layout.region_addresses) == len(layout.region_rkeys):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state layout: one address and key per region needed")
         regions = [Region(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
@@ -59,7 +58,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.worker.reservations += 1
         try:
             stats = await self.puller.pull(
-                src.ucx_address, src.lease.lease_id, src.lease.token, src.layout.compat_hash,
+                src.ucx_address, src.lease.lease_id, src.lease.token, layout.compat_hash,
                 regions, [r.tensor for r in reservation.regions],
                 self.worker.settings.transfer_timeout_s,
             )  # fmt: skip
