@@ -113,12 +113,17 @@ class EngineCore:
         )  # fmt: skip
 
     def _warm_up(self) -> None:
-        """Run a small prefill and decode once, so that kernel compilation (CuTe DSL, Triton) and autotuning
-        happen before the worker serves, not inside a client's request."""
-        n = min(2 * self.config.page_size + 1, self.max_model_len - 2)
-        req = self.make_request([1] * n, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "warm-up")
-        self.submit(req, lambda out: None)
-        self.process_commands()
+        """Run each kind of step once: a prefill, then a mixed step (that request's decode next to two prefills
+        of other lengths), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning happen
+        before the worker serves, not inside a client's request. A colocated worker's first mixed steps come
+        with its first concurrent requests."""
+        n = min(2 * self.config.page_size + 1, self.max_model_len - 8)
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        for lengths in ([n], [n - 1, n + 3]):
+            for k in lengths:
+                self.submit(self.make_request([1] * k, params, f"warm-up-{next(self._ids)}"), lambda out: None)
+            self.process_commands()
+            self.step()
         while self.has_work:
             self.step()
         self.stats = EngineStats()

@@ -269,8 +269,11 @@ class StateServer:
             if req.abandon or req.done:
                 self._notice(req)
                 continue
-            done = asyncio.get_running_loop().create_future()
-            task = asyncio.create_task(self._answer(req, received, done))
+            loop = asyncio.get_running_loop()
+            done = loop.create_future()
+            task = _start_task(loop, self._answer(req, received, done))
+            if task.done():  # answered and over at once (refused)
+                continue
             self._pulls.add(task)
             task.add_done_callback(self._pulls.discard)
             # registered before the next message is read, so a notice right behind the claim finds it
@@ -334,6 +337,13 @@ class StateServer:
             if status_sent is not None:
                 status_sent.cancel()
             self.leases.finish_pull(req.lease_id, ok)
+
+
+def _start_task(loop: asyncio.AbstractEventLoop, coro) -> asyncio.Task:
+    """A task that runs up to its first wait now (Python 3.12+), not a loop turn later: a claim's status leaves
+    while the puller's reads run, so every turn before it is on the pull's critical path."""
+    eager = getattr(asyncio, "eager_task_factory", None)
+    return eager(loop, coro) if eager else loop.create_task(coro)
 
 
 async def _both(sent: asyncio.Future, done: asyncio.Future):
@@ -411,11 +421,9 @@ class StatePuller:
         """Fill `buffers` with the leased state, or raise TransferError (the buffers are then undefined)."""
         started = time.perf_counter()
         try:
-            return await asyncio.wait_for(
-                self._pull(holder_address, lease_id, token, compat_hash, holder_regions, buffers, started),
-                timeout_s,
-            )
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the claim
+                return await self._pull(holder_address, lease_id, token, compat_hash, holder_regions, buffers, started)
+        except TimeoutError:
             self._eps.forget(holder_address)  # closing it would cancel the abandon notice just posted
             raise TransferError(f"state transfer for lease {lease_id!r} did not finish within {timeout_s:.1f}s") from None
         except TransferError:
@@ -434,18 +442,20 @@ class StatePuller:
         self._address = self._address or worker_address()
         spin_s = self.spin_s if buffers and buffers[0].is_cuda else 0.0
         reply_tag = secrets.randbits(63)
-        status_buf = np.empty(4096, dtype=np.uint8)
-        status_rx = ucx.recv(status_buf, reply_tag, spin_s=spin_s)
-        ep = sent = None
+        ep = sent = status_rx = None
         reads: list[asyncio.Future] = []
         try:
             ep = self._eps.get(address)
-            keys = [self._eps.rkey(address, r.rkey) for r in regions]
             claim = transfer_pb2.PullRequest(
                 lease_id=lease_id, token=token, compat_hash=compat_hash, reply_tag=reply_tag, reply_address=self._address,
             )  # fmt: skip
             requested = time.perf_counter()
+            # The claim leaves first: the holder's answer is the pull's longest path. The answer is small (eager):
+            # should it come before its receive is posted, UCX keeps it as an unexpected message until then.
             sent = ucx.send(ep, _frame(claim), REQUEST_TAG)
+            status_buf = np.empty(4096, dtype=np.uint8)
+            status_rx = ucx.recv(status_buf, reply_tag, spin_s=spin_s)
+            keys = [self._eps.rkey(address, r.rkey) for r in regions]
             reads = [
                 ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
                 for i, src_off, j, dst_off, n in plan

@@ -159,3 +159,16 @@ def copy_state(src: EngineCore, dst: EngineCore, rid: str, res, n_tokens: int):
                 d[res.pages[t // dst.kv_pool.page_size], t % dst.kv_pool.page_size] = s[t]
     dst.state_pool.conv[res.slot] = src.state_pool.conv[held.slot]
     dst.state_pool.recurrent[res.slot] = src.state_pool.recurrent[held.slot]
+
+
+def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
+    """GPU workers warm up before serving so that kernel compilation and autotuning stay out of requests; that
+    must cover a step mixing decodes and prefills (a colocated worker's normal step), and leave nothing behind."""
+    core = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_seqs=4))
+    steps = []
+    execute = core.runner.execute
+    core.runner.execute = lambda items: steps.append(sorted(it.num_tokens for it in items)) or execute(items)
+    core._warm_up()
+    assert any(s[0] == 1 and len(s) >= 3 and s[-1] > 1 for s in steps), steps  # a decode beside two prefills
+    assert core.kv_pool.num_used == 0 and core.state_pool.num_used == 0
+    assert not core.requests and not core.scheduler.has_work and core.stats.steps == 0
