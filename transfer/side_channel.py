@@ -446,6 +446,7 @@ class StatePuller:
         reads: list[asyncio.Future] = []
         try:
             ep = self._eps.get(address)
+            keys = [self._eps.rkey(address, r.rkey) for r in regions]  # unpacked once per peer; a bad one fails here
             claim = transfer_pb2.PullRequest(
                 lease_id=lease_id, token=token, compat_hash=compat_hash, reply_tag=reply_tag, reply_address=self._address,
             )  # fmt: skip
@@ -455,7 +456,6 @@ class StatePuller:
             sent = ucx.send(ep, _frame(claim), REQUEST_TAG)
             status_buf = np.empty(4096, dtype=np.uint8)
             status_rx = ucx.recv(status_buf, reply_tag, spin_s=spin_s)
-            keys = [self._eps.rkey(address, r.rkey) for r in regions]
             reads = [
                 ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
                 for i, src_off, j, dst_off, n in plan
