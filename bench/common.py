@@ -183,3 +183,19 @@ def decode_items(core, batch: int, context: int) -> list:
         req.pages = core.kv_pool.alloc(core.kv_pool.pages_for(context + 1))
         items.append(ScheduledItem(req, 1))
     return items
+
+
+def prefill_items(core, batch: int, chunk: int) -> list:
+    """Scheduled prefill items of an EngineCore: `batch` fresh requests, each prefilling a `chunk`-token prompt
+    in one step, with their pages and state slot allocated (stepping them again recomputes the same chunk)."""
+    from engine import SamplingParams
+    from engine.request import Request
+    from engine.scheduler import ScheduledItem
+
+    items = []
+    for i in range(batch):
+        req = Request(f"p{i}", [1] * chunk, SamplingParams(max_tokens=8, temperature=0), None)
+        req.slot = core.state_pool.alloc()
+        req.pages = core.kv_pool.alloc(core.kv_pool.pages_for(chunk))
+        items.append(ScheduledItem(req, chunk))
+    return items

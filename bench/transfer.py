@@ -21,8 +21,9 @@ Each length runs --reps + 1 pulls; the first is a warm-up and is dropped. Second
 (request sent -> last segment received, endpoint reuse included as in a running worker). The baseline row
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
 GPU 0 -> GPU 1 copy). Options: --floor adds UCX's own floor (see floor_holder); --in-flight N pulls N requests
-at once; --overlap-model DIR runs a real engine decode loop on a thread of the puller (as a decode worker
-does) and reports its step times before the first pull vs during pulls.
+at once; --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
+times before the first pull vs during pulls: a decode loop in the puller, or with --overlap-side prefill a
+prefill loop in the holder (whose event loop answers the claims, and over TCP serves the reads).
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ class Options:
     proto_info: bool
     device: str = "cpu"  # cuda: holder on GPU 0, puller on GPU 1 (UCX moves GPU memory, e.g. cuda_ipc/NVLink)
     in_flight: int = 1  # requests pulled at once (their pulls overlap)
-    overlap_model: str | None = None  # run a decode loop of this model in the puller while it pulls
+    overlap_model: str | None = None  # run an engine loop of this model beside the transfers
+    overlap_side: str = "decode"  # decode: a decode loop in the puller; prefill: a prefill loop in the holder
     overlap_batch: int = 8
-    overlap_context: int = 1024
-    overlap_idle_s: float = 3.0  # decode steps before the first pull: the undisturbed baseline
+    overlap_context: int = 1024  # decode: the batch's context; prefill: each request's prompt chunk per step
+    overlap_idle_s: float = 3.0  # engine steps before the first pull: the undisturbed baseline
     spin_s: float = 0.02  # StatePuller(spin_s=...): GPU pulls progress UCX on every loop turn for at most this long
 
 
@@ -173,12 +175,17 @@ async def _holder(conn, opts: Options) -> None:
     await server.start()
     loop = asyncio.get_running_loop()
     ended: dict[str, asyncio.Future] = {}
+    prefill_loop = EngineLoop(opts) if opts.overlap_model and opts.overlap_side == "prefill" else None
     conn.send(("ready", server.address))
+    if prefill_loop:
+        prefill_loop.start()
     try:
         while True:
             msg = await _recv(conn)
             if msg[0] == "stop":
                 break
+            if msg[0] == "report":
+                conn.send(("overlap", prefill_loop.stop() if prefill_loop else None))
             if msg[0] == "offer":
                 _, lease_id, n_tokens, seed = msg
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
@@ -233,12 +240,14 @@ def puller_main(conn, opts: Options) -> None:
         raise
 
 
-class DecodeLoop:
-    """A real engine decode loop on its own thread, as a decode worker runs one beside its event loop:
-    `batch` requests of `context` tokens stepped back to back; (start, end) of each step, perf_counter."""
+class EngineLoop:
+    """A real engine loop on its own thread, as a worker runs one beside its event loop, stepped back to back:
+    `decode` (puller side): `batch` requests of `context` tokens, one token each per step; `prefill` (holder
+    side): `batch` requests prefilling a `context`-token chunk each per step. (start, end) of each step,
+    perf_counter."""
 
     def __init__(self, opts: Options):
-        from bench.common import decode_items
+        from bench.common import decode_items, prefill_items
         from engine import EngineConfig
         from engine.core import EngineCore
 
@@ -247,12 +256,13 @@ class DecodeLoop:
         self.core = EngineCore(EngineConfig(
             model=opts.overlap_model, load_format=weights, device=opts.device, max_num_seqs=batch,
             num_kv_pages=batch * -(-(ctx + 64) // 16) + 64, max_model_len=ctx + 64,
-            max_num_batched_tokens=max(1024, ctx),
+            max_num_batched_tokens=max(1024, ctx * (batch if opts.overlap_side == "prefill" else 1)),
         ))  # fmt: skip
-        self.items = decode_items(self.core, batch, ctx)
+        make_items = prefill_items if opts.overlap_side == "prefill" else decode_items
+        self.items = make_items(self.core, batch, ctx)
         self.steps: list[tuple[float, float]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{opts.overlap_side}-loop", daemon=True)
 
     def _run(self) -> None:
         from engine.sampling import host_list
@@ -272,7 +282,7 @@ class DecodeLoop:
 
 
 def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, float]]) -> dict:
-    """Decode step times before the first pull (idle) vs steps that overlapped a pull."""
+    """Engine step times before the first pull (idle) vs steps that overlapped a pull."""
 
     def stats(xs: list[float]) -> dict:
         xs = sorted(x * 1e3 for x in xs)
@@ -298,7 +308,7 @@ async def _puller(conn, opts: Options) -> None:
     kv, st = _pools(opts)
     puller = StatePuller(error_handling=opts.error_handling, spin_s=opts.spin_s)
     await puller.start()
-    decode_loop = DecodeLoop(opts) if opts.overlap_model else None
+    decode_loop = EngineLoop(opts) if opts.overlap_model and opts.overlap_side == "decode" else None
     # The bench's own GPU work (zeroing the targets, their checksum) runs on a side stream, so
     # the decode loop's kernels (on the default stream) never queue behind it and its step times stay clean.
     aux = torch.cuda.Stream() if opts.device == "cuda" else None
@@ -323,8 +333,8 @@ async def _puller(conn, opts: Options) -> None:
                     kv.free(pages)
                     st.free(slot)
                 continue
-            if msg[0] == "report":
-                conn.send(("overlap", overlap_summary(decode_loop.stop(), pulls)))
+            if msg[0] == "report":  # the decode loop's steps (if it runs here) and when the pulls ran
+                conn.send(("overlap", decode_loop.stop() if decode_loop else None, pulls))
                 continue
             _, address, n_tokens, offers = msg  # offers: [(lease id, token, holder regions, checksum)]
             held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False)) for _ in offers]  # as EngineCore.reserve
@@ -496,7 +506,7 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
         (address,) = _expect(h_conn, "ready", 120)
         _expect(p_conn, "ready", 300)
         if opts.overlap_model:
-            time.sleep(opts.overlap_idle_s)  # the decode loop runs undisturbed: its baseline
+            time.sleep(opts.overlap_idle_s)  # the engine loop runs undisturbed: its baseline
         for n_tokens in lengths:
             samples, info = [], {}
             for rep in range(reps + 1):
@@ -542,9 +552,12 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             rows.append(row)
         if opts.overlap_model:
             p_conn.send(("report",))
-            (summary,) = _expect(p_conn, "overlap", 300)
-            overlap = {"mode": label, "model": rel(opts.overlap_model), "batch": opts.overlap_batch,
-                       "context": opts.overlap_context, **summary}  # fmt: skip
+            h_conn.send(("report",))
+            decode_steps, pulls = _expect(p_conn, "overlap", 300)
+            (prefill_steps,) = _expect(h_conn, "overlap", 300)
+            summary = overlap_summary(decode_steps or prefill_steps, pulls)
+            overlap = {"mode": label, "side": opts.overlap_side, "model": rel(opts.overlap_model),
+                       "batch": opts.overlap_batch, "context": opts.overlap_context, **summary}  # fmt: skip
     return rows, overlap
 
 
@@ -667,11 +680,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="requests pulled at once, e.g. 1,4: their pulls overlap; a row per value (default 1)")
     p.add_argument("--overlap-model", default=None,
-                   help="also run a decode loop of this model (a checkpoint, or a config dir: dummy weights) on a "
-                        "thread of the puller, as a decode worker does, and compare its step times before and "
-                        "during the pulls")  # fmt: skip
-    p.add_argument("--overlap-batch", type=int, default=8, help="requests in the decode loop's batch")
-    p.add_argument("--overlap-context", type=tokens, default=1024, help="their context length")
+                   help="also run an engine loop of this model (a checkpoint, or a config dir: dummy weights) on a "
+                        "thread, as a worker does, and compare its step times before and during the pulls")
+    p.add_argument("--overlap-side", choices=["decode", "prefill"], default="decode",
+                   help="decode: a decode loop in the puller (default); prefill: a prefill loop in the holder")
+    p.add_argument("--overlap-batch", type=int, default=8, help="requests in the engine loop's batch")
+    p.add_argument("--overlap-context", type=tokens, default=1024,
+                   help="decode: their context length; prefill: the prompt chunk each prefills per step")
     p.add_argument("--spin-ms", type=lambda s: [float(x) for x in s.split(",")], default=[20.0],
                    help="comma list: how long a GPU pull may spin on UCX progress (StatePuller spin_s; 0: events only)")
     p.add_argument("--floor", action="store_true",
@@ -711,8 +726,9 @@ def main(argv=None) -> int:
         for spin_ms in args.spin_ms if args.device == "cuda" else [0.0]:
             for in_flight in args.in_flight:
                 opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
-                               args.ucx_proto_info, args.device, in_flight, args.overlap_model, args.overlap_batch,
-                               args.overlap_context, spin_s=spin_ms / 1e3)  # fmt: skip
+                               args.ucx_proto_info, args.device, in_flight, overlap_model=args.overlap_model,
+                               overlap_side=args.overlap_side, overlap_batch=args.overlap_batch,
+                               overlap_context=args.overlap_context, spin_s=spin_ms / 1e3)  # fmt: skip
                 mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
                 rows += mode_rows
                 overlaps += [overlap] if overlap else []
@@ -763,9 +779,10 @@ def main(argv=None) -> int:
     print("\nwhere a pull's time goes (median ms; one clock for both processes)")
     print(table(["mode", "tokens", *PHASES], [[r["mode"], r["tokens"], *r["phases_ms_median"].values()] for r in pulls]))
     if overlaps:
-        print("\ndecode loop in the puller (step ms): before the first pull vs steps that overlapped a pull")
+        where = "a decode loop in the puller" if args.overlap_side == "decode" else "a prefill loop in the holder"
+        print(f"\n{where} (step ms): before the first pull vs steps that overlapped a pull")
         print(table(
-            ["mode", "model", "batch", "context", "idle steps", "idle median", "idle p99", "during steps",
+            ["mode", "model", "batch", "context" if args.overlap_side == "decode" else "chunk", "idle steps", "idle median", "idle p99", "during steps",
              "during median", "during p99", "during max"],
             [[o["mode"], o["model"], o["batch"], o["context"], o["idle"]["steps"], o["idle"]["median_ms"],
               o["idle"]["p99_ms"], o["during_pulls"]["steps"], o["during_pulls"]["median_ms"],

@@ -6,7 +6,7 @@
 #   stage b: the 1P+1D serving sweep (prefill GPU 0, decode GPU 1)
 #   stage c: the colocated serving sweep (one GPU)
 #   stage t: side channel: phases of a pull (events only vs spinning), UCX's floor, pulls at once, a decode
-#            loop beside them (fidelity: stage f)
+#            loop beside them, a prefill loop in the holder beside them (fidelity: stage f)
 #   stage f: disaggregated vs monolithic greedy fidelity on the two GPUs (+ the bf16 batch-invariance control)
 set -u
 stage=${1:?stage a, k, b, c, t or f}
@@ -53,6 +53,9 @@ t)
   # 300 s: on a fresh host the decode loop's first steps wait for FlashInfer's JIT compilation (60-90 s)
   TAIL=16 run t_overlap 300 "${pull[@]}" --lengths 1k,32k --spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b \
     --overlap-batch 64 --overlap-context 4k --out "$OUT/t_overlap.json"
+  # the holder's side: a prefill loop (2 x 8k-token chunks per step) beside the pulls from it
+  TAIL=16 run t_overlap_prefill 240 "${pull[@]}" --lengths 1k,32k --spin-ms 20 --overlap-model bench/configs/qwen3.5-9b \
+    --overlap-side prefill --overlap-batch 2 --overlap-context 8k --out "$OUT/t_overlap_prefill.json"
   ;;
 f)
   # Disaggregated (GPU 0 -> GPU 1) vs monolithic greedy output, and the bf16 batch-invariance control
