@@ -297,7 +297,7 @@ def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, f
 
     first = min(start for start, _ in pulls)
     idle = [end - start for start, end in steps if end <= first]
-    overlapping = [[end - start for start, end in steps if start < p1 and end > p0] for p0, p1 in pulls]
+    overlapping = [[end - start for start, end in steps if overlaps(start, end, [pull])] for pull in pulls]
     during = [end - start for start, end in steps if overlaps(start, end, pulls)]
     pull_only = [end - start for start, end in steps if overlaps(start, end, pulls) and not overlaps(start, end, checks)]
     checking = [end - start for start, end in steps if overlaps(start, end, checks)]
@@ -566,8 +566,10 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             h_conn.send(("report",))
             decode_steps, pulls, checks = _expect(p_conn, "overlap", 300)
             (prefill_steps,) = _expect(h_conn, "overlap", 300)
-            # the check runs on the puller's device: it only competes with a decode loop
-            summary = overlap_summary(decode_steps or prefill_steps, pulls, checks if decode_steps else [])
+            if opts.overlap_side == "decode":  # the check runs on the puller's device, beside its decode loop
+                summary = overlap_summary(decode_steps, pulls, checks)
+            else:
+                summary = overlap_summary(prefill_steps, pulls)
             overlap = {"mode": label, "side": opts.overlap_side, "model": rel(opts.overlap_model),
                        "batch": opts.overlap_batch, "context": opts.overlap_context, **summary}  # fmt: skip
     return rows, overlap
