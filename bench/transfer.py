@@ -580,6 +580,7 @@ PHASES = {  # where a pull's time goes: (from, to) marks of the puller (p) and t
     "claim reaches holder": ("p.request", "h.received"),
     "holder checks, posts status": ("h.received", "h.posted"),
     "status reaches puller": ("h.posted", "p.status"),
+    "claim -> reads seen done": ("p.request", "p.reads"),
     "claim -> last byte at puller (reads run meanwhile)": ("p.request", "p.done"),
     "done notice reaches holder": ("p.done", "h.sent"),
 }

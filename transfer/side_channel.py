@@ -65,8 +65,9 @@ class Region:
 class TransferStats:
     nbytes: int
     buffers: int  # reads on the wire (segments)
-    # perf_counter() at each step of the pull ("start", "request", "status", "done"); on Linux that clock is
-    # CLOCK_MONOTONIC, shared by the processes of one host, so they line up with StateServer.timeline
+    # perf_counter() at each step of the pull ("start", "request", "status", "reads": the last read seen done,
+    # "done"); on Linux that clock is CLOCK_MONOTONIC, shared by the processes of one host, so they line up
+    # with StateServer.timeline
     marks: dict[str, float]
 
     @property
@@ -460,6 +461,9 @@ class StatePuller:
                 ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
                 for i, src_off, j, dst_off, n in plan
             ]
+            read_marks: list[float] = []  # when each read was seen done: is a pull bound by the claim or the reads?
+            for read in reads:
+                read.add_done_callback(lambda _: read_marks.append(time.perf_counter()))
             # Wait for the answer, or for the claim to fail; not for the claim's completion first (one wake-up of
             # the event loop fewer on the critical path).
             await asyncio.wait((sent, status_rx), return_when=asyncio.FIRST_EXCEPTION)
@@ -482,5 +486,6 @@ class StatePuller:
             raise
         done = time.perf_counter()
         self._notify(ep, lease_id, token, done=True)
-        marks = {"start": started, "request": requested, "status": status_at, "done": done}
+        marks = {"start": started, "request": requested, "status": status_at, "reads": max(read_marks, default=done),
+                 "done": done}  # fmt: skip
         return TransferStats(sum(n for *_, n in plan), len(plan), marks)
