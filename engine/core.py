@@ -117,11 +117,13 @@ class EngineCore:
         one a 2-token tail), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning happen
         before the worker serves, not inside a client's request. On an H200 the first step of that mixed shape
         took 4.7 s (bench/step_times.py); a colocated worker meets it with its first concurrent requests."""
-        n = min(2 * self.config.page_size + 1, self.max_model_len - 8)
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        longest = self.max_model_len - params.max_tokens  # a tiny max_model_len only shortens the prompts
+        n = 2 * self.config.page_size + 1
         for lengths in ([n], [n - 1, n + 3, 2]):
             for k in lengths:
-                self.submit(self.make_request([1] * k, params, f"warm-up-{next(self._ids)}"), lambda out: None)
+                prompt = [1] * max(1, min(k, longest))
+                self.submit(self.make_request(prompt, params, f"warm-up-{next(self._ids)}"), lambda out: None)
             self.process_commands()
             self.step()
         while self.has_work:
