@@ -25,7 +25,7 @@ from typing import Callable
 import structlog
 import torch
 
-from engine.cache import KVPagePool, PoolExhausted, Region, StatePool
+from engine.cache import KVPagePool, PoolExhausted, Region, StatePool, byte_view
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
@@ -318,6 +318,10 @@ class EngineCore:
         if req is None:
             raise KeyError(request_id)
         return self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
+
+    def pool_views(self) -> list[torch.Tensor]:
+        """Each pool's whole memory as a 1-D byte view: what a prefill worker lets peers read."""
+        return [byte_view(t) for t in (self.kv_pool.data, self.state_pool.conv, self.state_pool.recurrent)]
 
     def release_held(self, request_id: str) -> bool:
         with self._held_lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import structlog
@@ -44,6 +45,10 @@ class Worker:
         self.model_id = Path(settings.engine.model).name
         self.address = ""  # host:port once the gRPC server is bound
         self.reservations = 0
+        # Set by the role's setup: what to tell the router of this worker's side channel (prefill), and what to
+        # do with each registration reply (decode); the latter must not block (it runs in the heartbeat).
+        self.side_channel: Callable[[], router_pb2.SideChannel] | None = None
+        self.on_registered: Callable[[router_pb2.RegisterWorkerResponse], None] | None = None
 
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
         l = self.core.loads()  # noqa: E741
@@ -60,8 +65,9 @@ class Worker:
         if not router:
             return
         request = router_pb2.RegisterWorkerRequest(
-            address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash
-        )
+            address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash,
+            side_channel=self.side_channel() if self.side_channel else None,
+        )  # fmt: skip
         interval = 1.0
         async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
@@ -70,6 +76,8 @@ class Worker:
                 try:
                     reply = await stub.RegisterWorker(request, timeout=2.0)
                     interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
+                    if self.on_registered:
+                        self.on_registered(reply)
                     if not registered:
                         log.info("registered with router", router=router)
                     registered = True

@@ -7,6 +7,7 @@ import asyncio
 from deltamesh.v1 import decode_pb2, decode_pb2_grpc
 from services.common.settings import WorkerSettings
 from services.common.worker import Worker, serve_worker
+from services.decode.peers import PeerWarmer
 from services.decode.servicer import DecodeServicer
 from transfer import StatePuller
 
@@ -18,11 +19,17 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         servicer = DecodeServicer(worker, puller)
         name = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
         services = [(decode_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, name)]
+        warmer = PeerWarmer(puller, worker.core.device, settings.transfer_timeout_s)
 
         async def start() -> None:
             if settings.role == "decode":  # a colocated worker never pulls
                 await puller.start()
+                worker.on_registered = warmer.on_registered
 
-        return services, start, puller.close, lambda s: [], None
+        async def stop() -> None:
+            await warmer.close()
+            await puller.close()
+
+        return services, start, stop, lambda s: [], None
 
     await serve_worker(settings, stop, setup)

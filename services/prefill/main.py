@@ -18,6 +18,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         servicer = PrefillServicer(worker, leases, state_server)
         name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         services = [(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, name)]
+        worker.side_channel = servicer.side_channel
         return services, state_server.start, state_server.stop, lambda s: [expire_leases(leases, s)], leases
 
     await serve_worker(settings, stop, setup)

@@ -9,7 +9,7 @@ import time
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from deltamesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2
 from engine import FinishReason
 from services.common import metrics
 from services.common.convert import delta_from_output
@@ -61,6 +61,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[r.nbytes for r in regions],
             region_addresses=[r.address for r in regions], region_rkeys=[r.rkey for r in regions],
         )  # fmt: skip
+
+    def side_channel(self) -> router_pb2.SideChannel:
+        """Where this worker's pools can be read (registered with UCX now, once), for decode workers to set up
+        their reads before the first request."""
+        regions = self.state_server.regions(self.engine.core.pool_views())
+        return router_pb2.SideChannel(ucx_address=self.state_server.address,
+                                      region_addresses=[r.address for r in regions],
+                                      region_rkeys=[r.rkey for r in regions])  # fmt: skip
 
     def _ended(self, rid: str, reason: str) -> None:
         self.engine.core.release_held(rid)

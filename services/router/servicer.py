@@ -69,9 +69,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def RegisterWorker(self, request: router_pb2.RegisterWorkerRequest, context):
         try:
-            self.registry.add(request.address, request.role, static=False, compat_hash=request.compat_hash)
+            worker = self.registry.add(request.address, request.role, static=False, compat_hash=request.compat_hash)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.model and request.model != self.frontend.model_id:
             log.warning("worker serves another model", address=request.address, model=request.model)
-        return router_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
+        worker.side_channel = request.side_channel if request.HasField("side_channel") else None
+        reply = router_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
+        if request.role == "decode":
+            reply.prefill_peers.extend(w.side_channel for w in self.registry.healthy("prefill") if w.side_channel is not None)
+        return reply

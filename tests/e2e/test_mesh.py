@@ -56,6 +56,15 @@ def test_concurrent_prompts_match_the_monolithic_engine(mesh, reference_engine):
 def test_two_prefill_two_decode_workers_match_too(tmp_path, reference_engine):
     m = start_mesh(MODEL, tmp_path, prefill=2, decode=2)
     try:
+        # before any request, each decode worker sets up its side channel to both prefill workers (the router
+        # names them in its registration replies)
+        def warmed(p):
+            return p.log.read_text().count("side channel warmed")
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(warmed(p) < 2 for p in m.workers("decode")):
+            time.sleep(0.1)
+        assert [warmed(p) for p in m.workers("decode")] == [2, 2]
         check_against_reference(m, reference_engine, seed=1)
         served = {p.address: p.load() for p in m.workers()}
         assert len(served) == 4
