@@ -629,7 +629,7 @@ PHASES = {  # where a pull's time goes: (from, to) marks of the puller (p) and t
     "status reaches puller": ("h.posted", "p.status"),
     "claim -> reads seen done": ("p.request", "p.reads"),
     "claim -> last byte at puller (reads run meanwhile)": ("p.request", "p.done"),
-    "done notice reaches holder": ("p.done", "h.sent"),
+    "done notice reaches holder": ("p.done", "h.done"),
 }
 
 

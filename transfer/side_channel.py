@@ -328,7 +328,7 @@ class StateServer:
             # The puller reads on its own; its done notice ends the lease. The held memory stays put until then.
             done_at = await asyncio.wait_for(_both(status_sent, done), self.send_timeout_s)
             ok = True
-            self.timeline.append({"lease_id": req.lease_id, "received": received, "posted": posted, "sent": done_at})
+            self.timeline.append({"lease_id": req.lease_id, "received": received, "posted": posted, "done": done_at})
             log.info("state pulled", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(lease.buffers),
                      seconds=round(done_at - received, 6))  # fmt: skip
         except Exception as e:

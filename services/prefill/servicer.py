@@ -57,18 +57,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     def _layout(self, rid: str, num_tokens: int) -> prefill_pb2.StateLayout:
         regions = self.state_server.regions([r.tensor for r in self.engine.core.held_regions(rid)])
-        return prefill_pb2.StateLayout(
-            compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[r.nbytes for r in regions],
-            region_addresses=[r.address for r in regions], region_rkeys=[r.rkey for r in regions],
-        )  # fmt: skip
+        return prefill_pb2.StateLayout(compat_hash=self.worker.compat_hash, num_tokens=num_tokens,
+                                       region_bytes=[r.nbytes for r in regions], **_where(regions))  # fmt: skip
 
     def side_channel(self) -> router_pb2.SideChannel:
         """Where this worker's pools can be read (registered with UCX now, once), for decode workers to set up
         their reads before the first request."""
         regions = self.state_server.regions(self.engine.core.pool_views())
-        return router_pb2.SideChannel(ucx_address=self.state_server.address,
-                                      region_addresses=[r.address for r in regions],
-                                      region_rkeys=[r.rkey for r in regions])  # fmt: skip
+        return router_pb2.SideChannel(ucx_address=self.state_server.address, **_where(regions))
 
     def _ended(self, rid: str, reason: str) -> None:
         self.engine.core.release_held(rid)
@@ -93,6 +89,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
         return common_pb2.GetLoadsResponse(workers=[self.worker.load(leases=len(self.leases))])
+
+
+def _where(regions) -> dict:
+    """The proto fields (StateLayout's, SideChannel's) saying where regions start and their remote keys."""
+    return {"region_addresses": [r.address for r in regions], "region_rkeys": [r.rkey for r in regions]}
 
 
 async def expire_leases(leases: LeaseTable, stop: asyncio.Event, every_s: float = 0.05) -> None:
