@@ -13,18 +13,18 @@ means TCP over `lo`; off: UCX may use shared memory / CMA between the two proces
   alone, no weights: page size 16, KV/conv dtype --dtype, recurrent state --state-dtype.
 - holder: allocates pages + a slot for an L-token request the way the scheduler does (best-fit run),
   fills them with seeded random bytes, checksums them (CRC32; on GPUs a sum on the device) and offers a lease (transfer.LeaseTable) to
-  its StateServer. The worker address, lease id/token and regions (sizes, addresses, remote keys) go to the puller through the
+  its StateServer. The worker address, lease id/token/word and regions (sizes, addresses, remote keys) go to the puller through the
   parent (multiprocessing Pipes), as the router carries them over gRPC in the mesh.
 - puller: reserves pages + a slot in its own pools (zeroed), pulls (StatePuller.pull) and checks the
   checksum of what arrived before anything is reported; the holder confirms the lease ended as "pulled".
 Each length runs --reps + 1 pulls; the first is a warm-up and is dropped. Seconds are StatePuller's own
-(request sent -> last segment received, endpoint reuse included as in a running worker). The baseline row
+(called -> every segment received and the lease word checked, endpoint reuse included as in a running worker). The baseline row
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
 GPU 0 -> GPU 1 copy). Options: --floor adds UCX's own floors, by tag messages (floor_holder) and by the bare RMA
-reads a pull posts (floor_rma_puller); --in-flight N pulls N requests
-at once; --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
+reads a pull posts, spinning (floor_rma_puller) and through the event loop (floor_rma_loop); --in-flight N pulls
+N requests at once; --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
 times before the first pull vs during pulls: a decode loop in the puller, or with --overlap-side prefill a
-prefill loop in the holder (whose event loop answers the claims, and over TCP serves the reads).
+prefill loop in the holder (whose event loop takes the notices, and over TCP serves the reads).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from bench.common import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPAT = "bench-transfer"
 PAGE_SIZE = 16
 
 
@@ -172,7 +171,7 @@ async def _holder(conn, opts: Options) -> None:
 
     kv, st = _pools(opts)
     leases = LeaseTable()
-    server = StateServer(leases, error_handling=opts.error_handling, send_timeout_s=opts.timeout_s)
+    server = StateServer(leases)
     await server.start()
     loop = asyncio.get_running_loop()
     ended: dict[str, asyncio.Future] = {}
@@ -203,8 +202,8 @@ async def _holder(conn, opts: Options) -> None:
                     st.free(slot)
                     loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(reason))
 
-                lease = leases.offer(lease_id, COMPAT, tensors, opts.timeout_s, on_end)
-                conn.send(("offered", lease.token, server.regions(tensors), _checksum(tensors),
+                lease = leases.offer(lease_id, tensors, opts.timeout_s, on_end)
+                conn.send(("offered", lease.token, server.lease_check(lease), server.regions(tensors), _checksum(tensors),
                            sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
             elif msg[0] == "floor":
                 _, kind, n_tokens, reps, tag, puller_address = msg
@@ -214,7 +213,7 @@ async def _holder(conn, opts: Options) -> None:
                     if kind == "tag":
                         conn.send(("floor-ready", None))
                         floor_holder(puller_address, buffers, reps, tag, opts.error_handling)
-                    else:  # rma: the puller reads on its own; keep the buffers until it is done
+                    else:  # RMA floors: the puller reads on its own; keep the buffers until it is done
                         conn.send(("floor-ready", server.regions(buffers)))
                         if (await _recv(conn))[0] != "floor-done":
                             raise RuntimeError("RMA floor: expected the puller's end")
@@ -345,8 +344,10 @@ async def _puller(conn, opts: Options) -> None:
                     buffers = _buffers(kv, st, pages, slot)
                     if kind == "tag":
                         secs = floor_puller(holder_address, buffers, reps, tag, opts.error_handling)
-                    else:
+                    elif kind == "rma":
                         secs = floor_rma_puller(holder_address, regions, buffers, reps, opts.error_handling)
+                    else:
+                        secs = await floor_rma_loop(holder_address, regions, buffers, reps, opts)
                     conn.send(("floored", secs, len(buffers)))
                 finally:
                     kv.free(pages)
@@ -355,7 +356,7 @@ async def _puller(conn, opts: Options) -> None:
             if msg[0] == "report":  # the decode loop's steps (if it runs here) and when the pulls ran
                 conn.send(("overlap", decode_loop.stop() if decode_loop else None, pulls, checks))
                 continue
-            _, address, n_tokens, offers = msg  # offers: [(lease id, token, holder regions, checksum)]
+            _, address, n_tokens, offers = msg  # offers: [(lease id, token, lease check, holder regions, checksum)]
             held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False)) for _ in offers]  # as EngineCore.reserve
             try:
                 targets = [_buffers(kv, st, pages, slot) for pages, slot in held]
@@ -367,8 +368,8 @@ async def _puller(conn, opts: Options) -> None:
                 t0 = time.perf_counter()
                 try:
                     stats = await asyncio.gather(*(
-                        puller.pull(address, lease_id, token, COMPAT, regions, buffers, opts.timeout_s)
-                        for (lease_id, token, regions, _), buffers in zip(offers, targets)
+                        puller.pull(address, lease_id, token, check, regions, buffers, opts.timeout_s)
+                        for (lease_id, token, check, regions, _), buffers in zip(offers, targets)
                     ))  # fmt: skip
                 except TransferError as e:
                     conn.send(("pulled", {"error": str(e)}))
@@ -376,11 +377,10 @@ async def _puller(conn, opts: Options) -> None:
                 wall = time.perf_counter() - t0
                 pulls.append((t0, t0 + wall))
                 with on_aux():
-                    ok = all(_checksum(buffers) == offer[3] for offer, buffers in zip(offers, targets))
+                    ok = all(_checksum(buffers) == offer[-1] for offer, buffers in zip(offers, targets))
                 checks.append((t0 + wall, time.perf_counter()))
                 conn.send(("pulled", {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
                                       "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
-                                      "status_seconds": max(x.status_seconds for x in stats),
                                       "marks": [x.marks for x in stats],
                                       "puller_regions": len(targets[0]), "crc_ok": ok}))  # fmt: skip
             finally:
@@ -454,7 +454,7 @@ def floor_puller(holder_address: bytes, buffers, reps: int, tag: int, error_hand
 
 def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_handling: bool) -> list[float]:
     """The RMA floor: the same reads a pull posts (one per segment, keys unpacked once), spinning on UCX progress
-    until all are done; no claim, no status, no event loop. Its distance to a pull is the protocol's cost."""
+    until all are done; no lease check, no event loop. Its distance to a pull is the side channel's own cost."""
     from transfer import loop_worker, rma
     from transfer.side_channel import segments
 
@@ -478,11 +478,37 @@ def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_h
     return secs[1:]  # the first is the warm-up
 
 
+async def floor_rma_loop(holder_address: bytes, regions, buffers, reps: int, opts: Options) -> list[float]:
+    """The same reads as floor_rma_puller, posted and awaited through the event loop as a pull does (with its
+    spin setting), still without the lease check: its distance to the RMA floor is the event loop's cost, its
+    distance to a pull the check's."""
+    from transfer import loop_worker, rma
+    from transfer.side_channel import segments
+
+    ucx = loop_worker.get()
+    if holder_address not in _RMA_FLOOR_EPS:
+        _RMA_FLOOR_EPS[holder_address] = ucx.endpoint(holder_address, opts.error_handling)
+    ep = _RMA_FLOOR_EPS[holder_address]
+    keys = [rma.RemoteKey(ep.handle, r.rkey) for r in regions]
+    plan = segments([r.nbytes for r in regions], [b.numel() for b in buffers])
+    spin_s = opts.spin_s if buffers[0].is_cuda else 0.0
+    secs = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        await asyncio.gather(*(ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i],
+                                       spin_s=spin_s) for i, src_off, j, dst_off, n in plan))  # fmt: skip
+        secs.append(time.perf_counter() - t0)
+    for key in keys:
+        key.close()
+    return secs[1:]  # the first is the warm-up
+
+
 _RMA_FLOOR_EPS: dict[bytes, object] = {}
 
 
 FLOORS = {"tag": "floor: bare tag messages, spinning on UCX progress",
-          "rma": "floor: bare RMA reads, spinning on UCX progress"}
+          "rma": "floor: bare RMA reads, spinning on UCX progress",
+          "loop": "floor: bare RMA reads through the event loop"}
 
 
 def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
@@ -501,7 +527,7 @@ def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
             (regions,) = _expect(h_conn, "floor-ready", 120)
             p_conn.send(("floor", kind, n_tokens, reps, tag, holder_address, regions))
             secs, buffers = _expect(p_conn, "floored", opts.timeout_s + 30)
-            if kind == "rma":
+            if kind != "tag":
                 h_conn.send(("floor-done",))
             kv_bytes = kv.pages_for(n_tokens) * kv.page_bytes
             rows.append({
@@ -572,8 +598,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                 offers = []
                 for i, lease_id in enumerate(lease_ids):
                     h_conn.send(("offer", lease_id, n_tokens, seed + rep * opts.in_flight + i))
-                    token, regions, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
-                    offers.append((lease_id, token, regions, crc))
+                    token, check, regions, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
+                    offers.append((lease_id, token, check, regions, crc))
                 p_conn.send(("pull", address, n_tokens, offers))
                 (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
                 reasons, holder_times = [], []
@@ -600,7 +626,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                 "in_flight": opts.in_flight, "spin_ms": opts.spin_s * 1e3 if spin else None, "tokens": n_tokens,
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
-                "status_seconds_median": median([s["status_seconds"] for s in samples]),
+                "marks_ms": [[{k: round((v - m["start"]) * 1e3, 4) for k, v in m.items()} for m in s["marks"]]
+                             for s in samples],
                 "phases_ms_median": {
                     k: median([s["phases"][k] for s in samples if s["phases"][k] is not None]) for k in PHASES},
                 "gb_per_s": total / median(secs) / 1e9, "verified": "crc32" if opts.device == "cpu" else "position-weighted sum on the GPU",
@@ -623,12 +650,10 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
 
 
 PHASES = {  # where a pull's time goes: (from, to) marks of the puller (p) and the holder (h), one clock
-    "puller prepares": ("p.start", "p.request"),
-    "claim reaches holder": ("p.request", "h.received"),
-    "holder checks, posts status": ("h.received", "h.posted"),
-    "status reaches puller": ("h.posted", "p.status"),
-    "claim -> reads seen done": ("p.request", "p.reads"),
-    "claim -> last byte at puller (reads run meanwhile)": ("p.request", "p.done"),
+    "puller prepares": ("p.start", "p.keys"),
+    "puller posts the reads": ("p.keys", "p.posted"),
+    "reads posted -> seen done": ("p.posted", "p.reads"),
+    "lease word read and checked": ("p.reads", "p.done"),
     "done notice reaches holder": ("p.done", "h.done"),
 }
 
@@ -821,8 +846,8 @@ def main(argv=None) -> int:
             "state_dtype": args.state_dtype, "reps": reps, "warmup": 1, "lengths": lengths,
             "skipped_lengths": skipped, "ucx_net_devices": "lo", "memcpy_threads": args.memcpy_threads,
             "load_average_1m_start": load_start, "busy_warning": warning,
-            "timed": "StatePuller.pull: request sent -> every segment received; median of reps after 1 warm-up; "
-                     "status: request sent -> the holder's status received",
+            "timed": "StatePuller.pull: called -> every segment received and the lease word checked; median of reps "
+                     "after 1 warm-up",
         },  # fmt: skip
         "results": rows,
         "overlap": overlaps,
@@ -832,10 +857,9 @@ def main(argv=None) -> int:
     print(f"transfer_cpu  {started}  {Path(args.model_config).name} (KV {args.dtype}, GDN state {args.state_dtype})  "
           f"{payload['machine']['cpu_model']}  {payload['machine']['cpus_usable']} CPUs  -> {out}")  # fmt: skip
     print(table(
-        ["mode", "tokens", "KV bytes", "GDN bytes", "buffers", "median ms", "mean ms", "status ms", "GB/s"],
+        ["mode", "tokens", "KV bytes", "GDN bytes", "buffers", "median ms", "mean ms", "GB/s"],
         [[r["mode"], r["tokens"], human_bytes(r["kv_bytes"]), human_bytes(r["gdn_bytes"]), r["buffers"],
-          r["seconds_median"] * 1e3, r["seconds_mean"] * 1e3,
-          r["status_seconds_median"] * 1e3 if "status_seconds_median" in r else None, r["gb_per_s"]] for r in rows],
+          r["seconds_median"] * 1e3, r["seconds_mean"] * 1e3, r["gb_per_s"]] for r in rows],
     ))  # fmt: skip
     pulls = [r for r in rows if "phases_ms_median" in r]
     print("\nwhere a pull's time goes (median ms; one clock for both processes)")

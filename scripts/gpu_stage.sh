@@ -49,7 +49,7 @@ t)
   pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7)
   TAIL=40 run t_pulls 240 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --spin-ms 0,20 \
     --ucx-proto-info --out "$OUT/t_pulls.json"
-  grep -m 8 -E "cuda_ipc" "$OUT/t_pulls.log" | cut -c1-200
+  grep -m 8 -E "cuda_ipc|cma|into host memory" "$OUT/t_pulls.log" | cut -c1-200
   # 300 s: on a fresh host the decode loop's first steps wait for FlashInfer's JIT compilation (60-90 s)
   TAIL=16 run t_overlap 300 "${pull[@]}" --lengths 1k,32k --spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b \
     --overlap-batch 64 --overlap-context 4k --out "$OUT/t_overlap.json"

@@ -3,6 +3,7 @@ It moves lists of byte buffers and knows nothing of models."""
 
 from transfer.leases import Lease, LeaseRefused, LeaseTable
 from transfer.side_channel import (
+    LeaseCheck,
     Region,
     StatePuller,
     StateServer,
@@ -16,6 +17,7 @@ from transfer.side_channel import (
 
 __all__ = [
     "Lease",
+    "LeaseCheck",
     "LeaseRefused",
     "LeaseTable",
     "Region",

@@ -1,8 +1,13 @@
-"""Leases: a prefill worker's promise to hold one request's state for a while, redeemable once.
+"""Leases: a prefill worker's promise to hold one request's state for a while.
 
-A lease has an id (public), a secret token (given to whoever may pull the state), a compatibility hash and
-an expiry. It ends exactly once: pulled, released, expired or aborted; its `on_end` callback then frees the
-held memory. The side channel refuses unknown, expired, already-used and wrong-token pulls.
+A lease has an id (public), a secret token (given to whoever may pull the state and end the lease) and an
+expiry. It ends exactly once: pulled, released, expired or aborted; its `on_end` callback then frees the held
+memory.
+
+Each live lease also owns one 64-bit *lease word* in a host array that pullers read with UCX (see
+transfer.side_channel): it holds the lease's random nonce while the lease lives and is zeroed the moment the
+lease ends, before its memory is freed. A puller that reads the nonce back after its data reads have completed
+knows the memory was not freed, so not reused, while they ran.
 """
 
 from __future__ import annotations
@@ -18,17 +23,18 @@ import torch
 
 
 class LeaseRefused(Exception):
-    """The lease cannot be redeemed; the message says why (safe to show the puller)."""
+    """The lease cannot be used; the message says why (safe to show the caller)."""
 
 
 @dataclass
 class Lease:
     lease_id: str
     token: bytes
-    compat_hash: str
     buffers: list[torch.Tensor]  # 1-D uint8 views of the held memory, in order
     expires_at: float  # time.monotonic()
     on_end: Callable[[str], None]  # called once with the reason: pulled | released | expired | aborted
+    word: int  # index of its lease word
+    nonce: int  # what its lease word holds while it lives (never 0)
 
     @property
     def nbytes(self) -> int:
@@ -38,83 +44,87 @@ class Lease:
         return int((time.time() + self.expires_at - time.monotonic()) * 1000)
 
 
-class LeaseTable:
-    def __init__(self):
-        self._leases: dict[str, Lease] = {}
-        self._in_transfer: dict[str, Lease] = {}
-        self._lock = threading.Lock()
-        self.counts = {"pulled": 0, "released": 0, "expired": 0, "aborted": 0, "refused": 0}
+def _nonce() -> int:
+    """Random, positive as an int64, and with no zero byte: a read that tears across the word's reset to 0 (an
+    8-byte copy is not promised to be atomic) cannot match it."""
+    raw = [secrets.randbelow(255) + 1 for _ in range(7)] + [secrets.randbelow(127) + 1]
+    return int.from_bytes(bytes(raw), "little")
 
-    def offer(self, lease_id: str, compat_hash: str, buffers: list[torch.Tensor], ttl_s: float,
-              on_end: Callable[[str], None]) -> Lease:  # fmt: skip
-        lease = Lease(lease_id, secrets.token_bytes(16), compat_hash, buffers, time.monotonic() + ttl_s, on_end)
+
+class LeaseTable:
+    def __init__(self, capacity: int = 4096):
+        """`capacity`: leases alive at once (each holds a request's state, so the state pool bounds them first)."""
+        self.words = torch.zeros(capacity, dtype=torch.int64)  # registered with UCX by the StateServer
+        self._words = self.words.numpy()  # plain stores, no torch dispatch
+        self._free_words = list(range(capacity - 1, -1, -1))
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+        self.counts = {"pulled": 0, "released": 0, "expired": 0, "aborted": 0}
+
+    def offer(self, lease_id: str, buffers: list[torch.Tensor], ttl_s: float, on_end: Callable[[str], None]) -> Lease:
         with self._lock:
-            if lease_id in self._leases or lease_id in self._in_transfer:
+            if lease_id in self._leases:
                 raise ValueError(f"lease {lease_id!r} already exists")
+            if not self._free_words:
+                raise LeaseRefused(f"too many leases alive ({len(self._leases)})")
+            word = self._free_words.pop()
+            lease = Lease(lease_id, secrets.token_bytes(16), buffers, time.monotonic() + ttl_s, on_end, word, _nonce())
+            self._words[word] = lease.nonce
             self._leases[lease_id] = lease
         return lease
 
-    def _check(self, lease_id: str, token: bytes) -> Lease:
+    def _pop(self, lease_id: str, token: bytes | None) -> Lease | None:
         lease = self._leases.get(lease_id)
-        if lease is None:
-            used = lease_id in self._in_transfer
-            raise LeaseRefused(f"lease {lease_id!r} is {'already being pulled' if used else 'unknown or ended'}")
-        if not hmac.compare_digest(lease.token, token):
-            raise LeaseRefused(f"wrong token for lease {lease_id!r}")
-        if time.monotonic() >= lease.expires_at:
-            raise LeaseRefused(f"lease {lease_id!r} has expired")
-        return lease
+        if lease is None or (token is not None and not hmac.compare_digest(lease.token, token)):
+            return None
+        return self._leases.pop(lease_id)
 
-    def take(self, lease_id: str, token: bytes, compat_hash: str) -> Lease:
-        """Start a pull: the lease can no longer be pulled, released or expire until `finish_pull`."""
+    def finish(self, lease_id: str, token: bytes, pulled: bool) -> bool:
+        """The puller's notice: it has read the state (pulled) or gave up (aborted). False if the lease had
+        already ended or the token is wrong."""
         with self._lock:
-            try:
-                lease = self._check(lease_id, token)
-                if compat_hash != lease.compat_hash:
-                    raise LeaseRefused(
-                        f"incompatible state layout: puller has {compat_hash}, holder has {lease.compat_hash}"
-                    )
-            except LeaseRefused:
-                self.counts["refused"] += 1
-                raise
-            del self._leases[lease_id]
-            self._in_transfer[lease_id] = lease
-        return lease
-
-    def finish_pull(self, lease_id: str, ok: bool) -> None:
-        with self._lock:
-            lease = self._in_transfer.pop(lease_id)
-        self._end(lease, "pulled" if ok else "aborted")
+            lease = self._pop(lease_id, token)
+        if lease is not None:
+            self._end(lease, "pulled" if pulled else "aborted")
+        return lease is not None
 
     def release(self, lease_id: str, token: bytes | None = None) -> bool:
         """End a lease early (token None: by the holder itself, e.g. on abort)."""
         with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None or (token is not None and not hmac.compare_digest(lease.token, token)):
-                return False
-            del self._leases[lease_id]
-        self._end(lease, "released" if token is not None else "aborted")
-        return True
+            lease = self._pop(lease_id, token)
+        if lease is not None:
+            self._end(lease, "released" if token is not None else "aborted")
+        return lease is not None
 
     def extend(self, lease_id: str, token: bytes, ttl_s: float) -> Lease:
         with self._lock:
-            lease = self._check(lease_id, token)
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise LeaseRefused(f"lease {lease_id!r} is unknown or ended")
+            if not hmac.compare_digest(lease.token, token):
+                raise LeaseRefused(f"wrong token for lease {lease_id!r}")
+            if time.monotonic() >= lease.expires_at:
+                raise LeaseRefused(f"lease {lease_id!r} has expired")
             lease.expires_at = time.monotonic() + ttl_s
             return lease
 
     def expire(self) -> int:
         now = time.monotonic()
         with self._lock:
-            gone = [lease for lease in self._leases.values() if now >= lease.expires_at]
-            for lease in gone:
-                del self._leases[lease.lease_id]
+            gone = [self._leases.pop(lease.lease_id) for lease in list(self._leases.values()) if now >= lease.expires_at]
         for lease in gone:
             self._end(lease, "expired")
         return len(gone)
 
     def _end(self, lease: Lease, reason: str) -> None:
+        # The word first: a puller whose reads are still running must see the lease gone before anything can
+        # reuse its memory (on_end frees it; the engine's next writes into it are issued after that).
+        # (The word may go to a new lease at once: its new nonce fails a stale puller just as 0 does.)
+        self._words[lease.word] = 0
+        with self._lock:
+            self._free_words.append(lease.word)
         self.counts[reason] += 1
         lease.on_end(reason)
 
     def __len__(self) -> int:
-        return len(self._leases) + len(self._in_transfer)
+        return len(self._leases)

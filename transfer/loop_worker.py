@@ -103,6 +103,8 @@ class LoopWorker:
 
         request = rma.GetRequest(ep.handle, buffer.data_ptr(), buffer.numel(), remote_address, rkey,
                                  rma.memory_type(buffer.is_cuda))  # fmt: skip
+        if spin_s > 0 and not buffer.is_cuda and not request.completed:
+            self.worker.progress()  # a host read (over CMA: one syscall) is done now, without a loop turn
         return self._track(request, buffer, False, _spin_until(spin_s))
 
     def register(self, address: int, length: int, cuda: bool):
@@ -113,6 +115,14 @@ class LoopWorker:
 
     def _track(self, request, array, listening: bool = False, spin_until: float = 0.0) -> asyncio.Future:
         future = self.loop.create_future()
+        if request.completed:  # done while posted (an RMA read over CMA, a short send): no loop turn to wait for
+            try:
+                request.check_error()
+            except Exception as e:
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+            return future
         # Until UCX completes the request it may write to or read from the buffer, so the buffer stays
         # referenced here even when the caller gave up (cancelled its future).
         self._waiting[request] = (future, array, listening, spin_until)
@@ -140,19 +150,10 @@ class LoopWorker:
         self._scheduled = False
         for _ in range(_MAX_ROUNDS):
             self.worker.progress()
-            for request in [r for r in self._waiting if r.completed]:
-                future, *_ = self._waiting.pop(request)
-                self._request_of.pop(future, None)
-                self._settle(request)
-                if future.done():
-                    continue
-                try:
-                    request.check_error()
-                except Exception as e:  # the peer went away, the endpoint closed, the message was truncated
-                    future.set_exception(e)
-                else:
-                    future.set_result(None)
-            if self.worker.arm():  # nothing left to do: sleep until the fd wakes the loop
+            self._resolve_completed()
+            # Spinning: no arm, the next turn progresses again. Arming is for sleeping, and it is not free while a
+            # GPU copy runs: cuda_ipc then enqueues a host callback on every busy copy stream (to signal the fd).
+            if self._spinning() or self.worker.arm():
                 break
         else:  # still busy: let the loop's other callbacks run, then go on
             self._schedule()
@@ -161,12 +162,29 @@ class LoopWorker:
             self._safety = None
         if not self._waiting:
             return
-        now = time.perf_counter()
-        if any(until > now and not future.done() for future, _, _, until in self._waiting.values()):
-            self._schedule()  # spinning: again on the loop's next turn
+        if self._spinning():
+            self._schedule()  # again on the loop's next turn
             return
         busy = any(not (listening or future.done()) for future, _, listening, _ in self._waiting.values())
         self._safety = self.loop.call_later(_SAFETY_PROGRESS_S if busy else _IDLE_PROGRESS_S, self._progress)
+
+    def _spinning(self) -> bool:
+        now = time.perf_counter()
+        return any(until > now and not future.done() for future, _, _, until in self._waiting.values())
+
+    def _resolve_completed(self) -> None:
+        for request in [r for r in self._waiting if r.completed]:
+            future, *_ = self._waiting.pop(request)
+            self._request_of.pop(future, None)
+            self._settle(request)
+            if future.done():
+                continue
+            try:
+                request.check_error()
+            except Exception as e:  # the peer went away, the endpoint closed, the message was truncated
+                future.set_exception(e)
+            else:
+                future.set_result(None)
 
     def _settle(self, request) -> None:
         if not self._settle_waiters:

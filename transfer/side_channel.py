@@ -2,21 +2,25 @@
 
 No listening socket: each side publishes its UCX *worker address* through the gRPC control plane. The holder
 (prefill) registers its pools with UCX once; with each lease it hands out, through the control plane, where
-the held regions are and the remote keys to read them (`StateServer.regions`). A pull goes:
+the held regions are, the remote keys to read them, and where the lease's *word* is (`StateServer.regions`,
+`StateServer.lease_check`). A pull is one-sided:
 
-1. The puller (decode) sends a `PullRequest` (lease id, token, compatibility hash, its address, a reply tag)
-   to the holder's well-known request tag and, without waiting, reads every region straight into its own
-   buffers (one RMA get per segment, zero-copy at both ends).
-2. The holder checks the lease and answers `PullStatus`; an accepted lease can no longer expire. The bytes
-   read count only if the answer is ok: the lease was alive when the claim arrived, so its memory had not
-   been reused while the reads ran before it, and cannot be after.
-3. The puller sends a done notice once its reads completed: the lease ends as pulled and the held memory is
-   freed. A puller that gives up (cancelled, past its deadline) sends an abandon notice instead.
+1. The puller (decode) reads every region straight into its own buffers (one RMA get per segment, zero-copy at
+   both ends).
+2. Once every read has completed it reads the lease word (8 bytes). The holder zeroes a lease's word when the
+   lease ends, before it frees the lease's memory (transfer.leases); so finding the lease's nonce there means
+   the memory was neither freed nor reused while the reads ran, and the bytes are good. Anything else (the
+   lease ended: pulled by another, released, expired, unknown) fails the pull as refused; its bytes are never
+   used.
+3. The puller sends a done notice: the lease ends as pulled and the held memory is freed. A puller that gives
+   up (cancelled, past its deadline) sends an abandon notice instead, and the lease ends as aborted.
 
-Why this shape: the request round trip overlaps the data instead of preceding it, and the holder's event loop
-is off the data path. Everything is bounded by a deadline. Buffers are 1-D uint8 tensors (CPU or CUDA); UCX
-reads CUDA memory with cuda_ipc / NVLink on a GPU host, no host staging. The UCX worker is progressed by the
-event loop (transfer.loop_worker).
+Why this shape: the holder's event loop is off the pull's path entirely (it shares the GIL with the prefill
+engine and wakes up slowly: its answer to a claim used to be the longest part of a small pull), and nothing
+but the data and one word crosses before the bytes count. Everything is bounded by a deadline. Buffers are 1-D
+uint8 tensors (CPU or CUDA); UCX reads CUDA memory with cuda_ipc / NVLink on a GPU host, no host staging, and
+the lease word (host memory) over CMA or shared memory on one host. The UCX worker is progressed by the event
+loop (transfer.loop_worker).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
-import secrets
 import struct
 import time
 from collections import deque
@@ -34,12 +37,12 @@ import structlog
 import torch
 
 from transfer import failpoints, loop_worker
-from transfer.leases import LeaseRefused, LeaseTable
+from transfer.leases import Lease, LeaseTable
 
 log = structlog.get_logger("deltamesh.transfer")
 
-REQUEST_TAG = 0x646D_7368_0000_0001  # "dmsh" + 1: where holders receive pull requests and notices
-_MAX_REQUEST_BYTES = 1 << 16
+NOTICE_TAG = 0x646D_7368_0000_0001  # "dmsh" + 1: where holders receive the pullers' notices
+_MAX_NOTICE_BYTES = 1 << 12
 _LEN = struct.Struct("<I")
 
 
@@ -61,23 +64,28 @@ class Region:
     rkey: bytes
 
 
+@dataclass(frozen=True)
+class LeaseCheck:
+    """Where a lease's word is in the holder's memory (registered host memory, and its packed remote key), and
+    the nonce it holds while the lease lives."""
+
+    address: int
+    rkey: bytes
+    nonce: int
+
+
 @dataclass
 class TransferStats:
     nbytes: int
     buffers: int  # reads on the wire (segments)
-    # perf_counter() at each step of the pull ("start", "request", "status", "reads": the last read seen done,
-    # "done"); on Linux that clock is CLOCK_MONOTONIC, shared by the processes of one host, so they line up
-    # with StateServer.timeline
+    # perf_counter() at each step of the pull ("start", "keys": endpoint and keys looked up, "posted": every read
+    # posted, "reads": every read done, "done": the lease word checked); on Linux that clock is CLOCK_MONOTONIC, shared by the processes of one
+    # host, so they line up with StateServer.timeline
     marks: dict[str, float]
 
     @property
     def seconds(self) -> float:
         return self.marks["done"] - self.marks["start"]
-
-    @property
-    def status_seconds(self) -> float:
-        """Until the holder's status arrived: the control round trip."""
-        return self.marks["status"] - self.marks["start"]
 
     @property
     def gbps(self) -> float:
@@ -205,33 +213,26 @@ def worker_address() -> bytes:
 
 
 class StateServer:
-    """Holder side (prefill): publishes where held state lives and answers claims on leases."""
+    """Holder side (prefill): publishes where held state lives and where each lease's word is, and ends leases on
+    the pullers' notices. It takes no part in a pull itself."""
 
-    def __init__(self, leases: LeaseTable, error_handling: bool = True, send_timeout_s: float = 30.0):
-        """`send_timeout_s`: how long an accepted claim may take to be read; then the lease ends as aborted."""
+    def __init__(self, leases: LeaseTable):
         self.leases = leases
-        self.send_timeout_s = send_timeout_s
-        self._eps = _Endpoints(error_handling)
         self._task: asyncio.Task | None = None
-        self._pulls: set[asyncio.Task] = set()
-        # lease id -> (token, task, future the done notice resolves) of the claims under way
-        self._claims: dict[str, tuple[bytes, asyncio.Task, asyncio.Future]] = {}
         self._registered: dict[tuple[int, int], object] = {}  # (start, bytes) of an allocation -> registration
-        # the last claims answered: lease id and perf_counter() when the claim arrived, the status was posted and
-        # the done notice arrived (see TransferStats.marks)
+        # the last notices: lease id and perf_counter() when the done notice arrived (see TransferStats.marks)
         self.timeline: deque[dict] = deque(maxlen=256)
         self.address = b""
 
     async def start(self) -> None:
         self.address = worker_address()
+        self.regions([self.leases.words.view(torch.uint8)])  # registered before any lease points into it
         self._task = asyncio.create_task(self._serve())
 
     async def stop(self) -> None:
-        for t in [self._task, *self._pulls]:
-            if t:
-                t.cancel()
-        await asyncio.gather(*(t for t in [self._task, *self._pulls] if t), return_exceptions=True)
-        self._eps.close()
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
         for registration in self._registered.values():
             registration.close()
         self._registered.clear()
@@ -250,6 +251,11 @@ class StateServer:
             out.append(Region(b.numel(), b.data_ptr(), registration.rkey))
         return out
 
+    def lease_check(self, lease: Lease) -> LeaseCheck:
+        """What a puller of `lease` reads after its data, and must find there."""
+        word = self.regions([self.leases.words[lease.word : lease.word + 1].view(torch.uint8)])[0]
+        return LeaseCheck(word.address, word.rkey, lease.nonce)
+
     async def _serve(self) -> None:
         import numpy as np
 
@@ -257,100 +263,22 @@ class StateServer:
 
         ucx = loop_worker.get()
         while True:
-            buf = np.empty(_MAX_REQUEST_BYTES, dtype=np.uint8)
+            buf = np.empty(_MAX_NOTICE_BYTES, dtype=np.uint8)
             try:
-                await ucx.recv(buf, REQUEST_TAG, listening=True)
+                await ucx.recv(buf, NOTICE_TAG, listening=True)
                 received = time.perf_counter()
-                req = _unframe(buf, transfer_pb2.PullRequest)
+                notice = _unframe(buf, transfer_pb2.PullNotice)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # malformed or truncated request: drop it, keep serving
-                log.warning("bad pull request", error=str(e))
+            except Exception as e:  # malformed or truncated: drop it, keep serving
+                log.warning("bad pull notice", error=str(e))
                 continue
-            if req.abandon or req.done:
-                self._notice(req)
-                continue
-            loop = asyncio.get_running_loop()
-            done = loop.create_future()
-            task = _start_task(loop, self._answer(req, received, done))
-            if task.done():  # answered and over at once (refused)
-                continue
-            self._pulls.add(task)
-            task.add_done_callback(self._pulls.discard)
-            # registered before the next message is read, so a notice right behind the claim finds it
-            self._claims.setdefault(req.lease_id, (req.token, task, done))
-
-    def _notice(self, req) -> None:
-        """The puller has read everything (done) or gave up (abandon): the lease ends now, as pulled or aborted,
-        instead of at the claim's deadline."""
-        token, task, done = self._claims.get(req.lease_id, (b"", None, None))
-        if task is None or not secrets.compare_digest(token, req.token):
-            return
-        if req.done:
-            if not done.done():
-                done.set_result(time.perf_counter())
-        else:
-            log.warning("pull abandoned by the puller", lease_id=req.lease_id)
-            task.cancel()
-
-    async def _answer(self, req, received: float, done: asyncio.Future) -> None:
-        try:
-            await self._answer_claim(req, received, done)
-        finally:
-            if self._claims.get(req.lease_id, (b"", None, None))[1] is asyncio.current_task():
-                del self._claims[req.lease_id]
-
-    async def _answer_claim(self, req, received: float, done: asyncio.Future) -> None:
-        from deltamesh.v1 import transfer_pb2
-
-        ucx = loop_worker.get()
-        try:
-            ep = self._eps.get(req.reply_address)
-        except Exception as e:
-            log.warning("cannot reach puller", lease_id=req.lease_id, error=str(e))
-            return
-        try:
-            lease = self.leases.take(req.lease_id, req.token, req.compat_hash)
-        except LeaseRefused as e:
-            log.warning("pull refused", lease_id=req.lease_id, reason=str(e))
-            status = transfer_pb2.PullStatus(ok=False, error=str(e))
-            try:
-                await asyncio.wait_for(ucx.send(ep, _frame(status), req.reply_tag), self.send_timeout_s)
-            except Exception as e:
-                self._eps.forget(req.reply_address)
-                log.warning("cannot answer puller", lease_id=req.lease_id, error=repr(e))
-            return
-        ok, status_sent = False, None
-        try:
-            await failpoints.hit("transfer.before_status")
-            status_sent = ucx.send(ep, _frame(transfer_pb2.PullStatus(ok=True)), req.reply_tag)
-            posted = time.perf_counter()
-            # The puller reads on its own; its done notice ends the lease. The held memory stays put until then.
-            done_at = await asyncio.wait_for(_both(status_sent, done), self.send_timeout_s)
-            ok = True
-            self.timeline.append({"lease_id": req.lease_id, "received": received, "posted": posted, "done": done_at})
-            log.info("state pulled", lease_id=req.lease_id, bytes=lease.nbytes, buffers=len(lease.buffers),
-                     seconds=round(done_at - received, 6))  # fmt: skip
-        except Exception as e:
-            self._eps.drop(req.reply_address)
-            log.warning("pull failed at the holder", lease_id=req.lease_id, error=repr(e))
-        finally:
-            if status_sent is not None:
-                status_sent.cancel()
-            self.leases.finish_pull(req.lease_id, ok)
-
-
-def _start_task(loop: asyncio.AbstractEventLoop, coro) -> asyncio.Task:
-    """A task that runs up to its first wait now (Python 3.12+), not a loop turn later: a claim's status leaves
-    while the puller's reads run, so every turn before it is on the pull's critical path."""
-    eager = getattr(asyncio, "eager_task_factory", None)
-    return eager(loop, coro) if eager else loop.create_task(coro)
-
-
-async def _both(sent: asyncio.Future, done: asyncio.Future):
-    """The done notice's time, once the status has left too (a failed status send raises)."""
-    await sent
-    return await done
+            if not self.leases.finish(notice.lease_id, notice.token, pulled=notice.done):
+                continue  # ended already (expired, released) or a wrong token
+            if notice.done:
+                self.timeline.append({"lease_id": notice.lease_id, "done": received})
+            else:
+                log.warning("pull abandoned by the puller", lease_id=notice.lease_id)
 
 
 class StatePuller:
@@ -362,7 +290,6 @@ class StatePuller:
         copied by CPU cores, which spinning would take away."""
         self._eps = _Endpoints(error_handling)
         self.spin_s = spin_s
-        self._address = b""  # this worker's UCX address, sent with every pull
         self._notices: set[asyncio.Future] = set()  # done and abandon notices on their way
         # failed pulls whose reads may still write into their buffers: lease id -> resolves when they no longer can
         self._unsettled: dict[str, asyncio.Future] = {}
@@ -371,7 +298,7 @@ class StatePuller:
     async def start(self) -> None:
         """Bring UCX up now (context and worker). Left to the first pull, that holds the GIL for a few hundred
         milliseconds (measured: ~0.45 s on a CPU host), stalling the engine's loop."""
-        self._address = worker_address()
+        worker_address()
 
     async def close(self) -> None:
         if self._notices:
@@ -423,8 +350,8 @@ class StatePuller:
         """Fire and forget a done or abandon notice to the holder."""
         from deltamesh.v1 import transfer_pb2
 
-        notice = loop_worker.get().send(ep, _frame(transfer_pb2.PullRequest(lease_id=lease_id, token=token, **kind)),
-                                        REQUEST_TAG)  # fmt: skip
+        notice = loop_worker.get().send(ep, _frame(transfer_pb2.PullNotice(lease_id=lease_id, token=token, **kind)),
+                                        NOTICE_TAG)  # fmt: skip
         self._notices.add(notice)
         notice.add_done_callback(self._notices.discard)
 
@@ -433,7 +360,7 @@ class StatePuller:
         holder_address: bytes,
         lease_id: str,
         token: bytes,
-        compat_hash: str,
+        check: LeaseCheck,
         holder_regions: list[Region],
         buffers: list[torch.Tensor],
         timeout_s: float,
@@ -441,8 +368,8 @@ class StatePuller:
         """Fill `buffers` with the leased state, or raise TransferError (the buffers are then undefined)."""
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the claim
-                return await self._pull(holder_address, lease_id, token, compat_hash, holder_regions, buffers, started)
+            async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the reads
+                return await self._pull(holder_address, lease_id, token, check, holder_regions, buffers, started)
         except TimeoutError:
             self._eps.forget(holder_address)  # closing it would cancel the abandon notice just posted
             raise TransferError(f"state transfer for lease {lease_id!r} did not finish within {timeout_s:.1f}s") from None
@@ -452,59 +379,42 @@ class StatePuller:
             self._eps.drop(holder_address)
             raise TransferError(f"state transfer for lease {lease_id!r} failed: {e!r}") from e
 
-    async def _pull(self, address, lease_id, token, compat_hash, regions, buffers, started) -> TransferStats:
-        import numpy as np
-
-        from deltamesh.v1 import transfer_pb2
-
+    async def _pull(self, address, lease_id, token, check: LeaseCheck, regions, buffers, started) -> TransferStats:
         ucx = loop_worker.get()
         plan = segments([r.nbytes for r in regions], [b.numel() for b in buffers])
-        self._address = self._address or worker_address()
         spin_s = self.spin_s if buffers and buffers[0].is_cuda else 0.0
-        reply_tag = secrets.randbits(63)
-        ep = sent = status_rx = None
+        ep = None
         reads: list[asyncio.Future] = []
         try:
             ep = self._eps.get(address)
             keys = [self._eps.rkey(address, r.rkey) for r in regions]  # unpacked once per peer; a bad one fails here
-            claim = transfer_pb2.PullRequest(
-                lease_id=lease_id, token=token, compat_hash=compat_hash, reply_tag=reply_tag, reply_address=self._address,
-            )  # fmt: skip
-            requested = time.perf_counter()
-            # The claim leaves first: the holder's answer is the pull's longest path. The answer is small (eager):
-            # should it come before its receive is posted, UCX keeps it as an unexpected message until then.
-            sent = ucx.send(ep, _frame(claim), REQUEST_TAG)
-            status_buf = np.empty(4096, dtype=np.uint8)
-            status_rx = ucx.recv(status_buf, reply_tag, spin_s=spin_s)
+            keyed = time.perf_counter()
             reads = [
                 ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
                 for i, src_off, j, dst_off, n in plan
             ]
-            read_marks: list[float] = []  # when each read was seen done: is a pull bound by the claim or the reads?
-            for read in reads:
-                read.add_done_callback(lambda _: read_marks.append(time.perf_counter()))
-            # Wait for the answer, or for the claim to fail; not for the claim's completion first (one wake-up of
-            # the event loop fewer on the critical path).
-            await asyncio.wait((sent, status_rx), return_when=asyncio.FIRST_EXCEPTION)
-            if sent.done():
-                sent.result()
-            status_rx.result()  # raises if the receive failed
-            status_at = time.perf_counter()
-            status = _unframe(status_buf, transfer_pb2.PullStatus)
-            if not status.ok:
-                raise TransferError(f"holder refused the pull: {status.error}", refused=True)
-            await asyncio.gather(sent, *reads)
+            posted = time.perf_counter()
+            word_key = self._eps.rkey(address, check.rkey)  # while the reads run
+            word = torch.empty(8, dtype=torch.uint8)  # what the check reads into
+            for r in reversed(reads):  # the last posted is done last (one copy stream): one wake-up, not gather's two
+                await r
+            read = time.perf_counter()
+            await failpoints.hit("transfer.before_check")
+            # Only now, with every read complete: the lease word still holding the nonce means the lease had not
+            # ended, so its memory had not been freed or reused, while they ran.
+            await ucx.get(ep, word, check.address, word_key, spin_s=spin_s)
+            if int.from_bytes(word.numpy().tobytes(), "little") != check.nonce:
+                raise TransferError(f"lease {lease_id!r} ended before its state was read (pulled, released or "
+                                    "expired), or is not this one: the bytes read are not used", refused=True)  # fmt: skip
         except BaseException as e:
-            for f in (status_rx, sent, *reads):
-                if f is not None:
-                    f.cancel()
+            for f in reads:
+                f.cancel()
             if reads:  # posted reads still land in the buffers: they are free again once those are done
                 self._unsettled[lease_id] = ucx.settled(reads)
-            if sent is not None and not (isinstance(e, TransferError) and e.refused):
+            if reads and not (isinstance(e, TransferError) and e.refused):
                 self._notify(ep, lease_id, token, abandon=True)  # the holder frees the state now
             raise
         done = time.perf_counter()
         self._notify(ep, lease_id, token, done=True)
-        marks = {"start": started, "request": requested, "status": status_at, "reads": max(read_marks, default=done),
-                 "done": done}  # fmt: skip
+        marks = {"start": started, "keys": keyed, "posted": posted, "reads": read, "done": done}
         return TransferStats(sum(n for *_, n in plan), len(plan), marks)

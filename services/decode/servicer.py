@@ -15,7 +15,7 @@ from engine import PoolExhausted
 from services.common import metrics
 from services.common.convert import delta_from_output
 from services.common.worker import Worker, engine_request
-from transfer import Region, StatePuller, TransferError
+from transfer import LeaseCheck, Region, StatePuller, TransferError
 
 log = structlog.get_logger("deltamesh.decode")
 
@@ -53,13 +53,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state token count does not match the prompt")
         if not len(layout.region_bytes) == len(layout.region_addresses) == len(layout.region_rkeys):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state layout: one address and key per region needed")
+        if not (src.lease.word_address and src.lease.word_rkey and src.lease.nonce):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: the address, key and nonce of its word needed")
         regions = [Region(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
+        check = LeaseCheck(src.lease.word_address, src.lease.word_rkey, src.lease.nonce)
         reservation = await self._reserve(len(request.prompt_token_ids), context)
         self.worker.reservations += 1
         try:
             stats = await self.puller.pull(
-                src.ucx_address, src.lease.lease_id, src.lease.token, layout.compat_hash,
-                regions, [r.tensor for r in reservation.regions],
+                src.ucx_address, src.lease.lease_id, src.lease.token, check, regions, [r.tensor for r in reservation.regions],
                 self.worker.settings.transfer_timeout_s,
             )  # fmt: skip
         except TransferError as e:

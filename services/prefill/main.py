@@ -13,8 +13,8 @@ from transfer import LeaseTable, StateServer
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     def setup(worker: Worker):
-        leases = LeaseTable()
-        state_server = StateServer(leases, settings.ucx_error_handling, settings.transfer_timeout_s)
+        leases = LeaseTable(capacity=worker.core.state_pool.num_slots)  # a lease holds a state slot
+        state_server = StateServer(leases)
         servicer = PrefillServicer(worker, leases, state_server)
         name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         services = [(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, name)]

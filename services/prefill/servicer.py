@@ -51,9 +51,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def _lease(self, rid: str, num_tokens: int, ttl_ms: int) -> prefill_pb2.Lease:
         ttl = ttl_ms / 1000 if ttl_ms else self.worker.settings.lease_ttl_s
         buffers = [r.tensor for r in self.engine.core.held_regions(rid)]
-        lease = self.leases.offer(rid, self.worker.compat_hash, buffers, ttl, lambda reason: self._ended(rid, reason))
+        lease = self.leases.offer(rid, buffers, ttl, lambda reason: self._ended(rid, reason))
         log.info("state held", lease_id=rid, tokens=num_tokens, bytes=lease.nbytes, buffers=len(buffers), ttl_s=ttl)
-        return prefill_pb2.Lease(lease_id=rid, token=lease.token, expires_unix_ms=lease.expires_unix_ms())
+        check = self.state_server.lease_check(lease)
+        return prefill_pb2.Lease(lease_id=rid, token=lease.token, expires_unix_ms=lease.expires_unix_ms(),
+                                 word_address=check.address, word_rkey=check.rkey, nonce=check.nonce)  # fmt: skip
 
     def _layout(self, rid: str, num_tokens: int) -> prefill_pb2.StateLayout:
         regions = self.state_server.regions([r.tensor for r in self.engine.core.held_regions(rid)])

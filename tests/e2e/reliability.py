@@ -52,8 +52,9 @@ def render() -> str:
         "  reserved pages back once its posted reads are done, so a late write cannot reach pages another",
         "  request uses. Reads that need the holder's help (RMA over TCP, the CPU default) wait for a stopped",
         "  holder; then the pages come back one more transfer deadline later.",
-        "- With `--no-ucx-error-handling` (shared memory / cuda_ipc) UCX cannot report a dead peer; the pull and",
-        "  send deadlines and the gRPC legs still end every request in bounded time.",
+        "- With `--no-ucx-error-handling` (shared memory / cuda_ipc) UCX cannot report a dead peer; the pull",
+        "  deadline and the gRPC legs still end every request in bounded time. Reads there are one-sided (CMA,",
+        "  cuda_ipc): a pull from a stopped (not dead) prefill worker completes, and its done notice waits.",
     ]
     return "\n".join(lines) + "\n"
 

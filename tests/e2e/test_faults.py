@@ -117,8 +117,9 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
 
 
 def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
-    # the failpoint holds the holder before it answers the claim, so SIGSTOP lands mid-transfer
-    mesh = mesh_with_failpoint(tmp_path, "transfer.before_status=sleep:0.5")
+    # the failpoint holds the puller before it reads the lease word, so SIGSTOP lands mid-transfer; on this CPU
+    # mesh (UCX error handling on) RMA reads go over TCP and need the holder's progress
+    mesh = mesh_with_failpoint(tmp_path, "transfer.before_check=sleep:0.5")
     try:
         client = mesh.client(retries=0)
         prefill = mesh.workers("prefill")[0]
@@ -139,9 +140,9 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
         freed_after = time.monotonic() - resumed_at
         assert client.generate("Still serving", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
         record("SIGSTOP the prefill worker during a state transfer, SIGCONT 1 s after the client's error",
-               "decode's pull hits its deadline (2 s here), fails the request (UNAVAILABLE) and frees its reservation "
-               "once UCX can no longer write into it; once resumed, the prefill worker reads the abandon notice and "
-               "frees the held state",
+               "decode's pull hits its deadline (2 s here: over TCP, its reads need the stopped holder), fails the "
+               "request (UNAVAILABLE) and frees its reservation once UCX can no longer write into it; once resumed, "
+               "the prefill worker reads the abandon notice and frees the held state",
                "test_sigstop_prefill_during_transfer_then_sigcont",
                f"client error {error_after:.2f}s after SIGSTOP; prefill memory freed {freed_after:.2f}s after "
                f"SIGCONT")  # fmt: skip
@@ -150,7 +151,7 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
 
 
 def test_side_channel_dropped_mid_transfer(tmp_path):
-    mesh = mesh_with_failpoint(tmp_path, "transfer.before_status=drop")
+    mesh = mesh_with_failpoint(tmp_path, "transfer.before_check=drop")
     try:
         client = mesh.client(retries=0)
         t = time.monotonic()
@@ -159,10 +160,11 @@ def test_side_channel_dropped_mid_transfer(tmp_path):
         error_after = time.monotonic() - t
         assert error_after < 5
         assert mesh.wait_idle() == {}
-        record("side-channel connection dropped by the holder after it took the lease, before answering (failpoint)",
-               "holder ends the lease and frees the state at once; puller hits its deadline, frees its reservation "
-               "and fails the request (UNAVAILABLE)", "test_side_channel_dropped_mid_transfer",
-               f"client error {error_after:.2f}s after submit (deadline 2 s); both workers back to zero")  # fmt: skip
+        record("side-channel connection dropped by the decode worker after its reads, before the lease check "
+               "(failpoint)", "the pull fails at once: decode frees its reservation and fails the request "
+               "(UNAVAILABLE); the router releases the lease, so the prefill worker frees the state",
+               "test_side_channel_dropped_mid_transfer",
+               f"client error {error_after:.2f}s after submit; both workers back to zero")  # fmt: skip
     finally:
         mesh.stop()
 

@@ -124,7 +124,7 @@ def test_a_lease_never_pulled_expires_and_frees_prefill_memory(mesh):
     assert mesh.wait_idle() == {}
 
 
-def test_wrong_token_or_layout_is_refused_and_the_state_stays_held(mesh, reference_engine):
+def test_wrong_lease_or_layout_is_refused_and_the_state_stays_held(mesh, reference_engine):
     prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
     prompt = list(range(20, 60))
     sampling = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -138,10 +138,16 @@ def test_wrong_token_or_layout_is_refused_and_the_state_stays_held(mesh, referen
                                                              sampling=sampling, source=source), timeout=30)  # fmt: skip
         return [t for d in call for t in d.token_ids]
 
-    bad_token = prefill_pb2.Lease(lease_id="guarded", token=b"0" * 16)
+    wrong_nonce = prefill_pb2.Lease()
+    wrong_nonce.CopyFrom(first.lease)
+    wrong_nonce.nonce ^= 1  # as if the lease had ended, or another lease's word
     with pytest.raises(grpc.RpcError) as e:
-        decode_with(lease=bad_token)
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "wrong token" in e.value.details()
+        decode_with(lease=wrong_nonce)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended before its state was read" in e.value.details()
+    no_word = prefill_pb2.Lease(lease_id="guarded", token=first.lease.token)
+    with pytest.raises(grpc.RpcError) as e:
+        decode_with(lease=no_word)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "its word" in e.value.details()
     bad_layout = prefill_pb2.StateLayout(compat_hash="0" * 20, num_tokens=40, region_bytes=first.layout.region_bytes)
     with pytest.raises(grpc.RpcError) as e:
         decode_with(layout=bad_layout)

@@ -1,6 +1,6 @@
 """Leases and the UCX side channel (real ucxx and UCX RMA, in one process over loopback): bytes move exactly,
-and a pull with an unknown, wrong-token, expired, already-used or incompatible lease is refused (what its
-reads brought in is never used)."""
+and a pull of a lease that ended before its reads were checked (pulled, released, expired, another lease's
+word) is refused: what its reads brought in is never used."""
 
 import asyncio
 import time
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from transfer import (
+    LeaseCheck,
     LeaseRefused,
     LeaseTable,
     StatePuller,
@@ -26,29 +27,49 @@ def test_segments_cut_both_region_lists_at_every_boundary():
         segments([10], [9])
 
 
-def test_lease_table_ends_each_lease_once_and_refuses_bad_pulls():
-    ended = []
-    table = LeaseTable()
-    lease = table.offer("a", "h", [torch.zeros(4, dtype=torch.uint8)], 0.05, ended.append)
+def test_lease_table_ends_each_lease_once_and_zeroes_its_word_first():
+    ended, words = [], []
+    table = LeaseTable(capacity=2)
+    lease = table.offer("a", [torch.zeros(4, dtype=torch.uint8)], 0.05, lambda r: ended.append((r, words_now())))
+
+    def words_now():
+        return table.words.tolist()
+
+    nonce = lease.nonce
+    assert table.words[lease.word] == nonce and all(nonce.to_bytes(8, "little"))  # no zero byte
+    assert not table.finish("a", b"x" * 16, pulled=True)  # wrong token: nothing ends
     with pytest.raises(LeaseRefused, match="wrong token"):
-        table.take("a", b"x" * 16, "h")
-    with pytest.raises(LeaseRefused, match="incompatible"):
-        table.take("a", lease.token, "other")
-    with pytest.raises(LeaseRefused, match="unknown"):
-        table.take("b", lease.token, "h")
+        table.extend("a", b"x" * 16, 1)
     time.sleep(0.06)
-    with pytest.raises(LeaseRefused, match="expired"):
-        table.take("a", lease.token, "h")
-    assert table.expire() == 1 and ended == ["expired"] and len(table) == 0
-    lease = table.offer("c", "h", [], 5, ended.append)
-    assert table.take("c", lease.token, "h").lease_id == "c"
-    with pytest.raises(LeaseRefused, match="already being pulled"):
-        table.take("c", lease.token, "h")
-    table.finish_pull("c", ok=True)
-    assert ended == ["expired", "pulled"] and table.counts["refused"] == 5
+    assert table.expire() == 1 and ended == [("expired", [0, 0])]  # the word was zero before on_end ran
+    assert not table.finish("a", lease.token, pulled=True)  # ended once, never again
+    c = table.offer("c", [], 5, lambda r: ended.append((r, None)))
+    d = table.offer("d", [], 5, lambda r: ended.append((r, None)))
+    assert c.nonce != nonce and d.word != c.word
+    with pytest.raises(LeaseRefused, match="too many leases"):
+        table.offer("e", [], 5, ended.append)
+    assert table.finish("c", c.token, pulled=True) and table.finish("d", d.token, pulled=False)
+    assert [r for r, _ in ended] == ["expired", "pulled", "aborted"] and len(table) == 0
+    assert table.counts == {"pulled": 1, "released": 0, "expired": 1, "aborted": 1}
 
 
-def test_pull_over_ucx_moves_exact_bytes_and_refuses_bad_claims():
+def _source(leases, server, ttl_s=10.0):
+    """A lease over two regions of one registered pool (odd sizes and offsets), and what a puller is given."""
+    src_pool = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    src = [src_pool[: 2 << 20], src_pool[(2 << 20) + 7 :]]
+    ended = []
+    lease = leases.offer("L", src, ttl_s, ended.append)
+    return src, lease, server.regions(src), server.lease_check(lease), ended
+
+
+async def _until(predicate, timeout_s=2.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
     configure_ucx("127.0.0.1")
 
     async def main():
@@ -57,31 +78,24 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_bad_claims():
         await server.start()
         puller = StatePuller()
         try:
-            src_pool = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
-            src = [src_pool[: 2 << 20], src_pool[(2 << 20) + 7 :]]  # two regions, odd sizes and offsets
-            regions = server.regions(src)
-            assert [r.nbytes for r in regions] == [b.numel() for b in src]
+            src, lease, regions, check, ended = _source(leases, server)
             assert len({r.rkey for r in regions}) == 1  # one registration for the pool behind both
-            dst_pool = torch.zeros(4 << 20, dtype=torch.uint8)
             total = sum(r.nbytes for r in regions)
+            dst_pool = torch.zeros(4 << 20, dtype=torch.uint8)
             dst = [dst_pool[: 1 << 20], dst_pool[1 << 20 : total]]
-            ended = []
-            lease = leases.offer("L", "h", src, 10, ended.append)
-            for token, compat, why in ((b"0" * 16, "h", "wrong token"), (lease.token, "x", "incompatible")):
-                with pytest.raises(TransferError, match=why) as e:
-                    await puller.pull(server.address, "L", token, compat, regions, dst, 10)
-                assert e.value.refused and ended == []  # the lease is still there for the right puller
+            stale = LeaseCheck(check.address, check.rkey, check.nonce ^ 1)  # another lease's word, or an old one
+            with pytest.raises(TransferError, match="ended before its state was read") as e:
+                await puller.pull(server.address, "L", lease.token, stale, regions, dst, 10)
+            assert e.value.refused and ended == []  # the lease is still there for the right puller
             dst_pool.zero_()
-            stats = await puller.pull(server.address, "L", lease.token, "h", regions, dst, 10)
+            stats = await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
             assert torch.equal(torch.cat(src), torch.cat(dst)) and stats.nbytes == total
             assert stats.buffers == len(segments([r.nbytes for r in regions], [b.numel() for b in dst]))
-            for _ in range(100):  # the done notice ends the lease
-                if ended:
-                    break
-                await asyncio.sleep(0.01)
-            assert ended == ["pulled"] and len(leases) == 0
-            with pytest.raises(TransferError, match="unknown or ended"):  # used once, never again
-                await puller.pull(server.address, "L", lease.token, "h", regions, dst, 10)
+            assert await _until(lambda: ended == ["pulled"]) and len(leases) == 0  # the done notice ended it
+            assert [t["lease_id"] for t in server.timeline] == ["L"]
+            with pytest.raises(TransferError, match="ended before") as e:  # used once, never again
+                await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
+            assert e.value.refused
         finally:
             await puller.close()
             await server.stop()
@@ -90,33 +104,61 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_bad_claims():
     asyncio.run(main())
 
 
+def test_a_lease_that_ends_while_its_reads_run_fails_the_pull(monkeypatch):
+    """The holder releases the lease after the reads completed but before the puller checked the word (the
+    failpoint holds it there): the bytes may already be another request's, so the pull is refused."""
+    from transfer import failpoints
+
+    configure_ucx("127.0.0.1")
+    monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:0.3")
+
+    async def main():
+        leases = LeaseTable()
+        server = StateServer(leases)
+        await server.start()
+        puller = StatePuller()
+        try:
+            src, lease, regions, check, ended = _source(leases, server)
+            dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
+            pull = asyncio.ensure_future(puller.pull(server.address, "L", lease.token, check, regions, dst, 10))
+            await asyncio.sleep(0.1)
+            assert leases.release("L", lease.token) and ended == ["released"]
+            with pytest.raises(TransferError, match="ended before its state was read") as e:
+                await pull
+            assert e.value.refused
+        finally:
+            await puller.close()
+            await server.stop()
+            shutdown_ucx()
+
+    asyncio.run(main())
+
+
 def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
-    """A puller that gives up (here: its deadline passes while the holder stalls before answering) tells the
-    holder, which frees the state now, not at its own 30 s deadline; the puller reuses its buffers once its
+    """A puller that gives up (here: its deadline passes while the failpoint holds it before the check) tells
+    the holder, which frees the state now, not at the lease's expiry; the puller reuses its buffers once its
     reads are done (nothing of that pull can land in them any more), long before its 30 s grace."""
     from transfer import failpoints
 
     configure_ucx("127.0.0.1")
-    monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_status", "sleep:20")
+    monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:20")
 
     async def main():
         leases = LeaseTable()
-        server = StateServer(leases, send_timeout_s=30)
+        server = StateServer(leases)
         await server.start()
         puller = StatePuller(settle_grace_s=30)
         try:
-            src, dst = [torch.ones(1 << 20, dtype=torch.uint8)], [torch.zeros(1 << 20, dtype=torch.uint8)]
-            ended, released = [], []
-            lease = leases.offer("L", "h", src, 60, ended.append)
+            src, lease, regions, check, ended = _source(leases, server, ttl_s=60)
+            dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
             with pytest.raises(TransferError, match="did not finish"):
-                await puller.pull(server.address, "L", lease.token, "h", server.regions(src), dst, 0.5)
+                await puller.pull(server.address, "L", lease.token, check, regions, dst, 0.5)
             t0 = time.monotonic()
+            released = []
             puller.release_after("L", lambda: released.append(time.monotonic() - t0))
-            while not (ended and released) and time.monotonic() - t0 < 5:
-                await asyncio.sleep(0.01)
-            assert ended == ["aborted"] and len(leases) == 0
-            assert released and released[0] < 2.0
-            assert torch.equal(dst[0], src[0])  # the reads themselves went through
+            assert await _until(lambda: ended and released, 5)
+            assert ended == ["aborted"] and len(leases) == 0 and released[0] < 2.0
+            assert torch.equal(dst[0], torch.cat(src))  # the reads themselves went through
         finally:
             await puller.close()
             await server.stop()
