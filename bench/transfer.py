@@ -78,6 +78,7 @@ class Options:
     overlap_context: int = 1024  # decode: the batch's context; prefill: each request's prompt chunk per step
     overlap_idle_s: float = 3.0  # engine steps before the first pull: the undisturbed baseline
     spin_s: float = 0.02  # StatePuller(spin_s=...): GPU pulls progress UCX on every loop turn for at most this long
+    warm: bool = False  # before the first pull, the puller reads a byte of each holder pool (StatePuller.warm)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -167,6 +168,7 @@ def holder_main(conn, opts: Options) -> None:
 async def _holder(conn, opts: Options) -> None:
     import torch
 
+    from engine.cache import byte_view
     from transfer import LeaseTable, StateServer
 
     kv, st = _pools(opts)
@@ -186,6 +188,8 @@ async def _holder(conn, opts: Options) -> None:
                 break
             if msg[0] == "report":
                 conn.send(("overlap", prefill_loop.stop() if prefill_loop else None))
+            if msg[0] == "pools":  # the whole pools, as a prefill worker registers them with the router
+                conn.send(("pools", server.regions([byte_view(t) for t in (kv.data, st.conv, st.recurrent)])))
             if msg[0] == "offer":
                 _, lease_id, n_tokens, seed = msg
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
@@ -287,10 +291,11 @@ class EngineLoop:
 
 
 def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, float]],
-                    checks: list[tuple[float, float]] = ()) -> dict:  # fmt: skip
-    """Engine step times before the first pull (idle) vs steps that overlapped a pull; and, apart, the steps
-    that overlapped a pull but not the benchmark's own check of the pulled bytes (GPU work on the puller's
-    GPU, run right after each pull) vs those that overlapped a check."""
+                    checks: list[tuple[float, float]] = (), warm_ups: list[tuple[float, float]] = ()) -> dict:  # fmt: skip
+    """Engine step times before the first pull or warm-up (idle) vs steps that overlapped a pull; and, apart,
+    the steps that overlapped a pull but not the benchmark's own check of the pulled bytes (GPU work on the
+    puller's GPU, run right after each pull) vs those that overlapped a check; and the longest step that
+    overlapped each side-channel warm-up."""
 
     def stats(xs: list[float]) -> dict:
         xs = sorted(x * 1e3 for x in xs)
@@ -300,7 +305,7 @@ def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, f
     def overlaps(start: float, end: float, spans) -> bool:
         return any(start < s1 and end > s0 for s0, s1 in spans)
 
-    first = min(start for start, _ in pulls)
+    first = min(start for start, _ in [*pulls, *warm_ups])
     idle = [end - start for start, end in steps if end <= first]
     overlapping = [[end - start for start, end in steps if overlaps(start, end, [pull])] for pull in pulls]
     during = [end - start for start, end in steps if overlaps(start, end, pulls)]
@@ -309,7 +314,10 @@ def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, f
     return {"idle": stats(idle), "during_pulls": stats(during), "during_pulls_not_checks": stats(pull_only),
             "during_checks": stats(checking), "pulls": len(pulls),
             "max_step_ms_per_pull": [round(max(x) * 1e3, 3) if x else None for x in overlapping],
-            "pull_ms": [round((p1 - p0) * 1e3, 3) for p0, p1 in pulls]}  # fmt: skip
+            "pull_ms": [round((p1 - p0) * 1e3, 3) for p0, p1 in pulls],
+            "warm_up_ms": [round((w1 - w0) * 1e3, 3) for w0, w1 in warm_ups],
+            "max_step_ms_per_warm_up": [round(max((e - s for s, e in steps if overlaps(s, e, [w])), default=0) * 1e3, 3)
+                                        for w in warm_ups]}  # fmt: skip
 
 
 async def _puller(conn, opts: Options) -> None:
@@ -329,6 +337,7 @@ async def _puller(conn, opts: Options) -> None:
     on_aux = (lambda: torch.cuda.stream(aux)) if aux else contextlib.nullcontext
     pulls: list[tuple[float, float]] = []
     checks: list[tuple[float, float]] = []  # when the benchmark checked the pulled bytes (after each pull)
+    warm_ups: list[tuple[float, float]] = []
     conn.send(("ready", worker_address()))
     if decode_loop:
         decode_loop.start()
@@ -354,7 +363,14 @@ async def _puller(conn, opts: Options) -> None:
                     st.free(slot)
                 continue
             if msg[0] == "report":  # the decode loop's steps (if it runs here) and when the pulls ran
-                conn.send(("overlap", decode_loop.stop() if decode_loop else None, pulls, checks))
+                conn.send(("overlap", decode_loop.stop() if decode_loop else None, pulls, checks, warm_ups))
+                continue
+            if msg[0] == "warm":  # as services/decode/peers.py does when a prefill worker joins
+                _, address, regions = msg
+                t0 = time.perf_counter()
+                await puller.warm(address, regions, torch.device(opts.device), opts.timeout_s)
+                warm_ups.append((t0, time.perf_counter()))
+                conn.send(("warmed", warm_ups[-1][1] - t0))
                 continue
             _, address, n_tokens, offers = msg  # offers: [(lease id, token, lease check, holder regions, checksum)]
             held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False)) for _ in offers]  # as EngineCore.reserve
@@ -591,6 +607,13 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
         _expect(p_conn, "ready", 300)
         if opts.overlap_model:
             time.sleep(opts.overlap_idle_s)  # the engine loop runs undisturbed: its baseline
+        if opts.warm:
+            h_conn.send(("pools",))
+            (pools,) = _expect(h_conn, "pools", 60)
+            p_conn.send(("warm", address, pools))
+            (warm_s,) = _expect(p_conn, "warmed", opts.timeout_s + 30)
+            print(f"[{label}] side channel warmed in {warm_s * 1e3:.1f} ms", flush=True)
+            time.sleep(0.5 if opts.overlap_model else 0)  # steps after the warm-up, before the first pull
         for n_tokens in lengths:
             samples, info = [], {}
             for rep in range(reps + 1):
@@ -638,12 +661,12 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
         if opts.overlap_model:
             p_conn.send(("report",))
             h_conn.send(("report",))
-            decode_steps, pulls, checks = _expect(p_conn, "overlap", 300)
+            decode_steps, pulls, checks, warm_ups = _expect(p_conn, "overlap", 300)
             (prefill_steps,) = _expect(h_conn, "overlap", 300)
             if opts.overlap_side == "decode":  # the check runs on the puller's device, beside its decode loop
-                summary = overlap_summary(decode_steps, pulls, checks)
+                summary = overlap_summary(decode_steps, pulls, checks, warm_ups)
             else:
-                summary = overlap_summary(prefill_steps, pulls)
+                summary = overlap_summary(prefill_steps, pulls, warm_ups=warm_ups)
             overlap = {"mode": label, "side": opts.overlap_side, "model": rel(opts.overlap_model),
                        "batch": opts.overlap_batch, "context": opts.overlap_context, **summary}  # fmt: skip
     return rows, overlap
@@ -776,6 +799,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode: their context length; prefill: the prompt chunk each prefills per step")
     p.add_argument("--spin-ms", type=lambda s: [float(x) for x in s.split(",")], default=[20.0],
                    help="comma list: how long a GPU pull may spin on UCX progress (StatePuller spin_s; 0: events only)")
+    p.add_argument("--warm", action="store_true",
+                   help="before the first pull, read a byte of each of the holder's pools (StatePuller.warm), as a "
+                        "decode worker does when a prefill worker joins; reported apart from the pulls")  # fmt: skip
     p.add_argument("--floor", action="store_true",
                    help="also move the same buffers with bare tag messages and with bare RMA reads, spinning on UCX "
                         "progress (no lease, protocol or event loop): what UCX itself needs")  # fmt: skip
@@ -815,7 +841,7 @@ def main(argv=None) -> int:
                 opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
                                args.ucx_proto_info, args.device, in_flight, overlap_model=args.overlap_model,
                                overlap_side=args.overlap_side, overlap_batch=args.overlap_batch,
-                               overlap_context=args.overlap_context, spin_s=spin_ms / 1e3)  # fmt: skip
+                               overlap_context=args.overlap_context, spin_s=spin_ms / 1e3, warm=args.warm)  # fmt: skip
                 mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
                 rows += mode_rows
                 overlaps += [overlap] if overlap else []
@@ -879,6 +905,10 @@ def main(argv=None) -> int:
               o["during_pulls"]["steps"], span(o["during_pulls"]), span(o["during_pulls_not_checks"]),
               span(o["during_checks"])] for o in overlaps],
         ))  # fmt: skip
+        print(table(["mode", "warm-up ms", "longest step during it (ms)", "first pull ms", "longest step during it (ms)"],
+                    [[o["mode"], ", ".join(map(str, o["warm_up_ms"])) or "-",
+                      ", ".join(map(str, o["max_step_ms_per_warm_up"])) or "-", o["pull_ms"][0],
+                      o["max_step_ms_per_pull"][0]] for o in overlaps]))  # fmt: skip
     if warning:
         print(warning)
     return 0

@@ -51,8 +51,9 @@ t)
     --ucx-proto-info --out "$OUT/t_pulls.json"
   grep -m 8 -E "cuda_ipc|cma|into host memory" "$OUT/t_pulls.log" | cut -c1-200
   # 300 s: on a fresh host the decode loop's first steps wait for FlashInfer's JIT compilation (60-90 s)
-  TAIL=16 run t_overlap 300 "${pull[@]}" --lengths 1k,32k --spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b \
-    --overlap-batch 64 --overlap-context 4k --out "$OUT/t_overlap.json"
+  # --warm: the side-channel warm-up a decode worker does when a prefill worker joins, beside the loop too
+  TAIL=20 run t_overlap 300 "${pull[@]}" --lengths 1k,32k --spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b \
+    --overlap-batch 64 --overlap-context 4k --warm --out "$OUT/t_overlap.json"
   # the holder's side: a prefill loop (2 x 8k-token chunks per step) beside the pulls from it
   TAIL=16 run t_overlap_prefill 240 "${pull[@]}" --lengths 1k,32k --spin-ms 20 --overlap-model bench/configs/qwen3.5-9b \
     --overlap-side prefill --overlap-batch 2 --overlap-context 8k --out "$OUT/t_overlap_prefill.json"

@@ -200,7 +200,7 @@ class _Endpoints:
 
 
 def _close(ep) -> None:
-    if ep is not None:
+    if ep is not None and ep.alive:
         try:
             ep.close()
         except Exception:  # already gone with its peer
@@ -307,9 +307,10 @@ class StatePuller:
 
     async def warm(self, holder_address: bytes, regions: list[Region], device: torch.device, timeout_s: float) -> float:
         """Read the first byte of each of a holder's regions now, so that what UCX sets up on the first read from a
-        peer happens before the first request from it, not inside that request's pull: on the H200 pair, cuda_ipc
-        opening the holder's pool allocations made a first pull take 110-150 ms and stalled one decode step by
-        55-68 ms. Returns the seconds taken; raises TransferError."""
+        peer (cuda_ipc opening the holder's pool allocations) happens before the first request from it. On the
+        H200 pair this takes ~40 ms, but the first pull after it still took 67-86 ms (110-150 ms without it)
+        and stalled one decode step by ~60 ms: not all of a first pull's setup is warmed yet (bench/RESULTS.md).
+        Returns the seconds taken; raises TransferError."""
         ucx = loop_worker.get()
         scratch = torch.empty(len(regions), dtype=torch.uint8, device=device)
         started = time.perf_counter()
@@ -353,7 +354,12 @@ class StatePuller:
         notice = loop_worker.get().send(ep, _frame(transfer_pb2.PullNotice(lease_id=lease_id, token=token, **kind)),
                                         NOTICE_TAG)  # fmt: skip
         self._notices.add(notice)
-        notice.add_done_callback(self._notices.discard)
+        notice.add_done_callback(self._notice_sent)
+
+    def _notice_sent(self, notice: asyncio.Future) -> None:
+        self._notices.discard(notice)
+        if not notice.cancelled() and notice.exception():  # the holder is gone: its memory went with it
+            log.info("pull notice not delivered", error=repr(notice.exception()))
 
     async def pull(
         self,

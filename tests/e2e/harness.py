@@ -130,6 +130,8 @@ class Mesh:
             proc.popen.wait(10)
 
     def stop(self) -> None:
+        """Stop every process; fail if one of them crashed (a signal the tests never send: a segfault, an
+        abort) at any point of the test, shutdown included."""
         for p in self.procs:
             if p.alive():
                 p.popen.send_signal(signal.SIGTERM)
@@ -139,6 +141,12 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait(5)
+        crashed = [f"{p.role} {p.address}: signal {-p.popen.returncode}, see {p.log}" for p in self.procs
+                   if p.popen.returncode is not None and -p.popen.returncode in _CRASH_SIGNALS]  # fmt: skip
+        assert not crashed, f"processes crashed: {crashed}"
+
+
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 
 
 def start_mesh(model: str, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,

@@ -229,3 +229,61 @@ def test_a_spinning_receive_spins_only_until_done_or_its_budget():
             shutdown_ucx()
 
     asyncio.run(main())
+
+
+def _holder_process(conn):
+    """A holder in its own process (so that it can be killed): offers three leases and waits."""
+    configure_ucx("127.0.0.1")
+
+    async def main():
+        leases = LeaseTable()
+        server = StateServer(leases)
+        await server.start()
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        offers = []
+        for i in range(3):
+            lease = leases.offer(f"L{i}", [src], 60, lambda reason: None)
+            offers.append((f"L{i}", lease.token, server.lease_check(lease), server.regions([src])))
+        conn.send((server.address, offers))
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+
+
+def test_a_holder_that_dies_fails_the_pulls_and_never_crashes_the_puller():
+    """SIGKILL the holder after a first pull: the next pulls fail (UCX reports the dead peer) and the puller
+    drops and closes its endpoint to it. Closing an endpoint that UCX had already failed used to segfault the
+    decode worker."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    configure_ucx("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    holder = ctx.Process(target=_holder_process, args=(child,), daemon=True)
+    holder.start()
+
+    async def main():
+        assert conn.poll(60), "the holder did not start"
+        address, offers = conn.recv()
+        puller = StatePuller()  # UCX error handling on: a dead peer is reported
+        try:
+            dst = [torch.zeros(1 << 20, dtype=torch.uint8)]
+            lease_id, token, check, regions = offers[0]
+            assert (await puller.pull(address, lease_id, token, check, regions, dst, 10)).nbytes == 1 << 20
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.join(10)
+            for lease_id, token, check, regions in offers[1:]:
+                with pytest.raises(TransferError) as e:
+                    await puller.pull(address, lease_id, token, check, regions, dst, 5)
+                assert not e.value.refused
+        finally:
+            await puller.close()
+            shutdown_ucx()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if holder.is_alive():
+            holder.kill()
