@@ -116,12 +116,7 @@ class LoopWorker:
     def _track(self, request, array, listening: bool = False, spin_until: float = 0.0) -> asyncio.Future:
         future = self.loop.create_future()
         if request.completed:  # done while posted (an RMA read over CMA, a short send): no loop turn to wait for
-            try:
-                request.check_error()
-            except Exception as e:
-                future.set_exception(e)
-            else:
-                future.set_result(None)
+            _resolve(future, request)
             return future
         # Until UCX completes the request it may write to or read from the buffer, so the buffer stays
         # referenced here even when the caller gave up (cancelled its future).
@@ -177,14 +172,7 @@ class LoopWorker:
             future, *_ = self._waiting.pop(request)
             self._request_of.pop(future, None)
             self._settle(request)
-            if future.done():
-                continue
-            try:
-                request.check_error()
-            except Exception as e:  # the peer went away, the endpoint closed, the message was truncated
-                future.set_exception(e)
-            else:
-                future.set_result(None)
+            _resolve(future, request)
 
     def _settle(self, request) -> None:
         if not self._settle_waiters:
@@ -208,3 +196,15 @@ class LoopWorker:
         self._waiting.clear()
         self._request_of.clear()
         self._settle_waiters.clear()
+
+
+def _resolve(future: asyncio.Future, request) -> None:
+    """A completed request's outcome, for whoever still waits on its future."""
+    if future.done():
+        return
+    try:
+        request.check_error()
+    except Exception as e:  # the peer went away, the endpoint closed, the message was truncated
+        future.set_exception(e)
+    else:
+        future.set_result(None)

@@ -402,7 +402,7 @@ class StatePuller:
             posted = time.perf_counter()
             word_key = self._eps.rkey(address, check.rkey)  # while the reads run
             word = torch.empty(8, dtype=torch.uint8)  # what the check reads into
-            for r in reversed(reads):  # the last posted is done last (one copy stream): one wake-up, not gather's two
+            for r in reversed(reads):  # the last posted is usually done last: one wake-up, where gather costs two
                 await r
             read = time.perf_counter()
             await failpoints.hit("transfer.before_check")

@@ -3,6 +3,7 @@ and a pull of a lease that ended before its reads were checked (pulled, released
 word) is refused: what its reads brought in is never used."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -28,13 +29,10 @@ def test_segments_cut_both_region_lists_at_every_boundary():
 
 
 def test_lease_table_ends_each_lease_once_and_zeroes_its_word_first():
-    ended, words = [], []
+    ended = []
     table = LeaseTable(capacity=2)
-    lease = table.offer("a", [torch.zeros(4, dtype=torch.uint8)], 0.05, lambda r: ended.append((r, words_now())))
-
-    def words_now():
-        return table.words.tolist()
-
+    # on_end records the words as they are when it runs: the lease's must already be 0
+    lease = table.offer("a", [torch.zeros(4, dtype=torch.uint8)], 0.05, lambda r: ended.append((r, table.words.tolist())))
     nonce = lease.nonce
     assert table.words[lease.word] == nonce and all(nonce.to_bytes(8, "little"))  # no zero byte
     assert not table.finish("a", b"x" * 16, pulled=True)  # wrong token: nothing ends
@@ -62,6 +60,21 @@ def _source(leases, server, ttl_s=10.0):
     return src, lease, server.regions(src), server.lease_check(lease), ended
 
 
+@contextlib.asynccontextmanager
+async def _side_channel(**puller_options):
+    """A holder (lease table + state server) and a puller in this process; UCX released afterwards."""
+    leases = LeaseTable()
+    server = StateServer(leases)
+    await server.start()
+    puller = StatePuller(**puller_options)
+    try:
+        yield leases, server, puller
+    finally:
+        await puller.close()
+        await server.stop()
+        shutdown_ucx()  # the UCX worker is bound to this event loop
+
+
 async def _until(predicate, timeout_s=2.0):
     deadline = time.monotonic() + timeout_s
     while not predicate() and time.monotonic() < deadline:
@@ -73,11 +86,7 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
     configure_ucx("127.0.0.1")
 
     async def main():
-        leases = LeaseTable()
-        server = StateServer(leases)
-        await server.start()
-        puller = StatePuller()
-        try:
+        async with _side_channel() as (leases, server, puller):
             src, lease, regions, check, ended = _source(leases, server)
             assert len({r.rkey for r in regions}) == 1  # one registration for the pool behind both
             total = sum(r.nbytes for r in regions)
@@ -96,10 +105,6 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
             with pytest.raises(TransferError, match="ended before") as e:  # used once, never again
                 await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
             assert e.value.refused
-        finally:
-            await puller.close()
-            await server.stop()
-            shutdown_ucx()  # the UCX worker is bound to this event loop
 
     asyncio.run(main())
 
@@ -113,11 +118,7 @@ def test_a_lease_that_ends_while_its_reads_run_fails_the_pull(monkeypatch):
     monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:0.3")
 
     async def main():
-        leases = LeaseTable()
-        server = StateServer(leases)
-        await server.start()
-        puller = StatePuller()
-        try:
+        async with _side_channel() as (leases, server, puller):
             src, lease, regions, check, ended = _source(leases, server)
             dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
             pull = asyncio.ensure_future(puller.pull(server.address, "L", lease.token, check, regions, dst, 10))
@@ -126,10 +127,6 @@ def test_a_lease_that_ends_while_its_reads_run_fails_the_pull(monkeypatch):
             with pytest.raises(TransferError, match="ended before its state was read") as e:
                 await pull
             assert e.value.refused
-        finally:
-            await puller.close()
-            await server.stop()
-            shutdown_ucx()
 
     asyncio.run(main())
 
@@ -144,11 +141,7 @@ def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
     monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:20")
 
     async def main():
-        leases = LeaseTable()
-        server = StateServer(leases)
-        await server.start()
-        puller = StatePuller(settle_grace_s=30)
-        try:
+        async with _side_channel(settle_grace_s=30) as (leases, server, puller):
             src, lease, regions, check, ended = _source(leases, server, ttl_s=60)
             dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
             with pytest.raises(TransferError, match="did not finish"):
@@ -159,10 +152,6 @@ def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
             assert await _until(lambda: ended and released, 5)
             assert ended == ["aborted"] and len(leases) == 0 and released[0] < 2.0
             assert torch.equal(dst[0], torch.cat(src))  # the reads themselves went through
-        finally:
-            await puller.close()
-            await server.stop()
-            shutdown_ucx()  # the UCX worker is bound to this event loop
 
     asyncio.run(main())
 
