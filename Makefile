@@ -71,8 +71,11 @@ bench-transfer-gpu:
 	python bench/transfer.py --device cuda --no-ucx-error-handling --lengths 1k,8k,32k --max-tokens 32k --reps 7 \
 		--floor --in-flight 1,2 --spin-ms 0,20 --out bench/results/transfer_gpu.json
 	python bench/transfer.py --device cuda --no-ucx-error-handling --lengths 1k,32k --max-tokens 32k --reps 7 \
-		--spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b --overlap-batch 64 --overlap-context 4k \
+		--spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b --overlap-batch 64 --overlap-context 4k --warm \
 		--out bench/results/transfer_overlap_gpu.json
+	python bench/transfer.py --device cuda --no-ucx-error-handling --lengths 1k,32k --max-tokens 32k --reps 7 \
+		--spin-ms 20 --overlap-model bench/configs/qwen3.5-9b --overlap-side prefill --overlap-batch 2 \
+		--overlap-context 8k --out bench/results/transfer_overlap_prefill_gpu.json
 
 bench-disagg:
 	python bench/disagg_sweep.py --out bench/results/serve_sweep.json

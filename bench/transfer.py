@@ -177,6 +177,7 @@ async def _holder(conn, opts: Options) -> None:
     await server.start()
     loop = asyncio.get_running_loop()
     ended: dict[str, asyncio.Future] = {}
+    preps: list[tuple[float, float]] = []  # when the benchmark seeded and summed an offer (GPU work beside the loop)
     prefill_loop = EngineLoop(opts) if opts.overlap_model and opts.overlap_side == "prefill" else None
     conn.send(("ready", server.address))
     if prefill_loop:
@@ -187,11 +188,12 @@ async def _holder(conn, opts: Options) -> None:
             if msg[0] == "stop":
                 break
             if msg[0] == "report":
-                conn.send(("overlap", prefill_loop.stop() if prefill_loop else None))
+                conn.send(("overlap", prefill_loop.stop() if prefill_loop else None, preps))
             if msg[0] == "pools":  # the whole pools, as a prefill worker registers them with the router
                 conn.send(("pools", server.regions([byte_view(t) for t in (kv.data, st.conv, st.recurrent)])))
             if msg[0] == "offer":
                 _, lease_id, n_tokens, seed = msg
+                prep_started = time.perf_counter()
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
                 kv_regions, st_regions = kv.regions(pages), st.regions(slot)
                 tensors = [r.tensor for r in kv_regions + st_regions]
@@ -207,7 +209,9 @@ async def _holder(conn, opts: Options) -> None:
                     loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(reason))
 
                 lease = leases.offer(lease_id, tensors, opts.timeout_s, on_end)
-                conn.send(("offered", lease.token, server.lease_check(lease), server.regions(tensors), _checksum(tensors),
+                checksum = _checksum(tensors)
+                preps.append((prep_started, time.perf_counter()))
+                conn.send(("offered", lease.token, server.lease_check(lease), server.regions(tensors), checksum,
                            sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
             elif msg[0] == "floor":
                 _, kind, n_tokens, reps, tag, puller_address = msg
@@ -292,10 +296,11 @@ class EngineLoop:
 
 def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, float]],
                     checks: list[tuple[float, float]] = (), warm_ups: list[tuple[float, float]] = ()) -> dict:  # fmt: skip
-    """Engine step times before the first pull or warm-up (idle) vs steps that overlapped a pull; and, apart,
-    the steps that overlapped a pull but not the benchmark's own check of the pulled bytes (GPU work on the
-    puller's GPU, run right after each pull) vs those that overlapped a check; and the longest step that
-    overlapped each side-channel warm-up."""
+    """Engine step times before the first pull, warm-up or piece of the benchmark's own GPU work (idle) vs
+    steps that overlapped a pull; and, apart, the steps that overlapped a pull but none of `checks` (the
+    benchmark's own GPU work beside the loop: on the decode side its check of the pulled bytes, right after
+    each pull; on the prefill side its seeding and summing of each offered state) vs those that overlapped
+    one; and the longest step that overlapped each side-channel warm-up."""
 
     def stats(xs: list[float]) -> dict:
         xs = sorted(x * 1e3 for x in xs)
@@ -305,7 +310,7 @@ def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, f
     def overlaps(start: float, end: float, spans) -> bool:
         return any(start < s1 and end > s0 for s0, s1 in spans)
 
-    first = min(start for start, _ in [*pulls, *warm_ups])
+    first = min(start for start, _ in [*pulls, *warm_ups, *checks])
     idle = [end - start for start, end in steps if end <= first]
     overlapping = [[end - start for start, end in steps if overlaps(start, end, [pull])] for pull in pulls]
     during = [end - start for start, end in steps if overlaps(start, end, pulls)]
@@ -662,11 +667,12 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             p_conn.send(("report",))
             h_conn.send(("report",))
             decode_steps, pulls, checks, warm_ups = _expect(p_conn, "overlap", 300)
-            (prefill_steps,) = _expect(h_conn, "overlap", 300)
-            if opts.overlap_side == "decode":  # the check runs on the puller's device, beside its decode loop
+            prefill_steps, preps = _expect(h_conn, "overlap", 300)
+            # the benchmark's own GPU work beside the loop: checking pulled bytes (decode), seeding offers (prefill)
+            if opts.overlap_side == "decode":
                 summary = overlap_summary(decode_steps, pulls, checks, warm_ups)
             else:
-                summary = overlap_summary(prefill_steps, pulls, warm_ups=warm_ups)
+                summary = overlap_summary(prefill_steps, pulls, preps, warm_ups)
             overlap = {"mode": label, "side": opts.overlap_side, "model": rel(opts.overlap_model),
                        "batch": opts.overlap_batch, "context": opts.overlap_context, **summary}  # fmt: skip
     return rows, overlap
@@ -892,15 +898,16 @@ def main(argv=None) -> int:
     print(table(["mode", "tokens", *PHASES], [[r["mode"], r["tokens"], *r["phases_ms_median"].values()] for r in pulls]))
     if overlaps:
         where = "a decode loop in the puller" if args.overlap_side == "decode" else "a prefill loop in the holder"
+        own = "check of the pulled bytes" if args.overlap_side == "decode" else "seeding and summing of each offer"
         print(f"\n{where} (step ms): before the first pull vs steps that overlapped a pull (median / p99 / max);"
-              " apart: steps that overlapped a pull but not the benchmark's check of the bytes, and those that did")
+              f" apart: steps that overlapped a pull but not the benchmark's own {own}, and those that did")
 
         def span(st: dict) -> str:
             return f"{st['median_ms']:.1f} / {st['p99_ms']:.1f} / {st['max_ms']:.1f}" if st["steps"] else "-"
 
         print(table(
             ["mode", "model", "batch", "context" if args.overlap_side == "decode" else "chunk", "idle steps", "idle",
-             "during steps", "during pulls", "pull, no check", "during checks"],
+             "during steps", "during pulls", "pull, no bench work", "during bench work"],
             [[o["mode"], o["model"], o["batch"], o["context"], o["idle"]["steps"], span(o["idle"]),
               o["during_pulls"]["steps"], span(o["during_pulls"]), span(o["during_pulls_not_checks"]),
               span(o["during_checks"])] for o in overlaps],

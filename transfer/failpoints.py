@@ -1,5 +1,5 @@
 """Failpoints: named places in the side channel where a test can inject a fault into a real process,
-deterministically (`DELTAMESH_FAILPOINTS="transfer.before_status=drop"`). Unset, they cost one dict lookup.
+deterministically (`DELTAMESH_FAILPOINTS="transfer.before_check=drop"`). Unset, they cost one dict lookup.
 
 Actions: `drop` (close the connection to the peer at that point), `sleep:SECONDS`."""
 

@@ -10,10 +10,11 @@ from bench import transfer
 pytestmark = pytest.mark.e2e
 
 
-def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path):
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path, side):
     out = tmp_path / "transfer.json"
     assert transfer.main(["--lengths", "128", "--reps", "1", "--no-ucx-error-handling", "--floor", "--warm",
-                          "--overlap-model", "models/deltamesh-tiny", "--overlap-batch", "2",
+                          "--overlap-model", "models/deltamesh-tiny", "--overlap-side", side, "--overlap-batch", "2",
                           "--overlap-context", "64", "--out", str(out)]) == 0  # fmt: skip
     result = json.loads(out.read_text())
     rows = {r["mode"]: r for r in result["results"]}
@@ -22,4 +23,5 @@ def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path):
     assert all(v is not None and v >= 0 for v in pull["phases_ms_median"].values()), pull["phases_ms_median"]
     assert set(transfer.FLOORS.values()) <= set(rows)  # tag, RMA spinning, RMA through the event loop
     (overlap,) = result["overlap"]
-    assert len(overlap["warm_up_ms"]) == 1 and overlap["pulls"] == 2 and overlap["idle"]["steps"] > 0
+    assert overlap["side"] == side and overlap["pulls"] == 2 and overlap["idle"]["steps"] > 0
+    assert len(overlap["warm_up_ms"]) == 1
