@@ -294,8 +294,10 @@ class EngineLoop:
         return self.steps
 
 
-def overlap_summary(steps: list[tuple[float, float]], pulls: list[tuple[float, float]],
-                    checks: list[tuple[float, float]] = (), warm_ups: list[tuple[float, float]] = ()) -> dict:  # fmt: skip
+Spans = list[tuple[float, float]]  # (start, end) perf_counter() pairs
+
+
+def overlap_summary(steps: Spans, pulls: Spans, checks: Spans = (), warm_ups: Spans = ()) -> dict:
     """Engine step times before the first pull, warm-up or piece of the benchmark's own GPU work (idle) vs
     steps that overlapped a pull; and, apart, the steps that overlapped a pull but none of `checks` (the
     benchmark's own GPU work beside the loop: on the decode side its check of the pulled bytes, right after
@@ -912,7 +914,8 @@ def main(argv=None) -> int:
               o["during_pulls"]["steps"], span(o["during_pulls"]), span(o["during_pulls_not_checks"]),
               span(o["during_checks"])] for o in overlaps],
         ))  # fmt: skip
-        print(table(["mode", "warm-up ms", "longest step during it (ms)", "first pull ms", "longest step during it (ms)"],
+        longest = "longest step during it (ms)"
+        print(table(["mode", "warm-up ms", longest, "first pull ms", longest],
                     [[o["mode"], ", ".join(map(str, o["warm_up_ms"])) or "-",
                       ", ".join(map(str, o["max_step_ms_per_warm_up"])) or "-", o["pull_ms"][0],
                       o["max_step_ms_per_pull"][0]] for o in overlaps]))  # fmt: skip

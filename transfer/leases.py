@@ -111,7 +111,9 @@ class LeaseTable:
     def expire(self) -> int:
         now = time.monotonic()
         with self._lock:
-            gone = [self._leases.pop(lease.lease_id) for lease in list(self._leases.values()) if now >= lease.expires_at]
+            gone = [lease for lease in self._leases.values() if now >= lease.expires_at]
+            for lease in gone:
+                del self._leases[lease.lease_id]
         for lease in gone:
             self._end(lease, "expired")
         return len(gone)

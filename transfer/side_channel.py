@@ -79,8 +79,8 @@ class TransferStats:
     nbytes: int
     buffers: int  # reads on the wire (segments)
     # perf_counter() at each step of the pull ("start", "keys": endpoint and keys looked up, "posted": every read
-    # posted, "reads": every read done, "done": the lease word checked); on Linux that clock is CLOCK_MONOTONIC, shared by the processes of one
-    # host, so they line up with StateServer.timeline
+    # posted, "reads": every read done, "done": the lease word checked); on Linux that clock is CLOCK_MONOTONIC,
+    # shared by the processes of one host, so they line up with StateServer.timeline
     marks: dict[str, float]
 
     @property
@@ -411,7 +411,8 @@ class StatePuller:
             await ucx.get(ep, word, check.address, word_key, spin_s=spin_s)
             if int.from_bytes(word.numpy().tobytes(), "little") != check.nonce:
                 raise TransferError(f"lease {lease_id!r} ended before its state was read (pulled, released or "
-                                    "expired), or is not this one: the bytes read are not used", refused=True)  # fmt: skip
+                                    "expired), or is not this one: the bytes read are not used",
+                                    refused=True)  # fmt: skip
         except BaseException as e:
             for f in reads:
                 f.cancel()

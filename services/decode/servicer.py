@@ -54,7 +54,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if not len(layout.region_bytes) == len(layout.region_addresses) == len(layout.region_rkeys):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state layout: one address and key per region needed")
         if not (src.lease.word_address and src.lease.word_rkey and src.lease.nonce):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: the address, key and nonce of its word needed")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: its word's address, key and nonce needed")
         regions = [Region(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
         check = LeaseCheck(src.lease.word_address, src.lease.word_rkey, src.lease.nonce)
         reservation = await self._reserve(len(request.prompt_token_ids), context)

@@ -147,7 +147,7 @@ def test_wrong_lease_or_layout_is_refused_and_the_state_stays_held(mesh, referen
     no_word = prefill_pb2.Lease(lease_id="guarded", token=first.lease.token)
     with pytest.raises(grpc.RpcError) as e:
         decode_with(lease=no_word)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "its word" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "its word's" in e.value.details()
     bad_layout = prefill_pb2.StateLayout(compat_hash="0" * 20, num_tokens=40, region_bytes=first.layout.region_bytes)
     with pytest.raises(grpc.RpcError) as e:
         decode_with(layout=bad_layout)

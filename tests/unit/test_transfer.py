@@ -32,7 +32,8 @@ def test_lease_table_ends_each_lease_once_and_zeroes_its_word_first():
     ended = []
     table = LeaseTable(capacity=2)
     # on_end records the words as they are when it runs: the lease's must already be 0
-    lease = table.offer("a", [torch.zeros(4, dtype=torch.uint8)], 0.05, lambda r: ended.append((r, table.words.tolist())))
+    on_end = lambda r: ended.append((r, table.words.tolist()))  # noqa: E731
+    lease = table.offer("a", [torch.zeros(4, dtype=torch.uint8)], 0.05, on_end)
     nonce = lease.nonce
     assert table.words[lease.word] == nonce and all(nonce.to_bytes(8, "little"))  # no zero byte
     assert not table.finish("a", b"x" * 16, pulled=True)  # wrong token: nothing ends
