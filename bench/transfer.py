@@ -78,6 +78,7 @@ class Options:
     overlap_context: int = 1024  # decode: the batch's context; prefill: each request's prompt chunk per step
     overlap_idle_s: float = 3.0  # engine steps before the first pull: the undisturbed baseline
     spin_s: float = 0.02  # StatePuller(spin_s=...): GPU pulls progress UCX on every loop turn for at most this long
+    rotate: int = 1  # the puller's pulls land in this many places of its pools in turn (1: always the same pages)
     warm: bool = False  # before the first pull, the puller reads a byte of each holder pool (StatePuller.warm)
 
 
@@ -98,8 +99,9 @@ def _setup_process(opts: Options, gpu: int = 0) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
-def _pools(opts: Options):
-    """The engine's pools for opts.in_flight requests of up to opts.max_tokens tokens, sized from the config."""
+def _pools(opts: Options, copies: int = 1):
+    """The engine's pools for `copies` x opts.in_flight requests of up to opts.max_tokens tokens, sized from the
+    config."""
     import torch
 
     from engine.cache import KVPagePool, StatePool
@@ -109,12 +111,13 @@ def _pools(opts: Options):
     mc = ModelConfig.from_dir(opts.model_config)
     dtype, state_dtype = dtypes[opts.dtype], dtypes[opts.state_dtype]
     cpu = torch.device(opts.device)
+    requests = opts.in_flight * copies
     kv = KVPagePool(
-        opts.in_flight * -(-opts.max_tokens // PAGE_SIZE), PAGE_SIZE, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
+        requests * -(-opts.max_tokens // PAGE_SIZE), PAGE_SIZE, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
         dtype, cpu,
     )  # fmt: skip
     st = StatePool(
-        opts.in_flight, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads,
+        requests, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads,
         mc.linear_key_head_dim, mc.linear_value_head_dim, dtype, state_dtype, cpu,
     )  # fmt: skip
     return kv, st
@@ -334,7 +337,8 @@ async def _puller(conn, opts: Options) -> None:
 
     from transfer.side_channel import worker_address
 
-    kv, st = _pools(opts)
+    kv, st = _pools(opts, copies=opts.rotate)
+    pulled = 0
     puller = StatePuller(error_handling=opts.error_handling, spin_s=opts.spin_s)
     await puller.start()
     decode_loop = EngineLoop(opts) if opts.overlap_model and opts.overlap_side == "decode" else None
@@ -380,7 +384,14 @@ async def _puller(conn, opts: Options) -> None:
                 conn.send(("warmed", warm_ups[-1][1] - t0))
                 continue
             _, address, n_tokens, offers = msg  # offers: [(lease id, token, lease check, holder regions, checksum)]
+            # --rotate: hold the places before this pull's for a moment, so that its pages and slots come after them
+            spacer = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False))
+                      for _ in range(pulled % opts.rotate * len(offers))]  # fmt: skip
             held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False)) for _ in offers]  # as EngineCore.reserve
+            for pages, slot in spacer:
+                kv.free(pages)
+                st.free(slot)
+            pulled += 1
             try:
                 targets = [_buffers(kv, st, pages, slot) for pages, slot in held]
                 with on_aux():
@@ -810,6 +821,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm", action="store_true",
                    help="before the first pull, read a byte of each of the holder's pools (StatePuller.warm), as a "
                         "decode worker does when a prefill worker joins; reported apart from the pulls")  # fmt: skip
+    p.add_argument("--rotate", type=int, default=1,
+                   help="pull into this many places of the puller's pools in turn, as a decode worker's pulls land in "
+                        "pages that change from request to request (default 1: the same pages every time)")  # fmt: skip
     p.add_argument("--floor", action="store_true",
                    help="also move the same buffers with bare tag messages and with bare RMA reads, spinning on UCX "
                         "progress (no lease, protocol or event loop): what UCX itself needs")  # fmt: skip
@@ -849,7 +863,8 @@ def main(argv=None) -> int:
                 opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
                                args.ucx_proto_info, args.device, in_flight, overlap_model=args.overlap_model,
                                overlap_side=args.overlap_side, overlap_batch=args.overlap_batch,
-                               overlap_context=args.overlap_context, spin_s=spin_ms / 1e3, warm=args.warm)  # fmt: skip
+                               overlap_context=args.overlap_context, spin_s=spin_ms / 1e3, warm=args.warm,
+                               rotate=args.rotate)  # fmt: skip
                 mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
                 rows += mode_rows
                 overlaps += [overlap] if overlap else []

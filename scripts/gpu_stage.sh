@@ -43,13 +43,15 @@ c)
   run serve_colocated 540 python bench/disagg_sweep.py --setups colocated --out "$OUT/serve_colocated.json"
   ;;
 t)
-  # The side channel on the GPUs: where a pull's time goes (one clock for both processes), UCX's own floor for
-  # the same buffers, two pulls at once; a decode loop (9B shape, batch 64 at 4k) beside the pulls; then
-  # disaggregated vs monolithic greedy output (bench/RESULTS.md, side channel and fidelity).
+  # The side channel on the GPUs (bench/RESULTS.md): where a pull's time goes (one clock for both processes),
+  # UCX's own floors for the same buffers, two pulls at once, pulls into changing pages; a decode loop (9B shape,
+  # batch 64 at 4k) beside the pulls, after the side-channel warm-up; a prefill loop in the holder beside them.
   pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7)
   TAIL=40 run t_pulls 240 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --spin-ms 0,20 \
     --ucx-proto-info --out "$OUT/t_pulls.json"
   grep -m 8 -E "cuda_ipc|cma|into host memory" "$OUT/t_pulls.log" | cut -c1-200
+  # every pull into other pages of the puller's pools, as in a decode worker (above: the same pages every time)
+  TAIL=12 run t_pulls_rotate 150 "${pull[@]}" --lengths 1k,8k,32k --spin-ms 20 --rotate 8 --out "$OUT/t_pulls_rotate.json"
   # 300 s: on a fresh host the decode loop's first steps wait for FlashInfer's JIT compilation (60-90 s)
   # --warm: the side-channel warm-up a decode worker does when a prefill worker joins, beside the loop too
   TAIL=20 run t_overlap 300 "${pull[@]}" --lengths 1k,32k --spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b \

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path, side):
     out = tmp_path / "transfer.json"
-    assert transfer.main(["--lengths", "128", "--reps", "1", "--no-ucx-error-handling", "--floor", "--warm",
+    assert transfer.main(["--lengths", "128", "--reps", "1", "--no-ucx-error-handling", "--floor", "--warm", "--rotate", "2",
                           "--overlap-model", "models/deltamesh-tiny", "--overlap-side", side, "--overlap-batch", "2",
                           "--overlap-context", "64", "--out", str(out)]) == 0  # fmt: skip
     result = json.loads(out.read_text())
