@@ -171,7 +171,7 @@ def holder_main(conn, opts: Options) -> None:
 async def _holder(conn, opts: Options) -> None:
     import torch
 
-    from engine.cache import byte_view
+    from engine.cache import pool_views
     from transfer import LeaseTable, StateServer
 
     kv, st = _pools(opts)
@@ -193,7 +193,7 @@ async def _holder(conn, opts: Options) -> None:
             if msg[0] == "report":
                 conn.send(("overlap", prefill_loop.stop() if prefill_loop else None, preps))
             if msg[0] == "pools":  # the whole pools, as a prefill worker registers them with the router
-                conn.send(("pools", server.regions([byte_view(t) for t in (kv.data, st.conv, st.recurrent)])))
+                conn.send(("pools", server.regions(pool_views(kv, st))))
             if msg[0] == "offer":
                 _, lease_id, n_tokens, seed = msg
                 prep_started = time.perf_counter()
@@ -486,29 +486,40 @@ def floor_puller(holder_address: bytes, buffers, reps: int, tag: int, error_hand
     return secs[1:]  # the first is the warm-up
 
 
-def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_handling: bool) -> list[float]:
-    """The RMA floor: the same reads a pull posts (one per segment, keys unpacked once), spinning on UCX progress
-    until all are done; no lease check, no event loop. Its distance to a pull is the side channel's own cost."""
+@contextlib.contextmanager
+def _rma_floor(holder_address: bytes, regions, buffers, error_handling: bool):
+    """What both RMA floors read with: the worker, one endpoint per holder (kept open, as a puller keeps its
+    own), the holder's keys unpacked for it (destroyed afterwards) and the plan of segments."""
     from transfer import loop_worker, rma
     from transfer.side_channel import segments
 
     ucx = loop_worker.get()
-    if holder_address not in _RMA_FLOOR_EPS:  # one endpoint per holder, kept open, as a puller keeps its own
+    if holder_address not in _RMA_FLOOR_EPS:
         _RMA_FLOOR_EPS[holder_address] = ucx.endpoint(holder_address, error_handling)
     ep = _RMA_FLOOR_EPS[holder_address]
     keys = [rma.RemoteKey(ep.handle, r.rkey) for r in regions]
-    plan = segments([r.nbytes for r in regions], [b.numel() for b in buffers])
+    try:
+        yield ucx, ep, keys, segments([r.nbytes for r in regions], [b.numel() for b in buffers])
+    finally:
+        for key in keys:
+            key.close()
+
+
+def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_handling: bool) -> list[float]:
+    """The RMA floor: the same reads a pull posts (one per segment, keys unpacked once), spinning on UCX progress
+    until all are done; no lease check, no event loop. Its distance to a pull is the side channel's own cost."""
+    from transfer import rma
+
     memory = rma.memory_type(buffers[0].is_cuda)
     secs = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        reads = [rma.GetRequest(ep.handle, buffers[j].data_ptr() + dst_off, n, regions[i].address + src_off,
-                                keys[i], memory) for i, src_off, j, dst_off, n in plan]  # fmt: skip
-        for read in reads:
-            _spin(ucx.worker, read)
-        secs.append(time.perf_counter() - t0)
-    for key in keys:
-        key.close()
+    with _rma_floor(holder_address, regions, buffers, error_handling) as (ucx, ep, keys, plan):
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            reads = [rma.GetRequest(ep.handle, buffers[j].data_ptr() + dst_off, n, regions[i].address + src_off,
+                                    keys[i], memory) for i, src_off, j, dst_off, n in plan]  # fmt: skip
+            for read in reads:
+                _spin(ucx.worker, read)
+            secs.append(time.perf_counter() - t0)
     return secs[1:]  # the first is the warm-up
 
 
@@ -516,24 +527,14 @@ async def floor_rma_loop(holder_address: bytes, regions, buffers, reps: int, opt
     """The same reads as floor_rma_puller, posted and awaited through the event loop as a pull does (with its
     spin setting), still without the lease check: its distance to the RMA floor is the event loop's cost, its
     distance to a pull the check's."""
-    from transfer import loop_worker, rma
-    from transfer.side_channel import segments
-
-    ucx = loop_worker.get()
-    if holder_address not in _RMA_FLOOR_EPS:
-        _RMA_FLOOR_EPS[holder_address] = ucx.endpoint(holder_address, opts.error_handling)
-    ep = _RMA_FLOOR_EPS[holder_address]
-    keys = [rma.RemoteKey(ep.handle, r.rkey) for r in regions]
-    plan = segments([r.nbytes for r in regions], [b.numel() for b in buffers])
     spin_s = opts.spin_s if buffers[0].is_cuda else 0.0
     secs = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        await asyncio.gather(*(ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i],
-                                       spin_s=spin_s) for i, src_off, j, dst_off, n in plan))  # fmt: skip
-        secs.append(time.perf_counter() - t0)
-    for key in keys:
-        key.close()
+    with _rma_floor(holder_address, regions, buffers, opts.error_handling) as (ucx, ep, keys, plan):
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off,
+                                           keys[i], spin_s=spin_s) for i, src_off, j, dst_off, n in plan))  # fmt: skip
+            secs.append(time.perf_counter() - t0)
     return secs[1:]  # the first is the warm-up
 
 

@@ -42,6 +42,11 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def pool_views(kv: "KVPagePool", states: "StatePool") -> list[torch.Tensor]:
+    """Each pool's whole memory as a 1-D byte view: what a prefill worker lets peers read."""
+    return [byte_view(t) for t in (kv.data, states.conv, states.recurrent)]
+
+
 class KVPagePool:
     def __init__(
         self,

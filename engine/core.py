@@ -25,7 +25,7 @@ from typing import Callable
 import structlog
 import torch
 
-from engine.cache import KVPagePool, PoolExhausted, Region, StatePool, byte_view
+from engine.cache import KVPagePool, PoolExhausted, Region, StatePool, pool_views
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
@@ -320,8 +320,7 @@ class EngineCore:
         return self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
 
     def pool_views(self) -> list[torch.Tensor]:
-        """Each pool's whole memory as a 1-D byte view: what a prefill worker lets peers read."""
-        return [byte_view(t) for t in (self.kv_pool.data, self.state_pool.conv, self.state_pool.recurrent)]
+        return pool_views(self.kv_pool, self.state_pool)
 
     def release_held(self, request_id: str) -> bool:
         with self._held_lock:
