@@ -193,7 +193,7 @@ async def _holder(conn, opts: Options) -> None:
             if msg[0] == "report":
                 conn.send(("overlap", prefill_loop.stop() if prefill_loop else None, preps))
             if msg[0] == "pools":  # the whole pools, as a prefill worker registers them with the router
-                conn.send(("pools", server.regions(pool_views(kv, st))))
+                conn.send(("pools", server.regions(pool_views(kv, st)), server.words()))
             if msg[0] == "offer":
                 _, lease_id, n_tokens, seed = msg
                 prep_started = time.perf_counter()
@@ -334,7 +334,6 @@ async def _puller(conn, opts: Options) -> None:
     import torch
 
     from transfer import StatePuller, TransferError
-
     from transfer.side_channel import worker_address
 
     kv, st = _pools(opts, copies=opts.rotate)
@@ -377,9 +376,9 @@ async def _puller(conn, opts: Options) -> None:
                 conn.send(("overlap", decode_loop.stop() if decode_loop else None, pulls, checks, warm_ups))
                 continue
             if msg[0] == "warm":  # as services/decode/peers.py does when a prefill worker joins
-                _, address, regions = msg
+                _, address, pools, words = msg
                 t0 = time.perf_counter()
-                await puller.warm(address, regions, torch.device(opts.device), opts.timeout_s)
+                await puller.warm(address, pools, words, torch.device(opts.device), opts.timeout_s)
                 warm_ups.append((t0, time.perf_counter()))
                 conn.send(("warmed", warm_ups[-1][1] - t0))
                 continue
@@ -628,8 +627,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             time.sleep(opts.overlap_idle_s)  # the engine loop runs undisturbed: its baseline
         if opts.warm:
             h_conn.send(("pools",))
-            (pools,) = _expect(h_conn, "pools", 60)
-            p_conn.send(("warm", address, pools))
+            pools, words = _expect(h_conn, "pools", 60)
+            p_conn.send(("warm", address, pools, words))
             (warm_s,) = _expect(p_conn, "warmed", opts.timeout_s + 30)
             print(f"[{label}] side channel warmed in {warm_s * 1e3:.1f} ms", flush=True)
             time.sleep(0.5 if opts.overlap_model else 0)  # steps after the warm-up, before the first pull
@@ -660,11 +659,14 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                         "puller_regions": res["puller_regions"], "buffers": res["buffers"]}  # fmt: skip
                 if rep > 0:  # the first pull is the warm-up
                     samples.append({**res, "phases": phases(res["marks"], holder_times)})
+                else:  # reported apart: where the first pull from a peer (or into new pages) spends its time
+                    first = {"seconds": res["seconds"], "phases": phases(res["marks"], holder_times)}
             secs = [s["seconds"] for s in samples]
             total = (info["kv_bytes"] + info["gdn_bytes"]) * opts.in_flight
             in_flight = f", {opts.in_flight} pulls at once" if opts.in_flight > 1 else ""
             row = {
                 "mode": f"ucx error handling {mode}{in_flight}{spin}", "error_handling": opts.error_handling,
+                "rotate": opts.rotate,
                 "in_flight": opts.in_flight, "spin_ms": opts.spin_s * 1e3 if spin else None, "tokens": n_tokens,
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
@@ -672,7 +674,7 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                              for s in samples],
                 "phases_ms_median": {
                     k: median([s["phases"][k] for s in samples if s["phases"][k] is not None]) for k in PHASES},
-                "gb_per_s": total / median(secs) / 1e9, "verified": "crc32" if opts.device == "cpu" else "position-weighted sum on the GPU",
+                "first_pull": first, "gb_per_s": total / median(secs) / 1e9, "verified": "crc32" if opts.device == "cpu" else "position-weighted sum on the GPU",
             }  # fmt: skip
             print(f"[{label}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
                   f"= {row['gb_per_s']:.2f} GB/s, {info['buffers']} buffers", flush=True)  # fmt: skip
@@ -914,6 +916,10 @@ def main(argv=None) -> int:
     pulls = [r for r in rows if "phases_ms_median" in r]
     print("\nwhere a pull's time goes (median ms; one clock for both processes)")
     print(table(["mode", "tokens", *PHASES], [[r["mode"], r["tokens"], *r["phases_ms_median"].values()] for r in pulls]))
+    print("\nthe dropped first pull of each row (ms)")
+    print(table(["mode", "tokens", "pull", *PHASES],
+                [[r["mode"], r["tokens"], r["first_pull"]["seconds"] * 1e3, *r["first_pull"]["phases"].values()]
+                 for r in pulls]))  # fmt: skip
     if overlaps:
         where = "a decode loop in the puller" if args.overlap_side == "decode" else "a prefill loop in the holder"
         own = "check of the pulled bytes" if args.overlap_side == "decode" else "seeding and summing of each offer"

@@ -5,8 +5,8 @@
 #   stage k: the GDN kernel table and the paged-attention launch sweep (one GPU)
 #   stage b: the 1P+1D serving sweep (prefill GPU 0, decode GPU 1)
 #   stage c: the colocated serving sweep (one GPU)
-#   stage t: side channel: phases of a pull (events only vs spinning), UCX's floor, pulls at once, a decode
-#            loop beside them, a prefill loop in the holder beside them (fidelity: stage f)
+#   stage t: side channel: phases of a pull (events only vs spinning), UCX's floor, pulls at once, pulls into
+#            changing pages, a decode loop beside them, a prefill loop in the holder beside them (fidelity: stage f)
 #   stage f: disaggregated vs monolithic greedy fidelity on the two GPUs (+ the bf16 batch-invariance control)
 set -u
 stage=${1:?stage a, k, b, c, t or f}

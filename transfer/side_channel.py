@@ -251,6 +251,10 @@ class StateServer:
             out.append(Region(b.numel(), b.data_ptr(), registration.rkey))
         return out
 
+    def words(self) -> Region:
+        """Where the lease words are (host memory): what a puller's warm-up reads besides the pools."""
+        return self.regions([self.leases.words.view(torch.uint8)])[0]
+
     def lease_check(self, lease: Lease) -> LeaseCheck:
         """What a puller of `lease` reads after its data, and must find there."""
         word = self.regions([self.leases.words[lease.word : lease.word + 1].view(torch.uint8)])[0]
@@ -272,6 +276,8 @@ class StateServer:
                 raise
             except Exception as e:  # malformed or truncated: drop it, keep serving
                 log.warning("bad pull notice", error=str(e))
+                continue
+            if not notice.lease_id:  # a puller's warm-up (StatePuller.warm)
                 continue
             if not self.leases.finish(notice.lease_id, notice.token, pulled=notice.done):
                 continue  # ended already (expired, released) or a wrong token
@@ -305,21 +311,25 @@ class StatePuller:
             await asyncio.wait(self._notices, timeout=1.0)
         self._eps.close()
 
-    async def warm(self, holder_address: bytes, regions: list[Region], device: torch.device, timeout_s: float) -> float:
-        """Read the first byte of each of a holder's regions now, so that what UCX sets up on the first read from a
-        peer (cuda_ipc opening the holder's pool allocations) happens before the first request from it. On the
-        H200 pair this takes ~40 ms, but the first pull after it still took 67-86 ms (110-150 ms without it)
-        and stalled one decode step by ~60 ms: not all of a first pull's setup is warmed yet (bench/RESULTS.md).
-        Returns the seconds taken; raises TransferError."""
+    async def warm(self, holder_address: bytes, pools: list[Region], words: Region | None, device: torch.device,
+                   timeout_s: float) -> float:  # fmt: skip
+        """Do now, before the first request from a holder, what UCX sets up on the first pull from it: the
+        endpoint, the remote keys, the first read of each of its pools into `device` memory (cuda_ipc opens the
+        holder's allocations), of its lease words (StateServer.words) into host memory, and the first notice. UCX
+        chooses its protocols for each kind of operation on first use: on the H200 pair the first notice's send
+        alone took 60-72 ms, holding the event loop and the GIL. Returns the seconds taken; raises TransferError."""
+        from deltamesh.v1 import transfer_pb2
+
         ucx = loop_worker.get()
-        scratch = torch.empty(len(regions), dtype=torch.uint8, device=device)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
                 ep = self._eps.get(holder_address)
-                keys = [self._eps.rkey(holder_address, r.rkey) for r in regions]
-                await asyncio.gather(*(ucx.get(ep, scratch[i : i + 1], r.address, key) for i, (r, key)
-                                       in enumerate(zip(regions, keys))))  # fmt: skip
+                reads = [(r, torch.empty(1, dtype=torch.uint8, device=device)) for r in pools]
+                reads += [(words, torch.empty(8, dtype=torch.uint8))] if words else []
+                await asyncio.gather(*(ucx.get(ep, into, r.address, self._eps.rkey(holder_address, r.rkey))
+                                       for r, into in reads))  # fmt: skip
+                await ucx.send(ep, _frame(transfer_pb2.PullNotice()), NOTICE_TAG)  # no lease id: the holder skips it
         except Exception as e:  # unreachable or gone: the first pull will find out again
             self._eps.drop(holder_address)
             raise TransferError(f"warm-up read from a prefill worker failed: {e!r}") from e

@@ -1,6 +1,6 @@
 """Decode worker: set up the side channel to each prefill worker the router names, once and in the
-background, so that the first request from a prefill worker does not pay for it (on GPUs, cuda_ipc opening
-the peer's pool allocations: measured 110-150 ms for a first pull, stalling a decode step 55-68 ms)."""
+background, so that the first request from a prefill worker does not pay for it (on GPUs: measured 110-150 ms
+for a first pull without it, stalling a decode step by 55-68 ms; ~1.2 ms and no stall with it)."""
 
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ class PeerWarmer:
             task.add_done_callback(self._tasks.discard)
 
     async def _warm(self, peer: router_pb2.SideChannel) -> None:
-        regions = [Region(1, address, rkey) for address, rkey in zip(peer.region_addresses, peer.region_rkeys)]
+        pools = [Region(1, address, rkey) for address, rkey in zip(peer.region_addresses, peer.region_rkeys)]
+        words = Region(8, peer.lease_words_address, peer.lease_words_rkey) if peer.lease_words_rkey else None
         try:
-            seconds = await self.puller.warm(peer.ucx_address, regions, self.device, self.timeout_s)
+            seconds = await self.puller.warm(peer.ucx_address, pools, words, self.device, self.timeout_s)
         except TransferError as e:
             log.warning("side channel warm-up failed", error=str(e))
             return
-        log.info("side channel warmed", regions=len(regions), seconds=round(seconds, 4))
+        log.info("side channel warmed", regions=len(pools), seconds=round(seconds, 4))
 
     async def close(self) -> None:
         for task in self._tasks:

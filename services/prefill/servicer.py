@@ -63,10 +63,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                                        region_bytes=[r.nbytes for r in regions], **_where(regions))  # fmt: skip
 
     def side_channel(self) -> router_pb2.SideChannel:
-        """Where this worker's pools can be read (registered with UCX now, once), for decode workers to set up
-        their reads before the first request."""
+        """Where this worker's pools and lease words can be read (registered with UCX now, once), for decode
+        workers to set up their side channel to it before the first request."""
         regions = self.state_server.regions(self.engine.core.pool_views())
-        return router_pb2.SideChannel(ucx_address=self.state_server.address, **_where(regions))
+        words = self.state_server.words()
+        return router_pb2.SideChannel(ucx_address=self.state_server.address, **_where(regions),
+                                      lease_words_address=words.address, lease_words_rkey=words.rkey)  # fmt: skip
 
     def _ended(self, rid: str, reason: str) -> None:
         self.engine.core.release_held(rid)

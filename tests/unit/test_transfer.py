@@ -110,6 +110,26 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
     asyncio.run(main())
 
 
+def test_a_warm_up_reads_the_pools_and_lease_words_and_ends_no_lease():
+    """StatePuller.warm reads from the holder's pools and its lease words and sends a notice without a lease id,
+    which the holder skips: a lease offered before stays pullable."""
+    configure_ucx("127.0.0.1")
+
+    async def main():
+        async with _side_channel() as (leases, server, puller):
+            src, lease, regions, check, ended = _source(leases, server)
+            words = server.words()
+            assert words.rkey == check.rkey and words.address <= check.address < words.address + words.nbytes
+            await puller.warm(server.address, regions, words, torch.device("cpu"), 10)
+            await asyncio.sleep(0.1)  # the warm-up notice has reached the holder
+            assert ended == [] and len(leases) == 1 and not server.timeline
+            dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
+            await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
+            assert torch.equal(dst[0], torch.cat(src)) and await _until(lambda: ended == ["pulled"])
+
+    asyncio.run(main())
+
+
 def test_a_lease_that_ends_while_its_reads_run_fails_the_pull(monkeypatch):
     """The holder releases the lease after the reads completed but before the puller checked the word (the
     failpoint holds it there): the bytes may already be another request's, so the pull is refused."""
