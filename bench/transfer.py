@@ -751,8 +751,13 @@ def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) 
     return rows
 
 
+RAW_COPY_GAP_S = 0.02  # the idle time before each copy of the "after idle" raw row
+
+
 def peer_copy_baseline(opts: Options, lengths: list[int], reps: int) -> list[dict]:
-    """A raw device-to-device copy of the same bytes from GPU 0 to GPU 1 (NVLink when present), one buffer."""
+    """A raw device-to-device copy of the same bytes from GPU 0 to GPU 1 (NVLink when present), one buffer: back
+    to back (the goal's baseline), and each after RAW_COPY_GAP_S of idle GPUs and link, as a pull finds them when
+    requests arrive apart (and as every pull of this benchmark does)."""
     import torch
 
     kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
@@ -762,24 +767,27 @@ def peer_copy_baseline(opts: Options, lengths: list[int], reps: int) -> list[dic
         total = kv_bytes + st.slot_bytes
         src = torch.empty(total, dtype=torch.uint8, device="cuda:0").random_(0, 256)
         dst = torch.empty(total, dtype=torch.uint8, device="cuda:1")
-        secs = []
-        for rep in range(reps + 4):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(torch.cuda.current_stream(0))
-            dst.copy_(src)
-            end.record(torch.cuda.current_stream(0))
-            torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
-            if rep >= 4:
-                secs.append(start.elapsed_time(end) / 1e3)
-        if not torch.equal(src.cpu(), dst.cpu()):
-            raise RuntimeError("peer copy baseline copied the wrong bytes")
-        rows.append({
-            "mode": "raw GPU0->GPU1 copy (torch copy_)", "error_handling": None, "tokens": n_tokens,
-            "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes, "bytes": total, "buffers": 1,
-            "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
-            "gb_per_s": total / median(secs) / 1e9,
-        })  # fmt: skip
+        for gap_s, mode in ((0.0, "raw GPU0->GPU1 copy (torch copy_)"),
+                            (RAW_COPY_GAP_S, f"raw GPU0->GPU1 copy, each after {RAW_COPY_GAP_S * 1e3:g} ms idle")):
+            secs = []
+            for rep in range(reps + 4):
+                time.sleep(gap_s)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(torch.cuda.current_stream(0))
+                dst.copy_(src)
+                end.record(torch.cuda.current_stream(0))
+                torch.cuda.synchronize(0)
+                torch.cuda.synchronize(1)
+                if rep >= 4:
+                    secs.append(start.elapsed_time(end) / 1e3)
+            if not torch.equal(src.cpu(), dst.cpu()):
+                raise RuntimeError("peer copy baseline copied the wrong bytes")
+            rows.append({
+                "mode": mode, "error_handling": None, "tokens": n_tokens, "idle_before_s": gap_s,
+                "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes, "bytes": total, "buffers": 1,
+                "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
+                "gb_per_s": total / median(secs) / 1e9,
+            })  # fmt: skip
         del src, dst
     return rows
 
