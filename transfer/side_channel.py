@@ -317,7 +317,8 @@ class StatePuller:
         endpoint, the remote keys, the first read of each of its pools into `device` memory (cuda_ipc opens the
         holder's allocations), of its lease words (StateServer.words) into host memory, and the first notice. UCX
         chooses its protocols for each kind of operation on first use: on the H200 pair the first notice's send
-        alone took 60-72 ms, holding the event loop and the GIL. Returns the seconds taken; raises TransferError."""
+        alone took 60-72 ms, blocking the event loop, and stretched the decode step beside it as long. Returns the
+        seconds taken; raises TransferError."""
         from deltamesh.v1 import transfer_pb2
 
         ucx = loop_worker.get()
@@ -332,7 +333,7 @@ class StatePuller:
                 await ucx.send(ep, _frame(transfer_pb2.PullNotice()), NOTICE_TAG)  # no lease id: the holder skips it
         except Exception as e:  # unreachable or gone: the first pull will find out again
             self._eps.drop(holder_address)
-            raise TransferError(f"warm-up read from a prefill worker failed: {e!r}") from e
+            raise TransferError(f"side-channel warm-up with a prefill worker failed: {e!r}") from e
         return time.perf_counter() - started
 
     def release_after(self, lease_id: str, release) -> None:

@@ -1,6 +1,6 @@
 """Decode worker: set up the side channel to each prefill worker the router names, once and in the
 background, so that the first request from a prefill worker does not pay for it (on GPUs: measured 110-150 ms
-for a first pull without it, stalling a decode step by 55-68 ms; ~1.2 ms and no stall with it)."""
+for a first pull without it, stalling a decode step by 55-68 ms; 1-2 ms and no stall with it)."""
 
 from __future__ import annotations
 
