@@ -17,10 +17,11 @@ means TCP over `lo`; off: UCX may use shared memory / CMA between the two proces
   parent (multiprocessing Pipes), as the router carries them over gRPC in the mesh.
 - puller: reserves pages + a slot in its own pools (zeroed), pulls (StatePuller.pull) and checks the
   checksum of what arrived before anything is reported; the holder confirms the lease ended as "pulled".
-Each length runs --reps + 1 pulls; the first is a warm-up and is dropped. Seconds are StatePuller's own
+Each length runs --reps + 1 pulls; the first is left out of the medians and reported apart (the first pull from a
+peer pays UCX's set-up, which --warm does before it, as a decode worker does). Seconds are StatePuller's own
 (called -> every segment received and the lease word checked, endpoint reuse included as in a running worker). The baseline row
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
-GPU 0 -> GPU 1 copy). Options: --floor adds UCX's own floors, by tag messages (floor_holder) and by the bare RMA
+GPU 0 -> GPU 1 copy, back to back and each after an idle pause). Options: --floor adds UCX's own floors, by tag messages (floor_holder) and by the bare RMA
 reads a pull posts, spinning (floor_rma_puller) and through the event loop (floor_rma_loop); --in-flight N pulls
 N requests at once; --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
 times before the first pull vs during pulls: a decode loop in the puller, or with --overlap-side prefill a
@@ -657,10 +658,11 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                     raise RuntimeError(f"leases ended as {reasons!r}, expected 'pulled'")
                 info = {"kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "holder_regions": len(regions),
                         "puller_regions": res["puller_regions"], "buffers": res["buffers"]}  # fmt: skip
-                if rep > 0:  # the first pull is the warm-up
-                    samples.append({**res, "phases": phases(res["marks"], holder_times)})
-                else:  # reported apart: where the first pull from a peer (or into new pages) spends its time
-                    first = {"seconds": res["seconds"], "phases": phases(res["marks"], holder_times)}
+                sample = {**res, "phases": phases(res["marks"], holder_times)}
+                if rep > 0:
+                    samples.append(sample)
+                else:  # reported apart: where the first pull from a peer spends its time
+                    first = {"seconds": res["seconds"], "phases": sample["phases"]}
             secs = [s["seconds"] for s in samples]
             total = (info["kv_bytes"] + info["gdn_bytes"]) * opts.in_flight
             in_flight = f", {opts.in_flight} pulls at once" if opts.in_flight > 1 else ""
