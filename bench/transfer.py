@@ -80,7 +80,7 @@ class Options:
     overlap_idle_s: float = 3.0  # engine steps before the first pull: the undisturbed baseline
     spin_s: float = 0.02  # StatePuller(spin_s=...): GPU pulls progress UCX on every loop turn for at most this long
     rotate: int = 1  # the puller's pulls land in this many places of its pools in turn (1: always the same pages)
-    warm: bool = False  # before the first pull, the puller reads a byte of each holder pool (StatePuller.warm)
+    warm: bool = False  # before the first pull, the puller runs the side-channel warm-up (StatePuller.warm)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ async def _holder(conn, opts: Options) -> None:
                 break
             if msg[0] == "report":
                 conn.send(("overlap", prefill_loop.stop() if prefill_loop else None, preps))
-            if msg[0] == "pools":  # the whole pools, as a prefill worker registers them with the router
+            if msg[0] == "pools":  # the whole pools and the lease words, as a prefill worker registers them
                 conn.send(("pools", server.regions(pool_views(kv, st)), server.words()))
             if msg[0] == "offer":
                 _, lease_id, n_tokens, seed = msg
@@ -832,8 +832,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spin-ms", type=lambda s: [float(x) for x in s.split(",")], default=[20.0],
                    help="comma list: how long a GPU pull may spin on UCX progress (StatePuller spin_s; 0: events only)")
     p.add_argument("--warm", action="store_true",
-                   help="before the first pull, read a byte of each of the holder's pools (StatePuller.warm), as a "
-                        "decode worker does when a prefill worker joins; reported apart from the pulls")  # fmt: skip
+                   help="before the first pull, run the side-channel warm-up (StatePuller.warm: a read of each of the "
+                        "holder's pools and of its lease words, a notice), as a decode worker does when a prefill "
+                        "worker joins; reported apart from the pulls")  # fmt: skip
     p.add_argument("--rotate", type=int, default=1,
                    help="pull into this many places of the puller's pools in turn, as a decode worker's pulls land in "
                         "pages that change from request to request (default 1: the same pages every time)")  # fmt: skip

@@ -226,7 +226,7 @@ class StateServer:
 
     async def start(self) -> None:
         self.address = worker_address()
-        self.regions([self.leases.words.view(torch.uint8)])  # registered before any lease points into it
+        self.words()  # registered before any lease points into it
         self._task = asyncio.create_task(self._serve())
 
     async def stop(self) -> None:
@@ -257,8 +257,8 @@ class StateServer:
 
     def lease_check(self, lease: Lease) -> LeaseCheck:
         """What a puller of `lease` reads after its data, and must find there."""
-        word = self.regions([self.leases.words[lease.word : lease.word + 1].view(torch.uint8)])[0]
-        return LeaseCheck(word.address, word.rkey, lease.nonce)
+        words = self.words()
+        return LeaseCheck(words.address + lease.word * self.leases.words.element_size(), words.rkey, lease.nonce)
 
     async def _serve(self) -> None:
         import numpy as np
