@@ -5,6 +5,7 @@ over UCX (cuda_ipc), against the monolithic engine on GPU 0.
 - the dummy Qwen3.5-9B-shaped model in bf16: reports the greedy match rate over 100 prompts x 64 tokens.
 
     python bench/gpu_fidelity.py --out bench/results/gpu_fidelity.json
+    python bench/gpu_fidelity.py --only fp32 --out bench/results/gpu_fidelity_fp32.json
 """
 
 from __future__ import annotations
@@ -64,12 +65,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/gpu_fidelity.json")
     p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--only", choices=["fp32", "bf16"], help="run only this comparison")
     args = p.parse_args()
-    rows = [compare(str(DEFAULT_MODEL), "float32", 32, 64, [], Path(args.log_dir))]
-    print(json.dumps(rows[-1]), flush=True)
-    rows.append(compare(str(ROOT / "bench/configs/qwen3.5-9b"), "bfloat16", 100, 64, ["--load-format", "dummy"],
-                        Path(args.log_dir)))  # fmt: skip
-    print(json.dumps(rows[-1]), flush=True)
+    rows = []
+    if args.only != "bf16":
+        rows.append(compare(str(DEFAULT_MODEL), "float32", 32, 64, [], Path(args.log_dir)))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.only != "fp32":
+        rows.append(compare(str(ROOT / "bench/configs/qwen3.5-9b"), "bfloat16", 100, 64, ["--load-format", "dummy"],
+                            Path(args.log_dir)))  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -23,7 +23,8 @@ peer pays UCX's set-up, which --warm does before it, as a decode worker does). S
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
 GPU 0 -> GPU 1 copy, back to back and each after an idle pause). Options: --floor adds UCX's own floors, by tag messages (floor_holder) and by the bare RMA
 reads a pull posts, spinning (floor_rma_puller) and through the event loop (floor_rma_loop); --in-flight N pulls
-N requests at once; --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
+N requests at once, --sequence N pulls N in a row (back to back, as the raw copy's first row), --gap-ms G leaves the
+GPUs idle G ms before each pull (as its second row); --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
 times before the first pull vs during pulls: a decode loop in the puller, or with --overlap-side prefill a
 prefill loop in the holder (whose event loop takes the notices, and over TCP serves the reads).
 """
@@ -80,6 +81,8 @@ class Options:
     overlap_idle_s: float = 3.0  # engine steps before the first pull: the undisturbed baseline
     spin_s: float = 0.02  # StatePuller(spin_s=...): GPU pulls progress UCX on every loop turn for at most this long
     rotate: int = 1  # the puller's pulls land in this many places of its pools in turn (1: always the same pages)
+    sequence: int = 1  # requests pulled one after another, back to back (each starts when the one before ends)
+    gap_s: float = 0.0  # the GPUs and the link stay idle this long before each pull (each sequence)
     warm: bool = False  # before the first pull, the puller runs the side-channel warm-up (StatePuller.warm)
 
 
@@ -112,7 +115,7 @@ def _pools(opts: Options, copies: int = 1):
     mc = ModelConfig.from_dir(opts.model_config)
     dtype, state_dtype = dtypes[opts.dtype], dtypes[opts.state_dtype]
     cpu = torch.device(opts.device)
-    requests = opts.in_flight * copies
+    requests = _offers_per_pull(opts) * copies
     kv = KVPagePool(
         requests * -(-opts.max_tokens // PAGE_SIZE), PAGE_SIZE, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
         dtype, cpu,
@@ -122,6 +125,11 @@ def _pools(opts: Options, copies: int = 1):
         mc.linear_key_head_dim, mc.linear_value_head_dim, dtype, state_dtype, cpu,
     )  # fmt: skip
     return kv, st
+
+
+def _offers_per_pull(opts: Options) -> int:
+    """Leases offered for each of the puller's turns: pulled at once (--in-flight) or in a row (--sequence)."""
+    return max(opts.in_flight, opts.sequence)
 
 
 def _buffers(kv, st, pages, slot) -> list:
@@ -173,10 +181,10 @@ async def _holder(conn, opts: Options) -> None:
     import torch
 
     from engine.cache import pool_views
-    from transfer import LeaseTable, StateServer
+    from transfer import LEASE_QUARANTINE_S, LeaseTable, StateServer
 
     kv, st = _pools(opts)
-    leases = LeaseTable()
+    leases = LeaseTable(quarantine_s=LEASE_QUARANTINE_S)  # as a prefill worker's
     server = StateServer(leases)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -399,13 +407,19 @@ async def _puller(conn, opts: Options) -> None:
                         b.zero_()
                 if aux:  # UCX writes from its own stream: the zeroing must be done before the pull starts
                     aux.synchronize()
+                if opts.gap_s:
+                    await asyncio.sleep(opts.gap_s)
+                pulls_of = [puller.pull(address, lease_id, token, check, regions, buffers, opts.timeout_s)
+                            for (lease_id, token, check, regions, _), buffers in zip(offers, targets)]  # fmt: skip
                 t0 = time.perf_counter()
                 try:
-                    stats = await asyncio.gather(*(
-                        puller.pull(address, lease_id, token, check, regions, buffers, opts.timeout_s)
-                        for (lease_id, token, check, regions, _), buffers in zip(offers, targets)
-                    ))  # fmt: skip
+                    if opts.sequence > 1:
+                        stats = [await pull for pull in pulls_of]
+                    else:
+                        stats = await asyncio.gather(*pulls_of)
                 except TransferError as e:
+                    for pull in pulls_of:  # those of the sequence not started
+                        pull.close()
                     conn.send(("pulled", {"error": str(e)}))
                     continue
                 wall = time.perf_counter() - t0
@@ -415,7 +429,8 @@ async def _puller(conn, opts: Options) -> None:
                 checks.append((t0 + wall, time.perf_counter()))
                 conn.send(("pulled", {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
                                       "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
-                                      "marks": [x.marks for x in stats],
+                                      "pull_seconds": [x.seconds for x in stats], "marks": [x.marks for x in stats],
+                                      "rechecked": [x.rechecked for x in stats],
                                       "puller_regions": len(targets[0]), "crc_ok": ok}))  # fmt: skip
             finally:
                 for pages, slot in held:
@@ -620,6 +635,9 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
     mode = "on" if opts.error_handling else "off"
     spin = f", spin {opts.spin_s * 1e3:g} ms" if opts.device == "cuda" else ""
     label = f"eh-{mode}-x{opts.in_flight}" + (f"-spin{opts.spin_s * 1e3:g}" if spin else "")
+    label += (f"-seq{opts.sequence}" if opts.sequence > 1 else "") + (f"-gap{opts.gap_s * 1e3:g}" if opts.gap_s else "")
+    when = (f", {opts.sequence} in a row: all but the first" if opts.sequence > 1 else "") + (
+        f", each {'sequence' if opts.sequence > 1 else 'pull'} after {opts.gap_s * 1e3:g} ms idle" if opts.gap_s else "")
     rows, overlap = [], None
     with _processes(opts) as (h_conn, p_conn):
         (address,) = _expect(h_conn, "ready", 120)
@@ -636,10 +654,10 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
         for n_tokens in lengths:
             samples, info = [], {}
             for rep in range(reps + 1):
-                lease_ids = [f"bench-{label}-{n_tokens}-{rep}-{i}" for i in range(opts.in_flight)]
+                lease_ids = [f"bench-{label}-{n_tokens}-{rep}-{i}" for i in range(_offers_per_pull(opts))]
                 offers = []
                 for i, lease_id in enumerate(lease_ids):
-                    h_conn.send(("offer", lease_id, n_tokens, seed + rep * opts.in_flight + i))
+                    h_conn.send(("offer", lease_id, n_tokens, seed + rep * len(lease_ids) + i))
                     token, check, regions, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
                     offers.append((lease_id, token, check, regions, crc))
                 p_conn.send(("pull", address, n_tokens, offers))
@@ -658,17 +676,22 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                     raise RuntimeError(f"leases ended as {reasons!r}, expected 'pulled'")
                 info = {"kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "holder_regions": len(regions),
                         "puller_regions": res["puller_regions"], "buffers": res["buffers"]}  # fmt: skip
-                sample = {**res, "phases": phases(res["marks"], holder_times)}
+                if opts.sequence > 1:  # each pull its own sample; the first of each row is the one after the gap
+                    new = [{"seconds": x, "wall_seconds": x, "marks": [m], "phases": phases([m], [h]), "rechecked": r}
+                           for x, m, h, r in zip(res["pull_seconds"], res["marks"], holder_times, res["rechecked"])]
+                else:
+                    new = [{**res, "phases": phases(res["marks"], holder_times), "rechecked": any(res["rechecked"])}]
                 if rep > 0:
-                    samples.append(sample)
+                    samples += new[1:] if opts.sequence > 1 else new
                 else:  # reported apart: where the first pull from a peer spends its time
-                    first = {"seconds": res["seconds"], "phases": sample["phases"]}
+                    first = {"seconds": new[0]["seconds"], "phases": new[0]["phases"]}
             secs = [s["seconds"] for s in samples]
             total = (info["kv_bytes"] + info["gdn_bytes"]) * opts.in_flight
             in_flight = f", {opts.in_flight} pulls at once" if opts.in_flight > 1 else ""
             row = {
-                "mode": f"ucx error handling {mode}{in_flight}{spin}", "error_handling": opts.error_handling,
-                "rotate": opts.rotate,
+                "mode": f"ucx error handling {mode}{in_flight}{spin}{when}", "error_handling": opts.error_handling,
+                "rotate": opts.rotate, "sequence": opts.sequence, "idle_before_s": opts.gap_s,
+                "rechecked": sum(s["rechecked"] for s in samples),  # timed pulls that read the lease word twice
                 "in_flight": opts.in_flight, "spin_ms": opts.spin_s * 1e3 if spin else None, "tokens": n_tokens,
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
@@ -821,6 +844,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=None, help="run only this mode (default: both, one row each)")  # fmt: skip
     p.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="requests pulled at once, e.g. 1,4: their pulls overlap; a row per value (default 1)")
+    p.add_argument("--sequence", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="requests pulled one after another, back to back, e.g. 1,4: a row per value, timing every "
+                        "pull but the first of each turn (default 1; rows with --in-flight above 1 pull one at a time)")
+    p.add_argument("--gap-ms", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
+                   help="comma list: idle milliseconds before each pull (each --sequence), the GPUs and the link "
+                        "untouched, as before the raw copy's after-idle row; a row per value (default 0)")
     p.add_argument("--overlap-model", default=None,
                    help="also run an engine loop of this model (a checkpoint, or a config dir: dummy weights) on a "
                         "thread, as a worker does, and compare its step times before and during the pulls")
@@ -871,14 +900,15 @@ def main(argv=None) -> int:
     if skipped:
         print(f"skipping lengths above --max-tokens {max_tokens}: {skipped}", flush=True)
     rows, overlaps = [], []
+    turns = [(n, 1) for n in args.in_flight] + [(1, n) for n in args.sequence if n > 1]  # (in flight, in a row)
     for eh in modes:
         for spin_ms in args.spin_ms if args.device == "cuda" else [0.0]:
-            for in_flight in args.in_flight:
+            for (in_flight, sequence), gap_ms in ((turn, gap) for turn in turns for gap in args.gap_ms):
                 opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), eh, args.timeout,
                                args.ucx_proto_info, args.device, in_flight, overlap_model=args.overlap_model,
                                overlap_side=args.overlap_side, overlap_batch=args.overlap_batch,
                                overlap_context=args.overlap_context, spin_s=spin_ms / 1e3, warm=args.warm,
-                               rotate=args.rotate)  # fmt: skip
+                               rotate=args.rotate, sequence=sequence, gap_s=gap_ms / 1e3)  # fmt: skip
                 mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
                 rows += mode_rows
                 overlaps += [overlap] if overlap else []
@@ -926,7 +956,9 @@ def main(argv=None) -> int:
     ))  # fmt: skip
     pulls = [r for r in rows if "phases_ms_median" in r]
     print("\nwhere a pull's time goes (median ms; one clock for both processes)")
-    print(table(["mode", "tokens", *PHASES], [[r["mode"], r["tokens"], *r["phases_ms_median"].values()] for r in pulls]))
+    print(table(["mode", "tokens", *PHASES, "word read twice"],
+                [[r["mode"], r["tokens"], *r["phases_ms_median"].values(), f"{r['rechecked']} of {len(r['seconds'])}"]
+                 for r in pulls]))  # fmt: skip
     print("\nthe dropped first pull of each row (ms)")
     print(table(["mode", "tokens", "pull", *PHASES],
                 [[r["mode"], r["tokens"], r["first_pull"]["seconds"] * 1e3, *r["first_pull"]["phases"].values()]

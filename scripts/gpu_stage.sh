@@ -5,11 +5,13 @@
 #   stage k: the GDN kernel table and the paged-attention launch sweep (one GPU)
 #   stage b: the 1P+1D serving sweep (prefill GPU 0, decode GPU 1)
 #   stage c: the colocated serving sweep (one GPU)
-#   stage t: side channel: phases of a pull (events only vs spinning), UCX's floor, pulls at once, pulls into
-#            changing pages, a decode loop beside them, a prefill loop in the holder beside them (fidelity: stage f)
+#   stage t: side channel: phases of a pull (events only vs spinning), UCX's floor, pulls at once, in a row and
+#            after an idle gap (as the raw copy's two rows), pulls into changing pages, a decode loop beside them,
+#            a prefill loop in the holder beside them (fidelity: stage f or q)
 #   stage f: disaggregated vs monolithic greedy fidelity on the two GPUs (+ the bf16 batch-invariance control)
+#   stage q: the fp32 fidelity check alone (token-exact), with the decode worker's pull log lines
 set -u
-stage=${1:?stage a, k, b, c, t or f}
+stage=${1:?stage a, k, b, c, t, f or q}
 parts=(.gpu-wheels2/p*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -47,8 +49,8 @@ t)
   # UCX's own floors for the same buffers, two pulls at once, pulls into changing pages; a decode loop (9B shape,
   # batch 64 at 4k) beside the pulls, after the side-channel warm-up; a prefill loop in the holder beside them.
   pull=(python bench/transfer.py --device cuda --no-ucx-error-handling --max-tokens 32k --reps 7)
-  TAIL=40 run t_pulls 240 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --spin-ms 0,20 \
-    --ucx-proto-info --out "$OUT/t_pulls.json"
+  TAIL=60 run t_pulls 300 "${pull[@]}" --lengths 1k,8k,32k --floor --in-flight 1,2 --sequence 4 --gap-ms 0,20 \
+    --spin-ms 0,20 --ucx-proto-info --out "$OUT/t_pulls.json"
   grep -m 8 -E "cuda_ipc|cma|into host memory" "$OUT/t_pulls.log" | cut -c1-200
   # every pull into other pages of the puller's pools, as in a decode worker (above: the same pages every time)
   TAIL=12 run t_pulls_rotate 150 "${pull[@]}" --lengths 1k,8k,32k --spin-ms 20 --rotate 8 --out "$OUT/t_pulls_rotate.json"
@@ -64,5 +66,12 @@ f)
   # Disaggregated (GPU 0 -> GPU 1) vs monolithic greedy output, and the bf16 batch-invariance control
   run gpu_fidelity 480 python bench/gpu_fidelity.py --out "$OUT/gpu_fidelity.json" --log-dir /tmp
   run gpu_batch_invariance 240 python bench/gpu_batch_invariance.py --out "$OUT/gpu_batch_invariance.json"
+  ;;
+q)
+  rm -f /tmp/q-logs/*.log && mkdir -p /tmp/q-logs
+  run gpu_fidelity_fp32 300 python bench/gpu_fidelity.py --only fp32 --out "$OUT/gpu_fidelity_fp32.json" --log-dir /tmp/q-logs
+  grep -h 'state received' /tmp/q-logs/decode-*.log | head -n 3 | cut -c1-400
+  echo "pulls: $(grep -h -c 'state received' /tmp/q-logs/decode-*.log), word read twice:" \
+    "$(grep -h 'state received' /tmp/q-logs/decode-*.log | grep -c '"rechecked": true')"
   ;;
 esac

@@ -26,3 +26,17 @@ def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path, side):
     (overlap,) = result["overlap"]
     assert overlap["side"] == side and overlap["pulls"] == 2 and overlap["idle"]["steps"] > 0
     assert len(overlap["warm_up_ms"]) == 1
+
+
+def test_transfer_bench_times_pulls_in_a_row_and_after_an_idle_gap(tmp_path):
+    """--sequence 3: every pull of a turn but the first is timed (back to back, as the raw copy's first row);
+    --gap-ms: the turn starts after that much idle time (as its second row). Every pull verified."""
+    out = tmp_path / "transfer.json"
+    assert transfer.main(["--lengths", "128", "--reps", "2", "--no-ucx-error-handling", "--sequence", "3",
+                          "--gap-ms", "5", "--out", str(out)]) == 0  # fmt: skip
+    rows = [r for r in json.loads(out.read_text())["results"] if "phases_ms_median" in r]
+    single, in_a_row = sorted(rows, key=lambda r: r["sequence"])
+    assert single["idle_before_s"] == in_a_row["idle_before_s"] == 0.005
+    assert len(single["seconds"]) == 2 and len(in_a_row["seconds"]) == 2 * 2  # 2 timed turns of 3, less the first
+    assert all(r["verified"] == "crc32" and 0 <= r["rechecked"] <= len(r["seconds"]) for r in rows)
+    assert "3 in a row" in in_a_row["mode"] and "after 5 ms idle" in single["mode"]
