@@ -83,6 +83,7 @@ class Options:
     rotate: int = 1  # the puller's pulls land in this many places of its pools in turn (1: always the same pages)
     sequence: int = 1  # requests pulled one after another, back to back (each starts when the one before ends)
     gap_s: float = 0.0  # the GPUs and the link stay idle this long before each pull (each sequence)
+    offers_first: int = 0  # turns whose states the holder prepares before its engine loop starts (0: each in turn)
     warm: bool = False  # before the first pull, the puller runs the side-channel warm-up (StatePuller.warm)
 
 
@@ -181,10 +182,10 @@ async def _holder(conn, opts: Options) -> None:
     import torch
 
     from engine.cache import pool_views
-    from transfer import LEASE_QUARANTINE_S, LeaseTable, StateServer
+    from transfer import LeaseTable, StateServer
 
-    kv, st = _pools(opts)
-    leases = LeaseTable(quarantine_s=LEASE_QUARANTINE_S)  # as a prefill worker's
+    kv, st = _pools(opts, copies=max(1, opts.offers_first))
+    leases = LeaseTable()
     server = StateServer(leases)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -192,13 +193,13 @@ async def _holder(conn, opts: Options) -> None:
     preps: list[tuple[float, float]] = []  # when the benchmark seeded and summed an offer (GPU work beside the loop)
     prefill_loop = EngineLoop(opts) if opts.overlap_model and opts.overlap_side == "prefill" else None
     conn.send(("ready", server.address))
-    if prefill_loop:
-        prefill_loop.start()
     try:
         while True:
             msg = await _recv(conn)
             if msg[0] == "stop":
                 break
+            if msg[0] == "start-loop" and prefill_loop:  # after any offers prepared up front
+                prefill_loop.start()
             if msg[0] == "report":
                 conn.send(("overlap", prefill_loop.stop() if prefill_loop else None, preps))
             if msg[0] == "pools":  # the whole pools and the lease words, as a prefill worker registers them
@@ -310,7 +311,7 @@ Spans = list[tuple[float, float]]  # (start, end) perf_counter() pairs
 
 
 def overlap_summary(steps: Spans, pulls: Spans, checks: Spans = (), warm_ups: Spans = ()) -> dict:
-    """Engine step times before the first pull, warm-up or piece of the benchmark's own GPU work (idle) vs
+    """Engine step times before the first pull or warm-up that overlap none of the benchmark's own GPU work (idle) vs
     steps that overlapped a pull; and, apart, the steps that overlapped a pull but none of `checks` (the
     benchmark's own GPU work beside the loop: on the decode side its check of the pulled bytes, right after
     each pull; on the prefill side its seeding and summing of each offered state) vs those that overlapped
@@ -324,8 +325,8 @@ def overlap_summary(steps: Spans, pulls: Spans, checks: Spans = (), warm_ups: Sp
     def overlaps(start: float, end: float, spans) -> bool:
         return any(start < s1 and end > s0 for s0, s1 in spans)
 
-    first = min(start for start, _ in [*pulls, *warm_ups, *checks])
-    idle = [end - start for start, end in steps if end <= first]
+    first = min(start for start, _ in [*pulls, *warm_ups])
+    idle = [end - start for start, end in steps if end <= first and not overlaps(start, end, checks)]
     overlapping = [[end - start for start, end in steps if overlaps(start, end, [pull])] for pull in pulls]
     during = [end - start for start, end in steps if overlaps(start, end, pulls)]
     pull_only = [end - start for start, end in steps if overlaps(start, end, pulls) and not overlaps(start, end, checks)]
@@ -430,7 +431,6 @@ async def _puller(conn, opts: Options) -> None:
                 conn.send(("pulled", {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
                                       "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
                                       "pull_seconds": [x.seconds for x in stats], "marks": [x.marks for x in stats],
-                                      "rechecked": [x.rechecked for x in stats],
                                       "puller_regions": len(targets[0]), "crc_ok": ok}))  # fmt: skip
             finally:
                 for pages, slot in held:
@@ -639,9 +639,25 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
     when = (f", {opts.sequence} in a row: all but the first" if opts.sequence > 1 else "") + (
         f", each {'sequence' if opts.sequence > 1 else 'pull'} after {opts.gap_s * 1e3:g} ms idle" if opts.gap_s else "")
     rows, overlap = [], None
+    turns = [(n_tokens, rep) for n_tokens in lengths for rep in range(reps + 1)]
+    opts = Options(**{**asdict(opts), "offers_first": len(turns) if opts.offers_first else 0})
+
+    def offer(lease_id: str, n_tokens: int, seed: int) -> tuple:
+        """(lease id, token, check, regions, checksum, KV bytes, GDN bytes) of a state the holder prepared."""
+        h_conn.send(("offer", lease_id, n_tokens, seed))
+        return (lease_id, *_expect(h_conn, "offered", opts.timeout_s))
+
+    def lease_ids(n_tokens: int, rep: int) -> list[str]:
+        return [f"bench-{label}-{n_tokens}-{rep}-{i}" for i in range(_offers_per_pull(opts))]
+
     with _processes(opts) as (h_conn, p_conn):
         (address,) = _expect(h_conn, "ready", 120)
         _expect(p_conn, "ready", 300)
+        prepared = {}  # lease id -> offer, with --offers-first: every turn's, before the engine loop starts
+        for n_tokens, rep in turns if opts.offers_first else []:
+            for i, lease_id in enumerate(lease_ids(n_tokens, rep)):
+                prepared[lease_id] = offer(lease_id, n_tokens, seed + rep * _offers_per_pull(opts) + i)
+        h_conn.send(("start-loop",))
         if opts.overlap_model:
             time.sleep(opts.overlap_idle_s)  # the engine loop runs undisturbed: its baseline
         if opts.warm:
@@ -654,16 +670,15 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
         for n_tokens in lengths:
             samples, info = [], {}
             for rep in range(reps + 1):
-                lease_ids = [f"bench-{label}-{n_tokens}-{rep}-{i}" for i in range(_offers_per_pull(opts))]
-                offers = []
-                for i, lease_id in enumerate(lease_ids):
-                    h_conn.send(("offer", lease_id, n_tokens, seed + rep * len(lease_ids) + i))
-                    token, check, regions, crc, kv_bytes, gdn_bytes = _expect(h_conn, "offered", opts.timeout_s)
-                    offers.append((lease_id, token, check, regions, crc))
+                ids = lease_ids(n_tokens, rep)
+                made = [prepared.pop(lease_id, None) or offer(lease_id, n_tokens, seed + rep * len(ids) + i)
+                        for i, lease_id in enumerate(ids)]  # fmt: skip
+                offers = [m[:5] for m in made]  # (lease id, token, lease check, holder regions, checksum)
+                regions, kv_bytes, gdn_bytes = made[-1][3], *made[-1][5:]
                 p_conn.send(("pull", address, n_tokens, offers))
                 (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
                 reasons, holder_times = [], []
-                for lease_id in lease_ids:
+                for lease_id in ids:
                     h_conn.send(("finish", lease_id))
                     reason, times = _expect(h_conn, "finished", opts.timeout_s + 30)
                     reasons.append(reason)
@@ -676,11 +691,11 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                     raise RuntimeError(f"leases ended as {reasons!r}, expected 'pulled'")
                 info = {"kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "holder_regions": len(regions),
                         "puller_regions": res["puller_regions"], "buffers": res["buffers"]}  # fmt: skip
-                if opts.sequence > 1:  # each pull its own sample; the first of each row is the one after the gap
-                    new = [{"seconds": x, "wall_seconds": x, "marks": [m], "phases": phases([m], [h]), "rechecked": r}
-                           for x, m, h, r in zip(res["pull_seconds"], res["marks"], holder_times, res["rechecked"])]
+                if opts.sequence > 1:  # each pull its own sample but the first of each turn (it starts after a pause)
+                    new = [{"seconds": x, "wall_seconds": x, "marks": [m], "phases": phases([m], [h])}
+                           for x, m, h in zip(res["pull_seconds"], res["marks"], holder_times)]  # fmt: skip
                 else:
-                    new = [{**res, "phases": phases(res["marks"], holder_times), "rechecked": any(res["rechecked"])}]
+                    new = [{**res, "phases": phases(res["marks"], holder_times)}]
                 if rep > 0:
                     samples += new[1:] if opts.sequence > 1 else new
                 else:  # reported apart: where the first pull from a peer spends its time
@@ -691,7 +706,6 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             row = {
                 "mode": f"ucx error handling {mode}{in_flight}{spin}{when}", "error_handling": opts.error_handling,
                 "rotate": opts.rotate, "sequence": opts.sequence, "idle_before_s": opts.gap_s,
-                "rechecked": sum(s["rechecked"] for s in samples),  # timed pulls that read the lease word twice
                 "in_flight": opts.in_flight, "spin_ms": opts.spin_s * 1e3 if spin else None, "tokens": n_tokens,
                 **info, "bytes": total, "seconds_median": median(secs), "seconds_mean": mean(secs),
                 "seconds": secs, "wall_seconds": [s["wall_seconds"] for s in samples],
@@ -867,6 +881,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rotate", type=int, default=1,
                    help="pull into this many places of the puller's pools in turn, as a decode worker's pulls land in "
                         "pages that change from request to request (default 1: the same pages every time)")  # fmt: skip
+    p.add_argument("--offers-first", action="store_true",
+                   help="the holder prepares every request's state before its engine loop starts (with --overlap-side "
+                        "prefill: then no seeding or summing by the benchmark runs beside the loop)")  # fmt: skip
     p.add_argument("--floor", action="store_true",
                    help="also move the same buffers with bare tag messages and with bare RMA reads, spinning on UCX "
                         "progress (no lease, protocol or event loop): what UCX itself needs")  # fmt: skip
@@ -908,7 +925,8 @@ def main(argv=None) -> int:
                                args.ucx_proto_info, args.device, in_flight, overlap_model=args.overlap_model,
                                overlap_side=args.overlap_side, overlap_batch=args.overlap_batch,
                                overlap_context=args.overlap_context, spin_s=spin_ms / 1e3, warm=args.warm,
-                               rotate=args.rotate, sequence=sequence, gap_s=gap_ms / 1e3)  # fmt: skip
+                               rotate=args.rotate, sequence=sequence, gap_s=gap_ms / 1e3,
+                               offers_first=args.offers_first)  # fmt: skip
                 mode_rows, overlap = run_mode(opts, lengths, reps, args.seed)
                 rows += mode_rows
                 overlaps += [overlap] if overlap else []
@@ -956,9 +974,7 @@ def main(argv=None) -> int:
     ))  # fmt: skip
     pulls = [r for r in rows if "phases_ms_median" in r]
     print("\nwhere a pull's time goes (median ms; one clock for both processes)")
-    print(table(["mode", "tokens", *PHASES, "word read twice"],
-                [[r["mode"], r["tokens"], *r["phases_ms_median"].values(), f"{r['rechecked']} of {len(r['seconds'])}"]
-                 for r in pulls]))  # fmt: skip
+    print(table(["mode", "tokens", *PHASES], [[r["mode"], r["tokens"], *r["phases_ms_median"].values()] for r in pulls]))
     print("\nthe dropped first pull of each row (ms)")
     print(table(["mode", "tokens", "pull", *PHASES],
                 [[r["mode"], r["tokens"], r["first_pull"]["seconds"] * 1e3, *r["first_pull"]["phases"].values()]

@@ -1,7 +1,7 @@
 """The UCX side channel: leases on held state, and the pull protocol between prefill and decode workers.
 It moves lists of byte buffers and knows nothing of models."""
 
-from transfer.leases import LEASE_QUARANTINE_S, Lease, LeaseRefused, LeaseTable
+from transfer.leases import Lease, LeaseRefused, LeaseTable
 from transfer.side_channel import (
     LeaseCheck,
     Region,
@@ -16,7 +16,6 @@ from transfer.side_channel import (
 )
 
 __all__ = [
-    "LEASE_QUARANTINE_S",
     "Lease",
     "LeaseCheck",
     "LeaseRefused",

@@ -2,22 +2,16 @@
 
 A lease has an id (public), a secret token (given to whoever may pull the state and end the lease) and an
 expiry. It ends exactly once: pulled, released, expired or aborted; its `on_end` callback then frees the held
-memory (after the quarantine, below).
+memory.
 
 Each live lease also owns one 64-bit *lease word* in a host array that pullers read with UCX (see
 transfer.side_channel): it holds the lease's random nonce while the lease lives and is zeroed the moment the
 lease ends, before its memory is freed. A puller that reads the nonce back after its data reads have completed
 knows the memory was not freed, so not reused, while they ran.
-
-With a *quarantine* (`quarantine_s` > 0), an ended lease's memory is freed only that long after its word was
-zeroed. A puller that read the nonce while its data reads ran, and saw those reads done within half the
-quarantine of posting that word read, then knows the same without reading the word again (the reads ran
-before the word was zeroed plus the quarantine): the second read leaves a pull's critical path.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import secrets
 import threading
@@ -26,9 +20,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
-
-LEASE_QUARANTINE_S = 0.02  # what a prefill worker holds an ended lease's memory for (a pull of 32k tokens: ~3 ms)
 
 
 class LeaseRefused(Exception):
@@ -61,12 +52,8 @@ def _nonce() -> int:
 
 
 class LeaseTable:
-    def __init__(self, capacity: int = 4096, quarantine_s: float = 0.0):
-        """`capacity`: leases alive at once (each holds a request's state, so the state pool bounds them first).
-        `quarantine_s` > 0: an ended lease's `on_end` runs that long after its word was zeroed, on the event loop
-        the table was made on (so make it there)."""
-        self.quarantine_s = quarantine_s
-        self._loop = asyncio.get_running_loop() if quarantine_s > 0 else None
+    def __init__(self, capacity: int = 4096):
+        """`capacity`: leases alive at once (each holds a request's state, so the state pool bounds them first)."""
         self.words = torch.zeros(capacity, dtype=torch.int64)  # registered with UCX by the StateServer
         self._words = self.words.numpy()  # plain stores, no torch dispatch
         self._free_words = list(range(capacity - 1, -1, -1))
@@ -139,10 +126,7 @@ class LeaseTable:
         with self._lock:
             self._free_words.append(lease.word)
         self.counts[reason] += 1
-        if self._loop is None:
-            lease.on_end(reason)
-        else:  # from any thread: the timer is set on the loop
-            self._loop.call_soon_threadsafe(self._loop.call_later, self.quarantine_s, lease.on_end, reason)
+        lease.on_end(reason)
 
     def __len__(self) -> int:
         return len(self._leases)

@@ -6,14 +6,12 @@ the held regions are, the remote keys to read them, and where the lease's *word*
 `StateServer.lease_check`). A pull is one-sided:
 
 1. The puller (decode) reads every region straight into its own buffers (one RMA get per segment, zero-copy at
-   both ends), and in their shadow the lease word (8 bytes). The holder zeroes a lease's word when the lease
-   ends, before it frees the lease's memory (transfer.leases); so finding the lease's nonce there means the
-   lease had not ended when the word was read. Anything else (the lease ended: pulled by another, released,
-   expired, unknown) fails the pull as refused; its bytes are never used.
-2. Were the reads safe until they completed? If the holder quarantines ended leases' memory (`LeaseCheck.
-   quarantine_s`) and every read completed within half of it from posting the word read, yes: the memory could
-   not be freed before the word was zeroed plus the quarantine. Otherwise (no quarantine, a slow pull) the
-   puller reads the word again now that the reads are done, and the nonce must still be there.
+   both ends).
+2. Once every read has completed it reads the lease word (8 bytes). The holder zeroes a lease's word when the
+   lease ends, before it frees the lease's memory (transfer.leases); so finding the lease's nonce there means
+   the memory was neither freed nor reused while the reads ran, and the bytes are good. Anything else (the
+   lease ended: pulled by another, released, expired, unknown) fails the pull as refused; its bytes are never
+   used.
 3. The puller sends a done notice: the lease ends as pulled and the held memory is freed. A puller that gives
    up (cancelled, past its deadline) sends an abandon notice instead, and the lease ends as aborted.
 
@@ -68,22 +66,20 @@ class Region:
 
 @dataclass(frozen=True)
 class LeaseCheck:
-    """Where a lease's word is in the holder's memory (registered host memory, and its packed remote key), the
-    nonce it holds while the lease lives, and the holder's quarantine of ended leases' memory."""
+    """Where a lease's word is in the holder's memory (registered host memory, and its packed remote key), and
+    the nonce it holds while the lease lives."""
 
     address: int
     rkey: bytes
     nonce: int
-    quarantine_s: float = 0.0  # how long the holder keeps an ended lease's memory (transfer.leases)
 
 
 @dataclass
 class TransferStats:
     nbytes: int
     buffers: int  # reads on the wire (segments)
-    rechecked: bool  # the lease word was read a second time, after the data (no quarantine, or a slow pull)
     # perf_counter() at each step of the pull ("start", "keys": endpoint and keys looked up, "posted": every read
-    # posted, the lease word's included, "reads": every read done, "done": the lease checked); on Linux that clock is CLOCK_MONOTONIC,
+    # posted, "reads": every read done, "done": the lease word checked); on Linux that clock is CLOCK_MONOTONIC,
     # shared by the processes of one host, so they line up with StateServer.timeline
     marks: dict[str, float]
 
@@ -262,8 +258,7 @@ class StateServer:
     def lease_check(self, lease: Lease) -> LeaseCheck:
         """What a puller of `lease` reads after its data, and must find there."""
         words = self.words()
-        return LeaseCheck(words.address + lease.word * self.leases.words.element_size(), words.rkey, lease.nonce,
-                          self.leases.quarantine_s)  # fmt: skip
+        return LeaseCheck(words.address + lease.word * self.leases.words.element_size(), words.rkey, lease.nonce)
 
     async def _serve(self) -> None:
         import numpy as np
@@ -407,30 +402,28 @@ class StatePuller:
         spin_s = self.spin_s if buffers and buffers[0].is_cuda else 0.0
         ep = None
         reads: list[asyncio.Future] = []
-        rechecked = False
         try:
             ep = self._eps.get(address)
             keys = [self._eps.rkey(address, r.rkey) for r in regions]  # unpacked once per peer; a bad one fails here
-            word_key = self._eps.rkey(address, check.rkey)
-            word = torch.empty(8, dtype=torch.uint8)  # what the lease word is read into
             keyed = time.perf_counter()
             reads = [
                 ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
                 for i, src_off, j, dst_off, n in plan
             ]
-            word_posted = time.perf_counter()
-            reads.append(ucx.get(ep, word, check.address, word_key, spin_s=spin_s))  # in the data reads' shadow
             posted = time.perf_counter()
-            for r in reversed(reads[:-1]):  # the last posted is usually done last: one wake-up, where gather costs two
+            word_key = self._eps.rkey(address, check.rkey)  # while the reads run
+            word = torch.empty(8, dtype=torch.uint8)  # what the check reads into
+            for r in reversed(reads):  # the last posted is usually done last: one wake-up, where gather costs two
                 await r
-            await reads[-1]
             read = time.perf_counter()
-            self._check(word, check, lease_id)
             await failpoints.hit("transfer.before_check")
-            if read - word_posted > check.quarantine_s / 2:  # the memory may have been freed since the word was read
-                rechecked = True
-                await ucx.get(ep, word, check.address, word_key, spin_s=spin_s)
-                self._check(word, check, lease_id)
+            # Only now, with every read complete: the lease word still holding the nonce means the lease had not
+            # ended, so its memory had not been freed or reused, while they ran.
+            await ucx.get(ep, word, check.address, word_key, spin_s=spin_s)
+            if int.from_bytes(word.numpy().tobytes(), "little") != check.nonce:
+                raise TransferError(f"lease {lease_id!r} ended before its state was read (pulled, released or "
+                                    "expired), or is not this one: the bytes read are not used",
+                                    refused=True)  # fmt: skip
         except BaseException as e:
             for f in reads:
                 f.cancel()
@@ -442,10 +435,4 @@ class StatePuller:
         done = time.perf_counter()
         self._notify(ep, lease_id, token, done=True)
         marks = {"start": started, "keys": keyed, "posted": posted, "reads": read, "done": done}
-        return TransferStats(sum(n for *_, n in plan), len(plan), rechecked, marks)
-
-    @staticmethod
-    def _check(word: torch.Tensor, check: LeaseCheck, lease_id: str) -> None:
-        if int.from_bytes(word.numpy().tobytes(), "little") != check.nonce:
-            raise TransferError(f"lease {lease_id!r} ended before its state was read (pulled, released or expired), "
-                                "or is not this one: the bytes read are not used", refused=True)  # fmt: skip
+        return TransferStats(sum(n for *_, n in plan), len(plan), marks)

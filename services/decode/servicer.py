@@ -56,7 +56,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if not (src.lease.word_address and src.lease.word_rkey and src.lease.nonce):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: its word's address, key and nonce needed")
         regions = [Region(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
-        check = LeaseCheck(src.lease.word_address, src.lease.word_rkey, src.lease.nonce, src.lease.quarantine_us / 1e6)
+        check = LeaseCheck(src.lease.word_address, src.lease.word_rkey, src.lease.nonce)
         reservation = await self._reserve(len(request.prompt_token_ids), context)
         self.worker.reservations += 1
         try:
@@ -79,7 +79,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         metrics.TRANSFER_SECONDS.observe(stats.seconds)
         metrics.TRANSFER_BUFFERS.observe(stats.buffers)
         log.info("state received", bytes=stats.nbytes, buffers=stats.buffers, seconds=round(stats.seconds, 6),
-                 gbps=round(stats.gbps, 3), rechecked=stats.rechecked)  # fmt: skip
+                 gbps=round(stats.gbps, 3))  # fmt: skip
         return reservation
 
     def _release(self, lease_id: str, reservation) -> None:

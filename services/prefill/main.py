@@ -8,13 +8,12 @@ from deltamesh.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.settings import WorkerSettings
 from services.common.worker import Worker, serve_worker
 from services.prefill.servicer import PrefillServicer, expire_leases
-from transfer import LEASE_QUARANTINE_S, LeaseTable, StateServer
+from transfer import LeaseTable, StateServer
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     def setup(worker: Worker):
-        # a lease holds a state slot; the quarantine lets pullers skip a second read of the lease word
-        leases = LeaseTable(capacity=worker.core.state_pool.num_slots, quarantine_s=LEASE_QUARANTINE_S)
+        leases = LeaseTable(capacity=worker.core.state_pool.num_slots)  # a lease holds a state slot
         state_server = StateServer(leases)
         servicer = PrefillServicer(worker, leases, state_server)
         name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name

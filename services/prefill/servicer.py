@@ -55,8 +55,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         log.info("state held", lease_id=rid, tokens=num_tokens, bytes=lease.nbytes, buffers=len(buffers), ttl_s=ttl)
         check = self.state_server.lease_check(lease)
         return prefill_pb2.Lease(lease_id=rid, token=lease.token, expires_unix_ms=lease.expires_unix_ms(),
-                                 word_address=check.address, word_rkey=check.rkey, nonce=check.nonce,
-                                 quarantine_us=round(check.quarantine_s * 1e6))  # fmt: skip
+                                 word_address=check.address, word_rkey=check.rkey, nonce=check.nonce)  # fmt: skip
 
     def _layout(self, rid: str, num_tokens: int) -> prefill_pb2.StateLayout:
         regions = self.state_server.regions([r.tensor for r in self.engine.core.held_regions(rid)])
@@ -88,9 +87,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.LeaseResponse(ok=True, expires_unix_ms=lease.expires_unix_ms())
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        if self.leases.release(request.request_id):  # its state is freed by the lease's end, after the quarantine
-            return common_pb2.AbortResponse(found=True)
-        found = request.request_id in self.engine.core.requests
+        found = self.leases.release(request.request_id) or request.request_id in self.engine.core.requests
         self.engine.abort(request.request_id)
         return common_pb2.AbortResponse(found=found)
 

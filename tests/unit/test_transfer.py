@@ -62,9 +62,9 @@ def _source(leases, server, ttl_s=10.0):
 
 
 @contextlib.asynccontextmanager
-async def _side_channel(quarantine_s: float = 0.0, **puller_options):
+async def _side_channel(**puller_options):
     """A holder (lease table + state server) and a puller in this process; UCX released afterwards."""
-    leases = LeaseTable(quarantine_s=quarantine_s)
+    leases = LeaseTable()
     server = StateServer(leases)
     await server.start()
     puller = StatePuller(**puller_options)
@@ -100,7 +100,6 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
             dst_pool.zero_()
             stats = await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
             assert torch.equal(torch.cat(src), torch.cat(dst)) and stats.nbytes == total
-            assert stats.rechecked  # no quarantine: the word is read again after the data
             assert stats.buffers == len(segments([r.nbytes for r in regions], [b.numel() for b in dst]))
             assert await _until(lambda: ended == ["pulled"]) and len(leases) == 0  # the done notice ended it
             assert [t["lease_id"] for t in server.timeline] == ["L"]
@@ -131,54 +130,23 @@ def test_a_warm_up_reads_the_pools_and_lease_words_and_ends_no_lease():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("quarantine_s", [0.0, 1e-6])
-def test_a_lease_that_ends_while_its_reads_run_fails_the_pull(monkeypatch, quarantine_s):
-    """The holder releases the lease after the reads completed but before the puller checked the word a second
-    time (the failpoint holds it there): with no quarantine, or one shorter than the pull took, the bytes may
-    already be another request's, so the pull is refused."""
+def test_a_lease_that_ends_while_its_reads_run_fails_the_pull(monkeypatch):
+    """The holder releases the lease after the reads completed but before the puller checked the word (the
+    failpoint holds it there): the bytes may already be another request's, so the pull is refused."""
     from transfer import failpoints
 
     configure_ucx("127.0.0.1")
     monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:0.3")
 
     async def main():
-        async with _side_channel(quarantine_s) as (leases, server, puller):
+        async with _side_channel() as (leases, server, puller):
             src, lease, regions, check, ended = _source(leases, server)
             dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
             pull = asyncio.ensure_future(puller.pull(server.address, "L", lease.token, check, regions, dst, 10))
             await asyncio.sleep(0.1)
-            assert leases.release("L", lease.token) and await _until(lambda: ended == ["released"])
+            assert leases.release("L", lease.token) and ended == ["released"]
             with pytest.raises(TransferError, match="ended before its state was read") as e:
                 await pull
-            assert e.value.refused
-
-    asyncio.run(main())
-
-
-def test_a_quarantine_keeps_an_ended_leases_memory_so_a_quick_pull_needs_one_word_read(monkeypatch):
-    """A holder that quarantines ended leases' memory (here 1 s) frees it that long after zeroing the word. A
-    pull whose reads, the word's included, completed well within that counts without a second word read, even
-    if the lease ends right after them: the memory was still the lease's while they ran."""
-    from transfer import failpoints
-
-    configure_ucx("127.0.0.1")
-    monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:0.3")
-
-    async def main():
-        async with _side_channel(quarantine_s=1.0) as (leases, server, puller):
-            src, lease, regions, check, ended = _source(leases, server)
-            assert check.quarantine_s == 1.0
-            dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
-            pull = asyncio.ensure_future(puller.pull(server.address, "L", lease.token, check, regions, dst, 10))
-            await asyncio.sleep(0.1)
-            released = time.monotonic()
-            assert leases.release("L", lease.token) and leases.words[lease.word] == 0  # the word at once
-            stats = await pull
-            assert not stats.rechecked and torch.equal(dst[0], torch.cat(src))
-            assert ended == [] and await _until(lambda: ended == ["released"])  # the memory only after 1 s
-            assert time.monotonic() - released >= 1.0
-            with pytest.raises(TransferError, match="ended before") as e:  # quarantined, but ended: refused
-                await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
             assert e.value.refused
 
     asyncio.run(main())
