@@ -26,7 +26,8 @@ reads a pull posts, spinning (floor_rma_puller) and through the event loop (floo
 N requests at once, --sequence N pulls N in a row (back to back, as the raw copy's first row), --gap-ms G leaves the
 GPUs idle G ms before each pull (as its second row); --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
 times before the first pull vs during pulls: a decode loop in the puller, or with --overlap-side prefill a
-prefill loop in the holder (whose event loop takes the notices, and over TCP serves the reads).
+prefill loop in the holder (whose event loop takes the notices, and over TCP serves the reads); --offers-first
+has the holder prepare every state before that loop starts, so none of the benchmark's own GPU work runs beside it.
 """
 
 from __future__ import annotations
@@ -655,8 +656,9 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
         _expect(p_conn, "ready", 300)
         prepared = {}  # lease id -> offer, with --offers-first: every turn's, before the engine loop starts
         for n_tokens, rep in turns if opts.offers_first else []:
-            for i, lease_id in enumerate(lease_ids(n_tokens, rep)):
-                prepared[lease_id] = offer(lease_id, n_tokens, seed + rep * _offers_per_pull(opts) + i)
+            ids = lease_ids(n_tokens, rep)
+            for i, lease_id in enumerate(ids):
+                prepared[lease_id] = offer(lease_id, n_tokens, seed + rep * len(ids) + i)
         h_conn.send(("start-loop",))
         if opts.overlap_model:
             time.sleep(opts.overlap_idle_s)  # the engine loop runs undisturbed: its baseline
@@ -860,7 +862,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests pulled at once, e.g. 1,4: their pulls overlap; a row per value (default 1)")
     p.add_argument("--sequence", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="requests pulled one after another, back to back, e.g. 1,4: a row per value, timing every "
-                        "pull but the first of each turn (default 1; rows with --in-flight above 1 pull one at a time)")
+                        "pull but the first of each turn (default 1; these rows pull one request at a time)")
     p.add_argument("--gap-ms", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
                    help="comma list: idle milliseconds before each pull (each --sequence), the GPUs and the link "
                         "untouched, as before the raw copy's after-idle row; a row per value (default 0)")
