@@ -44,6 +44,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -631,6 +632,18 @@ def _processes(opts: Options):
                 proc.join(timeout=5)
 
 
+class Offer(NamedTuple):
+    """A state the holder prepared and offered under a lease, as the parent hears of it."""
+
+    lease_id: str
+    token: bytes
+    check: object  # transfer.LeaseCheck
+    regions: list  # [transfer.Region]
+    checksum: int
+    kv_bytes: int
+    gdn_bytes: int
+
+
 def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[list[dict], dict | None]:
     """Transfer rows for each length, and (with opts.overlap_model) the decode loop's step times."""
     mode = "on" if opts.error_handling else "off"
@@ -643,10 +656,9 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
     turns = [(n_tokens, rep) for n_tokens in lengths for rep in range(reps + 1)]
     opts = Options(**{**asdict(opts), "offers_first": len(turns) if opts.offers_first else 0})
 
-    def offer(lease_id: str, n_tokens: int, seed: int) -> tuple:
-        """(lease id, token, check, regions, checksum, KV bytes, GDN bytes) of a state the holder prepared."""
+    def offer(lease_id: str, n_tokens: int, seed: int) -> Offer:
         h_conn.send(("offer", lease_id, n_tokens, seed))
-        return (lease_id, *_expect(h_conn, "offered", opts.timeout_s))
+        return Offer(lease_id, *_expect(h_conn, "offered", opts.timeout_s))
 
     def lease_ids(n_tokens: int, rep: int) -> list[str]:
         return [f"bench-{label}-{n_tokens}-{rep}-{i}" for i in range(_offers_per_pull(opts))]
@@ -675,8 +687,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
                 ids = lease_ids(n_tokens, rep)
                 made = [prepared.pop(lease_id, None) or offer(lease_id, n_tokens, seed + rep * len(ids) + i)
                         for i, lease_id in enumerate(ids)]  # fmt: skip
-                offers = [m[:5] for m in made]  # (lease id, token, lease check, holder regions, checksum)
-                regions, kv_bytes, gdn_bytes = made[-1][3], *made[-1][5:]
+                offers = [(o.lease_id, o.token, o.check, o.regions, o.checksum) for o in made]  # what the puller needs
+                regions, kv_bytes, gdn_bytes = made[-1].regions, made[-1].kv_bytes, made[-1].gdn_bytes
                 p_conn.send(("pull", address, n_tokens, offers))
                 (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
                 reasons, holder_times = [], []
