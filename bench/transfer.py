@@ -654,23 +654,23 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
         f", each {'sequence' if opts.sequence > 1 else 'pull'} after {opts.gap_s * 1e3:g} ms idle" if opts.gap_s else "")
     rows, overlap = [], None
     turns = [(n_tokens, rep) for n_tokens in lengths for rep in range(reps + 1)]
+    # the holder sizes its pools for every turn it prepares up front
     opts = Options(**{**asdict(opts), "offers_first": len(turns) if opts.offers_first else 0})
 
-    def offer(lease_id: str, n_tokens: int, seed: int) -> Offer:
-        h_conn.send(("offer", lease_id, n_tokens, seed))
-        return Offer(lease_id, *_expect(h_conn, "offered", opts.timeout_s))
-
-    def lease_ids(n_tokens: int, rep: int) -> list[str]:
-        return [f"bench-{label}-{n_tokens}-{rep}-{i}" for i in range(_offers_per_pull(opts))]
+    def offers_for(n_tokens: int, rep: int) -> list[Offer]:
+        """The states of one turn (one or more requests), prepared and offered by the holder."""
+        made = []
+        for i in range(_offers_per_pull(opts)):
+            lease_id = f"bench-{label}-{n_tokens}-{rep}-{i}"
+            h_conn.send(("offer", lease_id, n_tokens, seed + rep * _offers_per_pull(opts) + i))
+            made.append(Offer(lease_id, *_expect(h_conn, "offered", opts.timeout_s)))
+        return made
 
     with _processes(opts) as (h_conn, p_conn):
         (address,) = _expect(h_conn, "ready", 120)
         _expect(p_conn, "ready", 300)
-        prepared = {}  # lease id -> offer, with --offers-first: every turn's, before the engine loop starts
-        for n_tokens, rep in turns if opts.offers_first else []:
-            ids = lease_ids(n_tokens, rep)
-            for i, lease_id in enumerate(ids):
-                prepared[lease_id] = offer(lease_id, n_tokens, seed + rep * len(ids) + i)
+        # --offers-first: every turn's states, before the engine loop starts
+        prepared = {turn: offers_for(*turn) for turn in turns} if opts.offers_first else {}
         h_conn.send(("start-loop",))
         if opts.overlap_model:
             time.sleep(opts.overlap_idle_s)  # the engine loop runs undisturbed: its baseline
@@ -684,15 +684,13 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
         for n_tokens in lengths:
             samples, info = [], {}
             for rep in range(reps + 1):
-                ids = lease_ids(n_tokens, rep)
-                made = [prepared.pop(lease_id, None) or offer(lease_id, n_tokens, seed + rep * len(ids) + i)
-                        for i, lease_id in enumerate(ids)]  # fmt: skip
+                made = prepared.pop((n_tokens, rep), None) or offers_for(n_tokens, rep)
                 offers = [(o.lease_id, o.token, o.check, o.regions, o.checksum) for o in made]  # what the puller needs
                 regions, kv_bytes, gdn_bytes = made[-1].regions, made[-1].kv_bytes, made[-1].gdn_bytes
                 p_conn.send(("pull", address, n_tokens, offers))
                 (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
                 reasons, holder_times = [], []
-                for lease_id in ids:
+                for lease_id in (o.lease_id for o in made):
                     h_conn.send(("finish", lease_id))
                     reason, times = _expect(h_conn, "finished", opts.timeout_s + 30)
                     reasons.append(reason)
