@@ -21,8 +21,9 @@ Each length runs --reps + 1 pulls; the first is left out of the medians and repo
 peer pays UCX's set-up, which --warm does before it, as a decode worker does). Seconds are StatePuller's own
 (called -> every segment received and the lease word checked, endpoint reuse included as in a running worker). The baseline row
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
-GPU 0 -> GPU 1 copy, back to back and each after an idle pause). Options: --floor adds UCX's own floors, by tag messages (floor_holder) and by the bare RMA
-reads a pull posts, spinning (floor_rma_puller) and through the event loop (floor_rma_loop); --in-flight N pulls
+GPU 0 -> GPU 1 copy, back to back and each after an idle pause, that one also timed on the host). Options: --floor adds UCX's own floors, by tag messages
+(floor_holder) and by the bare RMA reads a pull posts, spinning (floor_rma_puller; back to back and each after an
+idle pause) and through the event loop (floor_rma_loop); --in-flight N pulls
 N requests at once, --sequence N pulls N in a row (back to back, as the raw copy's first row), --gap-ms G leaves the
 GPUs idle G ms before each pull (as its second row); --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
 times before the first pull vs during pulls: a decode loop in the puller, or with --overlap-side prefill a
@@ -375,8 +376,9 @@ async def _puller(conn, opts: Options) -> None:
                     buffers = _buffers(kv, st, pages, slot)
                     if kind == "tag":
                         secs = floor_puller(holder_address, buffers, reps, tag, opts.error_handling)
-                    elif kind == "rma":
-                        secs = floor_rma_puller(holder_address, regions, buffers, reps, opts.error_handling)
+                    elif kind in ("rma", "rma-idle"):
+                        secs = floor_rma_puller(holder_address, regions, buffers, reps, opts.error_handling,
+                                                RAW_COPY_GAP_S if kind == "rma-idle" else 0.0)  # fmt: skip
                     else:
                         secs = await floor_rma_loop(holder_address, regions, buffers, reps, opts)
                     conn.send(("floored", secs, len(buffers)))
@@ -448,6 +450,9 @@ async def _puller(conn, opts: Options) -> None:
 # No lease, no protocol, no waiting on the event loop: what UCX itself needs to move a request's state once the
 # puller has asked (tag: a small "go" message, then the rendezvous of every buffer; RMA: the reads alone). Their
 # distance to a pull is what the side channel's own code costs; their distance to the raw copy is UCX's.
+RAW_COPY_GAP_S = 0.02  # the idle time before each rep of the "after idle" rows (raw copy, RMA floor)
+
+
 def _ucx_buffer(t):
     """What ucxx's Array takes: numpy for host memory, the tensor itself (CUDA array interface) on a GPU."""
     return t if t.is_cuda else t.numpy()
@@ -522,15 +527,18 @@ def _rma_floor(holder_address: bytes, regions, buffers, error_handling: bool):
             key.close()
 
 
-def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_handling: bool) -> list[float]:
+def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_handling: bool,
+                     gap_s: float = 0.0) -> list[float]:  # fmt: skip
     """The RMA floor: the same reads a pull posts (one per segment, keys unpacked once), spinning on UCX progress
-    until all are done; no lease check, no event loop. Its distance to a pull is the side channel's own cost."""
+    until all are done; no lease check, no event loop. Its distance to a pull is the side channel's own cost.
+    `gap_s`: the process, GPUs and link idle this long before each rep (what any pull after a pause starts from)."""
     from transfer import rma
 
     memory = rma.memory_type(buffers[0].is_cuda)
     secs = []
     with _rma_floor(holder_address, regions, buffers, error_handling) as (ucx, ep, keys, plan):
         for _ in range(reps + 1):
+            time.sleep(gap_s)
             t0 = time.perf_counter()
             reads = [rma.GetRequest(ep.handle, buffers[j].data_ptr() + dst_off, n, regions[i].address + src_off,
                                     keys[i], memory) for i, src_off, j, dst_off, n in plan]  # fmt: skip
@@ -560,6 +568,7 @@ _RMA_FLOOR_EPS: dict[bytes, object] = {}
 
 FLOORS = {"tag": "floor: bare tag messages, spinning on UCX progress",
           "rma": "floor: bare RMA reads, spinning on UCX progress",
+          "rma-idle": f"floor: bare RMA reads, spinning on UCX progress, each after {RAW_COPY_GAP_S * 1e3:g} ms idle",
           "loop": "floor: bare RMA reads through the event loop"}
 
 
@@ -802,13 +811,11 @@ def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) 
     return rows
 
 
-RAW_COPY_GAP_S = 0.02  # the idle time before each copy of the "after idle" raw row
-
-
 def peer_copy_baseline(opts: Options, lengths: list[int], reps: int) -> list[dict]:
     """A raw device-to-device copy of the same bytes from GPU 0 to GPU 1 (NVLink when present), one buffer: back
     to back (the goal's baseline), and each after RAW_COPY_GAP_S of idle GPUs and link, as a pull finds them when
-    requests arrive apart (and as every pull of this benchmark does)."""
+    requests arrive apart (and as every pull of this benchmark does); that one also timed on the host, from the
+    call until both GPUs are synchronized, as a pull is (the CUDA-event time counts none of the launch)."""
     import torch
 
     kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
@@ -818,19 +825,23 @@ def peer_copy_baseline(opts: Options, lengths: list[int], reps: int) -> list[dic
         total = kv_bytes + st.slot_bytes
         src = torch.empty(total, dtype=torch.uint8, device="cuda:0").random_(0, 256)
         dst = torch.empty(total, dtype=torch.uint8, device="cuda:1")
-        for gap_s, mode in ((0.0, "raw GPU0->GPU1 copy (torch copy_)"),
-                            (RAW_COPY_GAP_S, f"raw GPU0->GPU1 copy, each after {RAW_COPY_GAP_S * 1e3:g} ms idle")):
+        idle = f"each after {RAW_COPY_GAP_S * 1e3:g} ms idle"
+        for gap_s, host_timed, mode in ((0.0, False, "raw GPU0->GPU1 copy (torch copy_)"),
+                                        (RAW_COPY_GAP_S, False, f"raw GPU0->GPU1 copy, {idle}"),
+                                        (RAW_COPY_GAP_S, True, f"raw GPU0->GPU1 copy, {idle}, host-timed")):
             secs = []
             for rep in range(reps + 4):
                 time.sleep(gap_s)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
                 start.record(torch.cuda.current_stream(0))
                 dst.copy_(src)
                 end.record(torch.cuda.current_stream(0))
                 torch.cuda.synchronize(0)
                 torch.cuda.synchronize(1)
+                host_s = time.perf_counter() - t0  # as a pull is timed: from the call until the bytes are known there
                 if rep >= 4:
-                    secs.append(start.elapsed_time(end) / 1e3)
+                    secs.append(host_s if host_timed else start.elapsed_time(end) / 1e3)
             if not torch.equal(src.cpu(), dst.cpu()):
                 raise RuntimeError("peer copy baseline copied the wrong bytes")
             rows.append({
