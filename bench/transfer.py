@@ -23,7 +23,7 @@ peer pays UCX's set-up, which --warm does before it, as a decode worker does). S
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
 GPU 0 -> GPU 1 copy, back to back and each after an idle pause, that one also timed on the host). Options: --floor adds UCX's own floors, by tag messages
 (floor_holder) and by the bare RMA reads a pull posts, spinning (floor_rma_puller; back to back and each after an
-idle pause) and through the event loop (floor_rma_loop); --in-flight N pulls
+idle pause: each --gap-ms, or 20 ms) and through the event loop (floor_rma_loop); --in-flight N pulls
 N requests at once, --sequence N pulls N in a row (back to back, as the raw copy's first row), --gap-ms G leaves the
 GPUs idle G ms before each pull (as its second row); --overlap-model DIR runs a real engine loop on a thread, as a worker does, and reports its step
 times before the first pull vs during pulls: a decode loop in the puller, or with --overlap-side prefill a
@@ -370,15 +370,14 @@ async def _puller(conn, opts: Options) -> None:
             if msg[0] == "stop":
                 break
             if msg[0] == "floor":
-                _, kind, n_tokens, reps, tag, holder_address, regions = msg
+                _, kind, n_tokens, reps, tag, holder_address, regions, pause = msg
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
                 try:
                     buffers = _buffers(kv, st, pages, slot)
                     if kind == "tag":
                         secs = floor_puller(holder_address, buffers, reps, tag, opts.error_handling)
-                    elif kind in ("rma", "rma-idle"):
-                        secs = floor_rma_puller(holder_address, regions, buffers, reps, opts.error_handling,
-                                                RAW_COPY_GAP_S if kind == "rma-idle" else 0.0)  # fmt: skip
+                    elif kind == "rma":
+                        secs = floor_rma_puller(holder_address, regions, buffers, reps, opts.error_handling, pause)
                     else:
                         secs = await floor_rma_loop(holder_address, regions, buffers, reps, opts)
                     conn.send(("floored", secs, len(buffers)))
@@ -450,7 +449,7 @@ async def _puller(conn, opts: Options) -> None:
 # No lease, no protocol, no waiting on the event loop: what UCX itself needs to move a request's state once the
 # puller has asked (tag: a small "go" message, then the rendezvous of every buffer; RMA: the reads alone). Their
 # distance to a pull is what the side channel's own code costs; their distance to the raw copy is UCX's.
-RAW_COPY_GAP_S = 0.02  # the idle time before each rep of the "after idle" rows (raw copy, RMA floor)
+DEFAULT_PAUSE_S = 0.02  # the "after idle" rows of the raw copy and the RMA floor, when --gap-ms names no pause
 
 
 def _ucx_buffer(t):
@@ -568,13 +567,16 @@ _RMA_FLOOR_EPS: dict[bytes, object] = {}
 
 FLOORS = {"tag": "floor: bare tag messages, spinning on UCX progress",
           "rma": "floor: bare RMA reads, spinning on UCX progress",
-          "rma-idle": f"floor: bare RMA reads, spinning on UCX progress, each after {RAW_COPY_GAP_S * 1e3:g} ms idle",
           "loop": "floor: bare RMA reads through the event loop"}
 
 
-def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
+def after_idle(mode: str, pause_s: float) -> str:
+    return f"{mode}, each after {pause_s * 1e3:g} ms idle" if pause_s else mode
+
+
+def run_floor(opts: Options, lengths: list[int], reps: int, pauses: list[float]) -> list[dict]:
     """Rows per length: the state's buffers moved by bare tag messages (see floor_holder) and by bare RMA
-    reads (floor_rma_puller)."""
+    reads (floor_rma_puller: back to back, and after each of `pauses`; floor_rma_loop)."""
     rows = []
     kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
     with _processes(opts) as (h_conn, p_conn):
@@ -582,23 +584,24 @@ def run_floor(opts: Options, lengths: list[int], reps: int) -> list[dict]:
         (puller_address,) = _expect(p_conn, "ready", 300)
         # every tag floor first: with error handling on, a tag floor run after an RMA floor to the same peer saw
         # its requests cancelled (not investigated further)
-        for kind, (k, n_tokens) in ((kind, kn) for kind in FLOORS for kn in enumerate(lengths)):
+        kinds = [("tag", 0.0), ("rma", 0.0), *(("rma", pause) for pause in pauses), ("loop", 0.0)]
+        for (kind, pause), (k, n_tokens) in ((kp, kn) for kp in kinds for kn in enumerate(lengths)):
             tag = 0x666C_6F6F_0000_0000 + (k << 20)  # "floo"
             h_conn.send(("floor", kind, n_tokens, reps, tag, puller_address))
             (regions,) = _expect(h_conn, "floor-ready", 120)
-            p_conn.send(("floor", kind, n_tokens, reps, tag, holder_address, regions))
+            p_conn.send(("floor", kind, n_tokens, reps, tag, holder_address, regions, pause))
             secs, buffers = _expect(p_conn, "floored", opts.timeout_s + 30)
             if kind != "tag":
                 h_conn.send(("floor-done",))
             kv_bytes = kv.pages_for(n_tokens) * kv.page_bytes
             rows.append({
-                "mode": FLOORS[kind], "error_handling": opts.error_handling,
-                "tokens": n_tokens, "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes,
+                "mode": after_idle(FLOORS[kind], pause), "error_handling": opts.error_handling,
+                "idle_before_s": pause, "tokens": n_tokens, "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes,
                 "bytes": kv_bytes + st.slot_bytes, "buffers": buffers,
                 "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
                 "gb_per_s": (kv_bytes + st.slot_bytes) / median(secs) / 1e9,
             })  # fmt: skip
-            print(f"[floor, {kind}] {n_tokens} tokens: {rows[-1]['seconds_median'] * 1e3:.2f} ms", flush=True)
+            print(f"[floor, {kind}{f', after {pause * 1e3:g} ms' if pause else ''}] {n_tokens} tokens: {rows[-1]['seconds_median'] * 1e3:.2f} ms", flush=True)
     return rows
 
 
@@ -774,12 +777,13 @@ def phases(puller_marks: list[dict], holder_times: list[dict | None]) -> dict:
     return out
 
 
-def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) -> list[dict]:
-    """One-process torch copy of as many bytes as each length's state, single buffer."""
+def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int, pauses: list[float]) -> list[dict]:
+    """One-process torch copy of as many bytes as each length's state, single buffer (`pauses`: see
+    peer_copy_baseline)."""
     import torch
 
     if opts.device == "cuda":
-        return peer_copy_baseline(opts, lengths, reps)
+        return peer_copy_baseline(opts, lengths, reps, pauses)
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []
@@ -811,11 +815,11 @@ def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) 
     return rows
 
 
-def peer_copy_baseline(opts: Options, lengths: list[int], reps: int) -> list[dict]:
+def peer_copy_baseline(opts: Options, lengths: list[int], reps: int, pauses: list[float]) -> list[dict]:
     """A raw device-to-device copy of the same bytes from GPU 0 to GPU 1 (NVLink when present), one buffer: back
-    to back (the goal's baseline), and each after RAW_COPY_GAP_S of idle GPUs and link, as a pull finds them when
-    requests arrive apart (and as every pull of this benchmark does); that one also timed on the host, from the
-    call until both GPUs are synchronized, as a pull is (the CUDA-event time counts none of the launch)."""
+    to back (the goal's baseline), and each after each of `pauses` with GPUs and link idle, as a pull finds them
+    when requests arrive apart; those also timed on the host, from the call until both GPUs are synchronized, as
+    a pull is (the CUDA-event time counts none of the launch)."""
     import torch
 
     kv, st = _pools(Options(**{**asdict(opts), "device": "cpu"}))  # sizes only
@@ -825,10 +829,10 @@ def peer_copy_baseline(opts: Options, lengths: list[int], reps: int) -> list[dic
         total = kv_bytes + st.slot_bytes
         src = torch.empty(total, dtype=torch.uint8, device="cuda:0").random_(0, 256)
         dst = torch.empty(total, dtype=torch.uint8, device="cuda:1")
-        idle = f"each after {RAW_COPY_GAP_S * 1e3:g} ms idle"
-        for gap_s, host_timed, mode in ((0.0, False, "raw GPU0->GPU1 copy (torch copy_)"),
-                                        (RAW_COPY_GAP_S, False, f"raw GPU0->GPU1 copy, {idle}"),
-                                        (RAW_COPY_GAP_S, True, f"raw GPU0->GPU1 copy, {idle}, host-timed")):
+        cases = [(0.0, False, "raw GPU0->GPU1 copy (torch copy_)")] + [
+            (pause, host_timed, after_idle("raw GPU0->GPU1 copy", pause) + (", host-timed" if host_timed else ""))
+            for pause in pauses for host_timed in (False, True)]  # fmt: skip
+        for gap_s, host_timed, mode in cases:
             secs = []
             for rep in range(reps + 4):
                 time.sleep(gap_s)
@@ -886,7 +890,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "pull but the first of each turn (default 1; these rows pull one request at a time)")
     p.add_argument("--gap-ms", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
                    help="comma list: idle milliseconds before each pull (each --sequence), the GPUs and the link "
-                        "untouched, as before the raw copy's after-idle row; a row per value (default 0)")
+                        "untouched; a row per value (default 0); the raw GPU copy and the --floor RMA reads get an after-idle row per "
+                        "non-zero value (20 ms if none)")
     p.add_argument("--overlap-model", default=None,
                    help="also run an engine loop of this model (a checkpoint, or a config dir: dummy weights) on a "
                         "thread, as a worker does, and compare its step times before and during the pulls")
@@ -955,9 +960,10 @@ def main(argv=None) -> int:
                 overlaps += [overlap] if overlap else []
     opts = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), modes[0], args.timeout,
                    args.ucx_proto_info, args.device)  # fmt: skip
+    pauses = sorted({gap / 1e3 for gap in args.gap_ms if gap}) or [DEFAULT_PAUSE_S]  # the after-idle rows
     if args.floor:
-        rows += run_floor(opts, lengths, reps)
-    rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads)
+        rows += run_floor(opts, lengths, reps, pauses)
+    rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads, pauses)
 
     from engine.config import ModelConfig
 

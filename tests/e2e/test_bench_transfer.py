@@ -33,11 +33,15 @@ def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path, side):
 
 def test_transfer_bench_times_pulls_in_a_row_and_after_an_idle_gap(tmp_path):
     """--sequence 3: every pull of a turn but the first is timed (back to back, as the raw copy's first row);
-    --gap-ms: the turn starts after that much idle time (as its second row). Every pull verified."""
+    --gap-ms: the turn starts after that much idle time (as its second row), and the bare RMA reads of --floor
+    are timed after the same pause too. Every pull verified."""
     out = tmp_path / "transfer.json"
     assert transfer.main(["--lengths", "128", "--reps", "2", "--no-ucx-error-handling", "--sequence", "3",
-                          "--gap-ms", "5", "--out", str(out)]) == 0  # fmt: skip
-    rows = [r for r in json.loads(out.read_text())["results"] if "phases_ms_median" in r]
+                          "--gap-ms", "5", "--floor", "--out", str(out)]) == 0  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    floor_after_idle = {r["mode"]: r for r in results}[transfer.after_idle(transfer.FLOORS["rma"], 0.005)]
+    assert floor_after_idle["idle_before_s"] == 0.005 and len(floor_after_idle["seconds"]) == 2
+    rows = [r for r in results if "phases_ms_median" in r]
     single, in_a_row = sorted(rows, key=lambda r: r["sequence"])
     assert single["idle_before_s"] == in_a_row["idle_before_s"] == 0.005
     assert len(single["seconds"]) == 2 and len(in_a_row["seconds"]) == 2 * 2  # 2 timed turns of 3, less the first
