@@ -527,17 +527,17 @@ def _rma_floor(holder_address: bytes, regions, buffers, error_handling: bool):
 
 
 def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_handling: bool,
-                     gap_s: float = 0.0) -> list[float]:  # fmt: skip
+                     pause_s: float = 0.0) -> list[float]:  # fmt: skip
     """The RMA floor: the same reads a pull posts (one per segment, keys unpacked once), spinning on UCX progress
     until all are done; no lease check, no event loop. Its distance to a pull is the side channel's own cost.
-    `gap_s`: the process, GPUs and link idle this long before each rep (what any pull after a pause starts from)."""
+    `pause_s`: the process, GPUs and link idle this long before each rep (what a pull after a pause starts from)."""
     from transfer import rma
 
     memory = rma.memory_type(buffers[0].is_cuda)
     secs = []
     with _rma_floor(holder_address, regions, buffers, error_handling) as (ucx, ep, keys, plan):
         for _ in range(reps + 1):
-            time.sleep(gap_s)
+            time.sleep(pause_s)
             t0 = time.perf_counter()
             reads = [rma.GetRequest(ep.handle, buffers[j].data_ptr() + dst_off, n, regions[i].address + src_off,
                                     keys[i], memory) for i, src_off, j, dst_off, n in plan]  # fmt: skip
@@ -571,6 +571,7 @@ FLOORS = {"tag": "floor: bare tag messages, spinning on UCX progress",
 
 
 def after_idle(mode: str, pause_s: float) -> str:
+    """A row's mode, naming the idle pause before each of its reps (if any)."""
     return f"{mode}, each after {pause_s * 1e3:g} ms idle" if pause_s else mode
 
 
@@ -601,7 +602,8 @@ def run_floor(opts: Options, lengths: list[int], reps: int, pauses: list[float])
                 "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
                 "gb_per_s": (kv_bytes + st.slot_bytes) / median(secs) / 1e9,
             })  # fmt: skip
-            print(f"[floor, {kind}{f', after {pause * 1e3:g} ms' if pause else ''}] {n_tokens} tokens: {rows[-1]['seconds_median'] * 1e3:.2f} ms", flush=True)
+            label = after_idle(kind, pause)
+            print(f"[floor, {label}] {n_tokens} tokens: {rows[-1]['seconds_median'] * 1e3:.2f} ms", flush=True)
     return rows
 
 
@@ -777,13 +779,10 @@ def phases(puller_marks: list[dict], holder_times: list[dict | None]) -> dict:
     return out
 
 
-def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int, pauses: list[float]) -> list[dict]:
-    """One-process torch copy of as many bytes as each length's state, single buffer (`pauses`: see
-    peer_copy_baseline)."""
+def memcpy_baseline(opts: Options, lengths: list[int], reps: int, threads: int) -> list[dict]:
+    """One-process torch copy of as many bytes as each length's state, single buffer."""
     import torch
 
-    if opts.device == "cuda":
-        return peer_copy_baseline(opts, lengths, reps, pauses)
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []
@@ -890,8 +889,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "pull but the first of each turn (default 1; these rows pull one request at a time)")
     p.add_argument("--gap-ms", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
                    help="comma list: idle milliseconds before each pull (each --sequence), the GPUs and the link "
-                        "untouched; a row per value (default 0); the raw GPU copy and the --floor RMA reads get an after-idle row per "
-                        "non-zero value (20 ms if none)")
+                        "untouched; a row per value (default 0). The raw GPU copy and the --floor RMA reads get an "
+                        "after-idle row per non-zero value (20 ms if none)")  # fmt: skip
     p.add_argument("--overlap-model", default=None,
                    help="also run an engine loop of this model (a checkpoint, or a config dir: dummy weights) on a "
                         "thread, as a worker does, and compare its step times before and during the pulls")
@@ -963,7 +962,10 @@ def main(argv=None) -> int:
     pauses = sorted({gap / 1e3 for gap in args.gap_ms if gap}) or [DEFAULT_PAUSE_S]  # the after-idle rows
     if args.floor:
         rows += run_floor(opts, lengths, reps, pauses)
-    rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads, pauses)
+    if args.device == "cuda":
+        rows += peer_copy_baseline(opts, lengths, reps, pauses)
+    else:
+        rows += memcpy_baseline(opts, lengths, reps, args.memcpy_threads)
 
     from engine.config import ModelConfig
 
