@@ -441,6 +441,9 @@ async def _puller(conn, opts: Options) -> None:
                     st.free(slot)
     finally:
         await puller.close()
+        for ep in _RMA_FLOOR_EPS.values():  # while CUDA is up: left to the exit, UCX's clean-up found it gone
+            ep.close()
+        _RMA_FLOOR_EPS.clear()
 
 
 # ---------------------------------------------------------------------------------------------------
