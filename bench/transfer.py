@@ -21,7 +21,7 @@ Each length runs --reps + 1 pulls; the first is left out of the medians and repo
 peer pays UCX's set-up, which --warm does before it, as a decode worker does). Seconds are StatePuller's own
 (called -> every segment received and the lease word checked, endpoint reuse included as in a running worker). The baseline row
 is a single-threaded torch copy of the same number of bytes within one process (with --device cuda: a raw
-GPU 0 -> GPU 1 copy, back to back and each after an idle pause, that one also timed on the host). Options: --floor adds UCX's own floors, by tag messages
+GPU 0 -> GPU 1 copy, back to back and after each pause of --gap-ms or 20 ms, those also timed on the host). Options: --floor adds UCX's own floors, by tag messages
 (floor_holder) and by the bare RMA reads a pull posts, spinning (floor_rma_puller; back to back and each after an
 idle pause: each --gap-ms, or 20 ms) and through the event loop (floor_rma_loop); --in-flight N pulls
 N requests at once, --sequence N pulls N in a row (back to back, as the raw copy's first row), --gap-ms G leaves the

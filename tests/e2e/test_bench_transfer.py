@@ -23,7 +23,7 @@ def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path, side):
     assert pull["verified"] == "crc32" and pull["buffers"] == 3 and len(pull["seconds"]) == 1
     assert all(v is not None and v >= 0 for v in pull["phases_ms_median"].values()), pull["phases_ms_median"]
     assert pull["first_pull"]["seconds"] > 0 and set(pull["first_pull"]["phases"]) == set(transfer.PHASES)
-    assert set(transfer.FLOORS.values()) <= set(rows)  # tag, RMA spinning (back to back, after idle), through the loop
+    assert set(transfer.FLOORS.values()) <= set(rows)  # tag, RMA spinning, RMA through the event loop
     (overlap,) = result["overlap"]
     assert overlap["side"] == side and overlap["pulls"] == 2 and overlap["idle"]["steps"] > 0
     assert len(overlap["warm_up_ms"]) == 1
