@@ -831,13 +831,10 @@ def peer_copy_baseline(opts: Options, lengths: list[int], reps: int, pauses: lis
         total = kv_bytes + st.slot_bytes
         src = torch.empty(total, dtype=torch.uint8, device="cuda:0").random_(0, 256)
         dst = torch.empty(total, dtype=torch.uint8, device="cuda:1")
-        cases = [(0.0, False, "raw GPU0->GPU1 copy (torch copy_)")] + [
-            (pause, host_timed, after_idle("raw GPU0->GPU1 copy", pause) + (", host-timed" if host_timed else ""))
-            for pause in pauses for host_timed in (False, True)]  # fmt: skip
-        for gap_s, host_timed, mode in cases:
-            secs = []
+        for pause_s in [0.0, *pauses]:
+            gpu_secs, host_secs = [], []  # each copy timed both ways
             for rep in range(reps + 4):
-                time.sleep(gap_s)
+                time.sleep(pause_s)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
                 start.record(torch.cuda.current_stream(0))
@@ -847,15 +844,19 @@ def peer_copy_baseline(opts: Options, lengths: list[int], reps: int, pauses: lis
                 torch.cuda.synchronize(1)
                 host_s = time.perf_counter() - t0  # as a pull is timed: from the call until the bytes are known there
                 if rep >= 4:
-                    secs.append(host_s if host_timed else start.elapsed_time(end) / 1e3)
+                    gpu_secs.append(start.elapsed_time(end) / 1e3)
+                    host_secs.append(host_s)
             if not torch.equal(src.cpu(), dst.cpu()):
                 raise RuntimeError("peer copy baseline copied the wrong bytes")
-            rows.append({
-                "mode": mode, "error_handling": None, "tokens": n_tokens, "idle_before_s": gap_s,
-                "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes, "bytes": total, "buffers": 1,
-                "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
-                "gb_per_s": total / median(secs) / 1e9,
-            })  # fmt: skip
+            name = after_idle("raw GPU0->GPU1 copy", pause_s) if pause_s else "raw GPU0->GPU1 copy (torch copy_)"
+            timings = [(name, gpu_secs)] + ([(f"{name}, host-timed", host_secs)] if pause_s else [])
+            for mode, secs in timings:
+                rows.append({
+                    "mode": mode, "error_handling": None, "tokens": n_tokens, "idle_before_s": pause_s,
+                    "kv_bytes": kv_bytes, "gdn_bytes": st.slot_bytes, "bytes": total, "buffers": 1,
+                    "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
+                    "gb_per_s": total / median(secs) / 1e9,
+                })  # fmt: skip
         del src, dst
     return rows
 
