@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,7 +25,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from deltamesh.client import AsyncClient, Client, DeltameshError
+import grpc
+
+from deltamesh.client import AsyncClient, DeltameshError
+from services.router.control import read_loads
 
 
 def _free_port() -> int:
@@ -37,22 +41,23 @@ class OwnMesh:
     """`deltamesh serve` in a child process group, for runs that need RSS of every process."""
 
     def __init__(self, extra: list[str]):
-        self.port = _free_port()
+        self.port, self.control_port = _free_port(), _free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.secret = secrets.token_hex(16)  # given to the mesh, so that its loads can be read here
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "--grpc-port", str(self.port), "--http-port", "0", *extra],
+            [sys.executable, "-m", "services.cli", "serve", "--grpc-port", str(self.port), "--control-port",
+             str(self.control_port), "--http-port", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[1], env={**os.environ, "DELTAMESH_MESH_SECRET": self.secret},
         )  # fmt: skip
 
     def wait_ready(self, workers: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                with Client(self.address, retries=0) as c:
-                    if sum(w.healthy for w in c.loads()) >= workers:
-                        return
-            except DeltameshError:
+                if sum(w.healthy for w in read_loads(f"127.0.0.1:{self.control_port}", self.secret)) >= workers:
+                    return
+            except grpc.RpcError:
                 pass
             time.sleep(0.3)
         raise TimeoutError("mesh did not become ready")

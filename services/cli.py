@@ -5,6 +5,7 @@ Every option can also come from a DELTAMESH_* environment variable (shown in --h
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,6 +26,8 @@ def _opt(help: str, env: str, *names: str):
     return typer.Option(*names, help=help, envvar=f"DELTAMESH_{env}")
 
 
+ControlPort = Annotated[int, _opt("Router gRPC port of the control plane (workers register here; mesh secret "
+                                  "required)", "CONTROL_PORT")]  # fmt: skip
 Model = Annotated[str, _opt("Hugging Face checkpoint directory (default: the embedded model)", "MODEL")]
 Device = Annotated[str, _opt("cpu | cuda | cuda:N", "DEVICE")]
 Host = Annotated[str, _opt("Address to bind (loopback unless told otherwise)", "HOST")]
@@ -44,6 +47,9 @@ LogLevel = Annotated[str, _opt("debug | info | warning | error", "LOG_LEVEL")]
 TlsCert = Annotated[Optional[str], _opt("TLS certificate (PEM) for gRPC", "TLS_CERT")]
 TlsKey = Annotated[Optional[str], _opt("TLS private key (PEM)", "TLS_KEY")]
 TlsCa = Annotated[Optional[str], _opt("CA bundle (PEM) to trust for gRPC peers", "TLS_CA")]
+SecretFile = Annotated[Optional[str], _opt("File holding the mesh secret shared by the router and its workers (default: "
+                                         "$DELTAMESH_MESH_SECRET)", "MESH_SECRET_FILE")]  # fmt: skip
+ApiKey = Annotated[Optional[str], _opt("Require this key on the REST /v1 routes and the gRPC client API", "API_KEY")]
 TlsClientAuth = Annotated[bool, _opt("Mutual TLS: require and present client certificates", "TLS_CLIENT_AUTH",
                                      "--tls-client-auth")]  # fmt: skip
 
@@ -57,6 +63,15 @@ def _tls(cert, key, ca, client_auth):
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     return tls
+
+
+def _mesh_secret(secret_file: str | None):
+    from services.common.auth import MissingSecret, load_mesh_secret
+
+    try:
+        return load_mesh_secret(secret_file)
+    except MissingSecret as e:
+        raise typer.BadParameter(str(e), param_hint="--mesh-secret-file / DELTAMESH_MESH_SECRET") from None
 
 
 def _tls_args(cert, key, ca, client_auth) -> list[str]:
@@ -97,7 +112,9 @@ def _worker_command(role: str):
         device: Device = "cpu",
         host: Host = "127.0.0.1",
         port: Annotated[int, _opt("gRPC port (0: any free port)", "PORT")] = 0,
-        router: Annotated[Optional[str], _opt("Router address to register with", "ROUTER")] = None,
+        router: Annotated[Optional[str], _opt("The router's control-plane address (its --control-port) to register "
+                                              "with", "ROUTER")] = None,  # fmt: skip
+        mesh_secret_file: SecretFile = None,
         advertise_host: Annotated[Optional[str], _opt("Host the router should dial (default: --host)",
                                                       "ADVERTISE_HOST")] = None,  # fmt: skip
         dtype: Dtype = "auto",
@@ -112,7 +129,11 @@ def _worker_command(role: str):
         torch_threads: Threads = None,
         ucx_error_handling: UcxEH = True,
         lease_ttl: Annotated[float, _opt("Prefill: seconds a held state waits to be pulled", "LEASE_TTL")] = 30.0,
+        max_lease_ttl: Annotated[float, _opt("Prefill: the longest lease TTL a caller may ask for (s)",
+                                             "MAX_LEASE_TTL")] = 300.0,  # fmt: skip
         transfer_timeout: Annotated[float, _opt("Deadline of one state transfer (s)", "TRANSFER_TIMEOUT")] = 30.0,
+        admission_timeout: Annotated[float, _opt("Decode: how long a request may queue for pool space before it "
+                                                 "is refused as full (s)", "ADMISSION_TIMEOUT")] = 30.0,  # fmt: skip
         metrics_port: Annotated[Optional[int], _opt("Serve Prometheus /metrics on this port", "METRICS_PORT")] = None,
         tls_cert: TlsCert = None,
         tls_key: TlsKey = None,
@@ -121,12 +142,14 @@ def _worker_command(role: str):
         log_level: LogLevel = "info",
     ) -> None:
         tls = _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
+        secret = _mesh_secret(mesh_secret_file)
         engine = _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs,
                          max_num_batched_tokens, max_model_len, load_format, kernels, torch_threads)  # fmt: skip
         _run_worker(role, dict(
             host=host, port=port, router=router, advertise_host=advertise_host, engine=engine, ucx_error_handling=ucx_error_handling,
-            lease_ttl_s=lease_ttl, transfer_timeout_s=transfer_timeout, metrics_port=metrics_port, tls=tls,
-            log_level=log_level,
+            lease_ttl_s=lease_ttl, max_lease_ttl_s=max_lease_ttl, transfer_timeout_s=transfer_timeout,
+            admission_timeout_s=admission_timeout,
+            metrics_port=metrics_port, tls=tls, mesh_secret=secret, log_level=log_level,
         ))  # fmt: skip
 
     command.__doc__ = {
@@ -145,28 +168,31 @@ for _role in ("prefill", "decode", "colocated"):
 def router(
     model: Model = str(DEFAULT_MODEL),
     host: Host = "127.0.0.1",
-    grpc_port: Annotated[int, _opt("Router gRPC port", "GRPC_PORT")] = 50051,
+    grpc_port: Annotated[int, _opt("Router gRPC port of the client API", "GRPC_PORT")] = 50051,
+    control_port: ControlPort = 50052,
     http_port: Annotated[Optional[int], _opt("OpenAI-compatible REST port (0: off)", "HTTP_PORT")] = 8000,
     prefill: Annotated[Optional[list[str]], _opt("Static prefill worker address (repeatable)", "PREFILL")] = None,
     decode: Annotated[Optional[list[str]], _opt("Static decode worker address (repeatable)", "DECODE")] = None,
     colocated: Annotated[Optional[list[str]], _opt("Static colocated worker address (repeatable)", "COLOCATED")] = None,
     policy: Annotated[str, _opt("round_robin | least_loaded", "POLICY")] = "least_loaded",
     max_model_len: MaxLen = None,
-    api_key: Annotated[Optional[str], _opt("Require this key on /v1 routes", "API_KEY")] = None,
+    api_key: ApiKey = None,
+    mesh_secret_file: SecretFile = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     tls_ca: TlsCa = None,
     tls_client_auth: TlsClientAuth = False,
     log_level: LogLevel = "info",
 ) -> None:
-    """Run the router: gRPC front door and OpenAI-compatible REST gateway."""
+    """Run the router: gRPC client API, OpenAI-compatible REST gateway, and the workers' control plane."""
     from services.common.logs import configure_logging
     from services.common.server import run
     from services.common.settings import RouterSettings, print_settings
     from services.router.main import serve
 
     settings = RouterSettings(
-        model=model, host=host, grpc_port=grpc_port, http_port=http_port or None, prefill=prefill or [],
+        model=model, host=host, grpc_port=grpc_port, control_port=control_port, mesh_secret=_mesh_secret(mesh_secret_file),
+        http_port=http_port or None, prefill=prefill or [],
         decode=decode or [], colocated=colocated or [], policy=policy, max_model_len=max_model_len,
         api_key=api_key, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth), log_level=log_level,
     )  # fmt: skip
@@ -216,7 +242,8 @@ def serve(
     model: Model = str(DEFAULT_MODEL),
     device: Device = "cpu",
     host: Host = "127.0.0.1",
-    grpc_port: Annotated[int, _opt("Router gRPC port", "GRPC_PORT")] = 50051,
+    grpc_port: Annotated[int, _opt("Router gRPC port of the client API", "GRPC_PORT")] = 50051,
+    control_port: ControlPort = 50052,
     http_port: Annotated[int, _opt("OpenAI-compatible REST port (0: off)", "HTTP_PORT")] = 8000,
     prefill_workers: Annotated[int, _opt("Prefill worker processes", "PREFILL_WORKERS")] = 1,
     decode_workers: Annotated[int, _opt("Decode worker processes", "DECODE_WORKERS")] = 1,
@@ -233,7 +260,8 @@ def serve(
     load_format: LoadFormat = "auto",
     kernels: Kernels = None,
     ucx_error_handling: UcxEH = True,
-    api_key: Annotated[Optional[str], _opt("Require this key on /v1 routes", "API_KEY")] = None,
+    api_key: ApiKey = None,
+    mesh_secret_file: SecretFile = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     tls_ca: TlsCa = None,
@@ -247,6 +275,10 @@ def serve(
     gpu_ids = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
     threads = max(1, (os.cpu_count() or 1) // len(roles))
     router_addr = f"{host}:{grpc_port}"
+    control_addr = f"{host}:{control_port}"
+    # one secret per mesh, made here unless given; children get it in their environment (never on a command line)
+    has_secret = mesh_secret_file or os.environ.get("DELTAMESH_MESH_SECRET")
+    secret = _mesh_secret(mesh_secret_file) if has_secret else secrets.token_urlsafe(32)
     common = ["--model", model, "--device", device, "--host", host, "--dtype", dtype, "--state-dtype", state_dtype,
               "--page-size", str(page_size), "--max-num-seqs", str(max_num_seqs),
               "--max-num-batched-tokens", str(max_num_batched_tokens), "--load-format", load_format,
@@ -259,10 +291,12 @@ def serve(
     procs: list[subprocess.Popen] = []
 
     def start(args: list[str], env: dict | None = None) -> None:
-        procs.append(subprocess.Popen(cli + args, env={**os.environ, **(env or {})}))
+        base = {k: v for k, v in os.environ.items() if k != "DELTAMESH_MESH_SECRET_FILE"}
+        procs.append(subprocess.Popen(cli + args, env={**base, "DELTAMESH_MESH_SECRET": secret, **(env or {})}))
 
     router_args = ["router", "--model", model, "--host", host, "--grpc-port", str(grpc_port),
-                   "--http-port", str(http_port), "--log-level", log_level, *tls_args]  # fmt: skip
+                   "--control-port", str(control_port), "--http-port", str(http_port), "--log-level", log_level,
+                   *tls_args]  # fmt: skip
     if max_model_len is not None:
         router_args += ["--max-model-len", str(max_model_len)]
     start(router_args, {"DELTAMESH_API_KEY": api_key} if api_key else None)
@@ -271,7 +305,7 @@ def serve(
         env = {"CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]} if device.startswith("cuda") else {}
         metrics_port = _free_port(host)
         metrics_urls.append(f"{role} http://{host}:{metrics_port}/metrics")
-        args = [role, *common, "--port", str(_free_port(host)), "--router", router_addr, "--metrics-port", str(metrics_port)]
+        args = [role, *common, "--port", str(_free_port(host)), "--router", control_addr, "--metrics-port", str(metrics_port)]
         if device == "cpu":
             args += ["--torch-threads", str(threads)]
         start(args, env)

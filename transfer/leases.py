@@ -5,21 +5,31 @@ expiry. It ends exactly once: pulled, released, expired or aborted; its `on_end`
 memory.
 
 Each live lease also owns one 64-bit *lease word* in a host array that pullers read with UCX (see
-transfer.side_channel): it holds the lease's random nonce while the lease lives and is zeroed the moment the
-lease ends, before its memory is freed. A puller that reads the nonce back after its data reads have completed
-knows the memory was not freed, so not reused, while they ran.
+transfer.side_channel): it holds the lease's nonce while the lease lives and is zeroed the moment the lease
+ends, before its memory is freed. A puller that reads the nonce back after its data reads have completed knows
+the memory was not freed, so not reused, while they ran.
+
+The nonce is not sent to the puller: it is a MAC, keyed by the lease's secret token, of the lease id and the
+exact regions (address, size) the lease holds (`lease_nonce`). A puller computes it from the token and the
+regions it read, so a pull with a wrong token, or of regions the lease does not name (another request's state),
+can never match the word: its bytes are not used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
+import struct
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+
+MIN_TOKEN_BYTES = 16
 
 
 class LeaseRefused(Exception):
@@ -34,7 +44,7 @@ class Lease:
     expires_at: float  # time.monotonic()
     on_end: Callable[[str], None]  # called once with the reason: pulled | released | expired | aborted
     word: int  # index of its lease word
-    nonce: int  # what its lease word holds while it lives (never 0)
+    nonce: int  # what its lease word holds while it lives (never 0): lease_nonce of its token and buffers
 
     @property
     def nbytes(self) -> int:
@@ -44,10 +54,13 @@ class Lease:
         return int((time.time() + self.expires_at - time.monotonic()) * 1000)
 
 
-def _nonce() -> int:
-    """Random, positive as an int64, and with no zero byte: a read that tears across the word's reset to 0 (an
-    8-byte copy is not promised to be atomic) cannot match it."""
-    raw = [secrets.randbelow(255) + 1 for _ in range(7)] + [secrets.randbelow(127) + 1]
+def lease_nonce(token: bytes, lease_id: str, extents: list[tuple[int, int]]) -> int:
+    """What the word of lease `lease_id` holding `extents` [(address, nbytes)] holds while it lives, under `token`.
+    Positive as an int64 and with no zero byte: a read that tears across the word's reset to 0 (an 8-byte copy is
+    not promised to be atomic) cannot match it."""
+    message = lease_id.encode() + b"".join(struct.pack("<QQ", address, nbytes) for address, nbytes in extents)
+    digest = hmac.new(token, message, hashlib.sha256).digest()
+    raw = [b % 255 + 1 for b in digest[:7]] + [digest[7] % 127 + 1]
     return int.from_bytes(bytes(raw), "little")
 
 
@@ -61,14 +74,20 @@ class LeaseTable:
         self._lock = threading.Lock()
         self.counts = {"pulled": 0, "released": 0, "expired": 0, "aborted": 0}
 
-    def offer(self, lease_id: str, buffers: list[torch.Tensor], ttl_s: float, on_end: Callable[[str], None]) -> Lease:
+    def offer(self, lease_id: str, buffers: list[torch.Tensor], ttl_s: float, on_end: Callable[[str], None],
+              token: bytes | None = None) -> Lease:  # fmt: skip
+        """`token`: the lease's secret (at least MIN_TOKEN_BYTES), if the caller chose it; else a random one."""
+        if token is not None and len(token) < MIN_TOKEN_BYTES:
+            raise LeaseRefused(f"a lease token must have at least {MIN_TOKEN_BYTES} bytes")
         with self._lock:
             if lease_id in self._leases:
                 raise ValueError(f"lease {lease_id!r} already exists")
             if not self._free_words:
                 raise LeaseRefused(f"too many leases alive ({len(self._leases)})")
             word = self._free_words.pop()
-            lease = Lease(lease_id, secrets.token_bytes(16), buffers, time.monotonic() + ttl_s, on_end, word, _nonce())
+            token = token or secrets.token_bytes(MIN_TOKEN_BYTES)
+            nonce = lease_nonce(token, lease_id, [(b.data_ptr(), b.numel()) for b in buffers])
+            lease = Lease(lease_id, token, buffers, time.monotonic() + ttl_s, on_end, word, nonce)
             self._words[word] = lease.nonce
             self._leases[lease_id] = lease
         return lease
@@ -89,7 +108,8 @@ class LeaseTable:
         return lease is not None
 
     def release(self, lease_id: str, token: bytes | None = None) -> bool:
-        """End a lease early (token None: by the holder itself, e.g. on abort)."""
+        """End a lease early (token None: by the holder itself, e.g. when the lease never reached its caller;
+        a caller from outside always presents the token)."""
         with self._lock:
             lease = self._pop(lease_id, token)
         if lease is not None:

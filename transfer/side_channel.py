@@ -9,9 +9,10 @@ the held regions are, the remote keys to read them, and where the lease's *word*
    both ends).
 2. Once every read has completed it reads the lease word (8 bytes). The holder zeroes a lease's word when the
    lease ends, before it frees the lease's memory (transfer.leases); so finding the lease's nonce there means
-   the memory was neither freed nor reused while the reads ran, and the bytes are good. Anything else (the
-   lease ended: pulled by another, released, expired, unknown) fails the pull as refused; its bytes are never
-   used.
+   the memory was neither freed nor reused while the reads ran, and the bytes are good. The nonce is a MAC of
+   the lease id and the regions read, keyed by the lease token (`LeaseCheck.of`): only a puller with the token
+   that read exactly the lease's regions can match it. Anything else (the lease ended: pulled, released,
+   expired; a wrong token; another lease's regions) fails the pull as refused; its bytes are never used.
 3. The puller sends a done notice: the lease ends as pulled and the held memory is freed. A puller that gives
    up (cancelled, past its deadline) sends an abandon notice instead, and the lease ends as aborted.
 
@@ -37,7 +38,7 @@ import structlog
 import torch
 
 from transfer import failpoints, loop_worker
-from transfer.leases import Lease, LeaseTable
+from transfer.leases import Lease, LeaseTable, lease_nonce
 
 log = structlog.get_logger("deltamesh.transfer")
 
@@ -72,6 +73,11 @@ class LeaseCheck:
     address: int
     rkey: bytes
     nonce: int
+
+    @classmethod
+    def of(cls, address: int, rkey: bytes, token: bytes, lease_id: str, regions: list[Region]) -> "LeaseCheck":
+        """The check of a pull of `regions` under lease `lease_id` with `token`: what the word must hold."""
+        return cls(address, rkey, lease_nonce(token, lease_id, [(r.address, r.nbytes) for r in regions]))
 
 
 @dataclass
@@ -422,8 +428,8 @@ class StatePuller:
             await ucx.get(ep, word, check.address, word_key, spin_s=spin_s)
             if int.from_bytes(word.numpy().tobytes(), "little") != check.nonce:
                 raise TransferError(f"lease {lease_id!r} ended before its state was read (pulled, released or "
-                                    "expired), or is not this one: the bytes read are not used",
-                                    refused=True)  # fmt: skip
+                                    "expired), or the token or regions are not the lease's: the bytes read are not "
+                                    "used", refused=True)  # fmt: skip
         except BaseException as e:
             for f in reads:
                 f.cancel()

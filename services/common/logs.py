@@ -39,7 +39,3 @@ def request_id_from(context, fallback: str = "") -> str:
         if key == REQUEST_ID_KEY:
             return value
     return fallback
-
-
-def metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return ((REQUEST_ID_KEY, request_id),)

@@ -32,9 +32,11 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_
 class GrpcServer:
     """A started grpc.aio server with health (per service name and overall) and reflection."""
 
-    def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None):
-        """`services`: (add_XServicer_to_server, servicer, full service name); `tls`: TlsSettings or None."""
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None,
+                 interceptors: tuple = ()):  # fmt: skip
+        """`services`: (add_XServicer_to_server, servicer, full service name); `tls`: TlsSettings or None;
+        `interceptors`: e.g. services.common.auth's, which refuse calls without credentials."""
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health_async.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for add, servicer, _ in services:

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 from engine import EngineConfig
 from services.common.tls import TlsSettings
@@ -19,11 +19,13 @@ class WorkerSettings(BaseModel):
     role: Role
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
-    router: str | None = None  # router address to register with (heartbeats)
+    router: str | None = None  # the router's control-plane address to register with (heartbeats)
+    mesh_secret: SecretStr  # shared by the router and every worker of the mesh (services/common/auth.py)
     advertise_host: str | None = None  # host the router should dial (default: the bind host)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     ucx_error_handling: bool = True  # False lets UCX use shared memory / cuda_ipc, but peer failures go undetected by UCX
     lease_ttl_s: float = 30.0  # prefill: how long a held state waits for its decode worker
+    max_lease_ttl_s: float = 300.0  # prefill: the longest TTL a caller may ask for (Prefill, ExtendLease)
     transfer_timeout_s: float = 30.0  # decode: deadline of one state pull
     admission_timeout_s: float = 30.0  # decode: how long a transferred request may wait for pool space
     metrics_port: int | None = None  # Prometheus /metrics over HTTP (None: off)
@@ -33,7 +35,9 @@ class WorkerSettings(BaseModel):
 
 class RouterSettings(BaseModel):
     host: str = "127.0.0.1"
-    grpc_port: int = 50051
+    grpc_port: int = 50051  # the client API
+    control_port: int = 50052  # the control plane: worker registration and loads (mesh secret required)
+    mesh_secret: SecretStr
     http_port: int | None = 8000  # OpenAI-compatible REST gateway (None: off)
     model: str = EngineConfig().model  # checkpoint directory: tokenizer, chat template, model id
     max_model_len: int | None = None
@@ -51,7 +55,7 @@ class RouterSettings(BaseModel):
 
 
 def print_settings(name: str, settings: BaseModel) -> None:
-    data = settings.model_dump(mode="json")
+    data = settings.model_dump(mode="json")  # SecretStr fields print as stars
     if data.get("api_key"):
         data["api_key"] = "***"  # never log secrets
     print(json.dumps({"service": name, "settings": data}, default=str), file=sys.stderr, flush=True)

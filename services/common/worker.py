@@ -10,8 +10,9 @@ from typing import Callable
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
 from engine import Engine, RequestError
+from services.common.auth import mesh_interceptor, mesh_metadata
 from services.common.convert import sampling_from_proto
 from services.common.logs import bind_request, request_id_from
 from services.common.compat import compat_hash
@@ -47,8 +48,8 @@ class Worker:
         self.reservations = 0
         # Set by the role's setup: what to tell the router of this worker's side channel (prefill), and what to
         # do with each registration reply (decode); the latter must not block (it runs in the heartbeat).
-        self.side_channel: Callable[[], router_pb2.SideChannel] | None = None
-        self.on_registered: Callable[[router_pb2.RegisterWorkerResponse], None] | None = None
+        self.side_channel: Callable[[], control_pb2.SideChannel] | None = None
+        self.on_registered: Callable[[control_pb2.RegisterWorkerResponse], None] | None = None
 
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
         l = self.core.loads()  # noqa: E741
@@ -60,21 +61,22 @@ class Worker:
         )  # fmt: skip
 
     async def register_forever(self, stop: asyncio.Event) -> None:
-        """Keep this worker registered with the router; survives router restarts."""
+        """Keep this worker registered with the router's control plane; survives router restarts."""
         router = self.settings.router
         if not router:
             return
-        request = router_pb2.RegisterWorkerRequest(
+        auth = mesh_metadata(self.settings.mesh_secret.get_secret_value())
+        request = control_pb2.RegisterWorkerRequest(
             address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash,
             side_channel=self.side_channel() if self.side_channel else None,
         )  # fmt: skip
         interval = 1.0
         async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
+            stub = control_pb2_grpc.MeshControlStub(channel)
             registered = False
             while not stop.is_set():
                 try:
-                    reply = await stub.RegisterWorker(request, timeout=2.0)
+                    reply = await stub.RegisterWorker(request, metadata=auth, timeout=2.0)
                     interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
                     if self.on_registered:
                         self.on_registered(reply)
@@ -82,7 +84,9 @@ class Worker:
                         log.info("registered with router", router=router)
                     registered = True
                 except grpc.aio.AioRpcError as e:
-                    if registered:
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        log.error("the router refused this worker's mesh secret", router=router)
+                    elif registered:
                         log.warning("router unreachable", router=router, code=e.code().name)
                     registered = False
                 try:
@@ -113,7 +117,9 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> 
     services, on_start, on_stop, background, leases = setup(worker)
     serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
     await on_start()
-    server = GrpcServer(settings.host, settings.port, services, settings.tls)
+    # only the router (and tools holding the mesh secret) may call a worker: its calls hand out leases' tokens
+    server = GrpcServer(settings.host, settings.port, services, settings.tls,
+                        interceptors=(mesh_interceptor(settings.mesh_secret.get_secret_value()),))  # fmt: skip
     worker.address = f"{settings.advertise_host or settings.host}:{server.port}"
     await server.start()
     await server.set_serving(True)

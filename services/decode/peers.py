@@ -9,7 +9,7 @@ import asyncio
 import structlog
 import torch
 
-from deltamesh.v1 import router_pb2
+from deltamesh.v1 import control_pb2
 from transfer import Region, StatePuller, TransferError
 
 log = structlog.get_logger("deltamesh.decode")
@@ -21,7 +21,7 @@ class PeerWarmer:
         self._seen: set[tuple] = set()  # (UCX address, remote keys) of every peer warmed or being warmed
         self._tasks: set[asyncio.Task] = set()
 
-    def on_registered(self, reply: router_pb2.RegisterWorkerResponse) -> None:
+    def on_registered(self, reply: control_pb2.RegisterWorkerResponse) -> None:
         """Runs in the registration heartbeat: starts a warm-up for each peer not seen yet, never waits for one."""
         for peer in reply.prefill_peers:
             key = (peer.ucx_address, tuple(peer.region_rkeys))
@@ -32,7 +32,7 @@ class PeerWarmer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _warm(self, peer: router_pb2.SideChannel) -> None:
+    async def _warm(self, peer: control_pb2.SideChannel) -> None:
         pools = [Region(1, address, rkey) for address, rkey in zip(peer.region_addresses, peer.region_rkeys)]
         words = Region(8, peer.lease_words_address, peer.lease_words_rkey) if peer.lease_words_rkey else None
         try:

@@ -53,10 +53,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state token count does not match the prompt")
         if not len(layout.region_bytes) == len(layout.region_addresses) == len(layout.region_rkeys):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state layout: one address and key per region needed")
-        if not (src.lease.word_address and src.lease.word_rkey and src.lease.nonce):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: its word's address, key and nonce needed")
+        if not (src.lease.word_address and src.lease.word_rkey and src.lease.token):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: its token and its word's address and key needed")
         regions = [Region(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
-        check = LeaseCheck(src.lease.word_address, src.lease.word_rkey, src.lease.nonce)
+        check = LeaseCheck.of(src.lease.word_address, src.lease.word_rkey, src.lease.token, src.lease.lease_id, regions)
         reservation = await self._reserve(len(request.prompt_token_ids), context)
         self.worker.reservations += 1
         try:
@@ -95,7 +95,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 return self.engine.core.reserve(num_tokens)
             except PoolExhausted as e:
                 if time.monotonic() + delay > deadline:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {e}")
+                    waited = self.worker.settings.admission_timeout_s
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: no pool space "
+                                        f"within {waited:g} s (--admission-timeout): {e}")  # fmt: skip
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.05)
 

@@ -9,12 +9,13 @@ import time
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2
+from deltamesh.v1 import common_pb2, control_pb2, prefill_pb2, prefill_pb2_grpc
 from engine import FinishReason
 from services.common import metrics
 from services.common.convert import delta_from_output
 from services.common.worker import Worker, engine_request
 from transfer import LeaseRefused, LeaseTable, StateServer
+from transfer.leases import MIN_TOKEN_BYTES
 
 log = structlog.get_logger("deltamesh.prefill")
 
@@ -22,10 +23,15 @@ log = structlog.get_logger("deltamesh.prefill")
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: Worker, leases: LeaseTable, state_server: StateServer):
         self.worker, self.engine, self.leases, self.state_server = worker, worker.engine, leases, state_server
+        self._prefilling: dict[str, asyncio.Task] = {}  # request id -> its Prefill call's task (for Abort)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+        await self._check_ttl(request.lease_ttl_ms, context)
+        if request.lease_token and len(request.lease_token) < MIN_TOKEN_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lease_token: at least {MIN_TOKEN_BYTES} bytes")
         req = await engine_request(self.engine, request, context, hold_state=True)
         rid = req.request_id
+        task = self._prefilling.setdefault(rid, asyncio.current_task())  # a duplicate id is the engine's to refuse
         first = None
         leased = False
         started = time.monotonic()
@@ -39,35 +45,40 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
             response = prefill_pb2.PrefillResponse(first=delta_from_output(first))
             if first.finish_reason is None:  # more to decode: hold the state under a lease
-                response.lease.CopyFrom(self._lease(rid, len(req.prompt_ids), request.lease_ttl_ms))
+                response.lease.CopyFrom(self._lease(rid, len(req.prompt_ids), request.lease_ttl_ms,
+                                                    request.lease_token or None))  # fmt: skip
                 response.ucx_address = self.state_server.address
                 response.layout.CopyFrom(self._layout(rid, len(req.prompt_ids)))
                 leased = True
+                # a caller that went away before the response reached it never learns the token: end the lease now
+                context.add_done_callback(lambda ctx: ctx.cancelled() and self.leases.release(rid))
             return response
         finally:
+            if task is asyncio.current_task():
+                del self._prefilling[rid]
             if not leased and first is not None and first.finish_reason is None:
                 self.engine.core.release_held(rid)  # cancelled between holding and leasing
 
-    def _lease(self, rid: str, num_tokens: int, ttl_ms: int) -> prefill_pb2.Lease:
+    def _lease(self, rid: str, num_tokens: int, ttl_ms: int, token: bytes | None) -> prefill_pb2.Lease:
         ttl = ttl_ms / 1000 if ttl_ms else self.worker.settings.lease_ttl_s
         buffers = [r.tensor for r in self.engine.core.held_regions(rid)]
-        lease = self.leases.offer(rid, buffers, ttl, lambda reason: self._ended(rid, reason))
+        lease = self.leases.offer(rid, buffers, ttl, lambda reason: self._ended(rid, reason), token)
         log.info("state held", lease_id=rid, tokens=num_tokens, bytes=lease.nbytes, buffers=len(buffers), ttl_s=ttl)
         check = self.state_server.lease_check(lease)
         return prefill_pb2.Lease(lease_id=rid, token=lease.token, expires_unix_ms=lease.expires_unix_ms(),
-                                 word_address=check.address, word_rkey=check.rkey, nonce=check.nonce)  # fmt: skip
+                                 word_address=check.address, word_rkey=check.rkey)  # fmt: skip
 
     def _layout(self, rid: str, num_tokens: int) -> prefill_pb2.StateLayout:
         regions = self.state_server.regions([r.tensor for r in self.engine.core.held_regions(rid)])
         return prefill_pb2.StateLayout(compat_hash=self.worker.compat_hash, num_tokens=num_tokens,
                                        region_bytes=[r.nbytes for r in regions], **_where(regions))  # fmt: skip
 
-    def side_channel(self) -> router_pb2.SideChannel:
+    def side_channel(self) -> control_pb2.SideChannel:
         """Where this worker's pools and lease words can be read (registered with UCX now, once), for decode
         workers to set up their side channel to it before the first request."""
         regions = self.state_server.regions(self.engine.core.pool_views())
         words = self.state_server.words()
-        return router_pb2.SideChannel(ucx_address=self.state_server.address, **_where(regions),
+        return control_pb2.SideChannel(ucx_address=self.state_server.address, **_where(regions),
                                       lease_words_address=words.address, lease_words_rkey=words.rkey)  # fmt: skip
 
     def _ended(self, rid: str, reason: str) -> None:
@@ -78,7 +89,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     async def ReleaseLease(self, request: prefill_pb2.LeaseRequest, context) -> prefill_pb2.LeaseResponse:
         return prefill_pb2.LeaseResponse(ok=self.leases.release(request.lease_id, request.token))
 
+    async def _check_ttl(self, ttl_ms: int, context) -> None:
+        """A TTL is bounded: a lease holds a state slot and KV pages that other requests wait for."""
+        limit = self.worker.settings.max_lease_ttl_s
+        if ttl_ms > limit * 1000:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lease TTL {ttl_ms} ms is over this worker's "
+                                f"maximum ({limit:g} s, --max-lease-ttl)")  # fmt: skip
+
     async def ExtendLease(self, request: prefill_pb2.LeaseRequest, context) -> prefill_pb2.LeaseResponse:
+        await self._check_ttl(request.ttl_ms, context)
         ttl = request.ttl_ms / 1000 if request.ttl_ms else self.worker.settings.lease_ttl_s
         try:
             lease = self.leases.extend(request.lease_id, request.token, ttl)
@@ -87,9 +106,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.LeaseResponse(ok=True, expires_unix_ms=lease.expires_unix_ms())
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        found = self.leases.release(request.request_id) or request.request_id in self.engine.core.requests
-        self.engine.abort(request.request_id)
-        return common_pb2.AbortResponse(found=found)
+        """Stops a prefill in flight, as cancelling its call does. A held lease is not ended here: that takes its
+        token (ReleaseLease); nor is the engine asked directly, which would free a held state under a live lease."""
+        task = self._prefilling.get(request.request_id)
+        if task is not None:
+            task.cancel()
+        return common_pb2.AbortResponse(found=task is not None)
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
         return common_pb2.GetLoadsResponse(workers=[self.worker.load(leases=len(self.leases))])

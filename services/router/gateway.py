@@ -168,8 +168,9 @@ class Gateway:
     # ---- running choices ----------------------------------------------------------------------------
     async def _produce(self, choice: Choice, out: asyncio.Queue) -> None:
         try:
-            async for delta in self.mesh.generate(choice.request_id, choice.prompt_ids, choice.params):
-                await out.put((choice.index, delta))
+            async with contextlib.aclosing(self.mesh.generate(choice.request_id, choice.prompt_ids, choice.params)) as deltas:
+                async for delta in deltas:
+                    await out.put((choice.index, delta))
         except MeshError as e:
             await out.put((choice.index, ApiError.from_mesh(e)))
         except Exception as e:  # a bug: report it as a 500, never hang the stream
@@ -279,7 +280,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def ready():
         if not gateway.mesh.ready():
             return ApiError(503, "no healthy workers to serve requests", "service_unavailable").response()
-        return {"status": "ready", "workers": [w.address for w in gateway.mesh.registry.workers.values() if w.healthy]}
+        healthy = [w.role for w in gateway.mesh.registry.workers.values() if w.healthy]
+        return {"status": "ready", "workers": {role: healthy.count(role) for role in sorted(set(healthy))}}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def metrics() -> Response:

@@ -6,9 +6,11 @@ import asyncio
 
 import structlog
 
-from deltamesh.v1 import router_pb2, router_pb2_grpc
+from deltamesh.v1 import control_pb2, control_pb2_grpc, router_pb2, router_pb2_grpc
+from services.common.auth import api_key_interceptor, mesh_interceptor
 from services.common.server import GrpcServer
 from services.common.settings import RouterSettings
+from services.router.control import ControlServicer
 from services.router.frontend import Frontend
 from services.router.gateway import Gateway, start_gateway
 from services.router.mesh import Mesh
@@ -22,29 +24,36 @@ log = structlog.get_logger("deltamesh.router")
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     frontend = Frontend(settings.model, settings.max_model_len)
-    registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, settings.tls)
+    secret = settings.mesh_secret.get_secret_value()
+    registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, secret, settings.tls)
     for role in ("prefill", "decode", "colocated"):
         for address in getattr(settings, role):
             registry.add(address, role, static=True)
     register_worker_gauge(registry)
     mesh = Mesh(registry, POLICIES[settings.policy](), settings.prefill_retries, settings.request_timeout_s)
-    servicer = RouterServicer(frontend, mesh, registry)
+    # Two listeners: the client API (the API key, when set) and the control plane (the mesh secret)
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-    services = [(router_pb2_grpc.add_RouterServicer_to_server, servicer, name)]
-    server = GrpcServer(settings.host, settings.grpc_port, services, settings.tls)
-    await server.start()
-    await server.set_serving(True)
+    client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh), name)]
+    key_check = (api_key_interceptor(settings.api_key),) if settings.api_key else ()
+    server = GrpcServer(settings.host, settings.grpc_port, client_api, settings.tls, interceptors=key_check)
+    name = control_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name
+    control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, ControlServicer(registry, frontend.model_id), name)]
+    control = GrpcServer(settings.host, settings.control_port, control_api, settings.tls,
+                         interceptors=(mesh_interceptor(secret),))  # fmt: skip
+    for s in (server, control):
+        await s.start()
+        await s.set_serving(True)
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
     if settings.http_port:
         http, http_task = await start_gateway(Gateway(frontend, mesh, settings.api_key), settings.host, settings.http_port)
         tasks.append(http_task)
-    log.info("router serving", grpc=server.address, http=settings.http_port, model=frontend.model_id,
-             policy=settings.policy)  # fmt: skip
+    log.info("router serving", grpc=server.address, control=control.address, http=settings.http_port,
+             model=frontend.model_id, policy=settings.policy)  # fmt: skip
     print(f"DELTAMESH_READY router {server.address}", flush=True)
     await stop.wait()
     if http is not None:
         http.should_exit = True
-    await server.stop(grace_s=2.0)
+    await asyncio.gather(server.stop(grace_s=2.0), control.stop(grace_s=0.5))
     await asyncio.gather(*tasks, return_exceptions=True)
     await registry.close()

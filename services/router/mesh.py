@@ -10,6 +10,8 @@ memory is freed. A client that goes away cancels both legs; `abort` does the sam
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -19,7 +21,6 @@ import structlog
 from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
 from engine import SamplingParams
 from services.common.convert import sampling_to_proto
-from services.common.logs import metadata
 from services.router import metrics
 from services.router.policies import Policy
 from services.router.registry import WorkerHandle, WorkerRegistry
@@ -95,11 +96,13 @@ class Mesh:
         timer = metrics.RequestTimer()
         outcome = "aborted"  # unless it finishes or fails: the client went away
         try:
-            async for delta in self._generate(request_id, prompt_ids, params):
-                timer.delta(len(delta.token_ids), delta.usage.prompt_tokens)
-                if delta.finished:
-                    outcome = "aborted" if delta.finish_reason == common_pb2.FINISH_REASON_ABORT else "completed"
-                yield delta
+            # closed explicitly: a client gone mid-stream releases what its request holds at once, not at GC
+            async with contextlib.aclosing(self._generate(request_id, prompt_ids, params)) as deltas:
+                async for delta in deltas:
+                    timer.delta(len(delta.token_ids), delta.usage.prompt_tokens)
+                    if delta.finished:
+                        outcome = "aborted" if delta.finish_reason == common_pb2.FINISH_REASON_ABORT else "completed"
+                    yield delta
         except MeshError:
             outcome = "error"
             raise
@@ -117,25 +120,29 @@ class Mesh:
                 async for delta in self._decode(req, "colocated", inflight):
                     yield delta
                 return
+            # the lease's token is ours from the start: a request that goes away while its prefill answer is on the
+            # wire can still end the lease it will never see
             prefill_req = prefill_pb2.PrefillRequest(
-                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop
-            )
-            first, pw = await self._prefill(prefill_req, inflight)
-            yield first.first
-            if first.first.finished:
-                return
-            source = decode_pb2.TransferSource(
-                lease=first.lease, ucx_address=first.ucx_address, layout=first.layout,
-                first_token_id=first.first.token_ids[0],
+                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop,
+                lease_token=secrets.token_bytes(16),
             )  # fmt: skip
-            req = decode_pb2.DecodeRequest(
-                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
-            )
+            first, pw = await self._prefill(prefill_req, inflight)
             try:
+                yield first.first
+                if first.first.finished:
+                    return
+                source = decode_pb2.TransferSource(
+                    lease=first.lease, ucx_address=first.ucx_address, layout=first.layout,
+                    first_token_id=first.first.token_ids[0],
+                )  # fmt: skip
+                req = decode_pb2.DecodeRequest(
+                    request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
+                )
                 async for delta in self._decode(req, "decode", inflight):
                     yield delta
             finally:  # never let the lease outlive the request (a no-op once decode pulled the state)
-                self._release_later(pw, first.lease)
+                if first.HasField("lease"):
+                    self._release_later(pw, first.lease)
         except MeshError as e:
             if not inflight.aborted:
                 raise
@@ -149,11 +156,12 @@ class Mesh:
         while True:
             w = self._pick("prefill", tried)
             w.inflight += 1
-            inflight.call = w.stub.Prefill(req, metadata=metadata(req.request_id), timeout=self.timeout_s)
+            inflight.call = w.stub.Prefill(req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s)
             try:
                 return await inflight.call, w
             except asyncio.CancelledError:
                 if _own_task_cancelled():
+                    self._release_later(w, prefill_pb2.Lease(lease_id=req.request_id, token=req.lease_token))
                     raise
                 raise _cancelled_call(inflight, "prefill", w) from None
             except grpc.aio.AioRpcError as e:
@@ -174,7 +182,7 @@ class Mesh:
         while True:
             w = self._pick(role, tried)
             w.inflight += 1
-            call = inflight.call = w.stub.Decode(req, metadata=metadata(req.request_id), timeout=self.timeout_s)
+            call = inflight.call = w.stub.Decode(req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s)
             streamed = finished = False
             try:
                 async for delta in call:
@@ -207,13 +215,17 @@ class Mesh:
                 if not finished:
                     call.cancel()  # the client left or the stream broke: stop the worker's request
 
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _release_later(self, w: WorkerHandle, lease: prefill_pb2.Lease) -> None:
         async def release() -> None:
             try:
-                await w.stub.ReleaseLease(prefill_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token), timeout=5)
+                await w.stub.ReleaseLease(prefill_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token),
+                                          metadata=self.registry.call_metadata(), timeout=5)  # fmt: skip
             except Exception:  # noqa: BLE001 - best effort: a gone worker took its memory along, else the lease expires
                 pass
 
-        task = asyncio.get_running_loop().create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(release())

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2
+from deltamesh.v1 import common_pb2, control_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.common.auth import mesh_metadata
 from services.common.server import CHANNEL_OPTIONS
 from services.common.tls import aio_channel
 
@@ -28,7 +29,7 @@ class WorkerHandle:
     static: bool
     channel: grpc.aio.Channel
     compat_hash: str = ""
-    side_channel: router_pb2.SideChannel | None = None  # a registered prefill worker's, for decode workers
+    side_channel: control_pb2.SideChannel | None = None  # a registered prefill worker's, for decode workers
     healthy: bool = False
     load: common_pb2.WorkerLoad | None = None
     last_registered: float = field(default_factory=time.monotonic)
@@ -43,8 +44,8 @@ class WorkerHandle:
 
 
 class WorkerRegistry:
-    def __init__(self, health_interval_s: float, heartbeat_interval_s: float, tls=None):
-        self.tls = tls
+    def __init__(self, health_interval_s: float, heartbeat_interval_s: float, mesh_secret: str, tls=None):
+        self.tls, self._secret = tls, mesh_secret
         self.health_interval_s = health_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, WorkerHandle] = {}
@@ -80,6 +81,10 @@ class WorkerRegistry:
             await asyncio.sleep(0.5)
         await w.channel.close()
 
+    def call_metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        """Metadata of a call to a worker: the mesh secret (workers refuse calls without it) and the request id."""
+        return mesh_metadata(self._secret, request_id)
+
     def healthy(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
 
@@ -107,7 +112,8 @@ class WorkerRegistry:
         """A worker that is unreachable is out at once; one that is only slow to answer (a long engine step,
         kernel compilation) is out after MAX_MISSED_POLLS polls in a row."""
         try:
-            reply = await w.stub.GetLoads(common_pb2.GetLoadsRequest(), timeout=max(self.health_interval_s * 4, 2.0))
+            reply = await w.stub.GetLoads(common_pb2.GetLoadsRequest(), metadata=self.call_metadata(),
+                                          timeout=max(self.health_interval_s * 4, 2.0))  # fmt: skip
             w.load = reply.workers[0]
             w.missed_polls = 0
             if not w.healthy:

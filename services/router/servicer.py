@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
+import secrets
 import uuid
 
 import grpc
@@ -13,7 +17,6 @@ from services.common.convert import sampling_from_proto
 from services.common.logs import bind_request, request_id_from
 from services.router.frontend import Frontend
 from services.router.mesh import Mesh, MeshError
-from services.router.registry import WorkerRegistry
 
 log = structlog.get_logger("deltamesh.router")
 
@@ -22,9 +25,24 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+class AbortTokens:
+    """A request's abort token is a MAC of its id under a key that never leaves this process: only the client that
+    received the token with the request's first response can abort it, and nothing needs to be stored."""
+
+    def __init__(self):
+        self._key = secrets.token_bytes(32)
+
+    def token(self, request_id: str) -> bytes:
+        return hmac.new(self._key, request_id.encode(), hashlib.sha256).digest()[:16]
+
+    def valid(self, request_id: str, token: bytes) -> bool:
+        return hmac.compare_digest(self.token(request_id), token)
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, frontend: Frontend, mesh: Mesh, registry: WorkerRegistry):
-        self.frontend, self.mesh, self.registry = frontend, mesh, registry
+    def __init__(self, frontend: Frontend, mesh: Mesh):
+        self.frontend, self.mesh = frontend, mesh
+        self.abort_tokens = AbortTokens()
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -49,13 +67,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except (ValueError, RequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            async for delta in self.mesh.generate(rid, prompt_ids, params):
-                yield router_pb2.GenerateResponse(request_id=rid, delta=delta)
+            abort_token = self.abort_tokens.token(rid)  # in the first response only
+            async with contextlib.aclosing(self.mesh.generate(rid, prompt_ids, params)) as deltas:
+                async for delta in deltas:
+                    yield router_pb2.GenerateResponse(request_id=rid, delta=delta, abort_token=abort_token)
+                    abort_token = b""
         except MeshError as e:
             log.warning("request failed", code=e.code.name, error=e.message)
             await context.abort(e.code, e.message)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        if not self.abort_tokens.valid(request.request_id, request.abort_token):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a request is aborted with the abort token of its "
+                                "first response (or by cancelling its Generate call)")  # fmt: skip
         return common_pb2.AbortResponse(found=self.mesh.abort(request.request_id))
 
     async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:
@@ -63,19 +87,3 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ListModelsResponse(
             models=[router_pb2.Model(id=f.model_id, max_model_len=f.max_model_len, vocab_size=f.vocab_size)]
         )
-
-    async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
-        return common_pb2.GetLoadsResponse(workers=self.registry.loads())
-
-    async def RegisterWorker(self, request: router_pb2.RegisterWorkerRequest, context):
-        try:
-            worker = self.registry.add(request.address, request.role, static=False, compat_hash=request.compat_hash)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if request.model and request.model != self.frontend.model_id:
-            log.warning("worker serves another model", address=request.address, model=request.model)
-        worker.side_channel = request.side_channel if request.HasField("side_channel") else None
-        reply = router_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
-        if request.role == "decode":
-            reply.prefill_peers.extend(w.side_channel for w in self.registry.healthy("prefill") if w.side_channel is not None)
-        return reply

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,7 +15,8 @@ from pathlib import Path
 import grpc
 
 from deltamesh.client import Client
-from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from deltamesh.v1 import common_pb2, control_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
+from services.common.auth import MESH_SECRET_ENV, mesh_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,6 +27,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds fixed metadata (the mesh secret) to every call on a channel, as the router's own calls carry it."""
+
+    def __init__(self, pairs):
+        self.pairs = tuple(pairs)
+
+    def _details(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self.pairs)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None, secret: str | None = None):
+    """A channel to one of the mesh's processes; with `secret`, every call carries the mesh secret."""
+    ch = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    return grpc.intercept_channel(ch, _WithMetadata(mesh_metadata(secret))) if secret else ch
+
+
 @dataclass
 class Proc:
     role: str
@@ -32,13 +56,15 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     credentials: grpc.ChannelCredentials | None = None  # for TLS meshes
+    secret: str | None = None  # the mesh secret its calls carry
 
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def stub(self):
-        channel = grpc.secure_channel(self.address, self.credentials) if self.credentials else grpc.insecure_channel(self.address)
-        return (prefill_pb2_grpc.PrefillWorkerStub if self.role == "prefill" else decode_pb2_grpc.DecodeWorkerStub)(channel)
+    def stub(self, secret: str | None = ...):
+        """A stub of this worker's service; its calls carry the mesh secret unless `secret` says otherwise."""
+        ch = channel(self.address, self.credentials, self.secret if secret is ... else secret)
+        return (prefill_pb2_grpc.PrefillWorkerStub if self.role == "prefill" else decode_pb2_grpc.DecodeWorkerStub)(ch)
 
     def load(self) -> common_pb2.WorkerLoad:
         return self.stub().GetLoads(common_pb2.GetLoadsRequest(), timeout=5).workers[0]
@@ -52,37 +78,47 @@ class Mesh:
     router_args: list[str] = field(default_factory=list)
     client_kwargs: dict = field(default_factory=dict)  # e.g. TLS credentials for the SDK client
     procs: list[Proc] = field(default_factory=list)
-    router_address: str = ""
+    router_address: str = ""  # the client API
+    control_address: str = ""  # the control plane
     http_port: int = 0
+    secret: str = field(default_factory=lambda: secrets.token_hex(16))  # this mesh's, given to every process
 
     def _spawn(self, role: str, args: list[str], port: int) -> Proc:
         log = self.log_dir / f"{role}-{port}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", MESH_SECRET_ENV: self.secret}
         popen = subprocess.Popen([sys.executable, "-m", "services.cli", role, *args], cwd=ROOT, env=env,
                                  stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
         creds = None
         if self.client_kwargs.get("root_certificates"):
             kw = self.client_kwargs
             creds = grpc.ssl_channel_credentials(kw["root_certificates"], kw.get("private_key"), kw.get("certificate_chain"))
-        proc = Proc(role, f"127.0.0.1:{port}", popen, log, creds)
+        proc = Proc(role, f"127.0.0.1:{port}", popen, log, creds, self.secret)
         self.procs.append(proc)
         return proc
 
-    def start_router(self, http: bool = False) -> Proc:
-        port = free_port()
+    def start_router(self, http: bool = False, port: int | None = None, control_port: int | None = None) -> Proc:
+        """The router; `port` / `control_port` to start one again where the last one was."""
+        port, control_port = port or free_port(), control_port or free_port()
         self.http_port = free_port() if http else 0
-        self.router_address = f"127.0.0.1:{port}"
-        return self._spawn("router", ["--model", self.model, "--grpc-port", str(port), "--http-port",
-                                      str(self.http_port), *self.router_args], port)  # fmt: skip
+        self.router_address, self.control_address = f"127.0.0.1:{port}", f"127.0.0.1:{control_port}"
+        return self._spawn("router", ["--model", self.model, "--grpc-port", str(port), "--control-port",
+                                      str(control_port), "--http-port", str(self.http_port), *self.router_args],
+                           port)  # fmt: skip
 
     def start_worker(self, role: str, extra: list[str] = ()) -> Proc:
         port = free_port()
-        args = ["--model", self.model, "--port", str(port), "--router", self.router_address, "--torch-threads", "1",
+        args = ["--model", self.model, "--port", str(port), "--router", self.control_address, "--torch-threads", "1",
                 *self.worker_args, *extra]  # fmt: skip
         return self._spawn(role, args, port)
 
     def client(self, **kwargs) -> Client:
         return Client(self.router_address, **{**self.client_kwargs, **kwargs})
+
+    def loads(self, timeout: float = 5) -> list[common_pb2.WorkerLoad]:
+        """Every worker's load as the router sees it (its control plane, with the mesh secret)."""
+        creds = self.procs[0].credentials if self.procs else None
+        with channel(self.control_address, creds, self.secret) as ch:
+            return list(control_pb2_grpc.MeshControlStub(ch).GetLoads(common_pb2.GetLoadsRequest(), timeout=timeout).workers)
 
     def workers(self, role: str | None = None) -> list[Proc]:
         return [p for p in self.procs if p.role != "router" and (role is None or p.role == role) and p.alive()]
@@ -96,8 +132,7 @@ class Mesh:
                 if not p.alive() and p.role == "router":
                     raise RuntimeError(f"router exited:\n{p.log.read_text()[-3000:]}")
             try:
-                with self.client(retries=0) as c:
-                    healthy = {w.address for w in c.loads() if w.healthy}
+                healthy = {w.address for w in self.loads() if w.healthy}
                 if want <= healthy:
                     return
             except Exception:

@@ -175,11 +175,11 @@ def test_restarted_router_and_worker_are_rejoined(tmp_path):
         client = mesh.client(retries=0)
         assert client.generate("before", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
         router = next(p for p in mesh.procs if p.role == "router")
-        port = int(mesh.router_address.rsplit(":", 1)[1])
+        port, control_port = (int(a.rsplit(":", 1)[1]) for a in (mesh.router_address, mesh.control_address))
         mesh.kill(router, signal.SIGKILL)
         mesh.procs.remove(router)
         restarted = time.monotonic()
-        mesh._spawn("router", ["--model", MODEL, "--grpc-port", str(port), "--http-port", "0"], port)
+        mesh.start_router(port=port, control_port=control_port)
         mesh.wait_ready()
         router_back = time.monotonic() - restarted
         assert client.generate("after router restart", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
@@ -191,8 +191,8 @@ def test_restarted_router_and_worker_are_rejoined(tmp_path):
         mesh.wait_ready()
         worker_back = time.monotonic() - restarted
         assert client.generate("after worker restart", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
-        assert wait_until(lambda: old.address not in {w.address for w in client.loads()}, timeout=10)
-        assert new.address in {w.address for w in client.loads() if w.healthy}
+        assert wait_until(lambda: old.address not in {w.address for w in mesh.loads()}, timeout=10)
+        assert new.address in {w.address for w in mesh.loads() if w.healthy}
         assert mesh.wait_idle() == {}
         record("router SIGKILLed and restarted on its port", "workers re-register through their heartbeat; the "
                "router marks them healthy and serves again", "test_restarted_router_and_worker_are_rejoined",

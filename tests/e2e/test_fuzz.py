@@ -90,5 +90,5 @@ def test_sdk_requests_never_crash_the_mesh(mesh):
             raise AssertionError(f"unexpected {e!r} for prompt={prompt!r} kwargs={kwargs!r}") from None
 
     one()
-    assert all(w.healthy for w in client.loads())
+    assert all(w.healthy for w in mesh.loads())
     assert mesh.wait_idle() == {}

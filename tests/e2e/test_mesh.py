@@ -97,7 +97,7 @@ def test_cancelling_aborts_both_legs_and_frees_everything(mesh):
         for i, _ in enumerate(stream):
             if i == 5:
                 break
-        stream.cancel()  # SDK cancel: sends Abort
+        stream.cancel()  # SDK cancel: cancels the call
     assert mesh.wait_idle() == {}
 
     # a client that just goes away (cancels its call, no Abort)
@@ -138,11 +138,11 @@ def test_wrong_lease_or_layout_is_refused_and_the_state_stays_held(mesh, referen
                                                              sampling=sampling, source=source), timeout=30)  # fmt: skip
         return [t for d in call for t in d.token_ids]
 
-    wrong_nonce = prefill_pb2.Lease()
-    wrong_nonce.CopyFrom(first.lease)
-    wrong_nonce.nonce ^= 1  # as if the lease had ended, or another lease's word
+    wrong_token = prefill_pb2.Lease()
+    wrong_token.CopyFrom(first.lease)
+    wrong_token.token = bytes(b ^ 1 for b in first.lease.token)
     with pytest.raises(grpc.RpcError) as e:
-        decode_with(lease=wrong_nonce)
+        decode_with(lease=wrong_token)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended before its state was read" in e.value.details()
     no_word = prefill_pb2.Lease(lease_id="guarded", token=first.lease.token)
     with pytest.raises(grpc.RpcError) as e:

@@ -93,10 +93,22 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
             total = sum(r.nbytes for r in regions)
             dst_pool = torch.zeros(4 << 20, dtype=torch.uint8)
             dst = [dst_pool[: 1 << 20], dst_pool[1 << 20 : total]]
-            stale = LeaseCheck(check.address, check.rkey, check.nonce ^ 1)  # another lease's word, or an old one
-            with pytest.raises(TransferError, match="ended before its state was read") as e:
-                await puller.pull(server.address, "L", lease.token, stale, regions, dst, 10)
-            assert e.value.refused and ended == []  # the lease is still there for the right puller
+            # the puller derives what the word holds from the token and the regions it reads: only the lease's match
+            assert LeaseCheck.of(check.address, check.rkey, lease.token, "L", regions) == check
+            other = torch.randint(0, 256, (total,), dtype=torch.uint8)
+            leases.offer("M", [other], 10, lambda reason: None)  # another request's state
+            refused = {
+                "wrong token": (regions, LeaseCheck.of(check.address, check.rkey, b"x" * 16, "L", regions)),
+                "another lease's regions": (server.regions([other]), LeaseCheck.of(check.address, check.rkey,
+                                                                                   lease.token, "L", server.regions([other]))),
+                "an old or another lease's word": (regions, LeaseCheck(check.address, check.rkey, check.nonce ^ 1)),
+            }  # fmt: skip
+            for why, (named, bad) in refused.items():
+                with pytest.raises(TransferError, match="ended before its state was read") as e:
+                    await puller.pull(server.address, "L", lease.token, bad, named, dst, 10)
+                assert e.value.refused, why
+            assert ended == [] and len(leases) == 2  # both leases are still there for their right pullers
+            assert leases.release("M")
             dst_pool.zero_()
             stats = await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
             assert torch.equal(torch.cat(src), torch.cat(dst)) and stats.nbytes == total

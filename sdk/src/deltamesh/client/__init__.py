@@ -9,6 +9,7 @@ from deltamesh.client.errors import (
     InvalidRequest,
     NotFound,
     Overloaded,
+    PermissionDenied,
     Unavailable,
 )
 from deltamesh.client.types import Delta, Result, TokenLogprob, Usage
@@ -25,6 +26,7 @@ __all__ = [
     "InvalidRequest",
     "NotFound",
     "Overloaded",
+    "PermissionDenied",
     "Result",
     "Stream",
     "TokenLogprob",

@@ -23,12 +23,13 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
     address: Annotated[str, typer.Option(envvar="DELTAMESH_ROUTER", help="Router gRPC address")] = "127.0.0.1:50051",
     timeout: Annotated[float, typer.Option(help="Seconds")] = 300.0,
+    api_key: Annotated[Optional[str], typer.Option(envvar="DELTAMESH_API_KEY", help="The router's API key")] = None,
 ) -> None:
     """Generate a completion through a deltamesh router."""
     payload = [{"role": "user", "content": prompt}] if chat else prompt
     kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop or ())
     try:
-        with Client(address, timeout=timeout) as client:
+        with Client(address, timeout=timeout, api_key=api_key) as client:
             if stream:
                 last = None
                 with client.stream(payload, **kwargs) as s:

@@ -70,16 +70,19 @@ def _channel_credentials(root_certificates: bytes | None, private_key: bytes | N
 
 
 class Stream:
-    """Iterator of `Delta`s; `cancel()` (or leaving a `with` block early) aborts the request."""
+    """Iterator of `Delta`s; `cancel()` (or leaving a `with` block early) aborts the request. `abort_token`
+    (set once the first delta arrived) lets `Client.abort` stop the request from elsewhere."""
 
     def __init__(self, client: "Client", request: router_pb2.GenerateRequest, timeout: float | None):
         self.client, self.request_id = client, request.request_id
-        self._call = client._stub.Generate(request, timeout=timeout)
+        self._call = client._stub.Generate(request, timeout=timeout, metadata=client._metadata)
         self._done = False
+        self.abort_token = b""
 
     def __iter__(self) -> Iterator[Delta]:
         try:
             for msg in self._call:
+                self.abort_token = msg.abort_token or self.abort_token
                 delta = Delta.from_proto(self.request_id, msg.delta)
                 self._done = delta.finished
                 yield delta
@@ -87,10 +90,10 @@ class Stream:
             raise from_rpc_error(e) from None
 
     def cancel(self) -> None:
+        """Cancelling the call aborts the request in the mesh."""
         if not self._done:
             self._done = True
             self._call.cancel()
-            self.client.abort(self.request_id)
 
     def __enter__(self) -> "Stream":
         return self
@@ -108,8 +111,11 @@ class Client:
         root_certificates: bytes | None = None,
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
+        api_key: str | None = None,
     ):
+        """`api_key`: the router's API key, if it has one (sent as `authorization: Bearer` metadata)."""
         creds = _channel_credentials(root_certificates, private_key, certificate_chain)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel = (
             grpc.secure_channel(address, creds, options=_OPTIONS) if creds else grpc.insecure_channel(address, options=_OPTIONS)
         )
@@ -144,14 +150,14 @@ class Client:
     def stream(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Stream:
         return Stream(self, build_request(prompt, **kwargs), timeout or self.timeout)
 
-    def abort(self, request_id: str) -> bool:
-        return self._retry(lambda: self._stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5)).found
+    def abort(self, request_id: str, abort_token: bytes) -> bool:
+        """Abort a request of this client's from elsewhere, with the `abort_token` of its stream."""
+        request = common_pb2.AbortRequest(request_id=request_id, abort_token=abort_token)
+        return self._retry(lambda: self._stub.Abort(request, timeout=5, metadata=self._metadata)).found
 
     def list_models(self) -> list[router_pb2.Model]:
-        return list(self._retry(lambda: self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)).models)
-
-    def loads(self) -> list[common_pb2.WorkerLoad]:
-        return list(self._retry(lambda: self._stub.GetLoads(common_pb2.GetLoadsRequest(), timeout=5)).workers)
+        request = router_pb2.ListModelsRequest()
+        return list(self._retry(lambda: self._stub.ListModels(request, timeout=5, metadata=self._metadata)).models)
 
     def close(self) -> None:
         self._channel.close()
@@ -166,12 +172,14 @@ class Client:
 class AsyncStream:
     def __init__(self, client: "AsyncClient", request: router_pb2.GenerateRequest, timeout: float | None):
         self.client, self.request_id = client, request.request_id
-        self._call = client._stub.Generate(request, timeout=timeout)
+        self._call = client._stub.Generate(request, timeout=timeout, metadata=client._metadata)
         self._done = False
+        self.abort_token = b""
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
             async for msg in self._call:
+                self.abort_token = msg.abort_token or self.abort_token
                 delta = Delta.from_proto(self.request_id, msg.delta)
                 self._done = delta.finished
                 yield delta
@@ -179,10 +187,10 @@ class AsyncStream:
             raise from_rpc_error(e) from None
 
     async def cancel(self) -> None:
+        """Cancelling the call aborts the request in the mesh."""
         if not self._done:
             self._done = True
             self._call.cancel()
-            await self.client.abort(self.request_id)
 
     async def __aenter__(self) -> "AsyncStream":
         return self
@@ -200,8 +208,11 @@ class AsyncClient:
         root_certificates: bytes | None = None,
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
+        api_key: str | None = None,
     ):
+        """`api_key`: the router's API key, if it has one (sent as `authorization: Bearer` metadata)."""
         creds = _channel_credentials(root_certificates, private_key, certificate_chain)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel = (
             grpc.aio.secure_channel(address, creds, options=_OPTIONS)
             if creds
@@ -237,15 +248,14 @@ class AsyncClient:
     def stream(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> AsyncStream:
         return AsyncStream(self, build_request(prompt, **kwargs), timeout or self.timeout)
 
-    async def abort(self, request_id: str) -> bool:
-        reply = await self._retry(lambda: self._stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5))
-        return reply.found
+    async def abort(self, request_id: str, abort_token: bytes) -> bool:
+        """Abort a request of this client's from elsewhere, with the `abort_token` of its stream."""
+        request = common_pb2.AbortRequest(request_id=request_id, abort_token=abort_token)
+        return (await self._retry(lambda: self._stub.Abort(request, timeout=5, metadata=self._metadata))).found
 
     async def list_models(self) -> list[router_pb2.Model]:
-        return list((await self._retry(lambda: self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=5))).models)
-
-    async def loads(self) -> list[common_pb2.WorkerLoad]:
-        return list((await self._retry(lambda: self._stub.GetLoads(common_pb2.GetLoadsRequest(), timeout=5))).workers)
+        request = router_pb2.ListModelsRequest()
+        return list((await self._retry(lambda: self._stub.ListModels(request, timeout=5, metadata=self._metadata))).models)
 
     async def close(self) -> None:
         await self._channel.close()

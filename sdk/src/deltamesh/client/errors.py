@@ -35,6 +35,10 @@ class Cancelled(DeltameshError):
     pass
 
 
+class PermissionDenied(DeltameshError):
+    """No or a wrong API key (UNAUTHENTICATED), or an abort without the request's abort token (PERMISSION_DENIED)."""
+
+
 class InternalError(DeltameshError):
     pass
 
@@ -48,6 +52,8 @@ _BY_CODE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNAUTHENTICATED: PermissionDenied,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -1,0 +1,187 @@
+"""The security review's attacks on a running mesh, each tried again against real processes: they must fail."""
+
+import time
+
+import grpc
+import httpx
+import pytest
+
+from deltamesh.client import Client, PermissionDenied
+from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2
+from engine import DEFAULT_MODEL, SamplingParams
+from harness import channel, start_mesh
+
+pytestmark = [pytest.mark.e2e, pytest.mark.security]
+
+API_KEY = "attack-test-key"
+GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    m = start_mesh(str(DEFAULT_MODEL), tmp_path_factory.mktemp("attacks"), http=True,
+                   router_args=["--api-key", API_KEY], client_kwargs={"api_key": API_KEY})  # fmt: skip
+    yield m
+    m.stop()
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+def test_no_one_without_the_mesh_secret_joins_the_mesh_or_reads_its_keys(mesh):
+    register = control_pb2.RegisterWorkerRequest(address="127.0.0.1:1", role="decode", model="x")
+    # the client API has no control-plane calls at all
+    with grpc.insecure_channel(mesh.router_address) as ch:
+        assert _code(lambda: control_pb2_grpc.MeshControlStub(ch).RegisterWorker(register, timeout=5)) == \
+            grpc.StatusCode.UNIMPLEMENTED
+    # the control plane refuses callers without the secret, or with a wrong one
+    for secret in (None, "not-the-mesh-secret"):
+        with channel(mesh.control_address, secret=secret) as ch:
+            stub = control_pb2_grpc.MeshControlStub(ch)
+            assert _code(lambda: stub.RegisterWorker(register, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+            assert _code(lambda: stub.GetLoads(common_pb2.GetLoadsRequest(), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    # so do the workers' own ports: a Prefill answer holds a lease's token and the pools' remote keys
+    prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
+    for secret in (None, "not-the-mesh-secret"):
+        assert _code(lambda: prefill.stub(secret).Prefill(prefill_pb2.PrefillRequest(
+            request_id="x", prompt_token_ids=[1, 2, 3], sampling=GREEDY), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: list(decode.stub(secret).Decode(decode_pb2.DecodeRequest(
+            request_id="x", prompt_token_ids=[1, 2, 3], sampling=GREEDY), timeout=5))) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: prefill.stub(secret).GetLoads(common_pb2.GetLoadsRequest(), timeout=5)) == \
+            grpc.StatusCode.UNAUTHENTICATED
+    # nothing registered: the router still knows exactly its own workers, all healthy, and serves
+    assert {w.address for w in mesh.loads() if w.healthy} == {p.address for p in mesh.workers()}
+    with mesh.client() as client:
+        assert client.generate("still ours", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+    # readiness says whether the mesh serves, not where its workers are
+    ready = httpx.get(f"http://127.0.0.1:{mesh.http_port}/ready", timeout=5).text
+    assert not any(p.address in ready for p in mesh.workers())
+
+
+def test_the_api_key_guards_the_grpc_client_api_too(mesh):
+    for kwargs in ({}, {"api_key": "wrong"}):
+        with Client(mesh.router_address, retries=0, **kwargs) as client:
+            with pytest.raises(PermissionDenied):
+                client.generate("no key", max_tokens=2)
+            with pytest.raises(PermissionDenied):
+                client.list_models()
+    with mesh.client() as client:
+        assert client.list_models()[0].id == DEFAULT_MODEL.name
+
+
+def test_only_the_owner_aborts_its_request(mesh):
+    with mesh.client() as owner, mesh.client() as other:
+        with owner.stream("A long story", max_tokens=400, temperature=0, ignore_eos=True) as stream:
+            deltas = iter(stream)
+            next(deltas)
+            for token in (b"", b"\0" * 16):  # another client knows the id (it is in logs, URLs...) but not the token
+                with pytest.raises(PermissionDenied):
+                    other.abort(stream.request_id, token)
+            assert other.abort(stream.request_id, stream.abort_token)  # the owner's token, from anywhere
+            last = list(deltas)[-1]
+            assert last.finish_reason == "abort" and last.usage.completion_tokens < 400
+    assert mesh.wait_idle() == {}
+
+
+def _prefill(prefill, rid: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
+    return prefill.stub().Prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY),
+                                  timeout=30)  # fmt: skip
+
+
+def _decode(decode, rid: str, prompt: list[int], first: prefill_pb2.PrefillResponse, lease=None, layout=None):
+    source = decode_pb2.TransferSource(lease=lease or first.lease, ucx_address=first.ucx_address,
+                                       layout=layout or first.layout, first_token_id=first.first.token_ids[0])  # fmt: skip
+    call = decode.stub().Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY,
+                                                         source=source), timeout=30)  # fmt: skip
+    return [t for d in call for t in d.token_ids]
+
+
+def test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once(mesh, reference_engine):
+    prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
+    prompt_a, prompt_b = list(range(30, 70)), list(range(100, 140))  # same length: same-sized states
+    a, b = _prefill(prefill, "lease-a", prompt_a), _prefill(prefill, "lease-b", prompt_b)
+    # request b's state read under a's lease (a's token and word, b's regions): refused, nothing used
+    with pytest.raises(grpc.RpcError) as e:
+        _decode(decode, "lease-a", prompt_a, a, layout=b.layout)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "regions are not the lease's" in e.value.details()
+    # no lease ends without its token: a tokenless Abort, a wrong token, a TTL past the cap
+    stub = prefill.stub()
+    stub.Abort(common_pb2.AbortRequest(request_id="lease-a"), timeout=5)
+    wrong = prefill_pb2.LeaseRequest(lease_id="lease-a", token=b"\0" * 16)
+    assert not stub.ReleaseLease(wrong, timeout=5).ok
+    for ttl_ms in (2**32 - 1, 301_000):
+        assert _code(lambda: stub.ExtendLease(prefill_pb2.LeaseRequest(lease_id="lease-a", token=a.lease.token,
+                                                                       ttl_ms=ttl_ms), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT  # fmt: skip
+        assert _code(lambda: stub.Prefill(prefill_pb2.PrefillRequest(request_id="long", prompt_token_ids=prompt_a,
+                                                                     sampling=GREEDY, lease_ttl_ms=ttl_ms), timeout=5)) \
+            == grpc.StatusCode.INVALID_ARGUMENT  # fmt: skip
+    assert prefill.load().leases == 2
+    # each lease still serves its own puller, exactly, and only once
+    ref = lambda p: reference_engine.generate(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]  # noqa: E731
+    assert a.first.token_ids[:] + _decode(decode, "lease-a", prompt_a, a) == ref(prompt_a).token_ids
+    assert b.first.token_ids[:] + _decode(decode, "lease-b", prompt_b, b) == ref(prompt_b).token_ids
+    with pytest.raises(grpc.RpcError) as e:
+        _decode(decode, "lease-a-again", prompt_a, a)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert mesh.wait_idle() == {}
+
+
+def test_abandoned_streams_free_every_lease_within_a_second(mesh):
+    """Six n=16 streams, each dropped by its client after its first chunk (the review: they held all 32 prefill
+    slots until their leases' TTL, and other users waited 2-26 s)."""
+    body = {"model": DEFAULT_MODEL.name, "prompt": "Once upon a time", "n": 16, "max_tokens": 200, "stream": True,
+            "ignore_eos": True, "temperature": 0.8}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    opened = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{mesh.http_port}", headers=headers, timeout=60) as http:
+        for _ in range(6):
+            cm = http.stream("POST", "/v1/completions", json=body)
+            response = cm.__enter__()
+            assert response.status_code == 200
+            lines = response.iter_lines()  # kept: dropping it mid-stream would close the connection now
+            next(lines)
+            opened.append((cm, lines))
+        for cm, lines in opened:  # hang up
+            lines.close()
+            cm.__exit__(None, None, None)
+    hung_up = time.monotonic()
+    prefill = mesh.workers("prefill")[0]
+    while (prefill.load().leases or prefill.load().held_states) and time.monotonic() - hung_up < 5:
+        time.sleep(0.02)
+    freed_s = time.monotonic() - hung_up
+    print(f"leases and held states back to zero {freed_s:.3f} s after the clients hung up")
+    assert freed_s < 1.0
+    assert mesh.wait_idle() == {}
+    with mesh.client() as client:  # and other users are served at once
+        started = time.monotonic()
+        assert client.generate("next user", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
+        assert time.monotonic() - started < 2.0
+
+
+def test_a_request_whose_holder_died_fails_fast(tmp_path):
+    """The review: requests whose prefill holder died waited ~28 s, then got 429 'decode worker is full'."""
+    mesh = start_mesh(str(DEFAULT_MODEL), tmp_path)
+    try:
+        prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
+        prompt = list(range(30, 70))
+        first = _prefill(prefill, "orphan", prompt)
+        mesh.kill(prefill)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            _decode(decode, "orphan", prompt, first)
+        waited = time.monotonic() - started
+        print(f"decode of a dead holder's lease failed after {waited:.3f} s: {e.value.code().name} {e.value.details()}")
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and waited < 5.0
+        assert decode.load().reservations == 0
+    finally:
+        mesh.stop()
+
+
+def test_router_protos_carry_no_transport_fields():
+    """What a client sees of the router (its API) names no worker addresses, keys or lease fields."""
+    names = {f.name for m in router_pb2.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
+    assert not names & {"ucx_address", "region_rkeys", "side_channel", "lease", "token", "address"}
+    assert set(router_pb2.DESCRIPTOR.services_by_name["Router"].methods_by_name) == {"Generate", "Abort", "ListModels"}
