@@ -21,7 +21,7 @@ log = structlog.get_logger("deltamesh.router")
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
-    frontend = Frontend(settings.model, settings.max_model_len)
+    frontend = Frontend(settings.model, settings.max_model_len, settings.limits)
     registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, settings.tls)
     for role in ("prefill", "decode", "colocated"):
         for address in getattr(settings, role):
@@ -37,7 +37,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
     if settings.http_port:
-        http, http_task = await start_gateway(Gateway(frontend, mesh, settings.api_key), settings.host, settings.http_port)
+        http, http_task = await start_gateway(Gateway(frontend, mesh, settings.api_key), settings.host, settings.http_port,
+                                              settings.http_header_timeout_s)  # fmt: skip
         tasks.append(http_task)
     log.info("router serving", grpc=server.address, http=settings.http_port, model=frontend.model_id,
              policy=settings.policy)  # fmt: skip
@@ -48,3 +49,4 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     await server.stop(grace_s=2.0)
     await asyncio.gather(*tasks, return_exceptions=True)
     await registry.close()
+    frontend.close()
