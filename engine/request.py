@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sampling import SamplingParams, TokenLogprobs
+from engine.sampling import SamplingParams, TokenLogprobs, is_int
 from engine.tokenizer import IncrementalDetokenizer
 
 
@@ -21,14 +21,14 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: 
         raise RequestError(str(e)) from None
     if not prompt_ids:
         raise RequestError("the prompt is empty")
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_ids):
-        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})")
     n = len(prompt_ids)
-    if n + params.max_tokens > max_model_len:
+    if n + params.max_tokens > max_model_len:  # first: it bounds the scan below
         raise RequestError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has {n} tokens "
             f"and max_tokens is {params.max_tokens} ({n + params.max_tokens} in total)"
         )
+    if any(not is_int(t) or not 0 <= t < vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})")
 
 
 class Status(enum.Enum):

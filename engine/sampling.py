@@ -33,28 +33,57 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError with a message a user can act on."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        """Raise ValueError with a message a user can act on. Integer bounds follow the wire types
+        (common.proto: uint32 max_tokens/top_k/stop_token_ids, uint64 seed), so that a value accepted at one
+        edge can always be sent on to the workers."""
+        _check_int("max_tokens", self.max_tokens, 1, UINT32)
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check_int("top_k", self.top_k, 0, UINT32, "(0 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, UINT64)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if len(self.stop) > 16:
-            raise ValueError(f"at most 16 stop strings, got {len(self.stop)}")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        for s in self.stop:
+            check_text(s, "a stop string")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        bad = [t for t in self.stop_token_ids if not is_int(t) or not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids out of the vocabulary (size {vocab_size}): {bad}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise ValueError(f"stop_token_ids must be integers in [0, {vocab_size}) (the vocabulary), got {bad[:8]}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+
+
+UINT32, UINT64 = 2**32, 2**64
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024  # a generous cap: each one is checked on every generated token
+
+
+def is_int(x) -> bool:
+    """An integer proper: JSON's true/false arrive as Python bools, which are ints too."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value, low: int, end: int, note: str = "") -> None:
+    if not is_int(value) or not low <= value < end:
+        shown = value if is_int(value) and abs(value) < 10**30 else f"{type(value).__name__} {str(value)[:30]}"
+        raise ValueError(f"{name} must be an integer in [{low}, {end - 1}]{' ' + note if note else ''}, got {shown}")
+
+
+def check_text(text: str, what: str) -> None:
+    """Text must be encodable as UTF-8: JSON can carry a lone surrogate ("\\ud800"), which neither the
+    tokenizer nor protobuf can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate at character {e.start}") from None
 
 
 @dataclass

@@ -47,8 +47,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token's length in characters, as the vocabulary spells it (a byte-level vocabulary
+        spells one character per byte, so no token decodes to more)."""
+        return max(len(token) for token in self._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encode_batch([text], add_special_tokens)[0]
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        # The batch call releases the GIL while it works (a single `encode` holds it), so a long text
+        # tokenised in a thread does not stop the calling process's event loop.
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

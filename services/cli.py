@@ -178,6 +178,11 @@ def router(
     max_model_len: MaxLen = None,
     api_key: ApiKey = None,
     mesh_secret_file: SecretFile = None,
+    max_prompts: Annotated[int, _opt("Most prompts in one completions request", "MAX_PROMPTS")] = 1024,
+    max_choices: Annotated[int, _opt("Most choices (prompts x n) in one request", "MAX_CHOICES")] = 1024,
+    max_messages: Annotated[int, _opt("Most messages in one chat request", "MAX_MESSAGES")] = 4096,
+    http_header_timeout: Annotated[float, _opt("Seconds a REST client has to send a request's headers",
+                                               "HTTP_HEADER_TIMEOUT")] = 10.0,  # fmt: skip
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     tls_ca: TlsCa = None,
@@ -187,7 +192,7 @@ def router(
     """Run the router: gRPC client API, OpenAI-compatible REST gateway, and the workers' control plane."""
     from services.common.logs import configure_logging
     from services.common.server import run
-    from services.common.settings import RouterSettings, print_settings
+    from services.common.settings import RequestLimits, RouterSettings, print_settings
     from services.router.main import serve
 
     settings = RouterSettings(
@@ -195,6 +200,8 @@ def router(
         http_port=http_port or None, prefill=prefill or [],
         decode=decode or [], colocated=colocated or [], policy=policy, max_model_len=max_model_len,
         api_key=api_key, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth), log_level=log_level,
+        limits=RequestLimits(max_prompts=max_prompts, max_choices=max_choices, max_messages=max_messages),
+        http_header_timeout_s=http_header_timeout,
     )  # fmt: skip
     configure_logging("router", settings.log_level)
     print_settings("router", settings)

@@ -33,6 +33,21 @@ class WorkerSettings(BaseModel):
     log_level: str = "info"
 
 
+class RequestLimits(BaseModel):
+    """Caps on the size of one request at the router's edges, checked before any tokenising so that an
+    oversized request is refused at once instead of stalling the router. The defaults are far above what a real
+    client sends, yet each keeps one request's cheap pre-work (validating the JSON, counting) to milliseconds:"""
+
+    # /v1/completions prompts in one request: batches are client-side conveniences of a few to a few hundred
+    # prompts; 1024 leaves room and keeps one request's choices (below) in the same range.
+    max_prompts: int = Field(1024, ge=1)
+    # prompts x n: every choice is a stream through the mesh, so this caps what one request may hold.
+    max_choices: int = Field(1024, ge=1)
+    # chat messages: long agent transcripts reach hundreds; 4096 messages of one token each already pass the
+    # context of most models, while validating 100k took the router's loop 0.2 s.
+    max_messages: int = Field(4096, ge=1)
+
+
 class RouterSettings(BaseModel):
     host: str = "127.0.0.1"
     grpc_port: int = 50051  # the client API
@@ -50,6 +65,10 @@ class RouterSettings(BaseModel):
     prefill_retries: int = 2
     request_timeout_s: float = 600.0
     api_key: str | None = None
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    # Seconds a client has to send a request's line and headers once it connects or starts a request (idle
+    # keep-alive connections are closed by uvicorn's own keep-alive timeout).
+    http_header_timeout_s: float = Field(10.0, gt=0)
     tls: TlsSettings = Field(default_factory=TlsSettings)
     log_level: str = "info"
 

@@ -17,19 +17,25 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+import h11
+import structlog
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deltamesh.v1 import common_pb2
 from engine import RequestError, SamplingParams
+from engine.sampling import MAX_STOP_STRINGS
 from services.router import openai_schema as oa
+from services.common.settings import RequestLimits
 from services.router.frontend import Frontend
 from services.router.mesh import Mesh, MeshError
 
+log = structlog.get_logger("deltamesh.gateway")
 MAX_BODY_BYTES = 4 << 20
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -60,7 +66,15 @@ class ApiError(Exception):
         return cls(status, e.message, kind)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(oa.ErrorResponse(error=self.detail).model_dump(), status_code=self.status)
+        return _AsciiJSON(oa.ErrorResponse(error=self.detail).model_dump(), status_code=self.status)
+
+
+class _AsciiJSON(JSONResponse):
+    """Error bodies escape non-ASCII: a message that quotes the client's input (a lone surrogate, say) can
+    always be encoded."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 @dataclass
@@ -74,6 +88,16 @@ class Choice:
     params: SamplingParams
 
 
+@contextlib.contextmanager
+def _as_api_error(param: str):
+    """A request the frontend or the engine refuses is the client's error: 400 naming the parameter."""
+    try:
+        yield
+    except RequestError as e:
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        raise ApiError(400, str(e), param=param, code=code) from None
+
+
 def _now() -> int:
     return int(time.time())
 
@@ -82,11 +106,14 @@ class Gateway:
     def __init__(self, frontend: Frontend, mesh: Mesh, api_key: str | None = None):
         self.frontend, self.mesh, self.api_key = frontend, mesh, api_key
 
-    # ---- request -> choices -------------------------------------------------------------------------
+    # ---- request -> choices ------------------------------------------------------------------------
+    # Cheap checks (model, unsupported fields, counts and sizes) run on the event loop and come first; the
+    # work that grows with the input (tokenising, templating, scanning token ids) runs as one job per
+    # request in the frontend's thread pool, so that no request can stall the other streams.
     def _check_model(self, model: str) -> None:
         if model != self.frontend.model_id:
-            raise ApiError(404, f"The model `{model}` does not exist (this server serves `{self.frontend.model_id}`)",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(404, f"The model {model[:200]!r} does not exist (this server serves "
+                                f"{self.frontend.model_id!r})", param="model", code="model_not_found")  # fmt: skip
 
     @staticmethod
     def _reject_unsupported(body: oa._Sampling) -> None:
@@ -111,22 +138,27 @@ class Gateway:
         )
 
     def _choices(self, rid: str, prompts: list[list[int]], body: oa._Sampling, max_tokens, logprobs) -> list[Choice]:
+        """Each prompt is checked once (its n choices differ only in their seed)."""
         choices = []
         for p, prompt_ids in enumerate(prompts):
+            mt = max_tokens if max_tokens is not None else self.frontend.max_model_len - len(prompt_ids)
             for j in range(body.n):
-                mt = max_tokens if max_tokens is not None else self.frontend.max_model_len - len(prompt_ids)
                 params = self._params(body, max(mt, 1), logprobs, j)
-                try:
+                if j == 0:
                     self.frontend.check(prompt_ids, params)
-                except RequestError as e:
-                    code = "context_length_exceeded" if "context length" in str(e) else None
-                    raise ApiError(400, str(e), param="messages" if isinstance(body, oa.ChatCompletionRequest)
-                                   else "prompt", code=code) from None  # fmt: skip
                 index = p * body.n + j
                 choices.append(Choice(index, p, f"{rid}-{index}", prompt_ids, params))
         return choices
 
-    def completion_choices(self, rid: str, body: oa.CompletionRequest) -> list[Choice]:
+    def _check_sizes(self, prompt_count: int, body: oa._Sampling) -> None:
+        f = self.frontend
+        f.check_count(prompt_count, f.limits.max_prompts, "prompts")
+        f.check_count(prompt_count * body.n, f.limits.max_choices, "choices (prompts x n)")
+        f.check_count(len(body.stop_list()), MAX_STOP_STRINGS, "stop strings")
+        for text in body.stop_list():
+            f.check_text(text, "a stop string")
+
+    async def completion_choices(self, rid: str, body: oa.CompletionRequest) -> list[Choice]:
         self._check_model(body.model)
         self._reject_unsupported(body)
         if body.echo:
@@ -136,34 +168,41 @@ class Gateway:
         if body.best_of not in (None, body.n):
             raise ApiError(400, "best_of must equal n", param="best_of")
         p = body.prompt
-        try:
-            if isinstance(p, str):
-                prompts = [self.frontend.encode_text(p)]
-            elif p and all(isinstance(x, str) for x in p):
-                prompts = [self.frontend.encode_text(x) for x in p]
-            elif p and all(isinstance(x, int) for x in p):
-                prompts = [list(p)]
-            else:
-                prompts = [list(x) for x in p] or [[]]
-        except RequestError as e:
-            raise ApiError(400, str(e), param="prompt") from None
-        return self._choices(rid, prompts, body, body.max_tokens, body.logprobs)
+        texts = [p] if isinstance(p, str) else p if p and all(isinstance(x, str) for x in p) else None
+        id_lists = None if texts is not None else [p] if p and isinstance(p[0], int) else p or [[]]
+        f = self.frontend
+        with _as_api_error("prompt"):
+            self._check_sizes(len(texts if texts is not None else id_lists), body)
+            for text in texts or ():
+                f.check_text(text)
+            for ids in id_lists or ():
+                f.check_token_count(len(ids))
 
-    def chat_choices(self, rid: str, body: oa.ChatCompletionRequest) -> list[Choice]:
+            def prepare() -> list[Choice]:
+                prompts = f.encode_texts(texts) if texts is not None else id_lists
+                return self._choices(rid, prompts, body, body.max_tokens, body.logprobs)
+
+            return await f.off_loop(prepare)
+
+    async def chat_choices(self, rid: str, body: oa.ChatCompletionRequest) -> list[Choice]:
         self._check_model(body.model)
         self._reject_unsupported(body)
         if body.tools:
             raise ApiError(400, "tools are not supported", param="tools")
         if body.response_format and body.response_format.get("type") != "text":
             raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = self.frontend.encode_chat(messages)
-        except RequestError as e:
-            raise ApiError(400, str(e), param="messages") from None
+        f = self.frontend
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return self._choices(rid, [prompt], body, max_tokens, logprobs)
+        with _as_api_error("messages"):
+            self._check_sizes(1, body)
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            f.check_chat(messages)
+
+            def prepare() -> list[Choice]:
+                return self._choices(rid, [f.encode_chat(messages)], body, max_tokens, logprobs)
+
+            return await f.off_loop(prepare)
 
     # ---- running choices ----------------------------------------------------------------------------
     async def _produce(self, choice: Choice, out: asyncio.Queue) -> None:
@@ -173,8 +212,9 @@ class Gateway:
                     await out.put((choice.index, delta))
         except MeshError as e:
             await out.put((choice.index, ApiError.from_mesh(e)))
-        except Exception as e:  # a bug: report it as a 500, never hang the stream
-            await out.put((choice.index, ApiError(500, f"internal error: {e!r}", "server_error")))
+        except Exception:  # a bug: report it as a 500, never hang the stream (details go to the log only)
+            log.exception("choice failed", request_id=choice.request_id)
+            await out.put((choice.index, ApiError(500, "internal error", "server_error")))
         finally:
             await out.put((choice.index, None))
 
@@ -266,10 +306,11 @@ def create_app(gateway: Gateway) -> FastAPI:
         return ApiError(e.status_code, str(e.detail), "invalid_request_error").response()
 
     @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        return ApiError(500, f"internal error: {e!r}", "server_error").response()
+    async def _bug(request: Request, e: Exception):  # details go to the log, never to the client
+        log.exception("request failed", path=request.url.path)
+        return ApiError(500, "internal error", "server_error").response()
 
-    app.add_middleware(LimitsAndAuth, api_key=gateway.api_key)
+    app.add_middleware(LimitsAndAuth, api_key=gateway.api_key, limits=gateway.frontend.limits)
 
     @app.get("/health", summary="Liveness")
     async def health() -> dict:
@@ -340,7 +381,7 @@ def create_app(gateway: Gateway) -> FastAPI:
               responses={200: {"content": {"text/event-stream": {}}, "description": "Completion or SSE stream"}})  # fmt: skip
     async def completions(request: Request, body: oa.CompletionRequest) -> Response:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        choices = gateway.completion_choices(rid, body)
+        choices = await gateway.completion_choices(rid, body)
         created = _now()
 
         def logprobs_of(items: list[common_pb2.TokenLogprob], offset: int) -> oa.CompletionLogprobs | None:
@@ -383,7 +424,7 @@ def create_app(gateway: Gateway) -> FastAPI:
               responses={200: {"content": {"text/event-stream": {}}, "description": "Chat completion or SSE stream"}})  # fmt: skip
     async def chat_completions(request: Request, body: oa.ChatCompletionRequest) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = gateway.chat_choices(rid, body)
+        choices = await gateway.chat_choices(rid, body)
         created = _now()
 
         def logprobs_of(items: list[common_pb2.TokenLogprob]) -> oa.ChatLogprobs | None:
@@ -433,14 +474,15 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 
 class LimitsAndAuth:
-    """API key and body-size checks on /v1 routes. Plain ASGI (not BaseHTTPMiddleware) so that handlers still
+    """API key, body-size and request-size checks on /v1 routes. Plain ASGI (not BaseHTTPMiddleware) so that handlers still
     see the client's disconnect, which aborts its request in the mesh."""
 
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_key: str | None, limits: RequestLimits):
+        self.app, self.api_key, self.limits = app, api_key, limits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            oa.LIMITS.set(self.limits)  # for the request schema's counts
             headers = dict(scope["headers"])
             length = headers.get(b"content-length", b"").strip()
             error = None
@@ -483,9 +525,50 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[_EmbeddedServer, asyncio.Task]:
+class _HeaderDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on receiving a request's line and headers. uvicorn closes idle
+    keep-alive connections but has no such deadline: a client that connects and sends nothing, or half a
+    request line, would hold its connection (and a file descriptor) for ever. The deadline starts when the
+    connection opens or a new request's first bytes arrive, and ends with the request's head."""
+
+    header_timeout_s = 10.0  # set per server by start_gateway
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._deadline = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # (re)start: these bytes begin a request
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the request's head is in
+            self._disarm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.header_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+async def start_gateway(gateway: Gateway, host: str, port: int,
+                        header_timeout_s: float = 10.0) -> tuple[_EmbeddedServer, asyncio.Task]:  # fmt: skip
+    protocol = type("HeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(create_app(gateway), host=host, port=port, log_config=None, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=2)  # fmt: skip
+                            lifespan="off", timeout_graceful_shutdown=2, http=protocol)  # fmt: skip
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():

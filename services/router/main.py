@@ -23,7 +23,7 @@ log = structlog.get_logger("deltamesh.router")
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
-    frontend = Frontend(settings.model, settings.max_model_len)
+    frontend = Frontend(settings.model, settings.max_model_len, settings.limits)
     secret = settings.mesh_secret.get_secret_value()
     registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, secret, settings.tls)
     for role in ("prefill", "decode", "colocated"):
@@ -46,7 +46,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
     if settings.http_port:
-        http, http_task = await start_gateway(Gateway(frontend, mesh, settings.api_key), settings.host, settings.http_port)
+        http, http_task = await start_gateway(Gateway(frontend, mesh, settings.api_key), settings.host, settings.http_port,
+                                              settings.http_header_timeout_s)  # fmt: skip
         tasks.append(http_task)
     log.info("router serving", grpc=server.address, control=control.address, http=settings.http_port,
              model=frontend.model_id, policy=settings.policy)  # fmt: skip
@@ -57,3 +58,4 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     await asyncio.gather(server.stop(grace_s=2.0), control.stop(grace_s=0.5))
     await asyncio.gather(*tasks, return_exceptions=True)
     await registry.close()
+    frontend.close()

@@ -5,11 +5,27 @@ non-default value."""
 
 from __future__ import annotations
 
-from typing import Literal
+from contextvars import ContextVar
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from services.common.settings import RequestLimits
 
 MAX_N = 16
+UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # integer bounds of the wire types (common.proto)
+# Token ids must be JSON integers: strict, so that true/false and 2.0 are refused rather than read as 1 and 2.
+TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
+
+# The serving router's limits, set for each request by the gateway's middleware. They are checked on the raw
+# JSON before pydantic validates it: validating 100k chat messages alone kept the event loop busy 0.2 s.
+LIMITS: ContextVar[RequestLimits] = ContextVar("LIMITS", default=RequestLimits())
+
+
+def _check_count(data, field: str, limit: int, what: str) -> None:
+    items = data.get(field) if isinstance(data, dict) else None
+    if isinstance(items, list) and len(items) > limit:
+        raise ValueError(f"too many {what}: {len(items)} (this server takes at most {limit} per request)")
 
 
 class ErrorDetail(BaseModel):
@@ -33,21 +49,21 @@ class _Sampling(BaseModel):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    # No upper bound: a schema bound near 2**63 is compared as a float by JSON tools; seeds are used mod 2**64.
-    seed: int | None = Field(None, ge=0, description="makes sampling reproducible (taken modulo 2**64)")
+    seed: StrictInt | None = Field(None, ge=0, le=UINT64_MAX,
+                                   description="makes sampling reproducible; choice i of n uses seed + i (mod 2**64)")
     presence_penalty: float | None = Field(None, description="Only 0 is supported")
     frequency_penalty: float | None = Field(None, description="Only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)")
     user: str | None = None
     # extensions (vLLM-style)
-    top_k: int | None = Field(None, ge=0)
+    top_k: StrictInt | None = Field(None, ge=0, le=UINT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -56,12 +72,20 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(16, ge=1, le=UINT32_MAX)
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
     echo: bool = Field(False, description="Not supported (must be false)")
     suffix: str | None = Field(None, description="Not supported")
     best_of: int | None = Field(None, description="Only best_of == n is supported")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_prompts(cls, data):
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch, not token ids
+            _check_count(data, "prompt", LIMITS.get().max_prompts, "prompts")
+        return data
 
 
 class ContentPart(BaseModel):
@@ -86,12 +110,19 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; max_completion_tokens wins")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX,
+                                         description="Deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = Field(None, description="Not supported")
     response_format: dict | None = Field(None, description="Only {'type': 'text'}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_messages(cls, data):
+        _check_count(data, "messages", LIMITS.get().max_messages, "chat messages")
+        return data
 
 
 class Usage(BaseModel):

