@@ -56,10 +56,12 @@ RUN pip install -c /opt/venv/torch-constraint.txt -e ".${EXTRAS:+[${EXTRAS}]}" "
 
 # Non-root. The tree stays root-owned (read-only for the service); caches (torch, triton, flashinfer JIT)
 # go to the user's home.
-RUN useradd --create-home --uid 10001 --user-group deltamesh
+RUN useradd --create-home --uid 10001 --user-group deltamesh \
+    && mkdir -p /run/deltamesh && chown deltamesh:deltamesh /run/deltamesh
 USER deltamesh
 
-# Router gRPC and REST; workers use whatever --port / --metrics-port they are given.
-EXPOSE 50051 8000
+# Router gRPC (client API, control plane) and REST; workers use whatever --port / --metrics-port they are given.
+# /run/deltamesh (owned by the service user, so a volume mounted there is writable): the mesh secret file.
+EXPOSE 50051 50052 8000
 ENTRYPOINT ["deltamesh"]
 CMD ["--help"]

@@ -15,7 +15,7 @@ help:
 	@echo "make run       start the mesh (router + 1 prefill + 1 decode) on the embedded default model"
 	@echo "make test      run the test suite (what CI runs)"
 	@echo "make protos    regenerate gRPC stubs from protos/"
-	@echo "make reliability  fault-injection suite; rewrites docs/RELIABILITY.md with the measured times"
+	@echo "make reliability  fault-injection and attack suites; rewrites docs/RELIABILITY.md with the measured times"
 	@echo "make bench-cpu      CPU engine benchmark (bench/results/engine_cpu.json)"
 	@echo "make bench-transfer side-channel transfer benchmark on CPU (bench/results/transfer_cpu.json)"
 	@echo "make bench-soak     10-minute soak of the CPU mesh (bench/results/soak_cpu.json)"
@@ -48,7 +48,7 @@ test-gpu:
 	$(BIN)/pytest -q -m gpu
 
 reliability:
-	DELTAMESH_RELIABILITY_OUT=docs/RELIABILITY.md $(BIN)/pytest -q -m fault
+	DELTAMESH_RELIABILITY_OUT=docs/RELIABILITY.md $(BIN)/pytest -q -m "fault or security"
 
 bench-cpu:
 	$(PYTHON) bench/engine_cpu.py --out bench/results/engine_cpu.json

@@ -48,7 +48,8 @@ TlsCert = Annotated[Optional[str], _opt("TLS certificate (PEM) for gRPC", "TLS_C
 TlsKey = Annotated[Optional[str], _opt("TLS private key (PEM)", "TLS_KEY")]
 TlsCa = Annotated[Optional[str], _opt("CA bundle (PEM) to trust for gRPC peers", "TLS_CA")]
 SecretFile = Annotated[Optional[str], _opt("File holding the mesh secret shared by the router and its workers (default: "
-                                         "$DELTAMESH_MESH_SECRET)", "MESH_SECRET_FILE")]  # fmt: skip
+                                         "$DELTAMESH_MESH_SECRET); the router makes it if it is missing",
+                                         "MESH_SECRET_FILE")]  # fmt: skip
 ApiKey = Annotated[Optional[str], _opt("Require this key on the REST /v1 routes and the gRPC client API", "API_KEY")]
 TlsClientAuth = Annotated[bool, _opt("Mutual TLS: require and present client certificates", "TLS_CLIENT_AUTH",
                                      "--tls-client-auth")]  # fmt: skip
@@ -65,11 +66,11 @@ def _tls(cert, key, ca, client_auth):
     return tls
 
 
-def _mesh_secret(secret_file: str | None):
+def _mesh_secret(secret_file: str | None, create: bool = False):
     from services.common.auth import MissingSecret, load_mesh_secret
 
     try:
-        return load_mesh_secret(secret_file)
+        return load_mesh_secret(secret_file, create)
     except MissingSecret as e:
         raise typer.BadParameter(str(e), param_hint="--mesh-secret-file / DELTAMESH_MESH_SECRET") from None
 
@@ -196,8 +197,8 @@ def router(
     from services.router.main import serve
 
     settings = RouterSettings(
-        model=model, host=host, grpc_port=grpc_port, control_port=control_port, mesh_secret=_mesh_secret(mesh_secret_file),
-        http_port=http_port or None, prefill=prefill or [],
+        model=model, host=host, grpc_port=grpc_port, control_port=control_port,
+        mesh_secret=_mesh_secret(mesh_secret_file, create=True), http_port=http_port or None, prefill=prefill or [],
         decode=decode or [], colocated=colocated or [], policy=policy, max_model_len=max_model_len,
         api_key=api_key, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth), log_level=log_level,
         limits=RequestLimits(max_prompts=max_prompts, max_choices=max_choices, max_messages=max_messages),

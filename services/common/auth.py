@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 from pathlib import Path
 
 import grpc
@@ -26,8 +27,12 @@ class MissingSecret(ValueError):
     pass
 
 
-def load_mesh_secret(secret_file: str | None = None) -> str:
-    """The mesh secret from `secret_file`, else from $DELTAMESH_MESH_SECRET; raises MissingSecret with what to do."""
+def load_mesh_secret(secret_file: str | None = None, create: bool = False) -> str:
+    """The mesh secret from `secret_file`, else from $DELTAMESH_MESH_SECRET; raises MissingSecret with what to do.
+    With `create` (the router) a missing file is made with a new random secret, readable by its owner only, for
+    workers that share the file (docker-compose: a volume)."""
+    if secret_file and create and not Path(secret_file).exists():
+        _write_new_secret(Path(secret_file))
     if secret_file:
         try:
             secret = Path(secret_file).read_text().strip()
@@ -44,6 +49,17 @@ def load_mesh_secret(secret_file: str | None = None) -> str:
     if len(secret) < MIN_SECRET_CHARS:
         raise MissingSecret(f"the mesh secret is too short ({len(secret)} characters; at least {MIN_SECRET_CHARS})")
     return secret
+
+
+def _write_new_secret(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # made by another process meanwhile: use that one
+        return
+    except OSError as e:
+        raise MissingSecret(f"cannot create the mesh secret file {path}: {e.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
 
 
 def mesh_metadata(secret: str, request_id: str | None = None) -> tuple[tuple[str, str], ...]:

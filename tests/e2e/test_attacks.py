@@ -10,6 +10,7 @@ from deltamesh.client import Client, PermissionDenied
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2
 from engine import DEFAULT_MODEL, SamplingParams
 from harness import channel, start_mesh
+from reliability import record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.security]
 
@@ -59,6 +60,10 @@ def test_no_one_without_the_mesh_secret_joins_the_mesh_or_reads_its_keys(mesh):
     # readiness says whether the mesh serves, not where its workers are
     ready = httpx.get(f"http://127.0.0.1:{mesh.http_port}/ready", timeout=5).text
     assert not any(p.address in ready for p in mesh.workers())
+    record("a client registers a worker, reads loads, calls the workers' ports (no or a wrong mesh secret)",
+           "the client API has no control-plane calls; the control plane and every worker port answer "
+           "UNAUTHENTICATED; no address, key or lease reaches the caller", "test_no_one_without_the_mesh_secret_"
+           "joins_the_mesh_or_reads_its_keys", "refused; the registry still holds exactly the mesh's own workers")
 
 
 def test_the_api_key_guards_the_grpc_client_api_too(mesh):
@@ -84,6 +89,9 @@ def test_only_the_owner_aborts_its_request(mesh):
             last = list(deltas)[-1]
             assert last.finish_reason == "abort" and last.usage.completion_tokens < 400
     assert mesh.wait_idle() == {}
+    record("another client aborts a request by its id; a client without the API key", "PERMISSION_DENIED without "
+           "the abort token of the request's first response; UNAUTHENTICATED on the gRPC client API as on REST",
+           "test_only_the_owner_aborts_its_request", "refused; the owner's stream went on until its own abort")
 
 
 def _prefill(prefill, rid: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
@@ -127,6 +135,11 @@ def test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once(mesh, referen
         _decode(decode, "lease-a-again", prompt_a, a)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert mesh.wait_idle() == {}
+    record("a pull of one request's state under another's lease; tokenless or wrong-token lease ends; a 49-day TTL",
+           "the pull is refused (the lease word is a MAC of the token and the lease's exact regions) and its bytes are "
+           "unused; the lease stays for its puller; TTLs over --max-lease-ttl are INVALID_ARGUMENT",
+           "test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once",
+           "all refused; each lease then pulled exactly once, token-exact against the monolithic engine")
 
 
 def test_abandoned_streams_free_every_lease_within_a_second(mesh):
@@ -158,7 +171,12 @@ def test_abandoned_streams_free_every_lease_within_a_second(mesh):
     with mesh.client() as client:  # and other users are served at once
         started = time.monotonic()
         assert client.generate("next user", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
-        assert time.monotonic() - started < 2.0
+        next_user_s = time.monotonic() - started
+        assert next_user_s < 2.0
+    record("six n=16 REST streams dropped by their clients after the first chunk",
+           "every choice's prefill leg, lease and decode leg ends at once (the router chose each lease's token, so "
+           "it ends leases whose answers it never read)", "test_abandoned_streams_free_every_lease_within_a_second",
+           f"leases and held states back to 0 in {freed_s:.2f}s; the next request served in {next_user_s:.2f}s")
 
 
 def test_a_request_whose_holder_died_fails_fast(tmp_path):
@@ -175,7 +193,11 @@ def test_a_request_whose_holder_died_fails_fast(tmp_path):
         waited = time.monotonic() - started
         print(f"decode of a dead holder's lease failed after {waited:.3f} s: {e.value.code().name} {e.value.details()}")
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and waited < 5.0
-        assert decode.load().reservations == 0
+        load = decode.load()
+        assert load.reservations == load.kv_pages_used == load.state_slots_used == 0
+        record("a decode request whose prefill holder was SIGKILLed after leasing", "the pull fails at once with "
+               "UNAVAILABLE and the decode worker's reservation is back", "test_a_request_whose_holder_died_fails_fast",
+               f"UNAVAILABLE after {waited * 1000:.0f} ms")
     finally:
         mesh.stop()
 

@@ -246,8 +246,8 @@ def test_workers_register_with_their_router_under_a_reachable_name(compose):
             continue
         params = cli_params(svc["command"])
         router_name, router_svc = routers[profile_of(name, svc)]
-        assert params["router"] == f"{router_name}:{grpc_port(router_svc)}", (
-            f"{name}: --router {params['router']!r} is not its profile's router service {router_name}"
+        assert params["router"] == f"{router_name}:{cli_params(router_svc['command'])['control_port']}", (
+            f"{name}: --router {params['router']!r} is not its profile's router service's control plane"
         )
         # The router dials the address a worker registers; with a 0.0.0.0 bind that must be a DNS name
         # of the container on the compose network (the service name, its hostname or an alias).
@@ -268,6 +268,22 @@ def test_workers_register_with_their_router_under_a_reachable_name(compose):
         assert isinstance(deps, dict) and deps.get(router_name, {}).get("condition") == "service_healthy", (
             f"{name}: should wait for {router_name} to be healthy"
         )
+
+
+def test_router_and_workers_share_the_mesh_secret_through_a_volume(compose):
+    """The router makes the secret file on first start (rw mount); its workers read it (ro mount); nothing else."""
+    routers = routers_by_profile(compose)
+    for name, svc in services(compose).items():
+        path = cli_params(svc["command"])["mesh_secret_file"]
+        router_name, router_svc = routers[profile_of(name, svc)]
+        assert path and path == cli_params(router_svc["command"])["mesh_secret_file"], f"{name}: not its router's secret"
+        mounts = [v.split(":") for v in svc.get("volumes", []) if v.split(":")[1] == str(Path(path).parent)]
+        assert len(mounts) == 1, f"{name}: the secret's folder {Path(path).parent} is not mounted"
+        volume, mode = mounts[0][0], (mounts[0] + ["rw"])[2]
+        router_volume = next(v.split(":")[0] for v in router_svc["volumes"] if v.split(":")[1] == str(Path(path).parent))
+        assert volume == router_volume and volume in compose["volumes"], f"{name}: another volume than its router's"
+        assert (mode == "rw") == (name == router_name), f"{name}: only the router writes the secret"
+    assert "chown deltamesh:deltamesh /run/deltamesh" in DOCKERFILE.read_text(), "the service user must own the mount"
 
 
 def test_only_the_router_publishes_ports_and_only_on_loopback(compose):
@@ -310,7 +326,7 @@ def test_cpu_profile_runs_the_embedded_model_on_cpu(compose):
             assert params["device"] == "cpu", f"{name}: --device {params['device']}"
         assert "--model" not in svc["command"], f"{name}: the cpu profile uses the model embedded in the image"
         assert "deploy" not in svc, f"{name}: the cpu profile reserves no devices"
-        assert not svc.get("volumes"), f"{name}: the cpu profile needs no volume"
+        assert all(v.startswith("mesh-secret:") for v in svc.get("volumes", [])), f"{name}: the cpu profile needs no model volume"
 
 
 def test_gpu_profile_reserves_nvidia_devices_and_mounts_the_model_volume(compose):
