@@ -239,6 +239,26 @@ def health(
         raise typer.Exit(1)
 
 
+@app.command()
+def loads(
+    control: Annotated[str, typer.Argument(help="The router's control plane (its --control-port)")] = "127.0.0.1:50052",
+    mesh_secret_file: SecretFile = None,
+) -> None:
+    """Print every worker's load as the router sees it (JSON lines); needs the mesh secret."""
+    import grpc
+    from google.protobuf.json_format import MessageToJson
+
+    from services.router.control import read_loads
+
+    try:
+        workers = read_loads(control, _mesh_secret(mesh_secret_file))
+    except grpc.RpcError as e:
+        print(f"{control}: {e.code().name}: {e.details()}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    for load in workers:
+        print(MessageToJson(load, indent=None, always_print_fields_with_no_presence=True))
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -1,5 +1,9 @@
 """The security review's attacks on a running mesh, each tried again against real processes: they must fail."""
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import grpc
@@ -9,7 +13,8 @@ import pytest
 from deltamesh.client import Client, PermissionDenied
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2
 from engine import DEFAULT_MODEL, SamplingParams
-from harness import channel, start_mesh
+from harness import ROOT, channel, start_mesh
+from services.common.auth import MESH_SECRET_ENV
 from reliability import record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.security]
@@ -64,6 +69,19 @@ def test_no_one_without_the_mesh_secret_joins_the_mesh_or_reads_its_keys(mesh):
            "the client API has no control-plane calls; the control plane and every worker port answer "
            "UNAUTHENTICATED; no address, key or lease reaches the caller", "test_no_one_without_the_mesh_secret_"
            "joins_the_mesh_or_reads_its_keys", "refused; the registry still holds exactly the mesh's own workers")
+
+
+def test_operators_read_loads_with_the_mesh_secret_only(mesh):
+    cli = [sys.executable, "-m", "services.cli", "loads", mesh.control_address]  # run from the repo root
+    run = lambda env: subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)  # noqa: E731
+    env = {k: v for k, v in os.environ.items() if k != MESH_SECRET_ENV}
+    ok = run({**env, MESH_SECRET_ENV: mesh.secret})
+    assert ok.returncode == 0, ok.stderr
+    assert {json.loads(line)["address"] for line in ok.stdout.splitlines()} == {p.address for p in mesh.workers()}
+    wrong = run({**env, MESH_SECRET_ENV: "x" * 32})
+    assert wrong.returncode == 1 and "UNAUTHENTICATED" in wrong.stderr and not wrong.stdout
+    missing = run(env)
+    assert missing.returncode != 0 and "DELTAMESH_MESH_SECRET" in missing.stderr
 
 
 def test_the_api_key_guards_the_grpc_client_api_too(mesh):
