@@ -282,7 +282,9 @@ def serve(
     specs = [ChildSpec("router", cli + router_args, router_env)]
     metrics_urls = []
     for i, role in enumerate(roles):
-        env = {**base_env, "CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]} if device.startswith("cuda") else base_env
+        env = base_env
+        if device.startswith("cuda"):
+            env = {**base_env, "CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]}
         # fixed ports, chosen once: a restarted worker comes back at the address the router knows it by
         metrics_port = _free_port(host)
         metrics_urls.append(f"{role} http://{host}:{metrics_port}/metrics")

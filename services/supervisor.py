@@ -62,7 +62,7 @@ class Supervisor:
         self.children = [Child(spec) for spec in specs]
         self.stopping = False
         self.kill_now = False
-        self.gave_up: str | None = None  # why, once a child could not be started
+        self.gave_up = False  # a child could not be started
 
     def run(self) -> int:
         """Start every child and keep them running until SIGINT/SIGTERM (exit code 0) or until a child keeps
@@ -77,10 +77,7 @@ class Supervisor:
                 self._tend(child, now)
             time.sleep(POLL_S)
         self._stop_all()
-        if self.gave_up:
-            log(f"{self.gave_up}; stopped the mesh")
-            return 1
-        return 0
+        return 1 if self.gave_up else 0
 
     def _on_signal(self, signum, _frame) -> None:
         if self.stopping:  # a second Ctrl-C: do not wait for the children's graceful shutdown
@@ -112,9 +109,11 @@ class Supervisor:
         up_s = now - child.started_at
         child.popen = None
         child.start_failures = child.start_failures + 1 if up_s < START_WINDOW_S else 0
+        # one that cannot start at all (a bad flag, a port in use) would only crash-loop: give up on the mesh
         if child.start_failures >= MAX_START_FAILURES:
-            self.gave_up = (f"{child.spec.name} {describe_exit(returncode)} {child.start_failures} times in a row "
-                            f"within {START_WINDOW_S:g} s of starting; giving up")  # fmt: skip
+            log(f"{child.spec.name} {describe_exit(returncode)} {child.start_failures} times in a row within "
+                f"{START_WINDOW_S:g} s of starting; giving up and stopping the mesh")  # fmt: skip
+            self.gave_up = True
             self.stopping = True
             return
         child.restart_at = now + child.backoff_s

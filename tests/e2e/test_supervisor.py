@@ -189,11 +189,14 @@ def test_serve_gives_up_on_a_process_that_cannot_start(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         serve = Serve(tmp_path, prefill=1, decode=1, grpc_port=taken.getsockname()[1])
+        started = time.monotonic()
         try:
             code = serve.popen.wait(150)
         finally:
             serve.stop()
+    print(f"\nserve gave up after {time.monotonic() - started:.1f} s with exit code {code}")
     log = serve.log.read_text()
     assert code != 0
-    assert "router exited with status 1 5 times in a row" in log and "giving up; stopped the mesh" in log, log[-3000:]
+    assert "router exited with status 1 5 times in a row" in log, log[-3000:]
+    assert "giving up and stopping the mesh" in log
     assert serve.pids_left() == []
