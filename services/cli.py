@@ -5,18 +5,17 @@ Every option can also come from a DELTAMESH_* environment variable (shown in --h
 from __future__ import annotations
 
 import os
+import random
 import secrets
-import signal
 import socket
-import subprocess
 import sys
-import time
 from typing import Annotated, Optional
 
 import typer
 
 from deltamesh.client.cli import generate
 from engine import DEFAULT_MODEL, EngineConfig
+from services.supervisor import ChildSpec, Supervisor
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 app.command("generate")(generate)
@@ -259,10 +258,27 @@ def loads(
         print(MessageToJson(load, indent=None, always_print_fields_with_no_presence=True))
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range. A worker keeps its ports across restarts, and a port from the
+    ephemeral range (bind to port 0) can be taken by any process's next outgoing connection or port-0 listener
+    (UCX's included) while its worker is starting or down; seen in practice as 'Address already in use'."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port on {host} below {low}")
 
 
 @app.command()
@@ -296,7 +312,8 @@ def serve(
     tls_client_auth: TlsClientAuth = False,
     log_level: LogLevel = "info",
 ) -> None:
-    """Start the mesh on one box: router + N prefill + M decode worker processes. Ctrl-C stops them all."""
+    """Start the mesh on one box: router + N prefill + M decode worker processes, each restarted if it exits.
+    Ctrl-C stops them all."""
     _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
     tls_args = _tls_args(tls_cert, tls_key, tls_ca, tls_client_auth)
     roles = ["colocated"] * decode_workers if colocated else ["prefill"] * prefill_workers + ["decode"] * decode_workers
@@ -316,53 +333,34 @@ def serve(
         if value is not None:
             common += [flag, str(value)]
     cli = [sys.executable, "-m", "services.cli"]
-    procs: list[subprocess.Popen] = []
-
-    def start(args: list[str], env: dict | None = None) -> None:
-        base = {k: v for k, v in os.environ.items() if k != "DELTAMESH_MESH_SECRET_FILE"}
-        procs.append(subprocess.Popen(cli + args, env={**base, "DELTAMESH_MESH_SECRET": secret, **(env or {})}))
-
+    # what every child gets: the mesh's secret travels in the environment, never on a command line
+    base_env = {k: v for k, v in os.environ.items() if k != "DELTAMESH_MESH_SECRET_FILE"}
+    base_env["DELTAMESH_MESH_SECRET"] = secret
     router_args = ["router", "--model", model, "--host", host, "--grpc-port", str(grpc_port),
                    "--control-port", str(control_port), "--http-port", str(http_port), "--log-level", log_level,
                    *tls_args]  # fmt: skip
     if max_model_len is not None:
         router_args += ["--max-model-len", str(max_model_len)]
-    start(router_args, {"DELTAMESH_API_KEY": api_key} if api_key else None)
+    router_env = {**base_env, "DELTAMESH_API_KEY": api_key} if api_key else base_env
+    specs = [ChildSpec("router", cli + router_args, router_env)]
     metrics_urls = []
     for i, role in enumerate(roles):
-        env = {"CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]} if device.startswith("cuda") else {}
+        env = base_env
+        if device.startswith("cuda"):
+            env = {**base_env, "CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]}
+        # fixed ports, chosen once: a restarted worker comes back at the address the router knows it by
         metrics_port = _free_port(host)
         metrics_urls.append(f"{role} http://{host}:{metrics_port}/metrics")
         args = [role, *common, "--port", str(_free_port(host)), "--router", control_addr, "--metrics-port", str(metrics_port)]
         if device == "cpu":
             args += ["--torch-threads", str(threads)]
-        start(args, env)
+        specs.append(ChildSpec(f"{role}-{roles[:i].count(role)}", cli + args, env))
 
-    stopping = False
-
-    def stop_all(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop_all)
-    signal.signal(signal.SIGTERM, stop_all)
     print(f"deltamesh: router gRPC {router_addr}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
           + f"; metrics: {', '.join(metrics_urls)}", file=sys.stderr, flush=True)  # fmt: skip
-    while not stopping and all(p.poll() is None for p in procs):
-        time.sleep(0.2)
-    failed = [p for p in procs if p.poll() not in (None, 0)]
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    if failed:
-        print(f"deltamesh: a process exited with status {failed[0].returncode}; stopped the mesh", file=sys.stderr)
-        raise typer.Exit(1)
+    code = Supervisor(specs).run()
+    if code:
+        raise typer.Exit(code)
 
 
 def main() -> None:
