@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltamesh.client import Client, DeltameshError
 from harness import ROOT, free_port
+from reliability import record
 from services.common.auth import MESH_SECRET_ENV
 from services.router.control import read_loads
 
@@ -174,6 +175,11 @@ def test_killed_workers_are_restarted_while_the_mesh_serves(tmp_path):
               f"requests meanwhile: {decode_ok} ok, {decode_failed} failed")
         print(f"only prefill worker SIGKILLed: serving again after {prefill_s:.2f} s; "
               f"requests meanwhile: {prefill_ok} ok, {prefill_failed} failed")
+        record("`deltamesh serve` (1 prefill, 2 decode): a decode worker, then the only prefill worker SIGKILLed",
+               "serve restarts each on its own ports (back-off from 0.5 s); the other decode worker keeps serving; "
+               "the mesh serves again within 10 s", "test_killed_workers_are_restarted_while_the_mesh_serves",
+               f"serving again {decode_s:.2f}s after the decode kill ({decode_ok} requests ok, {decode_failed} failed "
+               f"meanwhile) and {prefill_s:.2f}s after the prefill kill")  # fmt: skip
         assert serve.popen.poll() is None, "serve exited after a worker was killed"
         assert decode_s < RESTART_BOUND_S and prefill_s < RESTART_BOUND_S
         assert decode_ok > 0, "the other decode worker should have served while its peer was down"
