@@ -169,7 +169,8 @@ def _looks_numeric(s: str) -> bool:
 
 def decode_items(core, batch: int, context: int) -> list:
     """Scheduled decode items of an EngineCore: `batch` requests that already hold `context` tokens of
-    (random) state, one new token each, with their pages and state slot allocated."""
+    (random) state, one new token each, with their pages and state slot allocated. Each request's new token
+    differs: identical inputs would route every token of a MoE step to the same experts."""
     from engine import SamplingParams
     from engine.request import Request
     from engine.scheduler import ScheduledItem
@@ -177,7 +178,7 @@ def decode_items(core, batch: int, context: int) -> list:
     items = []
     for i in range(batch):
         req = Request(f"d{i}", [1] * context, SamplingParams(max_tokens=8, temperature=0), None)
-        req.output_ids = [2]
+        req.output_ids = [(7919 * i + 2) % core.model_config.vocab_size]
         req.num_computed = context
         req.slot = core.state_pool.alloc()
         req.pages = core.kv_pool.alloc(core.kv_pool.pages_for(context + 1))

@@ -80,6 +80,7 @@ def gpu_ms(fn, iters: int = 20) -> float:
 
 
 KERNEL_GROUPS = [  # (group, regex over CUDA kernel names), first match wins
+    ("fused MoE (Triton)", r"^_route|^_align|^_scatter|^_gate_up_silu|^_down"),
     ("GDN recurrence", r"gdn|gated_delta|delta_rule|recurrent|gates"),
     ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|grouped_mm"),
     ("paged attention", r"decode_split|merge_splits"),

@@ -18,7 +18,7 @@ import torch
 
 OPS = (
     "gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update", "attention_inputs", "paged_attention",
-    "sigmoid_gate", "rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul",
+    "sigmoid_gate", "rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "moe",
 )  # fmt: skip
 
 log = structlog.get_logger("deltamesh.kernels")
@@ -63,6 +63,7 @@ class Kernels:
     add_rms_norm: Callable
     gated_rms_norm: Callable
     silu_mul: Callable
+    moe: Callable
     chosen: dict[str, str] = field(default_factory=dict)
 
 

@@ -279,6 +279,46 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+        norm_topk: bool) -> torch.Tensor:  # fmt: skip
+    """The routed experts of a MoE layer: softmax router, top_k experts per token (renormalised when
+    `norm_topk`); expert e maps x to silu_mul(x w13[e]^T) w2[e]^T; outputs weighted and summed per token."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    # Group (token, choice) pairs by expert, then run each used expert once on its tokens.
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return _grouped_experts(x, flat, order, token_of, weights, w13, w2)
+    out = torch.zeros_like(x)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        tokens = token_of[start : start + n]
+        start += n
+        y = F.linear(silu_mul(F.linear(x[tokens], w13[e])), w2[e]) * weights.flatten()[pairs, None]
+        out.index_add_(0, tokens, y)
+    return out
+
+
+def _grouped_experts(x, flat, order, token_of, weights, w13, w2) -> torch.Tensor:
+    """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation."""
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    h = torch._grouped_mm(x[token_of], w13.transpose(1, 2), offs=offsets)
+    y = torch._grouped_mm(silu_mul(h), w2.transpose(1, 2), offs=offsets)
+    y = y * weights.flatten()[order, None]
+    return torch.zeros_like(x).index_add_(0, token_of, y)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Attention layer inputs and output gate
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The Triton backend (CUDA): paged decode attention (kernels.triton_attention) and the fused kernels
 (kernels.triton_fused: norms, activations, conv1d update, attention inputs and output gate) that keep a
-decode step's small ops to one kernel each."""
+decode step's small ops to one kernel each, and the fused MoE experts (kernels.triton_moe)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable
         return {}, f"triton is not installed ({e})"
     if shapes.dtype == torch.float32:
         return {}, "fp32 models keep the exact torch reference (Triton dots would run in tf32)"
-    from kernels import triton_attention, triton_fused
+    from kernels import triton_attention, triton_fused, triton_moe
 
-    ops = {op: getattr(triton_fused, op) for op in FUSED_OPS}
+    ops = {op: getattr(triton_fused, op) for op in FUSED_OPS} | {"moe": triton_moe.moe}
     if shapes.head_dim & (shapes.head_dim - 1) or shapes.page_size < 16:
         return ops, "the attention kernels need a power-of-two head dim and page size >= 16"
     attention = {op: getattr(triton_fused, op) for op in ("attention_inputs", "sigmoid_gate")}

@@ -253,37 +253,5 @@ class SparseMoE(nn.Module):
         return slots | self.shared.weight_slots(f"{prefix}.shared_expert")
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        # Group (token, choice) pairs by expert, then run each used expert once on its tokens.
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
-        token_of = order // self.top_k
-        shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, kernels)
-        if x.is_cuda and x.dtype == torch.bfloat16:
-            return shared + self._grouped(x, flat, order, token_of, weights, kernels)
-        out = torch.zeros_like(x)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start : start + n]
-            tokens = token_of[start : start + n]
-            start += n
-            y = F.linear(kernels.silu_mul(F.linear(x[tokens], self.w13[e])), self.w2[e]) * weights.flatten()[pairs, None]
-            out.index_add_(0, tokens, y)
-        return out + shared
-
-    def _grouped(self, x, flat, order, token_of, weights, kernels: Kernels) -> torch.Tensor:
-        """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation."""
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offsets)
-        y = torch._grouped_mm(kernels.silu_mul(h), self.w2.transpose(1, 2), offs=offsets)
-        y = y * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, token_of, y)
+        routed = kernels.moe(x, F.linear(x, self.router), self.w13, self.w2, self.top_k, self.norm_topk)
+        return routed + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, kernels)

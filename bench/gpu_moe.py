@@ -1,0 +1,239 @@
+"""MoE on one GPU, Qwen3.5-35B-A3B shape (dummy weights, bf16): the fused Triton experts against the torch
+reference (grouped GEMMs), alone and in whole decode steps, against an honest roofline.
+
+- `op` rows: the routed experts of one layer for T tokens, each implementation replayed from a CUDA graph
+  (as a decode step runs them) up to T = 256, eager for prefill sizes; the floor is the bytes they must read
+  (the experts the routing touched, x, the output) at the measured HBM copy rate.
+- `routing` rows: how evenly the dummy router spreads tokens: distinct experts touched per layer against what
+  uniform routing would touch, E * (1 - (1 - k/E)^T), and the busiest expert's share of the pairs.
+- `decode step` rows: whole steps (CUDA graphs) with each MoE implementation; GPU operations per step (an eager
+  step under the profiler); the roofline counts every non-expert weight, the experts the step's own routing
+  touches (counted from each layer's router output), KV and GDN state.
+- `prefill` rows: one prompt of `--prefill` tokens with each implementation.
+
+    python bench/gpu_moe.py --out bench/results/gpu_moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import decode_items  # noqa: E402
+from bench.gpu_common import hbm_bandwidth, machine_info, print_table  # noqa: E402
+from bench.gpu_model import core_for, gpu_ms, kernel_breakdown, step_bytes, time_ms  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.models.layers import SparseMoE  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledItem  # noqa: E402
+from engine.weights import init_dummy  # noqa: E402
+from kernels import torch_ref, triton_moe  # noqa: E402
+
+IMPLS = {"torch": torch_ref.moe, "triton": triton_moe.moe}
+
+
+def graph_ms(fn) -> float:
+    """GPU time of one replay of fn() captured in a CUDA graph (launch overhead as a decode step pays it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return gpu_ms(graph.replay)
+
+
+def op_rows(layer: SparseMoE, tokens: list[int], bandwidth: float) -> list[dict]:
+    rows = []
+    expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
+    for t in tokens:
+        x = torch.randn(t, layer.w13.shape[2], device="cuda", dtype=torch.bfloat16)
+        logits = F.linear(x, layer.router)
+        touched = torch.topk(logits.float(), layer.top_k, dim=-1).indices.unique().numel()
+        floor_ms = (touched * expert_bytes + 2 * x.numel() * x.element_size()) / bandwidth * 1e3
+        row = {"bench": "op", "tokens": t, "experts_touched": touched, "floor_ms": floor_ms}
+        for name, impl in IMPLS.items():
+            fn = lambda: impl(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk)  # noqa: E731
+            row[f"{name}_ms"] = graph_ms(fn) if t <= 256 else gpu_ms(fn)
+        row["speedup"] = row["torch_ms"] / row["triton_ms"]
+        row["triton_of_floor"] = floor_ms / row["triton_ms"]
+        rows.append(row)
+    return rows
+
+
+SWEEP = [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (16, 64, 128, 4, 4), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
+         (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 32, 4, 4)]
+
+
+def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
+    """The fused kernels' time per block configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, layer.w13.shape[2], device="cuda", dtype=torch.bfloat16)
+        logits = F.linear(x, layer.router)
+        for cfg in map(lambda c: triton_moe.GemmConfig(*c), SWEEP):
+            fn = lambda: triton_moe.moe(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, cfg)  # noqa: E731
+            rows.append({"bench": "sweep", "tokens": t, "config": "/".join(map(str, cfg)),
+                         "ms": graph_ms(fn) if t <= 256 else gpu_ms(fn),
+                         "chosen": cfg == triton_moe.gemm_config(t * layer.top_k)})  # fmt: skip
+    return rows
+
+
+def routing_rows(layer: SparseMoE, batches: list[int]) -> list[dict]:
+    """Distinct experts touched and the busiest expert's share of the (token, choice) pairs, for batches of
+    random hidden states through a dummy-initialised router."""
+    rows = []
+    e, k = layer.num_experts, layer.top_k
+    for t in batches:
+        x = torch.randn(t, layer.w13.shape[2], device="cuda", dtype=torch.bfloat16)
+        ids = torch.topk(F.linear(x, layer.router).float(), k, dim=-1).indices.flatten()
+        rows.append({"bench": "routing", "tokens": t, "experts_touched": ids.unique().numel(),
+                     "uniform_expectation": e * (1 - (1 - k / e) ** t),
+                     "busiest_expert_share": torch.bincount(ids, minlength=e).max().item() / ids.numel(),
+                     "uniform_share": k / e})  # fmt: skip
+    return rows
+
+
+def dummy_layer(model_dir: str) -> SparseMoE:
+    """One MoE layer of the model, with the dummy loader's weights."""
+    layer = SparseMoE(ModelConfig.from_dir(model_dir)).to(device="cuda", dtype=torch.bfloat16)
+    init_dummy(layer, seed=0)
+    return layer
+
+
+def launches_per_step(core, items) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    r = core.runner
+    input_ids, batch = r.prepare(items)
+
+    def step():
+        with torch.inference_mode():
+            r.model.logits(r.model(input_ids, batch, r.kv_pool, r.state_pool, r.kernels))
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def touched_expert_bytes(core, items) -> tuple[int, int]:
+    """(bytes of every expert weight, bytes of the experts the step's own routing touches), counted in an eager
+    step of `items` with each MoE layer's router output."""
+    r = core.runner
+    impl, layers = r.kernels.moe, []
+
+    def counting(x, logits, w13, w2, top_k, norm_topk):
+        per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        used = torch.topk(logits.float(), top_k, dim=-1).indices.unique().numel()
+        layers.append((w13.shape[0] * per_expert, used * per_expert))
+        return impl(x, logits, w13, w2, top_k, norm_topk)
+
+    r.kernels.moe = counting
+    try:
+        input_ids, batch = r.prepare(items)
+        with torch.inference_mode():
+            r.model(input_ids, batch, r.kv_pool, r.state_pool, r.kernels)
+    finally:
+        r.kernels.moe = impl
+    return sum(t for t, _ in layers), sum(u for _, u in layers)
+
+
+def decode_rows(core, batches: list[int], context: int, bandwidth: float) -> list[dict]:
+    rows = []
+    for batch in batches:
+        items = decode_items(core, batch, context)
+        parts = step_bytes(core, batch, context)
+        all_experts, touched = touched_expert_bytes(core, items)
+        honest = parts["weights"] - all_experts + touched + parts["kv"] + parts["state"]
+        for name, impl in IMPLS.items():
+            core.runner.kernels.moe = impl
+            core.runner.capture_decode_graphs(max(batches), context + 64)
+            inputs = core.runner.prepare(items)
+            ms = gpu_ms(lambda: core.runner.graphs.run(*inputs))
+            step_ms = time_ms(lambda: core.runner.execute(items).argmax(-1).tolist())
+            rows.append({"bench": "decode step", "moe": name, "batch": batch, "context": context, "graph_gpu_ms": ms,
+                         "step_ms": step_ms, "launches": launches_per_step(core, items),
+                         "experts_touched_share": touched / all_experts,
+                         "roofline_ms": honest / bandwidth * 1e3, "of_roofline": honest / bandwidth * 1e3 / ms,
+                         "all_experts_roofline_ms": sum(parts.values()) / bandwidth * 1e3})  # fmt: skip
+        for it in items:
+            core.scheduler.free(it.request)
+    return rows
+
+
+def prefill_rows(core, tokens: int, profile: bool) -> list[dict]:
+    rows = []
+    for name, impl in IMPLS.items():
+        core.runner.kernels.moe = impl
+        req = Request("p", list(range(3, tokens + 3)), SamplingParams(max_tokens=1, temperature=0), None)
+        req.slot, req.pages = core.state_pool.alloc(), core.kv_pool.alloc(core.kv_pool.pages_for(tokens))
+        items = [ScheduledItem(req, tokens)]  # stepping it again recomputes the same prompt
+        row = {"bench": "prefill", "moe": name, "tokens": tokens,
+               "ms": time_ms(lambda: core.runner.execute(items).argmax(-1).tolist(), iters=5)}  # fmt: skip
+        if profile and name == "triton":
+            groups, top = kernel_breakdown(core, items, steps=1)
+            print(f"kernel time of one {tokens}-token prefill (sum {sum(g['ms'] for g in groups):.1f} ms):")
+            print_table(groups, ["group", "kernels", "calls", "ms"])
+            print_table(top[:15], ["kernel", "calls", "ms"])
+            row |= {"kernel_groups": groups, "top_kernels": top}
+        core.scheduler.free(req)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(ROOT / "bench/configs/qwen3.5-35b-a3b"))
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--op-tokens", default="1,16,64,256,8192")
+    p.add_argument("--prefill", type=int, default=8192)
+    p.add_argument("--skip-steps", action="store_true", help="the op and routing rows only")
+    p.add_argument("--sweep", action="store_true", help="also time the fused kernels' block configurations")
+    p.add_argument("--profile", action="store_true", help="print where the prefill's GPU time goes")
+    p.add_argument("--out", default="bench/results/gpu_moe.json")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = hbm_bandwidth()
+    print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
+    layer = dummy_layer(args.model)
+    rows = op_rows(layer, [int(t) for t in args.op_tokens.split(",")], bandwidth)
+    print_table(rows, ["tokens", "experts_touched", "floor_ms", "torch_ms", "triton_ms", "speedup", "triton_of_floor"])
+    routing = routing_rows(layer, [1, 16, 64, 256, 8192])
+    print_table(routing, ["tokens", "experts_touched", "uniform_expectation", "busiest_expert_share", "uniform_share"])
+    rows += routing
+    if args.sweep:
+        sweep = sweep_rows(layer, [int(t) for t in args.op_tokens.split(",")])
+        print_table(sweep, ["tokens", "config", "ms", "chosen"])
+        rows += sweep
+    del layer
+    if not args.skip_steps:
+        core = core_for(args.model, max(batches), max(args.context, args.prefill), cuda_graphs=False)
+        steps = decode_rows(core, batches, args.context, bandwidth)
+        print_table(steps, ["moe", "batch", "graph_gpu_ms", "step_ms", "launches", "experts_touched_share", "roofline_ms",
+                            "of_roofline", "all_experts_roofline_ms"])  # fmt: skip
+        prefill = prefill_rows(core, args.prefill, args.profile)
+        print_table(prefill, ["moe", "tokens", "ms"])
+        rows += steps + prefill
+    out = {"command": " ".join(sys.argv), "machine": machine_info(), "hbm_copy_bytes_per_s": bandwidth, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
