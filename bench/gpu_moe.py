@@ -55,17 +55,23 @@ def graph_ms(fn) -> float:
     return gpu_ms(graph.replay)
 
 
+def layer_inputs(layer: SparseMoE, tokens: int):
+    """(x, the shared expert's output, router logits, shared gate) for `tokens` random hidden states."""
+    x = torch.randn(tokens, layer.w13.shape[2], device="cuda", dtype=torch.bfloat16)
+    gates = F.linear(x, layer.gates)
+    return x, torch.randn_like(x), gates[:, : layer.num_experts], gates[:, layer.num_experts :]
+
+
 def op_rows(layer: SparseMoE, tokens: list[int], bandwidth: float) -> list[dict]:
     rows = []
     expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
     for t in tokens:
-        x = torch.randn(t, layer.w13.shape[2], device="cuda", dtype=torch.bfloat16)
-        logits = F.linear(x, layer.router)
+        x, shared, logits, gate = layer_inputs(layer, t)
         touched = torch.topk(logits.float(), layer.top_k, dim=-1).indices.unique().numel()
-        floor_ms = (touched * expert_bytes + 2 * x.numel() * x.element_size()) / bandwidth * 1e3
+        floor_ms = (touched * expert_bytes + 3 * x.numel() * x.element_size()) / bandwidth * 1e3  # x, shared, out
         row = {"bench": "op", "tokens": t, "experts_touched": touched, "floor_ms": floor_ms}
         for name, impl in IMPLS.items():
-            fn = lambda: impl(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk)  # noqa: E731
+            fn = lambda: impl(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, shared, gate)  # noqa: E731
             row[f"{name}_ms"] = graph_ms(fn) if t <= 256 else gpu_ms(fn)
         row["speedup"] = row["torch_ms"] / row["triton_ms"]
         row["triton_of_floor"] = floor_ms / row["triton_ms"]
@@ -81,10 +87,10 @@ def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
     """The fused kernels' time per block configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
     rows = []
     for t in tokens:
-        x = torch.randn(t, layer.w13.shape[2], device="cuda", dtype=torch.bfloat16)
-        logits = F.linear(x, layer.router)
+        x, shared, logits, gate = layer_inputs(layer, t)
         for cfg in map(lambda c: triton_moe.GemmConfig(*c), SWEEP):
-            fn = lambda: triton_moe.moe(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, cfg)  # noqa: E731
+            fn = lambda: triton_moe.moe(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, shared, gate,  # noqa: E731
+                                        cfg)  # fmt: skip
             rows.append({"bench": "sweep", "tokens": t, "config": "/".join(map(str, cfg)),
                          "ms": graph_ms(fn) if t <= 256 else gpu_ms(fn),
                          "chosen": cfg == triton_moe.gemm_config(t * layer.top_k)})  # fmt: skip
@@ -137,11 +143,11 @@ def touched_expert_bytes(core, items) -> tuple[int, int]:
     r = core.runner
     impl, layers = r.kernels.moe, []
 
-    def counting(x, logits, w13, w2, top_k, norm_topk):
+    def counting(x, logits, w13, w2, top_k, norm_topk, *shared):
         per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
         used = torch.topk(logits.float(), top_k, dim=-1).indices.unique().numel()
         layers.append((w13.shape[0] * per_expert, used * per_expert))
-        return impl(x, logits, w13, w2, top_k, norm_topk)
+        return impl(x, logits, w13, w2, top_k, norm_topk, *shared)
 
     r.kernels.moe = counting
     try:

@@ -280,9 +280,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        norm_topk: bool) -> torch.Tensor:  # fmt: skip
-    """The routed experts of a MoE layer: softmax router, top_k experts per token (renormalised when
-    `norm_topk`); expert e maps x to silu_mul(x w13[e]^T) w2[e]^T; outputs weighted and summed per token."""
+        norm_topk: bool, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """A MoE layer's output from its router logits and its shared expert's output: softmax router, top_k experts
+    per token (renormalised when `norm_topk`); expert e maps x to silu_mul(x w13[e]^T) w2[e]^T; outputs
+    weighted and summed per token, plus sigmoid(shared_gate) * shared."""
+    return _routed(x, router_logits, w13, w2, top_k, norm_topk) + torch.sigmoid(shared_gate) * shared
+
+
+def _routed(x, router_logits, w13, w2, top_k: int, norm_topk: bool) -> torch.Tensor:
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if norm_topk:

@@ -10,7 +10,7 @@ import torch
 
 from kernels.registry import Backend, ModelShapes, register_backend
 
-FUSED_OPS = ("rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "conv1d_update")
+FUSED_OPS = ("rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "conv1d_update", "conv1d_prefill")
 
 
 def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable], str]:

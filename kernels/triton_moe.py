@@ -1,4 +1,5 @@
-"""Fused MoE experts in Triton: routing, the token-to-expert alignment and both expert GEMMs in five kernels,
+"""Fused MoE experts in Triton: routing, the token-to-expert alignment, both expert GEMMs and the combination with
+the shared expert in six kernels,
 with no host synchronisation (so a decode step with MoE layers can be captured in a CUDA graph).
 
 1. `_route`: per token, softmax over the router logits, top-k (renormalised if the model says so), and for each
@@ -10,7 +11,8 @@ with no host synchronisation (so a decode step with MoE layers can be captured i
 4. `_gate_up_silu`: per block of one expert's rows, gate and up projections (two accumulators over the
    hidden size) and silu(gate) * up, into an intermediate buffer in sorted-row order.
 5. `_down`: per block, the down projection times the pair's routing weight, written at the pair's own row of a
-   [tokens * top_k, hidden] buffer; the caller sums a token's top_k rows.
+   [tokens * top_k, hidden] buffer.
+6. `_combine`: per token, the sum of its top_k rows plus the gated shared expert's output.
 
 Rows within a block are computed independently, so a pair's result does not depend on where the atomic rank
 put it: the output is deterministic.
@@ -26,11 +28,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _route(logits, ids, weights, ranks, counts, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
-           NORM: tl.constexpr):  # fmt: skip
+def _route(logits, ids, weights, ranks, counts, stride_l, E: tl.constexpr, BLOCK_E: tl.constexpr,
+           TOP_K: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
-    x = tl.load(logits + t * E + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     total = 0.0
@@ -136,6 +138,20 @@ def _down(inter, w2, out, weights, block_expert, starts, counts, sorted_pairs, H
              mask=valid[:, None] & n_ok[None, :])  # fmt: skip
 
 
+@triton.jit
+def _combine(pairs_out, shared, gate, out, H, stride_s, stride_g, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum of the token's TOP_K pair rows + sigmoid(gate[t]) * shared[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_out + (t * TOP_K + j) * H + h, mask=ok, other=0.0).to(tl.float32)
+    g = tl.sigmoid(tl.load(gate + t * stride_g).to(tl.float32))
+    acc += g * tl.load(shared + t * stride_s + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + t * H + h, acc.to(out.dtype.element_ty), mask=ok)
+
+
 class GemmConfig(NamedTuple):
     block_m: int
     block_n: int
@@ -155,9 +171,10 @@ def gemm_config(num_pairs: int) -> GemmConfig:
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        norm_topk: bool, config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
-    """The routed experts' output [T, H] for x [T, H]: softmax router, top_k experts per token (renormalised when
-    `norm_topk`), expert e applies silu(x w13[e][:I]^T) * (x w13[e][I:]^T) w2[e]^T, weighted and summed."""
+        norm_topk: bool, shared: torch.Tensor, shared_gate: torch.Tensor,
+        config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """kernels.torch_ref.moe: the MoE layer's output [T, H] for x [T, H] (rows contiguous; the logits, the shared
+    expert's output and its gate [T, 1] may be row-strided views)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741
@@ -178,11 +195,11 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=dev)
     inter = torch.empty(max_blocks * BLOCK_M, I, dtype=x.dtype, device=dev)
-    out = torch.empty(P, H, dtype=x.dtype, device=dev)
+    pairs_out = torch.empty(P, H, dtype=x.dtype, device=dev)
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
 
-    logits = router_logits.contiguous()
-    x = x.contiguous()
-    _route[(T,)](logits, ids, weights, ranks, counts, E, BLOCK_E, top_k, norm_topk)
+    assert x.stride(1) == 1 and router_logits.stride(1) == 1 and shared.stride(1) == 1
+    _route[(T,)](router_logits, ids, weights, ranks, counts, router_logits.stride(0), E, BLOCK_E, top_k, norm_topk)
     _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64)
     _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256)
     _gate_up_silu[(max_blocks, triton.cdiv(I, BLOCK_N))](
@@ -190,7 +207,9 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
         top_k, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
     )  # fmt: skip
     _down[(max_blocks, triton.cdiv(H, BLOCK_N))](
-        inter, w2, out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0), w2.stride(1),
+        inter, w2, pairs_out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0), w2.stride(1),
         BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
     )  # fmt: skip
-    return out.view(T, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)
+    _combine[(T, triton.cdiv(H, 1024))](pairs_out, shared, shared_gate, out, H, shared.stride(0), shared_gate.stride(0),
+                                         top_k, 1024)  # fmt: skip
+    return out

@@ -232,18 +232,22 @@ class SparseMoE(nn.Module):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k, self.inter, self.norm_topk = e, cfg.num_experts_per_tok, i, cfg.norm_topk_prob
-        self.router = _param(e, h)
+        self.gates = _param(e + 1, h)  # the router's rows, then the shared expert's gate: one GEMM for both
         self.w13 = _param(e, 2 * i, h)  # per expert: gate rows then up rows
         self.w2 = _param(e, h, i)
         self.shared = MLP(h, cfg.shared_expert_intermediate_size)
-        self.shared_gate = _param(1, h)
+
+    @property
+    def router(self) -> torch.Tensor:
+        return self.gates[: self.num_experts]
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        e = self.num_experts
         slots = {
-            f"{prefix}.gate.weight": WeightSlot(self.router),
+            f"{prefix}.gate.weight": WeightSlot(self.gates, 0, e),
             f"{prefix}.experts.gate_up_proj": WeightSlot(self.w13),
             f"{prefix}.experts.down_proj": WeightSlot(self.w2),
-            f"{prefix}.shared_expert_gate.weight": WeightSlot(self.shared_gate),
+            f"{prefix}.shared_expert_gate.weight": WeightSlot(self.gates, e, e + 1),
         }
         for e in range(self.num_experts):  # per-expert checkpoint layout
             i = self.inter
@@ -253,5 +257,7 @@ class SparseMoE(nn.Module):
         return slots | self.shared.weight_slots(f"{prefix}.shared_expert")
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        routed = kernels.moe(x, F.linear(x, self.router), self.w13, self.w2, self.top_k, self.norm_topk)
-        return routed + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, kernels)
+        logits = F.linear(x, self.gates)
+        e = self.num_experts
+        return kernels.moe(x, logits[:, :e], self.w13, self.w2, self.top_k, self.norm_topk, self.shared(x, kernels),
+                           logits[:, e:])  # fmt: skip

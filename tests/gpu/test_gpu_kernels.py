@@ -148,8 +148,11 @@ def test_triton_fused_moe_matches_reference(tokens):
     r = lambda *s: torch.randn(*s, generator=g, device=DEV)  # noqa: E731
     hidden, inter, experts, top_k = 2048, 512, 256, 8
     x = r(tokens, hidden).bfloat16()
-    logits = r(tokens, experts).bfloat16()
+    gates = r(tokens, experts + 1).bfloat16()  # router logits and the shared expert's gate, as one GEMM gives them
+    logits, gate, shared = gates[:, :experts], gates[:, experts:], r(tokens, hidden).bfloat16()
     w13 = (r(experts, 2 * inter, hidden) / hidden**0.5).bfloat16()
     w2 = (r(experts, hidden, inter) / inter**0.5).bfloat16()
     for norm in (True, False):
-        assert rel(moe(x, logits, w13, w2, top_k, norm), torch_ref.moe(x, logits, w13, w2, top_k, norm)) < 1e-2
+        for with_shared in (shared, torch.zeros_like(shared)):  # the whole layer; the routed experts alone
+            args = (x, logits, w13, w2, top_k, norm, with_shared, gate)
+            assert rel(moe(*args), torch_ref.moe(*args)) < 1e-2

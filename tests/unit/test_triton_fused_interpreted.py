@@ -117,6 +117,27 @@ def test_silu_mul_and_conv1d_update_match_reference():
     """)
 
 
+def test_conv1d_prefill_matches_reference():
+    """Variable-length sequences (one shorter than the conv's history, one spanning several token tiles) each
+    continuing from its pooled state; the state rows are replaced as the reference replaces them."""
+    check("""
+    channels, width, lens = 200, 4, [2, 150, 1, 64]
+    for x_dtype, pool_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                (torch.bfloat16, torch.float32)):
+        x = torch.randn(sum(lens), channels + 16, dtype=x_dtype)[:, 8:-8]  # a row-strided view
+        weight = torch.randn(channels, width, dtype=x_dtype)
+        pool = torch.randn(7, channels, width - 1, dtype=pool_dtype)
+        idx = torch.tensor([5, 0, 3, 6], dtype=torch.int32)
+        before, ref_pool = pool.clone(), pool.clone()
+        ref = torch_ref.conv1d_prefill(x, lens, ref_pool, idx, weight, "silu")
+        got = triton_fused.conv1d_prefill(x, lens, pool, idx, weight, "silu")
+        case = f"conv1d_prefill x {x_dtype} pool {pool_dtype}"
+        errors[case] = err(got, ref)
+        errors[case + " state"] = err(pool, ref_pool)
+        assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]]), case
+    """)
+
+
 def test_attention_inputs_and_gate_match_reference():
     check("""
     t, heads, kv_heads, dim, rot, page = 5, 4, 2, 32, 8, 16
@@ -151,10 +172,13 @@ def test_fused_moe_matches_reference():
     for tokens, experts, top_k, norm in ((3, 10, 2, True), (70, 12, 4, False), (600, 8, 4, True)):
         hidden, inter = 96, 48
         x = torch.randn(tokens, hidden)
-        logits = torch.randn(tokens, experts)
         w13 = torch.randn(experts, 2 * inter, hidden) / hidden**0.5
         w2 = torch.randn(experts, hidden, inter) / inter**0.5
-        ref = torch_ref.moe(x, logits, w13, w2, top_k, norm)
-        got = triton_moe.moe(x, logits, w13, w2, top_k, norm)
+        # the router's logits and the shared expert's gate come from one GEMM: row-strided views of it
+        gates = torch.randn(tokens, experts + 1)
+        logits, gate = gates[:, :experts], gates[:, experts:]
+        shared = torch.randn(tokens, hidden)
+        ref = torch_ref.moe(x, logits, w13, w2, top_k, norm, shared, gate)
+        got = triton_moe.moe(x, logits, w13, w2, top_k, norm, shared, gate)
         errors[f"T={tokens} E={experts} k={top_k}"] = (float((got - ref).abs().max()), 1e-4)
     """)
