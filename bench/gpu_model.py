@@ -93,10 +93,8 @@ KERNEL_GROUPS = [  # (group, regex over CUDA kernel names), first match wins
 ]
 
 
-def kernel_breakdown(core: EngineCore, items, steps: int = 3) -> tuple[list[dict], list[dict]]:
-    """CUDA time per kernel of eager decode steps (the kernels a graph replays), grouped by KERNEL_GROUPS."""
-    import re
-
+def profiled_steps(core: EngineCore, items, steps: int):
+    """The torch profiler's record (CUDA activity) of `steps` eager steps of `items`, after one warm-up step."""
     from torch.profiler import ProfilerActivity, profile
 
     r = core.runner
@@ -112,6 +110,14 @@ def kernel_breakdown(core: EngineCore, items, steps: int = 3) -> tuple[list[dict
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_breakdown(core: EngineCore, items, steps: int = 3) -> tuple[list[dict], list[dict]]:
+    """CUDA time per kernel of eager decode steps (the kernels a graph replays), grouped by KERNEL_GROUPS."""
+    import re
+
+    prof = profiled_steps(core, items, steps)
     kernels = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import decode_items  # noqa: E402
 from bench.gpu_common import hbm_bandwidth, machine_info, print_table  # noqa: E402
-from bench.gpu_model import core_for, gpu_ms, kernel_breakdown, step_bytes, time_ms  # noqa: E402
+from bench.gpu_model import core_for, gpu_ms, kernel_breakdown, profiled_steps, step_bytes, time_ms  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.models.layers import SparseMoE  # noqa: E402
 from engine.request import Request  # noqa: E402
@@ -120,20 +120,7 @@ def dummy_layer(model_dir: str) -> SparseMoE:
 
 
 def launches_per_step(core, items) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    r = core.runner
-    input_ids, batch = r.prepare(items)
-
-    def step():
-        with torch.inference_mode():
-            r.model.logits(r.model(input_ids, batch, r.kv_pool, r.state_pool, r.kernels))
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
+    prof = profiled_steps(core, items, steps=1)
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
