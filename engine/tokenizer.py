@@ -132,6 +132,13 @@ class IncrementalDetokenizer:
         return self.flush() if self.stopped_on else self._release(len(self.text) - self._hold)
 
     def flush(self) -> str:
+        """All text not returned yet; the request has ended. Tokens held back as an unfinished multi-byte
+        character come out as the tokenizer decodes them (U+FFFD), so the whole text equals a decode of the
+        output ids (up to a stop string)."""
+        if not self.stopped_on and self._read_offset < len(self._ids):
+            before = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+            self.text += self._tok.decode(self._ids[self._prefix_offset :], self._skip)[len(before) :]
+            self._prefix_offset = self._read_offset = len(self._ids)
         return self._release(len(self.text))
 
     def _find_stop(self, search_from: int) -> None:

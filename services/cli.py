@@ -46,6 +46,11 @@ LogLevel = Annotated[str, _opt("debug | info | warning | error", "LOG_LEVEL")]
 TlsCert = Annotated[Optional[str], _opt("TLS certificate (PEM) for gRPC", "TLS_CERT")]
 TlsKey = Annotated[Optional[str], _opt("TLS private key (PEM)", "TLS_KEY")]
 TlsCa = Annotated[Optional[str], _opt("CA bundle (PEM) to trust for gRPC peers", "TLS_CA")]
+LeaseTtl = Annotated[float, _opt("Prefill: seconds a held state waits to be pulled", "LEASE_TTL")]
+MaxLeaseTtl = Annotated[float, _opt("Prefill: the longest lease TTL a caller may ask for (s)", "MAX_LEASE_TTL")]
+TransferTimeout = Annotated[float, _opt("Deadline of one state transfer (s)", "TRANSFER_TIMEOUT")]
+AdmissionTimeout = Annotated[float, _opt("Decode: how long a request may queue for pool space before it is refused "
+                                         "as full (s)", "ADMISSION_TIMEOUT")]  # fmt: skip
 SecretFile = Annotated[Optional[str], _opt("File holding the mesh secret shared by the router and its workers (default: "
                                          "$DELTAMESH_MESH_SECRET); the router makes it if it is missing",
                                          "MESH_SECRET_FILE")]  # fmt: skip
@@ -63,6 +68,20 @@ def _tls(cert, key, ca, client_auth):
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     return tls
+
+
+def _ports_free(command: str, host: str, ports: dict[str, int | None]) -> None:
+    """Exit at once, in one line naming the port and its flag, when a fixed port is taken: before the model
+    loads, not after it with the server's tracebacks."""
+    for flag, port in ports.items():
+        if not port:
+            continue
+        try:
+            socket.create_server((host, port)).close()  # SO_REUSEADDR as the servers bind: TIME_WAIT is no clash
+        except OSError as e:
+            print(f"deltamesh {command}: cannot listen on {host}:{port} ({flag}): {os.strerror(e.errno)}",
+                  file=sys.stderr)  # fmt: skip
+            raise typer.Exit(2) from None
 
 
 def _mesh_secret(secret_file: str | None, create: bool = False):
@@ -128,12 +147,10 @@ def _worker_command(role: str):
         kernels: Kernels = None,
         torch_threads: Threads = None,
         ucx_error_handling: UcxEH = True,
-        lease_ttl: Annotated[float, _opt("Prefill: seconds a held state waits to be pulled", "LEASE_TTL")] = 30.0,
-        max_lease_ttl: Annotated[float, _opt("Prefill: the longest lease TTL a caller may ask for (s)",
-                                             "MAX_LEASE_TTL")] = 300.0,  # fmt: skip
-        transfer_timeout: Annotated[float, _opt("Deadline of one state transfer (s)", "TRANSFER_TIMEOUT")] = 30.0,
-        admission_timeout: Annotated[float, _opt("Decode: how long a request may queue for pool space before it "
-                                                 "is refused as full (s)", "ADMISSION_TIMEOUT")] = 30.0,  # fmt: skip
+        lease_ttl: LeaseTtl = 30.0,
+        max_lease_ttl: MaxLeaseTtl = 300.0,
+        transfer_timeout: TransferTimeout = 30.0,
+        admission_timeout: AdmissionTimeout = 30.0,
         metrics_port: Annotated[Optional[int], _opt("Serve Prometheus /metrics on this port", "METRICS_PORT")] = None,
         tls_cert: TlsCert = None,
         tls_key: TlsKey = None,
@@ -141,6 +158,7 @@ def _worker_command(role: str):
         tls_client_auth: TlsClientAuth = False,
         log_level: LogLevel = "info",
     ) -> None:
+        _ports_free(role, host, {"--port": port, "--metrics-port": metrics_port})
         tls = _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
         secret = _mesh_secret(mesh_secret_file)
         engine = _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs,
@@ -190,6 +208,7 @@ def router(
     log_level: LogLevel = "info",
 ) -> None:
     """Run the router: gRPC client API, OpenAI-compatible REST gateway, and the workers' control plane."""
+    _ports_free("router", host, {"--grpc-port": grpc_port, "--control-port": control_port, "--http-port": http_port})
     from services.common.logs import configure_logging
     from services.common.server import run
     from services.common.settings import RequestLimits, RouterSettings, print_settings
@@ -291,8 +310,9 @@ def serve(
     http_port: Annotated[int, _opt("OpenAI-compatible REST port (0: off)", "HTTP_PORT")] = 8000,
     prefill_workers: Annotated[int, _opt("Prefill worker processes", "PREFILL_WORKERS")] = 1,
     decode_workers: Annotated[int, _opt("Decode worker processes", "DECODE_WORKERS")] = 1,
-    colocated: Annotated[bool, _opt("Aggregated baseline: workers prefill and decode their own requests",
-                                    "COLOCATED", "--colocated")] = False,  # fmt: skip
+    colocated: Annotated[bool, _opt("Aggregated baseline: --decode-workers colocated workers prefill and decode "
+                                    "their own requests (--prefill-workers is ignored)", "COLOCATED",
+                                    "--colocated")] = False,  # fmt: skip
     gpus: Annotated[Optional[str], _opt("GPU ids to spread workers over, e.g. 0,1 (cuda only)", "GPUS")] = None,
     dtype: Dtype = "auto",
     state_dtype: StateDtype = "float32",
@@ -304,6 +324,10 @@ def serve(
     load_format: LoadFormat = "auto",
     kernels: Kernels = None,
     ucx_error_handling: UcxEH = True,
+    lease_ttl: LeaseTtl = 30.0,
+    max_lease_ttl: MaxLeaseTtl = 300.0,
+    transfer_timeout: TransferTimeout = 30.0,
+    admission_timeout: AdmissionTimeout = 30.0,
     api_key: ApiKey = None,
     mesh_secret_file: SecretFile = None,
     tls_cert: TlsCert = None,
@@ -314,6 +338,7 @@ def serve(
 ) -> None:
     """Start the mesh on one box: router + N prefill + M decode worker processes, each restarted if it exits.
     Ctrl-C stops them all."""
+    _ports_free("serve", host, {"--grpc-port": grpc_port, "--control-port": control_port, "--http-port": http_port})
     _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
     tls_args = _tls_args(tls_cert, tls_key, tls_ca, tls_client_auth)
     roles = ["colocated"] * decode_workers if colocated else ["prefill"] * prefill_workers + ["decode"] * decode_workers
@@ -327,7 +352,8 @@ def serve(
     common = ["--model", model, "--device", device, "--host", host, "--dtype", dtype, "--state-dtype", state_dtype,
               "--page-size", str(page_size), "--max-num-seqs", str(max_num_seqs),
               "--max-num-batched-tokens", str(max_num_batched_tokens), "--load-format", load_format,
-              "--log-level", log_level,
+              "--log-level", log_level, "--lease-ttl", str(lease_ttl), "--max-lease-ttl", str(max_lease_ttl),
+              "--transfer-timeout", str(transfer_timeout), "--admission-timeout", str(admission_timeout),
               "--ucx-error-handling" if ucx_error_handling else "--no-ucx-error-handling", *tls_args]  # fmt: skip
     for flag, value in (("--num-kv-pages", num_kv_pages), ("--max-model-len", max_model_len), ("--kernels", kernels)):
         if value is not None:

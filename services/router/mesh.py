@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -108,6 +109,9 @@ class Mesh:
             raise
         finally:
             timer.end(outcome)
+            ttft = None if timer.first is None else round(timer.first - timer.start, 4)
+            log.info("request", request_id=request_id, outcome=outcome, prompt_tokens=len(prompt_ids),
+                     completion_tokens=timer.tokens, ttft_s=ttft, seconds=round(time.monotonic() - timer.start, 4))
 
     async def _generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         if request_id in self._inflight:

@@ -180,3 +180,28 @@ def test_bad_requests_get_invalid_argument(mesh):
             client.generate("hi", model="no-such-model")
         assert e.value.code == grpc.StatusCode.NOT_FOUND
         assert client.generate("still serving", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+
+
+def test_one_access_line_per_request_with_the_id_the_workers_log(mesh):
+    import json
+
+    with mesh.client() as client:
+        client.generate("Access log", max_tokens=3, ignore_eos=True, request_id="access-log-check")
+
+    def lines(role):
+        proc = next(p for p in mesh.procs if p.role == role)
+        out = []
+        for line in proc.log.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # the DELTAMESH_READY line and the settings are not log lines
+                pass
+        return [entry for entry in out if entry.get("request_id") == "access-log-check"]
+
+    deadline = time.monotonic() + 5
+    while not any(e["event"] == "request" for e in lines("router")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    access = [e for e in lines("router") if e["event"] == "request"]
+    assert len(access) == 1 and access[0]["outcome"] == "completed" and access[0]["completion_tokens"] == 3
+    assert access[0]["prompt_tokens"] > 0 and access[0]["ttft_s"] <= access[0]["seconds"]
+    assert lines("prefill") and lines("decode")  # the workers' lines carry the same id

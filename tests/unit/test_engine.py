@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, FinishReason, RequestError, SamplingParams
+from engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams
 from engine.core import EngineCore
 from hf_checkpoints import VOCAB
 
@@ -173,3 +173,17 @@ def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
     assert any(s[0] == 1 and sum(n > 1 for n in s) == 3 and 1 < s[1] <= 2 for s in steps), steps
     assert core.kv_pool.num_used == 0 and core.state_pool.num_used == 0
     assert not core.requests and not core.scheduler.has_work and core.stats.steps == 0
+
+
+def test_final_text_is_the_decode_of_the_output_ids():
+    """Output that ends inside a multi-byte character: the streamed deltas plus the final flush equal the
+    tokenizer's decode of the output ids (U+FFFD where the character is unfinished), at every cut."""
+    from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tok = Tokenizer(DEFAULT_MODEL)
+    prompt = tok.encode("Say:")
+    out = tok.encode(" Hello 🙂 wörld 中文")
+    for cut in range(1, len(out) + 1):
+        detok = IncrementalDetokenizer(tok, prompt, stop=[])
+        text = "".join(detok.add(t) for t in out[:cut]) + detok.flush()
+        assert text == tok.decode(out[:cut]), cut

@@ -21,7 +21,8 @@ def generate(
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they arrive")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user chat message")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
-    address: Annotated[str, typer.Option(envvar="DELTAMESH_ROUTER", help="Router gRPC address")] = "127.0.0.1:50051",
+    address: Annotated[str, typer.Option("--address", "--router", envvar="DELTAMESH_ADDRESS",
+                                         help="The router's gRPC client API")] = "127.0.0.1:50051",  # fmt: skip
     timeout: Annotated[float, typer.Option(help="Seconds")] = 300.0,
     api_key: Annotated[Optional[str], typer.Option(envvar="DELTAMESH_API_KEY", help="The router's API key")] = None,
 ) -> None:
