@@ -1,25 +1,35 @@
 """The in-process engine: Qwen3.5-family hybrid models with paged KV, GDN state slots, continuous batching
-and chunked prefill."""
+and chunked prefill.
 
-from engine.cache import PoolExhausted
-from engine.core import EngineCore, Reservation
-from engine.request import RequestError, validate_request
-from engine.engine import Completion, Engine
-from engine.engine_config import DEFAULT_MODEL, EngineConfig
-from engine.request import FinishReason, RequestOutput
-from engine.sampling import SamplingParams
+Names are imported on first use (PEP 562): `from engine.defaults import DEFAULT_MODEL` stays free of torch, so
+commands that never run a model (`deltamesh generate`, `health`, `loads`, `--help`) start in a fraction of a
+second instead of paying torch's import."""
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "Completion",
-    "Engine",
-    "EngineConfig",
-    "EngineCore",
-    "FinishReason",
-    "PoolExhausted",
-    "RequestError",
-    "RequestOutput",
-    "Reservation",
-    "SamplingParams",
-    "validate_request",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "DEFAULT_MODEL": "engine.defaults",
+    "Completion": "engine.engine",
+    "Engine": "engine.engine",
+    "EngineConfig": "engine.engine_config",
+    "EngineCore": "engine.core",
+    "FinishReason": "engine.request",
+    "PoolExhausted": "engine.cache",
+    "RequestError": "engine.request",
+    "RequestOutput": "engine.request",
+    "Reservation": "engine.core",
+    "SamplingParams": "engine.sampling",
+    "validate_request": "engine.request",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # once
+    return value

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "deltamesh-tiny"
+from engine.defaults import DEFAULT_MODEL
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

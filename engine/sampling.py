@@ -37,8 +37,8 @@ class SamplingParams:
         (common.proto: uint32 max_tokens/top_k/stop_token_ids, uint64 seed), so that a value accepted at one
         edge can always be sent on to the workers."""
         _check_int("max_tokens", self.max_tokens, 1, UINT32)
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 <= self.temperature <= 2.0:  # OpenAI's range; the REST schema says the same
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, 0, UINT32, "(0 disables it)")

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from deltamesh.client.cli import generate
-from engine import DEFAULT_MODEL, EngineConfig
+from engine.defaults import DEFAULT_MODEL  # torch-free: the engine is imported by the commands that run one
 from services.supervisor import ChildSpec, Supervisor
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -102,7 +102,9 @@ def _tls_args(cert, key, ca, client_auth) -> list[str]:
 
 
 def _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs, max_num_batched_tokens,
-            max_model_len, load_format, kernels, torch_threads) -> EngineConfig:  # fmt: skip
+            max_model_len, load_format, kernels, torch_threads):  # fmt: skip
+    from engine import EngineConfig
+
     return EngineConfig(
         model=model, device=device, dtype=dtype, state_dtype=state_dtype, page_size=page_size,
         num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -201,6 +203,8 @@ def router(
     max_messages: Annotated[int, _opt("Most messages in one chat request", "MAX_MESSAGES")] = 4096,
     http_header_timeout: Annotated[float, _opt("Seconds a REST client has to send a request's headers",
                                                "HTTP_HEADER_TIMEOUT")] = 10.0,  # fmt: skip
+    ready_timeout: Annotated[float, _opt("Seconds a request waits for the mesh to have workers (at start, or all "
+                                         "restarting) before a 503 / UNAVAILABLE", "READY_TIMEOUT")] = 10.0,  # fmt: skip
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     tls_ca: TlsCa = None,
@@ -220,7 +224,7 @@ def router(
         decode=decode or [], colocated=colocated or [], policy=policy, max_model_len=max_model_len,
         api_key=api_key, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth), log_level=log_level,
         limits=RequestLimits(max_prompts=max_prompts, max_choices=max_choices, max_messages=max_messages),
-        http_header_timeout_s=http_header_timeout,
+        http_header_timeout_s=http_header_timeout, ready_timeout_s=ready_timeout,
     )  # fmt: skip
     configure_logging("router", settings.log_level)
     print_settings("router", settings)

@@ -22,7 +22,9 @@ def configure_logging(service: str, level: str = "info", json: bool = True) -> N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # one write per line (print would write the line and its newline apart): the processes of a mesh share
+        # stderr, and separate writes from two of them interleave into lines that are not JSON
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)

@@ -64,6 +64,7 @@ class RouterSettings(BaseModel):
     heartbeat_interval_s: float = 1.0
     prefill_retries: int = 2
     request_timeout_s: float = 600.0
+    ready_timeout_s: float = 10.0  # how long a request waits for the mesh to have workers before a 503
     api_key: str | None = None
     limits: RequestLimits = Field(default_factory=RequestLimits)
     # Seconds a client has to send a request's line and headers once it connects or starts a request (idle
@@ -77,5 +78,6 @@ def print_settings(name: str, settings: BaseModel) -> None:
     data = settings.model_dump(mode="json")  # SecretStr fields print as stars
     if data.get("api_key"):
         data["api_key"] = "***"  # never log secrets
-    print(json.dumps({"service": name, "settings": data}, default=str), file=sys.stderr, flush=True)
+    sys.stderr.write(json.dumps({"service": name, "settings": data}, default=str) + "\n")  # one write: see logs.py
+    sys.stderr.flush()
 

@@ -66,7 +66,8 @@ class ApiError(Exception):
         return cls(status, e.message, kind)
 
     def response(self) -> JSONResponse:
-        return _AsciiJSON(oa.ErrorResponse(error=self.detail).model_dump(), status_code=self.status)
+        headers = {"Retry-After": "1"} if self.status == 503 else None  # nothing to serve with yet: come back soon
+        return _AsciiJSON(oa.ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=headers)
 
 
 class _AsciiJSON(JSONResponse):
@@ -296,6 +297,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         if err.get("type") == "json_invalid":
             return ApiError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}").response()
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if not loc and "json" not in request.headers.get("content-type", ""):  # FastAPI read it as a plain string
+            return ApiError(400, "the request body must be a JSON object sent with 'Content-Type: application/json'"
+                            ).response()  # fmt: skip
         message = err.get("msg", "invalid request")
         return ApiError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None).response()
 

@@ -30,7 +30,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         for address in getattr(settings, role):
             registry.add(address, role, static=True)
     register_worker_gauge(registry)
-    mesh = Mesh(registry, POLICIES[settings.policy](), settings.prefill_retries, settings.request_timeout_s)
+    mesh = Mesh(registry, POLICIES[settings.policy](), settings.prefill_retries, settings.request_timeout_s,
+                settings.ready_timeout_s)  # fmt: skip
     # Two listeners: the client API (the API key, when set) and the control plane (the mesh secret)
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
     client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh), name)]

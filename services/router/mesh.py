@@ -64,8 +64,12 @@ def _own_task_cancelled() -> bool:
 
 
 class Mesh:
-    def __init__(self, registry: WorkerRegistry, policy: Policy, prefill_retries: int = 2, timeout_s: float = 600.0):
+    def __init__(self, registry: WorkerRegistry, policy: Policy, prefill_retries: int = 2, timeout_s: float = 600.0,
+                 ready_timeout_s: float = 10.0):  # fmt: skip
+        """`ready_timeout_s`: how long a request waits for the mesh to have workers (just started, or all
+        restarting) before it fails as UNAVAILABLE."""
         self.registry, self.policy = registry, policy
+        self.ready_timeout_s = ready_timeout_s
         self.prefill_retries, self.timeout_s = prefill_retries, timeout_s
         self._inflight: dict[str, _Inflight] = {}
         self._background: set[asyncio.Task] = set()
@@ -77,6 +81,15 @@ class Mesh:
     def ready(self) -> bool:
         r = self.registry
         return bool(r.healthy("colocated") or (r.healthy("prefill") and r.healthy("decode")))
+
+    async def _until_ready(self) -> None:
+        """Hold a request while no worker can serve it, as a server that is still starting would; bounded."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not self.ready():
+            if time.monotonic() >= deadline:
+                raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy workers to serve requests (waited "
+                                f"{self.ready_timeout_s:g} s); retry shortly")  # fmt: skip
+            await asyncio.sleep(0.05)
 
     def _pick(self, role: str, exclude: set[str]) -> WorkerHandle:
         candidates = [w for w in self.registry.healthy(role) if w.address not in exclude]
@@ -119,6 +132,7 @@ class Mesh:
         inflight = self._inflight[request_id] = _Inflight()
         sampling, stop = sampling_to_proto(params)
         try:
+            await self._until_ready()
             if self.colocated:
                 req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop)
                 async for delta in self._decode(req, "colocated", inflight):

@@ -200,3 +200,9 @@ def test_client_disconnect_aborts_the_request_in_the_mesh(mesh, base_url):
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=1.0)
     assert mesh.wait_idle(timeout=15) == {}
+
+
+def test_a_json_body_without_a_json_content_type_is_told_so(base_url):
+    body = json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 2})
+    r = httpx.post(f"{base_url}/v1/completions", content=body, headers={"Content-Type": "text/plain"}, timeout=30)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text

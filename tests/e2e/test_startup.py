@@ -1,0 +1,103 @@
+"""Start-up and shutdown as a new user meets them: requests sent before any worker is ready are held (bounded)
+instead of failing at once, and the whole mesh stops quickly with every log line a JSON line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine import DEFAULT_MODEL
+from harness import ROOT, Mesh, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def test_requests_wait_for_the_first_workers_then_get_503_with_retry_after(tmp_path):
+    mesh = Mesh(str(DEFAULT_MODEL), tmp_path, router_args=["--ready-timeout", "60"])
+    mesh.start_router(http=True)
+    try:
+        url = f"http://127.0.0.1:{mesh.http_port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the router answers before any worker exists
+            try:
+                httpx.get(f"{url}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        result = {}
+        body = {"model": DEFAULT_MODEL.name, "prompt": "Early", "max_tokens": 3, "ignore_eos": True}
+        early = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/v1/completions", json=body,
+                                                                            timeout=90)))  # fmt: skip
+        early.start()
+        time.sleep(0.5)
+        mesh.start_worker("prefill")
+        mesh.start_worker("decode")
+        early.join(90)
+        assert result["r"].status_code == 200, result["r"].text  # held until the workers were ready
+        assert result["r"].json()["usage"]["completion_tokens"] == 3
+    finally:
+        mesh.stop()
+
+
+def test_a_mesh_without_workers_answers_503_with_retry_after(tmp_path):
+    mesh = Mesh(str(DEFAULT_MODEL), tmp_path, router_args=["--ready-timeout", "1"])
+    mesh.start_router(http=True)
+    try:
+        url = f"http://127.0.0.1:{mesh.http_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                started = time.monotonic()
+                r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL.name, "prompt": "x"}, timeout=10)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "no healthy workers" in r.json()["error"]["message"] and 0.9 < time.monotonic() - started < 5
+    finally:
+        mesh.stop()
+
+
+def test_serve_stops_quickly_and_logs_json_lines(tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    serve = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--grpc-port", str(port), "--control-port",
+                              str(free_port()), "--http-port", str(free_port())], cwd=ROOT, stdout=log.open("w"),
+                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    try:
+        from deltamesh.client import Client
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with Client(f"127.0.0.1:{port}", retries=0, timeout=30) as client:
+                    assert client.generate("Hello", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+                break
+            except Exception:
+                assert time.monotonic() < deadline and serve.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.5)
+        stopping = time.monotonic()
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(30) == 0
+        stop_s = time.monotonic() - stopping
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    print(f"\nserve stopped {stop_s:.2f} s after SIGINT")
+    bad = []
+    for line in log.read_text().splitlines():
+        if line.startswith(("deltamesh:", "DELTAMESH_READY")):  # serve's own lines and the readiness markers
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            bad.append(line)
+    assert not bad, bad[:5]
+    assert stop_s < 5.0
