@@ -25,10 +25,15 @@ $(PYTHON):
 	$(PYTHON) -m pip install -q --upgrade pip
 
 setup: $(PYTHON)
+	@echo "setup 1/4: $(TORCH_PIN) (CPU build)"
 	$(PYTHON) -m pip install -q $(TORCH_PIN)
+	@echo "setup 2/4: deltamesh and its test tools (about a minute)"
 	$(PYTHON) -m pip install -q -e ".[dev]"
-	$(MAKE) protos
+	@echo "setup 3/4: gRPC stubs"
+	$(MAKE) --no-print-directory protos
+	@echo "setup 4/4: the SDK (deltamesh-client)"
 	$(PYTHON) -m pip install -q -e sdk
+	@echo "setup done: make run | make test"
 
 protos: $(PYTHON)
 	$(PYTHON) -m grpc_tools.protoc -I $(PROTO_SRC) \

@@ -17,7 +17,8 @@ from deltamesh.client.cli import generate
 from engine.defaults import DEFAULT_MODEL  # torch-free: the engine is imported by the commands that run one
 from services.supervisor import ChildSpec, Supervisor
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+# plain help (rich_markup_mode=None): rich tables cut long option names at 80 columns; plain help wraps them
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 app.command("generate")(generate)
 
 

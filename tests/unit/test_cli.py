@@ -42,3 +42,11 @@ def test_a_taken_port_is_named_at_once():
             assert done.returncode == 2 and len(lines) == 1, done.stderr
             assert f"127.0.0.1:{port} ({flag})" in lines[0] and "in use" in lines[0]
             assert time.monotonic() - started < 10  # the process's start-up; the model never loads
+
+
+def test_help_at_80_columns_names_every_option_in_full():
+    done = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert done.returncode == 0 and "…" not in done.stdout
+    for option in ("--max-num-batched-tokens", "--ucx-error-handling", "--mesh-secret-file", "--admission-timeout"):
+        assert option in done.stdout, option
