@@ -18,18 +18,24 @@ from harness import ROOT, Mesh, free_port
 pytestmark = pytest.mark.e2e
 
 
-def test_requests_wait_for_the_first_workers_then_get_503_with_retry_after(tmp_path):
-    mesh = Mesh(str(DEFAULT_MODEL), tmp_path, router_args=["--ready-timeout", "60"])
+def router_alone(tmp_path, ready_timeout_s: float) -> tuple[Mesh, str]:
+    """A router with no worker yet, once its REST gateway answers; (the mesh, the gateway's URL)."""
+    mesh = Mesh(str(DEFAULT_MODEL), tmp_path, router_args=["--ready-timeout", str(ready_timeout_s)])
     mesh.start_router(http=True)
+    url = f"http://127.0.0.1:{mesh.http_port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+            return mesh, url
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, "the router did not start"
+            time.sleep(0.1)
+
+
+def test_requests_wait_for_the_first_workers_then_get_503_with_retry_after(tmp_path):
+    mesh, url = router_alone(tmp_path, 60)
     try:
-        url = f"http://127.0.0.1:{mesh.http_port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the router answers before any worker exists
-            try:
-                httpx.get(f"{url}/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         result = {}
         body = {"model": DEFAULT_MODEL.name, "prompt": "Early", "max_tokens": 3, "ignore_eos": True}
         early = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/v1/completions", json=body,
@@ -46,19 +52,10 @@ def test_requests_wait_for_the_first_workers_then_get_503_with_retry_after(tmp_p
 
 
 def test_a_mesh_without_workers_answers_503_with_retry_after(tmp_path):
-    mesh = Mesh(str(DEFAULT_MODEL), tmp_path, router_args=["--ready-timeout", "1"])
-    mesh.start_router(http=True)
+    mesh, url = router_alone(tmp_path, 1)
     try:
-        url = f"http://127.0.0.1:{mesh.http_port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                started = time.monotonic()
-                r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL.name, "prompt": "x"}, timeout=10)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        started = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL.name, "prompt": "x"}, timeout=10)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert "no healthy workers" in r.json()["error"]["message"] and 0.9 < time.monotonic() - started < 5
     finally:
