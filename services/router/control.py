@@ -7,6 +7,7 @@ import grpc
 import structlog
 
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
+from services.common.auth import mesh_metadata
 from services.router.registry import WorkerRegistry
 
 log = structlog.get_logger("deltamesh.router")
@@ -35,8 +36,6 @@ class ControlServicer(control_pb2_grpc.MeshControlServicer):
 
 def read_loads(address: str, secret: str, timeout: float = 5.0) -> list[common_pb2.WorkerLoad]:
     """Every worker's load as the router at control-plane `address` sees it (for operators and benchmarks)."""
-    from services.common.auth import mesh_metadata
-
     with grpc.insecure_channel(address) as channel:
         reply = control_pb2_grpc.MeshControlStub(channel).GetLoads(
             common_pb2.GetLoadsRequest(), metadata=mesh_metadata(secret), timeout=timeout
