@@ -38,7 +38,8 @@ def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", args.model, "--load-format", "dummy",
            "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--max-model-len", str(args.input_len + args.output_len + 16), "--max-num-seqs", str(max(args.concurrency)),
-           "--max-num-batched-tokens", "16384", "--no-ucx-error-handling", "--log-level", "warning"]  # fmt: skip
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-ucx-error-handling",
+           "--log-level", "warning"]  # fmt: skip
     cmd += ["--colocated", "--decode-workers", "1", "--gpus", "0"] if colocated else ["--gpus", "0,1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, http_port, log
@@ -89,6 +90,7 @@ def sweep(args, colocated: bool) -> list[dict]:
             gpus = 1 if colocated else 2
             rows.append({
                 "setup": "colocated 1 GPU" if colocated else "1P+1D 2 GPUs", "concurrency": c,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
                 "completed": m["completed"], "failed": m["failed"],
                 "total_tok_s_per_gpu": m["total_token_throughput"] / gpus,
                 "output_tok_s_per_gpu": m["output_throughput"] / gpus,
@@ -107,6 +109,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64, 128])
     p.add_argument("--waves", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="token budget of one engine step: how much prefill a step may carry beside its decodes")
     p.add_argument("--point-timeout", type=float, default=300)
     p.add_argument("--setups", type=lambda s: s.split(","), default=["disagg", "colocated"],
                    help="disagg (1P+1D on GPUs 0,1), colocated (one worker on GPU 0), or both")
