@@ -655,7 +655,7 @@ class Offer(NamedTuple):
     lease_id: str
     token: bytes
     check: object  # transfer.LeaseCheck
-    regions: list  # [transfer.Region]
+    regions: list  # [transfer.RemoteRegion]
     checksum: int
     kv_bytes: int
     gdn_bytes: int

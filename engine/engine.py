@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import structlog
+import torch
 
 from engine.core import EngineCore, Reservation
+from engine.handoff import compat_hash
 from engine.request import RequestError
 from engine.engine_config import EngineConfig
 from engine.request import FinishReason, Request, RequestOutput
@@ -87,6 +89,55 @@ class Engine:
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None, hold_state: bool = False):
         return self.core.make_request(prompt, params, request_id, hold_state)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.core.requests
+
+    # ---- state hand-off (disaggregation): what the services use, with the layout the engine owns ---------------
+    @property
+    def compat_hash(self) -> str:
+        """Equal on two engines exactly when one's held state can be pulled into the other's pools."""
+        return compat_hash(self.core)
+
+    def held_buffers(self, request_id: str) -> list[torch.Tensor]:
+        """A held request's state (KeyError if not held) as 1-D byte views of the pools, in hand-off order."""
+        return [r.tensor for r in self.core.held_regions(request_id)]
+
+    def pool_buffers(self) -> list[torch.Tensor]:
+        """Each pool's whole memory as a 1-D byte view: what a holder lets peers read."""
+        return self.core.pool_views()
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a held state; False if it was not held."""
+        return self.core.release_held(request_id)
+
+    def reserve(self, num_tokens: int) -> Reservation:
+        """Pool space for an incoming state of `num_tokens` prompt tokens; raises PoolExhausted when full. Its
+        `regions` are what a pull fills; then `submit_transferred`, or `cancel_reservation`."""
+        return self.core.reserve(num_tokens)
+
+    def cancel_reservation(self, reservation: Reservation) -> None:
+        self.core.cancel_reservation(reservation)
+
+    def loads(self) -> dict:
+        return self.core.loads()
+
+    @property
+    def stats(self):
+        """Token, step and finish counters (EngineStats); `num_preemptions` beside them."""
+        return self.core.stats
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.core.scheduler.num_preemptions
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.device
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.core.state_pool.num_slots
 
     # ---- blocking API -------------------------------------------------------------------------------------
     def generate(

@@ -4,7 +4,7 @@ It moves lists of byte buffers and knows nothing of models."""
 from transfer.leases import Lease, LeaseRefused, LeaseTable
 from transfer.side_channel import (
     LeaseCheck,
-    Region,
+    RemoteRegion,
     StatePuller,
     StateServer,
     TransferError,
@@ -20,7 +20,7 @@ __all__ = [
     "LeaseCheck",
     "LeaseRefused",
     "LeaseTable",
-    "Region",
+    "RemoteRegion",
     "StatePuller",
     "StateServer",
     "TransferError",

@@ -56,7 +56,7 @@ class TransferError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Region:
+class RemoteRegion:
     """One held region as a puller reads it: its size, where it starts in the holder's memory, and the
     packed UCX remote key of the registered memory around it."""
 
@@ -75,7 +75,7 @@ class LeaseCheck:
     nonce: int
 
     @classmethod
-    def of(cls, address: int, rkey: bytes, token: bytes, lease_id: str, regions: list[Region]) -> "LeaseCheck":
+    def of(cls, address: int, rkey: bytes, token: bytes, lease_id: str, regions: list[RemoteRegion]) -> "LeaseCheck":
         """The check of a pull of `regions` under lease `lease_id` with `token`: what the word must hold."""
         return cls(address, rkey, lease_nonce(token, lease_id, [(r.address, r.nbytes) for r in regions]))
 
@@ -243,7 +243,7 @@ class StateServer:
             registration.close()
         self._registered.clear()
 
-    def regions(self, buffers: list[torch.Tensor]) -> list[Region]:
+    def regions(self, buffers: list[torch.Tensor]) -> list[RemoteRegion]:
         """Where `buffers` (views of this worker's pools) can be read by a puller. The allocation behind each is
         registered with UCX on first use and stays registered: pools live as long as the worker."""
         out = []
@@ -254,10 +254,10 @@ class StateServer:
             if registration is None:
                 registration = loop_worker.get().register(start, size, b.is_cuda)
                 self._registered[(start, size)] = registration
-            out.append(Region(b.numel(), b.data_ptr(), registration.rkey))
+            out.append(RemoteRegion(b.numel(), b.data_ptr(), registration.rkey))
         return out
 
-    def words(self) -> Region:
+    def words(self) -> RemoteRegion:
         """Where the lease words are (host memory): what a puller's warm-up reads besides the pools."""
         return self.regions([self.leases.words.view(torch.uint8)])[0]
 
@@ -317,7 +317,7 @@ class StatePuller:
             await asyncio.wait(self._notices, timeout=1.0)
         self._eps.close()
 
-    async def warm(self, holder_address: bytes, pools: list[Region], words: Region | None, device: torch.device,
+    async def warm(self, holder_address: bytes, pools: list[RemoteRegion], words: RemoteRegion | None, device: torch.device,
                    timeout_s: float) -> float:  # fmt: skip
         """Do now, before the first request from a holder, what UCX sets up on the first pull from it: the
         endpoint, the remote keys, the first read of each of its pools into `device` memory (cuda_ipc opens the
@@ -384,7 +384,7 @@ class StatePuller:
         lease_id: str,
         token: bytes,
         check: LeaseCheck,
-        holder_regions: list[Region],
+        holder_regions: list[RemoteRegion],
         buffers: list[torch.Tensor],
         timeout_s: float,
     ) -> TransferStats:

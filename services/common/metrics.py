@@ -29,8 +29,8 @@ class EngineCollector:
         self.worker, self.leases = worker, leases
 
     def collect(self):
-        core = self.worker.core
-        loads, stats, role = core.loads(), core.stats, self.worker.settings.role
+        engine = self.worker.engine
+        loads, stats, role = engine.loads(), engine.stats, self.worker.settings.role
         for name, value, doc in (
             ("requests_running", loads["running"], "Requests in the running batch"),
             ("requests_waiting", loads["waiting"], "Requests queued for admission (queue depth)"),
@@ -48,7 +48,7 @@ class EngineCollector:
             ("prompt_tokens", stats.prompt_tokens, "Prompt tokens prefilled (rate = prefill tokens/s)"),
             ("generation_tokens", stats.generation_tokens, "Tokens sampled (rate = decode tokens/s)"),
             ("steps", stats.steps, "Engine steps run"),
-            ("preemptions", core.scheduler.num_preemptions, "Requests preempted for lack of KV pages"),
+            ("preemptions", engine.num_preemptions, "Requests preempted for lack of KV pages"),
         ):
             c = CounterMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             c.add_metric([role], value)

@@ -15,7 +15,6 @@ from engine import Engine, RequestError
 from services.common.auth import mesh_interceptor, mesh_metadata
 from services.common.convert import sampling_from_proto
 from services.common.logs import bind_request, request_id_from
-from services.common.compat import compat_hash
 from services.common.server import CHANNEL_OPTIONS
 from services.common.settings import WorkerSettings
 from services.common.tls import aio_channel
@@ -41,8 +40,7 @@ class Worker:
     def __init__(self, settings: WorkerSettings):
         self.settings = settings
         self.engine = Engine(settings.engine)
-        self.core = self.engine.core
-        self.compat_hash = compat_hash(self.core)
+        self.compat_hash = self.engine.compat_hash
         self.model_id = Path(settings.engine.model).name
         self.address = ""  # host:port once the gRPC server is bound
         self.reservations = 0
@@ -52,7 +50,7 @@ class Worker:
         self.on_registered: Callable[[control_pb2.RegisterWorkerResponse], None] | None = None
 
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
-        l = self.core.loads()  # noqa: E741
+        l = self.engine.loads()  # noqa: E741
         return common_pb2.WorkerLoad(
             address=self.address, role=self.settings.role, running=l["running"], waiting=l["waiting"],
             held_states=l["held"], leases=leases, kv_pages_used=l["kv_pages_used"],

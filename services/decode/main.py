@@ -19,7 +19,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         servicer = DecodeServicer(worker, puller)
         name = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
         services = [(decode_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, name)]
-        warmer = PeerWarmer(puller, worker.core.device, settings.transfer_timeout_s)
+        warmer = PeerWarmer(puller, worker.engine.device, settings.transfer_timeout_s)
 
         async def start() -> None:
             if settings.role == "decode":  # a colocated worker never pulls

@@ -10,7 +10,7 @@ import structlog
 import torch
 
 from deltamesh.v1 import control_pb2
-from transfer import Region, StatePuller, TransferError
+from transfer import RemoteRegion, StatePuller, TransferError
 
 log = structlog.get_logger("deltamesh.decode")
 
@@ -33,8 +33,8 @@ class PeerWarmer:
             task.add_done_callback(self._tasks.discard)
 
     async def _warm(self, peer: control_pb2.SideChannel) -> None:
-        pools = [Region(1, address, rkey) for address, rkey in zip(peer.region_addresses, peer.region_rkeys)]
-        words = Region(8, peer.lease_words_address, peer.lease_words_rkey) if peer.lease_words_rkey else None
+        pools = [RemoteRegion(1, address, rkey) for address, rkey in zip(peer.region_addresses, peer.region_rkeys)]
+        words = RemoteRegion(8, peer.lease_words_address, peer.lease_words_rkey) if peer.lease_words_rkey else None
         try:
             seconds = await self.puller.warm(peer.ucx_address, pools, words, self.device, self.timeout_s)
         except TransferError as e:

@@ -15,7 +15,7 @@ from engine import PoolExhausted
 from services.common import metrics
 from services.common.convert import delta_from_output
 from services.common.worker import Worker, engine_request
-from transfer import LeaseCheck, Region, StatePuller, TransferError
+from transfer import LeaseCheck, RemoteRegion, StatePuller, TransferError
 
 log = structlog.get_logger("deltamesh.decode")
 
@@ -55,7 +55,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state layout: one address and key per region needed")
         if not (src.lease.word_address and src.lease.word_rkey and src.lease.token):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: its token and its word's address and key needed")
-        regions = [Region(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
+        regions = [RemoteRegion(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
         check = LeaseCheck.of(src.lease.word_address, src.lease.word_rkey, src.lease.token, src.lease.lease_id, regions)
         reservation = await self._reserve(len(request.prompt_token_ids), context)
         self.worker.reservations += 1
@@ -84,7 +84,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     def _release(self, lease_id: str, reservation) -> None:
         """A failed pull's pages and slot go back to the pool once UCX can no longer write into them."""
-        self.puller.release_after(lease_id, lambda: self.engine.core.cancel_reservation(reservation))
+        self.puller.release_after(lease_id, lambda: self.engine.cancel_reservation(reservation))
 
     async def _reserve(self, num_tokens: int, context):
         """Pool space for the incoming state; waits (bounded) while the batch is full."""
@@ -92,7 +92,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         delay = 0.002
         while True:
             try:
-                return self.engine.core.reserve(num_tokens)
+                return self.engine.reserve(num_tokens)
             except PoolExhausted as e:
                 if time.monotonic() + delay > deadline:
                     waited = self.worker.settings.admission_timeout_s
@@ -102,7 +102,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 delay = min(delay * 2, 0.05)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        found = request.request_id in self.engine.core.requests
+        found = self.engine.has_request(request.request_id)
         self.engine.abort(request.request_id)
         return common_pb2.AbortResponse(found=found)
 

@@ -13,7 +13,7 @@ from transfer import LeaseTable, StateServer
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     def setup(worker: Worker):
-        leases = LeaseTable(capacity=worker.core.state_pool.num_slots)  # a lease holds a state slot
+        leases = LeaseTable(capacity=worker.engine.num_state_slots)  # a lease holds a state slot
         state_server = StateServer(leases)
         servicer = PrefillServicer(worker, leases, state_server)
         name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name

@@ -57,11 +57,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             if task is asyncio.current_task():
                 del self._prefilling[rid]
             if not leased and first is not None and first.finish_reason is None:
-                self.engine.core.release_held(rid)  # cancelled between holding and leasing
+                self.engine.release_held(rid)  # cancelled between holding and leasing
 
     def _lease(self, rid: str, num_tokens: int, ttl_ms: int, token: bytes | None) -> prefill_pb2.Lease:
         ttl = ttl_ms / 1000 if ttl_ms else self.worker.settings.lease_ttl_s
-        buffers = [r.tensor for r in self.engine.core.held_regions(rid)]
+        buffers = self.engine.held_buffers(rid)
         lease = self.leases.offer(rid, buffers, ttl, lambda reason: self._ended(rid, reason), token)
         log.info("state held", lease_id=rid, tokens=num_tokens, bytes=lease.nbytes, buffers=len(buffers), ttl_s=ttl)
         check = self.state_server.lease_check(lease)
@@ -69,20 +69,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                                  word_address=check.address, word_rkey=check.rkey)  # fmt: skip
 
     def _layout(self, rid: str, num_tokens: int) -> prefill_pb2.StateLayout:
-        regions = self.state_server.regions([r.tensor for r in self.engine.core.held_regions(rid)])
+        regions = self.state_server.regions(self.engine.held_buffers(rid))
         return prefill_pb2.StateLayout(compat_hash=self.worker.compat_hash, num_tokens=num_tokens,
                                        region_bytes=[r.nbytes for r in regions], **_where(regions))  # fmt: skip
 
     def side_channel(self) -> control_pb2.SideChannel:
         """Where this worker's pools and lease words can be read (registered with UCX now, once), for decode
         workers to set up their side channel to it before the first request."""
-        regions = self.state_server.regions(self.engine.core.pool_views())
+        regions = self.state_server.regions(self.engine.pool_buffers())
         words = self.state_server.words()
         return control_pb2.SideChannel(ucx_address=self.state_server.address, **_where(regions),
                                       lease_words_address=words.address, lease_words_rkey=words.rkey)  # fmt: skip
 
     def _ended(self, rid: str, reason: str) -> None:
-        self.engine.core.release_held(rid)
+        self.engine.release_held(rid)
         if reason != "pulled":
             log.info("lease ended", lease_id=rid, reason=reason)
 

@@ -1,18 +1,21 @@
-"""The compatibility hash: two workers can exchange request state only when it matches (same model,
-dtypes, pool layouts, page size, parallelism)."""
+"""What two engines must agree on to hand a request's state from one to the other: the byte layout of held state
+(its version) and the compatibility hash over everything that shapes those bytes (model, dtypes, pool layouts,
+page size, parallelism). The engine owns both: a change to the pools' layout bumps the version here."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
-from engine import EngineCore
+if TYPE_CHECKING:
+    from engine.core import EngineCore
 
 # Bump when the byte layout of held state changes.
 STATE_LAYOUT_VERSION = "kv:page-major[page,layer,kv,slot,head,dim]/gdn:slot-major[slot,layer,...]/v1"
 
 
-def compat_hash(core: EngineCore) -> str:
+def compat_hash(core: "EngineCore") -> str:
     cfg = core.config
     blob = json.dumps(
         {
