@@ -174,12 +174,15 @@ class Mesh:
         while True:
             w = self._pick("prefill", tried)
             w.inflight += 1
-            inflight.call = w.stub.Prefill(req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s)
+            inflight.call = w.stub.Prefill(req, metadata=self.registry.call_metadata(req.request_id),
+                                           timeout=self.timeout_s)  # fmt: skip
             try:
                 return await inflight.call, w
             except asyncio.CancelledError:
+                # an answer on its way is lost with the call (client gone, or an abort): end the lease it may
+                # carry, whose token we chose
+                self._release_later(w, prefill_pb2.Lease(lease_id=req.request_id, token=req.lease_token))
                 if _own_task_cancelled():
-                    self._release_later(w, prefill_pb2.Lease(lease_id=req.request_id, token=req.lease_token))
                     raise
                 raise _cancelled_call(inflight, "prefill", w) from None
             except grpc.aio.AioRpcError as e:
@@ -200,7 +203,8 @@ class Mesh:
         while True:
             w = self._pick(role, tried)
             w.inflight += 1
-            call = inflight.call = w.stub.Decode(req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s)
+            call = inflight.call = w.stub.Decode(req, metadata=self.registry.call_metadata(req.request_id),
+                                                 timeout=self.timeout_s)  # fmt: skip
             streamed = finished = False
             try:
                 async for delta in call:
