@@ -4,6 +4,7 @@ asyncio streaming `generate_stream`. This is the reference the disaggregated pat
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -94,7 +95,7 @@ class Engine:
         return request_id in self.core.requests
 
     # ---- state hand-off (disaggregation): what the services use, with the layout the engine owns ---------------
-    @property
+    @functools.cached_property
     def compat_hash(self) -> str:
         """Equal on two engines exactly when one's held state can be pulled into the other's pools."""
         return compat_hash(self.core)

@@ -84,11 +84,9 @@ class RequireMetadata(grpc.aio.ServerInterceptor):
         return False
 
     async def intercept_service(self, continuation, details):
-        if details.method.startswith(OPEN_SERVICES) or self.allows(details.invocation_metadata):
-            return await continuation(details)
         handler = await continuation(details)
-        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
-            return None
+        if handler is None or details.method.startswith(OPEN_SERVICES) or self.allows(details.invocation_metadata):
+            return handler  # (None: an unknown method, which gRPC answers UNIMPLEMENTED)
         return _refusing(handler, self.refusal)
 
 

@@ -34,9 +34,12 @@ class ControlServicer(control_pb2_grpc.MeshControlServicer):
         return common_pb2.GetLoadsResponse(workers=self.registry.loads())
 
 
-def read_loads(address: str, secret: str, timeout: float = 5.0) -> list[common_pb2.WorkerLoad]:
-    """Every worker's load as the router at control-plane `address` sees it (for operators and benchmarks)."""
-    with grpc.insecure_channel(address) as channel:
+def read_loads(address: str, secret: str, credentials: grpc.ChannelCredentials | None = None,
+               timeout: float = 5.0) -> list[common_pb2.WorkerLoad]:  # fmt: skip
+    """Every worker's load as the router at control-plane `address` sees it (for operators, tests and benchmarks;
+    `credentials` for a mesh on TLS)."""
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
         reply = control_pb2_grpc.MeshControlStub(channel).GetLoads(
             common_pb2.GetLoadsRequest(), metadata=mesh_metadata(secret), timeout=timeout
         )

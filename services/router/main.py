@@ -38,7 +38,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     key_check = (api_key_interceptor(settings.api_key),) if settings.api_key else ()
     server = GrpcServer(settings.host, settings.grpc_port, client_api, settings.tls, interceptors=key_check)
     name = control_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name
-    control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, ControlServicer(registry, frontend.model_id), name)]
+    control_servicer = ControlServicer(registry, frontend.model_id)
+    control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, control_servicer, name)]
     control = GrpcServer(settings.host, settings.control_port, control_api, settings.tls,
                          interceptors=(mesh_interceptor(secret),))  # fmt: skip
     for s in (server, control):

@@ -15,8 +15,9 @@ from pathlib import Path
 import grpc
 
 from deltamesh.client import Client
-from deltamesh.v1 import common_pb2, control_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
+from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.common.auth import MESH_SECRET_ENV, mesh_metadata
+from services.router.control import read_loads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,9 +117,7 @@ class Mesh:
 
     def loads(self, timeout: float = 5) -> list[common_pb2.WorkerLoad]:
         """Every worker's load as the router sees it (its control plane, with the mesh secret)."""
-        creds = self.procs[0].credentials if self.procs else None
-        with channel(self.control_address, creds, self.secret) as ch:
-            return list(control_pb2_grpc.MeshControlStub(ch).GetLoads(common_pb2.GetLoadsRequest(), timeout=timeout).workers)
+        return read_loads(self.control_address, self.secret, self.procs[0].credentials if self.procs else None, timeout)
 
     def workers(self, role: str | None = None) -> list[Proc]:
         return [p for p in self.procs if p.role != "router" and (role is None or p.role == role) and p.alive()]
