@@ -100,11 +100,11 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
 
-    if handler.request_streaming or handler.response_streaming:
-        kind = {(False, True): grpc.unary_stream_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler}[(handler.request_streaming, handler.response_streaming)]  # fmt: skip
-        return kind(refuse_stream if handler.response_streaming else refuse_unary)
-    return grpc.unary_unary_rpc_method_handler(refuse_unary)
+    kind = {
+        (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]  # fmt: skip
+    return kind(refuse_stream if handler.response_streaming else refuse_unary)
 
 
 def mesh_interceptor(secret: str) -> RequireMetadata:

@@ -44,7 +44,7 @@ class RequestLimits(BaseModel):
     # prompts x n: every choice is a stream through the mesh, so this caps what one request may hold.
     max_choices: int = Field(1024, ge=1)
     # chat messages: long agent transcripts reach hundreds; 4096 messages of one token each already pass the
-    # context of most models, while validating 100k took the router's loop 0.2 s.
+    # context of most models, while validating a hundred thousand of them holds the router's loop noticeably.
     max_messages: int = Field(4096, ge=1)
 
 

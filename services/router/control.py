@@ -27,7 +27,8 @@ class ControlServicer(control_pb2_grpc.MeshControlServicer):
         worker.side_channel = request.side_channel if request.HasField("side_channel") else None
         reply = control_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
         if request.role == "decode":
-            reply.prefill_peers.extend(w.side_channel for w in self.registry.healthy("prefill") if w.side_channel is not None)
+            peers = self.registry.healthy("prefill")
+            reply.prefill_peers.extend(w.side_channel for w in peers if w.side_channel is not None)
         return reply
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:

@@ -208,7 +208,8 @@ class Gateway:
     # ---- running choices ----------------------------------------------------------------------------
     async def _produce(self, choice: Choice, out: asyncio.Queue) -> None:
         try:
-            async with contextlib.aclosing(self.mesh.generate(choice.request_id, choice.prompt_ids, choice.params)) as deltas:
+            deltas = self.mesh.generate(choice.request_id, choice.prompt_ids, choice.params)
+            async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     await out.put((choice.index, delta))
         except MeshError as e:
@@ -478,8 +479,8 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 
 class LimitsAndAuth:
-    """API key, body-size and request-size checks on /v1 routes. Plain ASGI (not BaseHTTPMiddleware) so that handlers still
-    see the client's disconnect, which aborts its request in the mesh."""
+    """API key, body-size and request-size checks on /v1 routes. Plain ASGI (not BaseHTTPMiddleware) so that
+    handlers still see the client's disconnect, which aborts its request in the mesh."""
 
     def __init__(self, app, api_key: str | None, limits: RequestLimits):
         self.app, self.api_key, self.limits = app, api_key, limits

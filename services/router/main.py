@@ -48,8 +48,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
     if settings.http_port:
-        http, http_task = await start_gateway(Gateway(frontend, mesh, settings.api_key), settings.host, settings.http_port,
-                                              settings.http_header_timeout_s)  # fmt: skip
+        gateway = Gateway(frontend, mesh, settings.api_key)
+        http, http_task = await start_gateway(gateway, settings.host, settings.http_port, settings.http_header_timeout_s)
         tasks.append(http_task)
     log.info("router serving", grpc=server.address, control=control.address, http=settings.http_port,
              model=frontend.model_id, policy=settings.policy)  # fmt: skip
