@@ -39,7 +39,7 @@ def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
            "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--max-model-len", str(args.input_len + args.output_len + 16), "--max-num-seqs", str(max(args.concurrency)),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-ucx-error-handling",
-           "--log-level", "warning"]  # fmt: skip
+           "--log-level", "warning", *args.serve_flag]  # fmt: skip
     cmd += ["--colocated", "--decode-workers", "1", "--gpus", "0"] if colocated else ["--gpus", "0,1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, http_port, log
@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--waves", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
                    help="token budget of one engine step: how much prefill a step may carry beside its decodes")
+    p.add_argument("--serve-flag", action="append", default=[], help="extra flag for `deltamesh serve` (repeatable), "
+                   "e.g. --serve-flag=--no-async-scheduling")
     p.add_argument("--point-timeout", type=float, default=300)
     p.add_argument("--setups", type=lambda s: s.split(","), default=["disagg", "colocated"],
                    help="disagg (1P+1D on GPUs 0,1), colocated (one worker on GPU 0), or both")

@@ -30,8 +30,8 @@ from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, sample
-from engine.scheduler import Scheduler
+from engine.sampling import SampledTokens, SamplingParams, sample_async
+from engine.scheduler import ScheduledItem, Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import load_model
 from kernels import ModelShapes, select_kernels
@@ -48,6 +48,23 @@ class Reservation:
     slot: int
     pages: list[int]
     regions: list[Region] = field(default_factory=list)
+    # Recorded on the engine's stream when the space was taken. A step launched before then may still write
+    # this memory (a request that ended while its next step ran ahead): nothing may write the regions from
+    # outside that stream (a UCX pull) before `wait_ready`.
+    ready: torch.cuda.Event | None = None
+
+    def wait_ready(self) -> None:
+        """Block (GIL released) until no launched step can still write this space."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+@dataclass
+class _InFlight:
+    """A launched step: the requests that sample in it (in row order) and their tokens on the way."""
+
+    requests: list[Request]
+    sampled: SampledTokens
 
 
 @dataclass
@@ -98,6 +115,7 @@ class EngineCore:
         self._held_lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
+        self._in_flight: _InFlight | None = None  # the launched step whose tokens the host has not read yet
         self.stats = EngineStats()
         if self.device.type == "cuda":
             self._warm_up()
@@ -227,33 +245,61 @@ class EngineCore:
         req = self.requests.get(request_id)
         return [self._finish(req, FinishReason.ABORT)] if req is not None else []
 
+    # ---- the step (stepping thread) -----------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
-    # ---- the step (stepping thread) -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then finish the one before it, and return that one's outputs.
+
+        With async scheduling (the default) the host reads step N-1's tokens, checks stops, detokenises and
+        streams them while the device runs step N, which was scheduled before those tokens were known (see the
+        scheduler). Without it, each step is finished before this returns."""
+        previous, self._in_flight = self._in_flight, None
         items = self.scheduler.schedule()
-        if not items:
-            return []
+        failed: list[tuple[Request, str]] = []
+        if items:
+            try:
+                self._in_flight = self._launch(items, previous)
+            except Exception as e:  # a failed step must not take down other requests' bookkeeping
+                log.exception("step failed", requests=[it.request.request_id for it in items])
+                failed = [(it.request, f"engine step failed: {e}") for it in items]
+        outputs = self._complete(previous) if previous is not None else []
+        outputs += [self._finish(r, FinishReason.ERROR, error=m) for r, m in failed if r.status != Status.FINISHED]
+        if self._in_flight is not None and not self.config.async_scheduling:
+            outputs += self._complete(self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _launch(self, items: list[ScheduledItem], previous: _InFlight | None) -> _InFlight:
         items.sort(key=lambda it: it.num_tokens != 1)  # decode-first, as kernels expect
-        try:
-            logits = self.runner.execute(items)
-        except Exception as e:  # a failed step must not take down other requests' bookkeeping
-            log.exception("step failed", requests=[it.request.request_id for it in items])
-            return [self._finish(it.request, FinishReason.ERROR, error=f"engine step failed: {e}") for it in items]
-        self.stats.steps += 1
-        sampling = [it for it in items if it.samples]
+        logits = self.runner.execute(items, previous.sampled.tokens if previous is not None else None)
+        sampling = [it.request for it in items if it.samples]
         for it in items:
             it.request.num_computed += it.num_tokens
             if it.request.num_computed <= len(it.request.prompt_ids):
                 self.stats.prompt_tokens += it.num_tokens
-        tokens, logprobs = sample(
-            logits, [it.request.params for it in sampling], [len(it.request.output_ids) for it in sampling],
+        sampled = sample_async(
+            logits, [r.params for r in sampling], [len(r.output_ids) + r.num_pending for r in sampling],
             self.generator,
         )  # fmt: skip
+        for row, req in enumerate(sampling):
+            req.num_pending += 1
+            req.pending_row = row
+        self.stats.steps += 1
+        return _InFlight(sampling, sampled)
+
+    def _complete(self, step: _InFlight) -> list[RequestOutput]:
+        """Take a launched step's tokens to the host and into its requests (skipping requests that ended
+        meanwhile: aborted, or stopped by the token of the step before)."""
+        tokens, logprobs = step.sampled.result()
         now = time.monotonic()
-        outputs = [self._append_token(it.request, tok, lp, now) for it, tok, lp in zip(sampling, tokens, logprobs)]
+        outputs = []
+        for req, tok, lp in zip(step.requests, tokens, logprobs):
+            req.num_pending -= 1
+            if req.status != Status.FINISHED:
+                outputs.append(self._append_token(req, tok, lp, now))
         return outputs
 
     def _append_token(self, req: Request, token: int, lp, now: float) -> RequestOutput:
@@ -346,7 +392,11 @@ class EngineCore:
             self.state_pool.free(slot)
             raise
         regions = self.kv_pool.regions(pages) + self.state_pool.regions(slot)
-        return Reservation(slot, pages, regions)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.default_stream(self.device))
+        return Reservation(slot, pages, regions, ready)
 
     def cancel_reservation(self, reservation: Reservation) -> None:
         self.kv_pool.free(reservation.pages)

@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0  # dummy weights and unseeded sampling
     torch_threads: int | None = None  # CPU threads for torch (None: torch's default)
     cuda_graphs: bool = True  # CUDA only: replay decode steps from captured graphs
+    async_scheduling: bool = True  # schedule and launch step N+1 before reading step N's tokens on the host
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         return self.max_model_len or min(max_position_embeddings, 32768)

@@ -70,7 +70,12 @@ class Request:
     # Prefill-only (disaggregated prefill worker): finish after the first token but keep the state.
     hold_state: bool = False
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV / GDN state are in the pools
+    num_computed: int = 0  # tokens whose KV / GDN state are in the pools (or being written by a launched step)
+    # Tokens sampled on the device but not yet read by the host (async scheduling: at most the last two steps').
+    # They count as tokens, so a decode step can be scheduled before its input reaches the host; the runner
+    # takes that input from the previous step's device tensor, row `pending_row`.
+    num_pending: int = 0
+    pending_row: int = 0
     slot: int | None = None
     # KV pages in token order. Only ever appended to in place or replaced by a new list: the model
     # runner caches each request's pages as an array on that basis.
@@ -82,7 +87,7 @@ class Request:
 
     def ids_between(self, start: int, stop: int) -> list[int]:
         """(prompt_ids + output_ids)[start:stop] without concatenating them (a decode step needs one id of a
-        long prompt)."""
+        long prompt). Pending tokens are not known here: the list stops short of them."""
         n = len(self.prompt_ids)
         if stop <= n:
             return self.prompt_ids[start:stop]
@@ -92,7 +97,14 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def last_token_pending(self) -> bool:
+        """Its pending token surely ends it (prefill-only, or max_tokens reached): nothing to run ahead of it."""
+        return self.num_pending > 0 and (
+            self.hold_state or len(self.output_ids) + self.num_pending >= self.params.max_tokens
+        )
 
     @property
     def remaining(self) -> int:
@@ -108,5 +120,5 @@ class Request:
             self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
         elif self.detokenizer is not None and self.detokenizer.stopped_on is not None:
             self.finish_reason, self.stop_reason = FinishReason.STOP, self.detokenizer.stopped_on
-        elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+        elif len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= max_model_len:
             self.finish_reason = FinishReason.LENGTH

@@ -29,9 +29,13 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, max_batch, self.kv_pool.pages_for(max_context))
         self.graphs.capture()
 
-    def prepare(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, StepBatch]:
+    def prepare(
+        self, items: list[ScheduledItem], pending_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, StepBatch]:
         """Items must be ordered decode-first (single-token items before chunks). Vectorised over items:
-        at batch 256 with 9k-token contexts this is host time on every decode step."""
+        at batch 256 with 9k-token contexts this is host time on every decode step. An item whose last input
+        is still pending (sampled by the step before, not yet on the host) takes it from
+        `pending_tokens[request.pending_row]`, on the device."""
         ps = self.kv_pool.page_size
         n = len(items)
         starts = np.fromiter((it.request.num_computed for it in items), np.int64, n)
@@ -45,11 +49,18 @@ class ModelRunner:
         first_token = np.cumsum(q_lens) - q_lens
         positions = np.arange(int(q_lens.sum())) - first_token[seq_of_token] + starts[seq_of_token]
         slot_mapping = tables[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps
-        ids = [t for it, s in zip(items, starts.tolist()) for t in it.request.ids_between(s, s + it.num_tokens)]
+        ids: list[int] = []
+        fill_at, fill_from = [], []  # where in `ids` a pending token goes, and its row in `pending_tokens`
+        for it, s in zip(items, starts.tolist()):
+            ids += it.request.ids_between(s, s + it.num_tokens)
+            if it.request.num_pending and s + it.num_tokens > it.request.num_tokens - it.request.num_pending:
+                fill_at.append(len(ids))
+                fill_from.append(it.request.pending_row)
+                ids.append(0)  # a placeholder, overwritten on the device
 
         q_list = q_lens.tolist()
         prefill_lens = [q for q in q_list if q != 1] or [0]
-        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens = self._upload([
+        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill = self._upload([
             np.asarray(ids, dtype=np.int64),
             (starts + q_lens).astype(np.int32),
             tables,
@@ -57,7 +68,12 @@ class ModelRunner:
             np.fromiter((it.request.slot for it in items), np.int32, n),
             positions,
             np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32),
+            np.asarray([fill_at, fill_from], dtype=np.int64).reshape(2, -1),
         ])  # fmt: skip
+        if fill_at:
+            if pending_tokens is None:
+                raise ValueError("a scheduled token is pending but no previous step's tokens were given")
+            ids_t[fill[0]] = pending_tokens[fill[1]]
         batch = StepBatch(
             num_decode=int((q_lens == 1).sum()), query_lens=q_list, context_lens=starts.tolist(), seq_lens=seq_lens,
             block_tables=tables_t, slot_mapping=slot_mapping_t, state_slots=slots, positions=positions_t,
@@ -101,9 +117,10 @@ class ModelRunner:
         return req.pages, np.asarray(req.pages, dtype=np.int64)
 
     @torch.inference_mode()
-    def execute(self, items: list[ScheduledItem]) -> torch.Tensor:
-        """Run one step; returns float32 logits [num sampling items, vocab], in item order."""
-        input_ids, batch = self.prepare(items)
+    def execute(self, items: list[ScheduledItem], pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits [num sampling items, vocab], in item order. `pending_tokens`:
+        the previous step's sampled tokens, on the device (see `prepare`)."""
+        input_ids, batch = self.prepare(items, pending_tokens)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(input_ids, batch)  # decode-only: every item samples
         hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels)

@@ -128,7 +128,7 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 def host_list(t: torch.Tensor) -> list:
     """`t.tolist()`, but waiting for the GPU with the GIL released: `tolist` alone blocks in the CUDA copy
     holding the GIL for the rest of the step, so the worker's event loop (gRPC, the side channel) could not
-    run during it (measured on the H200: a state pull beside a decode loop took ~10 ms instead of ~2)."""
+    run during it."""
     if t.is_cuda:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(t.device))
@@ -136,12 +136,42 @@ def host_list(t: torch.Tensor) -> list:
     return t.tolist()
 
 
-def sample(
+class SampledTokens:
+    """A step's sampled tokens (and logprobs where asked), computed on the device and on their way to the host.
+
+    The copy to the host is queued behind the sampling kernels and does not wait: the engine launches the next
+    step first and reads these only afterwards (`result`), so the host's work on them overlaps the GPU's."""
+
+    def __init__(self, tokens: torch.Tensor, logprob_rows: list[int], logprob_counts: list[int], lp=None):
+        self.tokens = tokens  # [N] int64 on the device: the next step's inputs are gathered from here
+        self._rows, self._counts = logprob_rows, logprob_counts
+        to_host = (lambda t: t.to("cpu", non_blocking=True)) if tokens.is_cuda else (lambda t: t)  # noqa: E731
+        self._host = [to_host(t) for t in (tokens, *(lp or ()))]
+        self._done = None
+        if tokens.is_cuda:
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(tokens.device))
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """(token per row, logprobs per row or None); waits for the copy with the GIL released."""
+        if self._done is not None:
+            self._done.synchronize()
+        token_list = self._host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
+        if self._rows:
+            chosen, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+            for row, (i, n) in enumerate(zip(self._rows, self._counts)):
+                logprobs[i] = TokenLogprobs(token_list[i], chosen[row], list(zip(top_ids[row][:n], top_vals[row][:n])))
+        return token_list, logprobs
+
+
+def sample_async(
     logits: torch.Tensor,  # [N, V] float32
     params: list[SamplingParams],
     output_index: list[int],  # how many tokens each request has produced so far
     generator: torch.Generator | None = None,
-) -> tuple[list[int], list[TokenLogprobs | None]]:
+) -> SampledTokens:
+    """Sample one token per row on the logits' device; nothing here waits for the device."""
     tokens = logits.argmax(-1)
     rand_rows = [i for i, p in enumerate(params) if not p.greedy]
     if rand_rows:
@@ -154,17 +184,21 @@ def sample(
                 g = torch.Generator(device=logits.device).manual_seed(_mix(seed, output_index[i]))
                 noise[row].exponential_(generator=g)
         tokens[rand_rows] = (probs / noise).argmax(-1)
-    token_list = host_list(tokens)
-
-    logprobs: list[TokenLogprobs | None] = [None] * len(params)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
-        k = max(params[i].logprobs for i in want)
-        top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
-        chosen = lp.gather(1, tokens[want][:, None]).squeeze(1).tolist()
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for row, i in enumerate(want):
-            n = params[i].logprobs
-            logprobs[i] = TokenLogprobs(token_list[i], chosen[row], list(zip(top_ids[row][:n], top_vals[row][:n])))
-    return token_list, logprobs
+    if not want:
+        return SampledTokens(tokens, [], [])
+    lp = torch.log_softmax(logits[want], dim=-1)
+    k = max(params[i].logprobs for i in want)
+    top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+    chosen = lp.gather(1, tokens[want][:, None]).squeeze(1)
+    return SampledTokens(tokens, want, [params[i].logprobs for i in want], (chosen, top_vals, top_ids))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    output_index: list[int],
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """`sample_async`, waited for."""
+    return sample_async(logits, params, output_index, generator).result()

@@ -6,6 +6,11 @@ when a GDN slot and KV pages for its whole prompt are free (allocated as one bes
 KV is usually one contiguous region). When a running request cannot grow its KV, the most recently admitted
 running request is preempted: its state is freed and it is recomputed later (prompt + output so far), so a
 shortage never corrupts another request's state.
+
+With async scheduling a step is scheduled while the previous one still runs: a request's token sampled there is
+"pending" (counted, not yet known on the host) and its decode is scheduled all the same, unless that token
+surely ends the request (see Request.last_token_pending). A request that turns out to have stopped wastes one
+token of compute; its state is never advanced past a point another worker will pull from.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.last_token_pending:
+                i += 1
+                continue
             n = min(req.remaining, budget)
             if not self._grow(req, req.num_computed + n):
                 continue  # req itself was preempted; running[i] is now the next request
@@ -67,7 +75,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self._admit(req):
+            if req.num_pending or not self._admit(req):  # a preempted request waits for its last token first
                 break
             self.waiting.popleft()
             self.running.append(req)

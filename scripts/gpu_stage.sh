@@ -10,9 +10,12 @@
 #            a prefill loop in the holder beside them (fidelity: stage f or q)
 #   stage f: disaggregated vs monolithic greedy fidelity on the two GPUs (+ the bf16 batch-invariance control)
 #   stage q: the fp32 fidelity check alone (token-exact), with the decode worker's pull log lines
+#   stage h: the GPU's idle time between decode steps, async scheduling on and off (35B-A3B and 9B shapes)
+#   stage s: colocated serving of the 35B-A3B shape at concurrency 1 and 16, async scheduling on, then off
+# GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
 set -u
-stage=${1:?stage a, k, b, c, t, f or q}
-parts=(.gpu-wheels2/p*)
+stage=${1:?stage a, k, b, c, t, f, q, h or s}
+parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -73,5 +76,13 @@ q)
   run gpu_fidelity_fp32 300 python bench/gpu_fidelity.py --only fp32 --out "$OUT/gpu_fidelity_fp32.json" --log-dir /tmp/q-logs
   grep -h 'state received' /tmp/q-logs/decode-*.log | head -n 3 | cut -c1-400
   echo "pulls: $(grep -h -c 'state received' /tmp/q-logs/decode-*.log)"
+  ;;
+h)
+  TAIL=20 run host_gap 560 python bench/host_gap.py --out "$OUT/host_gap.json"
+  ;;
+s)
+  sweep=(python bench/disagg_sweep.py --setups colocated --model bench/configs/qwen3.5-35b-a3b --concurrency 1,16 --waves 2)
+  TAIL=12 run serve_async 290 "${sweep[@]}" --out "$OUT/serve_async.json"
+  TAIL=12 run serve_sync 290 "${sweep[@]}" --serve-flag=--no-async-scheduling --out "$OUT/serve_sync.json"
   ;;
 esac

@@ -37,6 +37,9 @@ PageSize = Annotated[int, _opt("KV page size in tokens", "PAGE_SIZE")]
 NumPages = Annotated[Optional[int], _opt("KV pages per worker (default: sized from memory)", "NUM_KV_PAGES")]
 MaxSeqs = Annotated[int, _opt("Concurrent requests per worker (= GDN state slots)", "MAX_NUM_SEQS")]
 MaxBatched = Annotated[int, _opt("Token budget of one engine step", "MAX_NUM_BATCHED_TOKENS")]
+AsyncSched = Annotated[bool, _opt("Schedule and launch each engine step before the previous step's tokens reach the "
+                                  "host (off: finish every step first)", "ASYNC_SCHEDULING")]
+CudaGraphs = Annotated[bool, _opt("CUDA only: replay decode steps from captured CUDA graphs", "CUDA_GRAPHS")]
 MaxLen = Annotated[Optional[int], _opt("Context length (default: the model's, capped at 32768)", "MAX_MODEL_LEN")]
 LoadFormat = Annotated[str, _opt("auto | safetensors | dummy (random weights at the real shapes)", "LOAD_FORMAT")]
 Kernels = Annotated[Optional[str], _opt("Kernel backend: auto | torch | flashinfer | fla | op=backend,...", "KERNELS")]
@@ -103,13 +106,14 @@ def _tls_args(cert, key, ca, client_auth) -> list[str]:
 
 
 def _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs, max_num_batched_tokens,
-            max_model_len, load_format, kernels, torch_threads):  # fmt: skip
+            max_model_len, load_format, kernels, torch_threads, async_scheduling, cuda_graphs):  # fmt: skip
     from engine import EngineConfig
 
     return EngineConfig(
         model=model, device=device, dtype=dtype, state_dtype=state_dtype, page_size=page_size,
         num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, load_format=load_format, kernel_backend=kernels, torch_threads=torch_threads,
+        async_scheduling=async_scheduling, cuda_graphs=cuda_graphs,
     )  # fmt: skip
 
 
@@ -149,6 +153,8 @@ def _worker_command(role: str):
         load_format: LoadFormat = "auto",
         kernels: Kernels = None,
         torch_threads: Threads = None,
+        async_scheduling: AsyncSched = True,
+        cuda_graphs: CudaGraphs = True,
         ucx_error_handling: UcxEH = True,
         lease_ttl: LeaseTtl = 30.0,
         max_lease_ttl: MaxLeaseTtl = 300.0,
@@ -165,7 +171,8 @@ def _worker_command(role: str):
         tls = _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
         secret = _mesh_secret(mesh_secret_file)
         engine = _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs,
-                         max_num_batched_tokens, max_model_len, load_format, kernels, torch_threads)  # fmt: skip
+                         max_num_batched_tokens, max_model_len, load_format, kernels, torch_threads,
+                         async_scheduling, cuda_graphs)  # fmt: skip
         _run_worker(role, dict(
             host=host, port=port, router=router, advertise_host=advertise_host, engine=engine, ucx_error_handling=ucx_error_handling,
             lease_ttl_s=lease_ttl, max_lease_ttl_s=max_lease_ttl, transfer_timeout_s=transfer_timeout,
@@ -328,6 +335,8 @@ def serve(
     max_model_len: MaxLen = None,
     load_format: LoadFormat = "auto",
     kernels: Kernels = None,
+    async_scheduling: AsyncSched = True,
+    cuda_graphs: CudaGraphs = True,
     ucx_error_handling: UcxEH = True,
     lease_ttl: LeaseTtl = 30.0,
     max_lease_ttl: MaxLeaseTtl = 300.0,
@@ -359,7 +368,9 @@ def serve(
               "--max-num-batched-tokens", str(max_num_batched_tokens), "--load-format", load_format,
               "--log-level", log_level, "--lease-ttl", str(lease_ttl), "--max-lease-ttl", str(max_lease_ttl),
               "--transfer-timeout", str(transfer_timeout), "--admission-timeout", str(admission_timeout),
-              "--ucx-error-handling" if ucx_error_handling else "--no-ucx-error-handling", *tls_args]  # fmt: skip
+              "--ucx-error-handling" if ucx_error_handling else "--no-ucx-error-handling",
+              "--async-scheduling" if async_scheduling else "--no-async-scheduling",
+              "--cuda-graphs" if cuda_graphs else "--no-cuda-graphs", *tls_args]  # fmt: skip
     for flag, value in (("--num-kv-pages", num_kv_pages), ("--max-model-len", max_model_len), ("--kernels", kernels)):
         if value is not None:
             common += [flag, str(value)]

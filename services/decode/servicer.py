@@ -87,12 +87,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.puller.release_after(lease_id, lambda: self.engine.cancel_reservation(reservation))
 
     async def _reserve(self, num_tokens: int, context):
-        """Pool space for the incoming state; waits (bounded) while the batch is full."""
+        """Pool space for the incoming state, once nothing but the pull can write it; waits (bounded) while the
+        batch is full."""
         deadline = time.monotonic() + self.worker.settings.admission_timeout_s
         delay = 0.002
         while True:
             try:
-                return self.engine.reserve(num_tokens)
+                reservation = self.engine.reserve(num_tokens)
+                break
             except PoolExhausted as e:
                 if time.monotonic() + delay > deadline:
                     waited = self.worker.settings.admission_timeout_s
@@ -100,6 +102,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                         f"within {waited:g} s (--admission-timeout): {e}")  # fmt: skip
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.05)
+        if reservation.ready is not None:  # a step launched before may still write this space (engine/core.py)
+            await asyncio.to_thread(reservation.wait_ready)
+        return reservation
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         found = self.engine.has_request(request.request_id)
