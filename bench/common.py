@@ -1,5 +1,5 @@
 """What the benchmarks share: the exact command line, the date, a description of the machine, plain-text
-tables and JSON results."""
+tables, JSON results, free ports and child process groups."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import os
 import platform
 import shlex
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "bench" / "configs"  # published model shapes, served with --load-format dummy
+RESULTS = ROOT / "bench" / "results"  # where the scripts write their JSON by default (git-ignored)
 
 
 def command_line() -> str:
@@ -87,6 +91,7 @@ def machine_info() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name()
+        info["cuda_device_count"] = torch.cuda.device_count()
     return info
 
 
@@ -106,8 +111,15 @@ def busy_warning(hint: str = "") -> str | None:
 def write_json(path: str | Path, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
+
+
+def write_result(path: str | Path, payload: dict, machine: dict | None = None) -> Path:
+    """A benchmark's JSON result: the exact command, the UTC date and the machine (`machine_info()` unless
+    given), then `payload` (whose keys win), so that every file says how it was made."""
+    return write_json(path, {"command": command_line(), "date_utc": utc_now(), "machine": machine or machine_info(),
+                             **payload})  # fmt: skip
 
 
 def median(xs: Sequence[float]) -> float:
@@ -135,6 +147,11 @@ def fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
+def ints(s: str) -> list[int]:
+    """A comma-separated list of integers from the command line ("1,16,64")."""
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -156,6 +173,11 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
 
 
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    """Result rows (dicts) as a table of the columns `cols`; a row without a column shows '-'."""
+    print(table(cols, [[r.get(c) for c in cols] for r in rows]))
+
+
 def _looks_numeric(s: str) -> bool:
     s = s.replace(",", "").replace(" ", "").rstrip("%xsBKMGiT")
     if s in ("-", ""):
@@ -165,6 +187,22 @@ def _looks_numeric(s: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Stop a child started with start_new_session=True and everything it started: SIGINT (a mesh shuts
+    down cleanly on it), SIGKILL after `timeout` seconds."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def decode_items(core, batch: int, context: int) -> list:
@@ -188,14 +226,17 @@ def decode_items(core, batch: int, context: int) -> list:
 
 def prefill_items(core, batch: int, chunk: int) -> list:
     """Scheduled prefill items of an EngineCore: `batch` fresh requests, each prefilling a `chunk`-token prompt
-    in one step, with their pages and state slot allocated (stepping them again recomputes the same chunk)."""
+    in one step, with their pages and state slot allocated (stepping them again recomputes the same chunk).
+    The prompts' tokens differ, for the reason decode_items gives."""
     from engine import SamplingParams
     from engine.request import Request
     from engine.scheduler import ScheduledItem
 
+    vocab = core.model_config.vocab_size
     items = []
     for i in range(batch):
-        req = Request(f"p{i}", [1] * chunk, SamplingParams(max_tokens=8, temperature=0), None)
+        prompt = [3 + (7919 * i + j) % (vocab - 3) for j in range(chunk)]
+        req = Request(f"p{i}", prompt, SamplingParams(max_tokens=8, temperature=0), None)
         req.slot = core.state_pool.alloc()
         req.pages = core.kv_pool.alloc(core.kv_pool.pages_for(chunk))
         items.append(ScheduledItem(req, chunk))

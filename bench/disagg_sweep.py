@@ -13,23 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import print_table  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, print_table, stop_group, write_result  # noqa: E402
 
 
 def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
@@ -61,14 +52,6 @@ def wait_ready(proc: subprocess.Popen, http_port: int, log: Path, timeout: float
     raise TimeoutError(f"mesh not ready:\n{log.read_text()[-4000:]}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 def sweep(args, colocated: bool) -> list[dict]:
     proc, http_port, log = start_mesh(args, colocated)
     rows = []
@@ -76,8 +59,9 @@ def sweep(args, colocated: bool) -> list[dict]:
         wait_ready(proc, http_port, log)
         for c in args.concurrency:
             result_file = Path(args.log_dir) / f"serve-{'colo' if colocated else 'disagg'}-c{c}.json"
-            cmd = [sys.executable, "bench/serve.py", "--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}",
-                   "--model-dir", args.model, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            cmd = [sys.executable, "bench/serve.py", "--backend", "openai",
+                   "--base-url", f"http://127.0.0.1:{http_port}", "--model-dir", args.model,
+                   "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                    "--num-prompts", str(args.waves * c), "--max-concurrency", str(c), "--disable-tqdm",
                    "--result-file", str(result_file), "--num-warmups", "1"]  # fmt: skip
             done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.point_timeout)
@@ -98,16 +82,16 @@ def sweep(args, colocated: bool) -> list[dict]:
                 "tpot_median_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
             })  # fmt: skip
     finally:
-        stop(proc)
+        stop_group(proc)
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(ROOT / "bench/configs/qwen3.5-9b"))
+    p.add_argument("--model", default=str(CONFIGS / "qwen3.5-9b"))
     p.add_argument("--input-len", type=int, default=8192)
     p.add_argument("--output-len", type=int, default=1024)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64, 128])
+    p.add_argument("--concurrency", type=ints, default=[8, 16, 32, 64, 128])
     p.add_argument("--waves", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
                    help="token budget of one engine step: how much prefill a step may carry beside its decodes")
@@ -117,7 +101,7 @@ def main() -> None:
     p.add_argument("--setups", type=lambda s: s.split(","), default=["disagg", "colocated"],
                    help="disagg (1P+1D on GPUs 0,1), colocated (one worker on GPU 0), or both")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp"))
-    p.add_argument("--out", default="bench/results/serve_sweep.json")
+    p.add_argument("--out", default=str(RESULTS / "serve_sweep.json"))
     args = p.parse_args()
     rows = []
     for setup in args.setups:
@@ -125,8 +109,7 @@ def main() -> None:
     cols = ["setup", "concurrency", "completed", "failed", "total_tok_s_per_gpu", "output_tok_s_per_gpu",
             "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "error"]  # fmt: skip
     print_table(rows, cols)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2))
+    write_result(args.out, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -31,17 +31,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
+    CONFIGS,
+    RESULTS,
+    ROOT,
     busy_warning,
-    command_line,
+    ints,
     machine_info,
     median,
     rel,
     table,
     utc_now,
-    write_json,
+    write_result,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -87,16 +88,12 @@ class Case:
 PRESETS = {
     # name: (model dir, load format, prefill lengths, prefill batches, decode batches)
     "tiny": (str(ROOT / "models" / "deltamesh-tiny"), "auto", [512, 2048], [1, 4], [1, 8, 32]),
-    "0.8b": (str(ROOT / "bench" / "configs" / "qwen3.5-0.8b"), "dummy", [512, 2048], [1, 4], [1, 4, 16]),
+    "0.8b": (str(CONFIGS / "qwen3.5-0.8b"), "dummy", [512, 2048], [1, 4], [1, 4, 16]),
 }
 QUICK = {
     "tiny": ([128, 512], [1, 4], [1, 8], 16),
     "0.8b": ([128], [1], [1, 4], 4),
 }
-
-
-def ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--kernels", default=None, help="kernel backend override (engine --kernels syntax)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_cpu.json"), help="JSON results")
+    p.add_argument("--out", default=str(RESULTS / "engine_cpu.json"), help="JSON results")
     return p.parse_args(argv)
 
 
@@ -313,12 +310,11 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
     results = [run_model(spec, args, reps) for spec in specs]
+    machine = machine_info()
     payload = {
         "benchmark": "engine_cpu",
-        "command": command_line(),
         "date_utc": started,
         "wall_seconds": round(time.perf_counter() - t0, 1),
-        "machine": machine_info(),
         "settings": {
             "quick": args.quick, "reps": reps, "decode_context": args.decode_context,
             "page_size": args.page_size, "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -329,7 +325,7 @@ def main(argv=None) -> int:
         },  # fmt: skip
         "models": results,
     }
-    out = write_json(args.out, payload)
+    out = write_result(args.out, payload, machine)
     rows = []
     for m in results:
         if "skipped" in m:
@@ -341,8 +337,8 @@ def main(argv=None) -> int:
                 c["tokens_per_s"], c["ms_per_step"],
             ])  # fmt: skip
     print()
-    print(f"engine_cpu  {started}  {payload['machine']['cpu_model']}  {payload['machine']['cpus_usable']} CPUs  "
-          f"torch {payload['machine']['torch']} ({payload['machine']['torch_threads']} threads)  -> {out}")  # fmt: skip
+    print(f"engine_cpu  {started}  {machine['cpu_model']}  {machine['cpus_usable']} CPUs  "
+          f"torch {machine['torch']} ({machine['torch_threads']} threads)  -> {out}")  # fmt: skip
     print(table(["model", "phase", "prompt", "batch", "tokens", "time s", "tok/s", "ms/step"], rows))
     if warning:
         print(warning)

@@ -14,16 +14,17 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import CONFIGS, RESULTS, median, write_result  # noqa: E402
+from bench.gpu_common import machine_info  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(ROOT / "bench/configs/qwen3.5-9b"))
-    p.add_argument("--out", default="bench/results/gpu_batch_invariance.json")
+    p.add_argument("--model", default=str(CONFIGS / "qwen3.5-9b"))
+    p.add_argument("--out", default=str(RESULTS / "gpu_batch_invariance.json"))
     args = p.parse_args()
     rng = random.Random(0)  # the same prompts as bench/gpu_fidelity.py
     prompts = [[rng.randrange(10, 30000) for _ in range(rng.randint(16, 512))] for _ in range(100)]
@@ -36,12 +37,12 @@ def main() -> None:
     margins = [lp.top[0][1] - lp.top[1][1] for r in batched for lp in r.logprobs[:1] if len(lp.top) > 1]
     first = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
              for a, b in zip(batched, alone)]  # fmt: skip
+    diverged = [d for d in first if d is not None]
     result = {"prompts": 100, "tokens": 64, "exact_sequences": exact,
-              "first_divergence_median": sorted(d for d in first if d is not None)[len([d for d in first if d is not None]) // 2] if exact < 100 else None,
-              "first_token_top1_top2_margin_median": sorted(margins)[len(margins) // 2] if margins else None}  # fmt: skip
+              "first_divergence_median": median(diverged) if diverged else None,
+              "first_token_top1_top2_margin_median": median(margins) if margins else None}  # fmt: skip
     print(json.dumps(result))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, machine_info())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""What the GPU benchmarks add to bench/common.py: measured ceilings, the GPU's description, a table of
-result rows."""
+"""What the GPU benchmarks add to bench/common.py: measured ceilings, the GPU's description, timing (wall clock
+and CUDA events, eager or replayed from a CUDA graph), an engine core at a model's real shape with dummy weights,
+the bytes a decode step must move and where a step's GPU time goes."""
 
 from __future__ import annotations
+
+import re
+import time
 
 import torch
 
@@ -31,10 +35,126 @@ def matmul_rate(n: int = 8192) -> float:
 def machine_info() -> dict:
     p = torch.cuda.get_device_properties(0)
     return {
-        **common.machine_info(), "date": common.utc_now(), "gpu": p.name, "gpus": torch.cuda.device_count(),
-        "sm": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1), "cuda": torch.version.cuda,
+        **common.machine_info(), "gpu": p.name, "gpus": torch.cuda.device_count(), "sm": f"{p.major}.{p.minor}",
+        "memory_gib": round(p.total_memory / 2**30, 1), "cuda": torch.version.cuda,
     }  # fmt: skip
 
 
-def print_table(rows: list[dict], cols: list[str]) -> None:
-    print(common.table(cols, [[r.get(c) for c in cols] for r in rows]))
+def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn() (it synchronises on its own) after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return common.median(times)
+
+
+def gpu_ms(fn, iters: int = 20) -> float:
+    """Median GPU time of fn() between CUDA events, after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return common.median(times)
+
+
+def graph_ms(fn) -> float:
+    """GPU time of one replay of fn() captured in a CUDA graph (launch overhead as a decode step pays it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return gpu_ms(graph.replay)
+
+
+def core_for(config_dir: str, max_seqs: int, context: int, extra_tokens: int = 64, **kw):
+    """An EngineCore on the GPU with dummy bf16 weights, its pools sized for `max_seqs` requests of `context`
+    (+ `extra_tokens`) tokens."""
+    from engine import EngineConfig
+    from engine.core import EngineCore
+
+    pages = max_seqs * (-(-(context + extra_tokens) // 16)) + 64
+    return EngineCore(EngineConfig(
+        model=config_dir, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=max_seqs,
+        num_kv_pages=pages, max_model_len=context + extra_tokens, max_num_batched_tokens=max(8192, context), **kw,
+    ))  # fmt: skip
+
+
+def step_bytes(core, batch: int, context: int) -> dict[str, int]:
+    """Bytes a decode step must move: every weight but the embedding table (a step reads `batch` rows of it),
+    every request's KV, its GDN state read and written."""
+    m = core.model
+    weights = sum(p.numel() * p.element_size() for p in m.parameters() if p is not m.embed or m.lm_head is m.embed)
+    weights += batch * m.embed.shape[1] * m.embed.element_size()
+    kv_per_token = core.kv_pool.page_bytes // core.kv_pool.page_size
+    state = core.state_pool.slot_bytes
+    return {"weights": weights, "kv": batch * context * kv_per_token, "state": 2 * batch * state}
+
+
+KERNEL_GROUPS = [  # (group, regex over CUDA kernel names), first match wins
+    ("fused MoE (Triton)", r"^_route|^_align|^_scatter|^_gate_up_silu|^_down"),
+    ("GDN recurrence", r"gdn|gated_delta|delta_rule|recurrent|gates"),
+    ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|grouped_mm"),
+    ("paged attention", r"decode_split|merge_splits"),
+    ("attention inputs / gate", r"attention_inputs|sigmoid_gate"),
+    ("conv1d", r"conv1d"),
+    ("norms", r"rms_norm"),
+    ("silu*mul", r"silu_mul"),
+    ("kv write / index", r"index|scatter|gather"),
+    ("copies", r"copy|memcpy|memset|cat"),
+]
+
+
+def profiled_steps(core, items, steps: int):
+    """The torch profiler's record (CUDA activity) of `steps` eager steps of `items`, after one warm-up step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r = core.runner
+    input_ids, batch = r.prepare(items)
+
+    def step():
+        with torch.inference_mode():
+            r.model.logits(r.model(input_ids, batch, r.kv_pool, r.state_pool, r.kernels))
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof
+
+
+def kernel_breakdown(core, items, steps: int = 3) -> tuple[list[dict], list[dict]]:
+    """CUDA time per kernel of eager steps of `items` (the kernels a graph replays), grouped by KERNEL_GROUPS:
+    (groups, the 25 slowest kernels)."""
+    prof = profiled_steps(core, items, steps)
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            kernels.append({"kernel": e.key[:90], "calls": e.count // steps, "ms": us / steps / 1e3})
+    kernels.sort(key=lambda k: -k["ms"])
+    groups: dict[str, dict] = {}
+    for k in kernels:
+        name = next((g for g, rx in KERNEL_GROUPS if re.search(rx, k["kernel"], re.I)), "other elementwise")
+        grp = groups.setdefault(name, {"group": name, "kernels": 0, "calls": 0, "ms": 0.0})
+        grp["kernels"] += 1
+        grp["calls"] += k["calls"]
+        grp["ms"] += k["ms"]
+    return sorted(groups.values(), key=lambda g: -g["ms"]), kernels[:25]

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
+from bench.common import CONFIGS, RESULTS, write_result  # noqa: E402
+from bench.gpu_common import machine_info  # noqa: E402
 from deltamesh.client import AsyncClient  # noqa: E402
 from engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams  # noqa: E402
 from harness import start_mesh  # noqa: E402
@@ -63,7 +65,7 @@ def compare(model: str, dtype: str, n: int, max_tokens: int, extra: list[str], l
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results/gpu_fidelity.json")
+    p.add_argument("--out", default=str(RESULTS / "gpu_fidelity.json"))
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--only", choices=["fp32", "bf16"], help="run only this comparison")
     args = p.parse_args()
@@ -72,11 +74,10 @@ def main() -> None:
         rows.append(compare(str(DEFAULT_MODEL), "float32", 32, 64, [], Path(args.log_dir)))
         print(json.dumps(rows[-1]), flush=True)
     if args.only != "fp32":
-        rows.append(compare(str(ROOT / "bench/configs/qwen3.5-9b"), "bfloat16", 100, 64, ["--load-format", "dummy"],
+        rows.append(compare(str(CONFIGS / "qwen3.5-9b"), "bfloat16", 100, 64, ["--load-format", "dummy"],
                             Path(args.log_dir)))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=2))
+    write_result(args.out, {"rows": rows}, machine_info())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import hbm_bandwidth, machine_info, print_table  # noqa: E402
+from bench.common import RESULTS, print_table, write_result  # noqa: E402
+from bench.gpu_common import hbm_bandwidth, machine_info  # noqa: E402
 from kernels import ModelShapes  # noqa: E402
 from kernels.registry import _BACKENDS  # noqa: E402
 
@@ -119,7 +119,8 @@ def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list
         ms = bench(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, launch))
         rows.append({"op": "paged decode attention", "case": f"B={batch} ctx={context}", "block_n": launch.block_n,
                      "warps": launch.num_warps, "stages": launch.num_stages, "splits": launch.splits(batch, kv_heads),
-                     "ms": ms, "hbm_floor_ms": floor_ms, "of_floor": floor_ms / ms, "max_diff_vs_first": agree})  # fmt: skip
+                     "ms": ms, "hbm_floor_ms": floor_ms, "of_floor": floor_ms / ms,
+                     "max_diff_vs_first": agree})  # fmt: skip
     del pool
     torch.cuda.empty_cache()
     return rows
@@ -136,7 +137,7 @@ def attention_launches() -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results/gpu_kernels.json")
+    p.add_argument("--out", default=str(RESULTS / "gpu_kernels.json"))
     p.add_argument("--attention", action="store_true", help="add the paged decode attention sweep")
     p.add_argument("--no-gdn", action="store_true", help="skip the GDN table")
     args = p.parse_args()
@@ -161,9 +162,7 @@ def main() -> None:
         print_table(attn, ["op", "case", "block_n", "warps", "stages", "splits", "ms", "hbm_floor_ms", "of_floor",
                            "max_diff_vs_first"])  # fmt: skip
         rows += attn
-    out = {"command": " ".join(sys.argv), "machine": machine_info(), "hbm_copy_bytes_per_s": bandwidth, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "rows": rows}, machine_info())
 
 
 if __name__ == "__main__":

@@ -14,127 +14,29 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import decode_items  # noqa: E402
-from bench.gpu_common import hbm_bandwidth, machine_info, matmul_rate, print_table  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.scheduler import ScheduledItem  # noqa: E402
-
-
-def core_for(config_dir: str, max_seqs: int, context: int, extra_tokens: int = 64, **kw) -> EngineCore:
-    pages = max_seqs * (-(-(context + extra_tokens) // 16)) + 64
-    return EngineCore(EngineConfig(
-        model=config_dir, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=max_seqs,
-        num_kv_pages=pages, max_model_len=context + extra_tokens, max_num_batched_tokens=max(8192, context), **kw,
-    ))  # fmt: skip
+from bench.common import CONFIGS, RESULTS, decode_items, prefill_items, print_table, write_result  # noqa: E402
+from bench.gpu_common import (  # noqa: E402
+    core_for,
+    gpu_ms,
+    hbm_bandwidth,
+    kernel_breakdown,
+    machine_info,
+    matmul_rate,
+    step_bytes,
+    time_ms,
+)
+from engine import SamplingParams  # noqa: E402
 
 
-def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median wall time of fn() (it synchronises on its own) after warm-up calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def step_bytes(core: EngineCore, batch: int, context: int) -> dict[str, int]:
-    """Bytes a decode step must move: every weight but the embedding table (a step reads `batch` rows of it),
-    every request's KV, its GDN state read and written."""
-    m = core.model
-    weights = sum(p.numel() * p.element_size() for p in m.parameters() if p is not m.embed or m.lm_head is m.embed)
-    weights += batch * m.embed.shape[1] * m.embed.element_size()
-    kv_per_token = core.kv_pool.page_bytes // core.kv_pool.page_size
-    state = core.state_pool.slot_bytes
-    return {"weights": weights, "kv": batch * context * kv_per_token, "state": 2 * batch * state}
-
-
-def gpu_ms(fn, iters: int = 20) -> float:
-    """Median GPU time of fn() between CUDA events, after a warm-up call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-KERNEL_GROUPS = [  # (group, regex over CUDA kernel names), first match wins
-    ("fused MoE (Triton)", r"^_route|^_align|^_scatter|^_gate_up_silu|^_down"),
-    ("GDN recurrence", r"gdn|gated_delta|delta_rule|recurrent|gates"),
-    ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|grouped_mm"),
-    ("paged attention", r"decode_split|merge_splits"),
-    ("attention inputs / gate", r"attention_inputs|sigmoid_gate"),
-    ("conv1d", r"conv1d"),
-    ("norms", r"rms_norm"),
-    ("silu*mul", r"silu_mul"),
-    ("kv write / index", r"index|scatter|gather"),
-    ("copies", r"copy|memcpy|memset|cat"),
-]
-
-
-def profiled_steps(core: EngineCore, items, steps: int):
-    """The torch profiler's record (CUDA activity) of `steps` eager steps of `items`, after one warm-up step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    r = core.runner
-    input_ids, batch = r.prepare(items)
-
-    def step():
-        with torch.inference_mode():
-            r.model.logits(r.model(input_ids, batch, r.kv_pool, r.state_pool, r.kernels))
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    return prof
-
-
-def kernel_breakdown(core: EngineCore, items, steps: int = 3) -> tuple[list[dict], list[dict]]:
-    """CUDA time per kernel of eager decode steps (the kernels a graph replays), grouped by KERNEL_GROUPS."""
-    import re
-
-    prof = profiled_steps(core, items, steps)
-    kernels = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0:
-            kernels.append({"kernel": e.key[:90], "calls": e.count // steps, "ms": us / steps / 1e3})
-    kernels.sort(key=lambda k: -k["ms"])
-    groups: dict[str, dict] = {}
-    for k in kernels:
-        name = next((g for g, rx in KERNEL_GROUPS if re.search(rx, k["kernel"], re.I)), "other elementwise")
-        grp = groups.setdefault(name, {"group": name, "kernels": 0, "calls": 0, "ms": 0.0})
-        grp["kernels"] += 1
-        grp["calls"] += k["calls"]
-        grp["ms"] += k["ms"]
-    return sorted(groups.values(), key=lambda g: -g["ms"]), kernels[:25]
-
-
-def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: float, profile: bool = False) -> list[dict]:
+def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: float,
+                profile: bool = False) -> list[dict]:  # fmt: skip
     core = core_for(config_dir, max(batches), context)
     rows = []
     for batch in batches:
@@ -166,7 +68,7 @@ def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: fl
     return rows
 
 
-def prefill_flops(core: EngineCore, tokens: int) -> float:
+def prefill_flops(core, tokens: int) -> float:
     """Matmul FLOPs of one prompt: every weight but the embedding and LM head once per token, the LM head
     once (only the last position is sampled), causal attention; the GDN recurrence is left out (conservative)."""
     mc = core.model_config
@@ -178,22 +80,16 @@ def prefill_flops(core: EngineCore, tokens: int) -> float:
 
 def prefill_row(config_dir: str, tokens: int, peak: float) -> dict:
     core = core_for(config_dir, 2, tokens)
-
-    def run():
-        req = Request("p", list(range(3, tokens + 3)), SamplingParams(max_tokens=1, temperature=0), None)
-        req.slot, req.pages = core.state_pool.alloc(), core.kv_pool.alloc(core.kv_pool.pages_for(tokens))
-        try:
-            core.runner.execute([ScheduledItem(req, tokens)]).argmax(-1).tolist()
-        finally:
-            core.scheduler.free(req)
-
-    ms = time_ms(run, iters=5)
+    items = prefill_items(core, 1, tokens)
+    ms = time_ms(lambda: core.runner.execute(items).argmax(-1).tolist(), iters=5)
+    core.scheduler.free(items[0].request)
     flops = prefill_flops(core, tokens)
     del core
     gc.collect()
     torch.cuda.empty_cache()
     return {"bench": "prefill", "model": Path(config_dir).name, "tokens": tokens, "ms": ms,
-            "tflops": flops / ms / 1e9, "mfu": flops / (ms / 1e3) / peak, "tokens_per_s": tokens / ms * 1e3}  # fmt: skip
+            "tflops": flops / ms / 1e9, "mfu": flops / (ms / 1e3) / peak,
+            "tokens_per_s": tokens / ms * 1e3}  # fmt: skip
 
 
 def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
@@ -237,15 +133,15 @@ def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dense", default=str(ROOT / "bench/configs/qwen3.5-9b"))
-    p.add_argument("--moe", default=str(ROOT / "bench/configs/qwen3.5-35b-a3b"))
+    p.add_argument("--dense", default=str(CONFIGS / "qwen3.5-9b"))
+    p.add_argument("--moe", default=str(CONFIGS / "qwen3.5-35b-a3b"))
     p.add_argument("--context", type=int, default=9216)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--only-moe", action="store_true")
     p.add_argument("--only-decode", action="store_true", help="the dense decode rows only")
     p.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of each decode step")
-    p.add_argument("--out", default="bench/results/gpu_model.json")
+    p.add_argument("--out", default=str(RESULTS / "gpu_model.json"))
     args = p.parse_args()
     bandwidth, peak = hbm_bandwidth(), matmul_rate()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
@@ -263,14 +159,14 @@ def main() -> None:
             print_table(rows[-1:], ["bench", "model", "tokens", "ms", "tflops", "mfu", "tokens_per_s"])
     if not args.skip_hf:
         rows.append(hf_vs_engine(args.dense, 64, 1024, 128))
-        print_table(rows[-1:], ["bench", "batch", "prompt", "new_tokens", "hf_tokens_per_s", "engine_tokens_per_s", "ratio"])
+        print_table(rows[-1:], ["bench", "batch", "prompt", "new_tokens", "hf_tokens_per_s", "engine_tokens_per_s",
+                                "ratio"])  # fmt: skip
     if not args.skip_moe:
         rows += decode_rows(args.moe, [64], 2048, bandwidth)
-        print_table(rows[-1:], ["bench", "model", "batch", "context", "ms", "roofline_ms", "of_roofline", "tokens_per_s"])
-    out = {"command": " ".join(sys.argv), "machine": machine_info(), "hbm_copy_bytes_per_s": bandwidth,
-           "bf16_matmul_flops": peak, "rows": rows}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+        print_table(rows[-1:], ["bench", "model", "batch", "context", "ms", "roofline_ms", "of_roofline",
+                                "tokens_per_s"])  # fmt: skip
+    payload = {"hbm_copy_bytes_per_s": bandwidth, "bf16_matmul_flops": peak, "rows": rows}
+    write_result(args.out, payload, machine_info())
 
 
 if __name__ == "__main__":

@@ -17,42 +17,32 @@ reference (grouped GEMMs), alone and in whole decode steps, against an honest ro
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import decode_items  # noqa: E402
-from bench.gpu_common import hbm_bandwidth, machine_info, print_table  # noqa: E402
-from bench.gpu_model import core_for, gpu_ms, kernel_breakdown, profiled_steps, step_bytes, time_ms  # noqa: E402
+from bench.common import CONFIGS, RESULTS, decode_items, ints, prefill_items, print_table, write_result  # noqa: E402
+from bench.gpu_common import (  # noqa: E402
+    core_for,
+    gpu_ms,
+    graph_ms,
+    hbm_bandwidth,
+    kernel_breakdown,
+    machine_info,
+    profiled_steps,
+    step_bytes,
+    time_ms,
+)
 from engine.config import ModelConfig  # noqa: E402
 from engine.models.layers import SparseMoE  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledItem  # noqa: E402
 from engine.weights import init_dummy  # noqa: E402
 from kernels import torch_ref, triton_moe  # noqa: E402
 
 IMPLS = {"torch": torch_ref.moe, "triton": triton_moe.moe}
-
-
-def graph_ms(fn) -> float:
-    """GPU time of one replay of fn() captured in a CUDA graph (launch overhead as a decode step pays it)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return gpu_ms(graph.replay)
 
 
 def layer_inputs(layer: SparseMoE, tokens: int):
@@ -89,8 +79,9 @@ def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
     for t in tokens:
         x, shared, logits, gate = layer_inputs(layer, t)
         for cfg in map(lambda c: triton_moe.GemmConfig(*c), SWEEP):
-            fn = lambda: triton_moe.moe(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, shared, gate,  # noqa: E731
-                                        cfg)  # fmt: skip
+            def fn(cfg=cfg):
+                return triton_moe.moe(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, shared, gate, cfg)
+
             rows.append({"bench": "sweep", "tokens": t, "config": "/".join(map(str, cfg)),
                          "ms": graph_ms(fn) if t <= 256 else gpu_ms(fn),
                          "chosen": cfg == triton_moe.gemm_config(t * layer.top_k)})  # fmt: skip
@@ -173,9 +164,7 @@ def prefill_rows(core, tokens: int, profile: bool) -> list[dict]:
     rows = []
     for name, impl in IMPLS.items():
         core.runner.kernels.moe = impl
-        req = Request("p", list(range(3, tokens + 3)), SamplingParams(max_tokens=1, temperature=0), None)
-        req.slot, req.pages = core.state_pool.alloc(), core.kv_pool.alloc(core.kv_pool.pages_for(tokens))
-        items = [ScheduledItem(req, tokens)]  # stepping it again recomputes the same prompt
+        items = prefill_items(core, 1, tokens)
         row = {"bench": "prefill", "moe": name, "tokens": tokens,
                "ms": time_ms(lambda: core.runner.execute(items).argmax(-1).tolist(), iters=5)}  # fmt: skip
         if profile and name == "triton":
@@ -184,48 +173,45 @@ def prefill_rows(core, tokens: int, profile: bool) -> list[dict]:
             print_table(groups, ["group", "kernels", "calls", "ms"])
             print_table(top[:15], ["kernel", "calls", "ms"])
             row |= {"kernel_groups": groups, "top_kernels": top}
-        core.scheduler.free(req)
+        core.scheduler.free(items[0].request)
         rows.append(row)
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(ROOT / "bench/configs/qwen3.5-35b-a3b"))
-    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--model", default=str(CONFIGS / "qwen3.5-35b-a3b"))
+    p.add_argument("--batches", type=ints, default=[1, 16, 64])
     p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--op-tokens", default="1,16,64,256,8192")
+    p.add_argument("--op-tokens", type=ints, default=[1, 16, 64, 256, 8192])
     p.add_argument("--prefill", type=int, default=8192)
     p.add_argument("--skip-steps", action="store_true", help="the op and routing rows only")
     p.add_argument("--sweep", action="store_true", help="also time the fused kernels' block configurations")
     p.add_argument("--profile", action="store_true", help="print where the prefill's GPU time goes")
-    p.add_argument("--out", default="bench/results/gpu_moe.json")
+    p.add_argument("--out", default=str(RESULTS / "gpu_moe.json"))
     args = p.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
     bandwidth = hbm_bandwidth()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = dummy_layer(args.model)
-    rows = op_rows(layer, [int(t) for t in args.op_tokens.split(",")], bandwidth)
+    rows = op_rows(layer, args.op_tokens, bandwidth)
     print_table(rows, ["tokens", "experts_touched", "floor_ms", "torch_ms", "triton_ms", "speedup", "triton_of_floor"])
     routing = routing_rows(layer, [1, 16, 64, 256, 8192])
     print_table(routing, ["tokens", "experts_touched", "uniform_expectation", "busiest_expert_share", "uniform_share"])
     rows += routing
     if args.sweep:
-        sweep = sweep_rows(layer, [int(t) for t in args.op_tokens.split(",")])
+        sweep = sweep_rows(layer, args.op_tokens)
         print_table(sweep, ["tokens", "config", "ms", "chosen"])
         rows += sweep
     del layer
     if not args.skip_steps:
-        core = core_for(args.model, max(batches), max(args.context, args.prefill), cuda_graphs=False)
-        steps = decode_rows(core, batches, args.context, bandwidth)
-        print_table(steps, ["moe", "batch", "graph_gpu_ms", "step_ms", "launches", "experts_touched_share", "roofline_ms",
-                            "of_roofline", "all_experts_roofline_ms"])  # fmt: skip
+        core = core_for(args.model, max(args.batches), max(args.context, args.prefill), cuda_graphs=False)
+        steps = decode_rows(core, args.batches, args.context, bandwidth)
+        print_table(steps, ["moe", "batch", "graph_gpu_ms", "step_ms", "launches", "experts_touched_share",
+                            "roofline_ms", "of_roofline", "all_experts_roofline_ms"])  # fmt: skip
         prefill = prefill_rows(core, args.prefill, args.profile)
         print_table(prefill, ["moe", "tokens", "ms"])
         rows += steps + prefill
-    out = {"command": " ".join(sys.argv), "machine": machine_info(), "hbm_copy_bytes_per_s": bandwidth, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "rows": rows}, machine_info())
 
 
 if __name__ == "__main__":

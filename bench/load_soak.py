@@ -12,43 +12,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import random
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from collections import Counter
 from pathlib import Path
 
 import grpc
 
-from deltamesh.client import AsyncClient, DeltameshError
-from services.router.control import read_loads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.common import ROOT, free_port, stop_group, write_result  # noqa: E402
+from deltamesh.client import AsyncClient, DeltameshError  # noqa: E402
+from services.router.control import read_loads  # noqa: E402
 
 
 class OwnMesh:
     """`deltamesh serve` in a child process group, for runs that need RSS of every process."""
 
     def __init__(self, extra: list[str]):
-        self.port, self.control_port = _free_port(), _free_port()
+        self.port, self.control_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.secret = secrets.token_hex(16)  # given to the mesh, so that its loads can be read here
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", "--grpc-port", str(self.port), "--control-port",
              str(self.control_port), "--http-port", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            cwd=Path(__file__).resolve().parents[1], env={**os.environ, "DELTAMESH_MESH_SECRET": self.secret},
+            cwd=ROOT, env={**os.environ, "DELTAMESH_MESH_SECRET": self.secret},
         )  # fmt: skip
 
     def wait_ready(self, workers: int, timeout: float = 120) -> None:
@@ -80,11 +73,7 @@ class OwnMesh:
         return out
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc, timeout=20)
 
 
 def rss_by_process(pids: list[int]) -> dict[str, float]:
@@ -96,7 +85,8 @@ def rss_by_process(pids: list[int]) -> dict[str, float]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        role = next((c.decode() for c in cmd if c.decode() in ("serve", "router", "prefill", "decode", "colocated")), "?")
+        roles = ("serve", "router", "prefill", "decode", "colocated")
+        role = next((c.decode() for c in cmd if c.decode() in roles), "?")
         kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
         out[f"{pid} {role}"] = round(kib / 1024, 1)
     return out
@@ -106,7 +96,8 @@ async def one_request(client: AsyncClient, rng: random.Random, max_tokens: int, 
     prompt = [rng.randrange(10, 3000) for _ in range(rng.randint(4, 64))]
     tokens = 0
     try:
-        async for delta in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=timeout):
+        stream = client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=timeout)
+        async for delta in stream:
             tokens += len(delta.token_ids)
     except DeltameshError as e:
         return f"error: {e.code.name}"
@@ -118,11 +109,7 @@ async def burst(address: str, concurrency: int, max_tokens: int, timeout: float,
     started = time.monotonic()
     async with AsyncClient(address, retries=0) as client:
         outcomes = await asyncio.gather(*(one_request(client, rng, max_tokens, timeout) for _ in range(concurrency)))
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        counts[o] = counts.get(o, 0) + 1
-    return {"requests": concurrency, "outcomes": counts, "errors": concurrency - counts.get("ok", 0),
-            "seconds": round(time.monotonic() - started, 2)}  # fmt: skip
+    return _summary(outcomes, started)
 
 
 async def soak(address: str, duration: float, rate: float, max_tokens: int, timeout: float, seed: int) -> dict:
@@ -134,9 +121,12 @@ async def soak(address: str, duration: float, rate: float, max_tokens: int, time
             tasks.append(asyncio.create_task(one_request(client, rng, max_tokens, timeout)))
             await asyncio.sleep(rng.expovariate(rate))
         outcomes = await asyncio.gather(*tasks)
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        counts[o] = counts.get(o, 0) + 1
+    return _summary(outcomes, started)
+
+
+def _summary(outcomes: list[str], started: float) -> dict:
+    """Requests, their outcomes counted, errors (every outcome but "ok") and the seconds since `started`."""
+    counts = dict(Counter(outcomes))
     return {"requests": len(outcomes), "outcomes": counts, "errors": len(outcomes) - counts.get("ok", 0),
             "seconds": round(time.monotonic() - started, 2)}  # fmt: skip
 
@@ -170,9 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if mesh:
             mesh.stop()
-    result |= {"mode": args.mode, "rss_mib_start": rss_start, "rss_mib_end": rss_end, "command": " ".join(sys.argv),
-               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"}  # fmt: skip
+    result |= {"mode": args.mode, "rss_mib_start": rss_start, "rss_mib_end": rss_end}
     print(f"{args.mode}: {result['requests']} requests in {result['seconds']}s, errors {result['errors']}, "
           f"outcomes {result['outcomes']}")  # fmt: skip
     if rss_start:
@@ -180,8 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         for key in rss_start:
             print(f"{key:<22}{rss_start[key]:>15}{rss_end.get(key, float('nan')):>13}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_result(args.out, result)
     return result
 
 

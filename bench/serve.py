@@ -44,7 +44,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import shlex
 import signal
 import sys
@@ -57,7 +56,10 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import ROOT, machine_info  # noqa: E402
+
 DEFAULT_MODEL_DIR = ROOT / "models" / "deltamesh-tiny"
 BACKENDS = ("openai", "openai-chat", "grpc")
 SLO_NAMES = ("ttft", "tpot", "e2el")
@@ -468,25 +470,6 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict[str, Any]:
-    """The client machine (the server may be elsewhere)."""
-    info: dict[str, Any] = {
-        "platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
-        "python": platform.python_version(), "cpu_count": os.cpu_count(),
-    }  # fmt: skip
-    with contextlib.suppress(AttributeError):
-        info["cpus_usable"] = len(os.sched_getaffinity(0))
-    info["cuda_device"] = None
-    with contextlib.suppress(Exception):
-        import torch
-
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["cuda_device"] = torch.cuda.get_device_name(0)
-            info["cuda_device_count"] = torch.cuda.device_count()
-    return info
-
-
 # -------------------------------------------------------------------------------------------------- run
 
 
@@ -594,7 +577,7 @@ async def run_benchmark(args: argparse.Namespace, stop: asyncio.Event | None = N
         "server": info,
         "target": target,
         "config": config,
-        "machine": machine_info(),
+        "machine": machine_info(),  # the client's: the server may be elsewhere
         "interrupted": interrupted,
         **metrics,
         # per request, in issue order; times in seconds (as vLLM), start times relative to the first send

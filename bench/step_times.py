@@ -15,19 +15,18 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import command_line, machine_info, utc_now, write_json  # noqa: E402
+from bench.common import CONFIGS, write_result  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(ROOT / "bench/configs/qwen3.5-9b"))
+    p.add_argument("--model", default=str(CONFIGS / "qwen3.5-9b"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt-len", type=int, default=8192)
@@ -74,8 +73,7 @@ def main() -> None:
         print(f"wave of {n} x {args.prompt_len} tokens: {len(steps)} steps; slower than {args.slow_ms:g} ms: "
               + (", ".join(f"{s['ms']} ms {s['tokens']}.. ({s['requests']} requests)" for s in slow) or "none"))
     if args.out:
-        write_json(args.out, {"benchmark": "step_times", "command": command_line(), "date_utc": utc_now(),
-                              "machine": machine_info(), "settings": vars(args), "waves": waves})  # fmt: skip
+        write_result(args.out, {"benchmark": "step_times", "settings": vars(args), "waves": waves})
 
 
 if __name__ == "__main__":

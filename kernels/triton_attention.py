@@ -23,7 +23,7 @@ from kernels.batch import StepBatch
 class DecodeLaunch:
     """Tile and grid of the decode kernel (bench/gpu_kernels.py --attention sweeps these)."""
 
-    # Defaults: the best of the sweep in bench/RESULTS.md (H200, 9B shape, 9k tokens, batch 64 and 256).
+    # Defaults: the best of that sweep on the 9B attention shape at batch 64 and 256 (bench/RESULTS.md).
     block_n: int = 32  # tokens per loop trip
     num_warps: int = 4
     num_stages: int = 2

@@ -162,7 +162,7 @@ class GemmConfig(NamedTuple):
 
 def gemm_config(num_pairs: int) -> GemmConfig:
     """Small row blocks while pairs are few (decode: an expert gets a handful of rows, padding them to 64 would
-    waste the GEMM), larger ones for prefill; chosen by `bench/gpu_moe.py --sweep` on the H200 (bench/RESULTS.md)."""
+    waste the GEMM), larger ones for prefill; the best of `bench/gpu_moe.py --sweep` (bench/RESULTS.md)."""
     if num_pairs <= 2048:
         return GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
     if num_pairs <= 16384:

@@ -57,7 +57,7 @@ t)
   grep -m 8 -E "cuda_ipc|cma|into host memory" "$OUT/t_pulls.log" | cut -c1-200
   # every pull into other pages of the puller's pools, as in a decode worker (above: the same pages every time)
   TAIL=12 run t_pulls_rotate 150 "${pull[@]}" --lengths 1k,8k,32k --spin-ms 20 --rotate 8 --out "$OUT/t_pulls_rotate.json"
-  # 300 s: on a fresh host the decode loop's first steps wait for FlashInfer's JIT compilation (60-90 s)
+  # 300 s: on a fresh host the decode loop's first steps wait for FlashInfer's JIT compilation
   # --warm: the side-channel warm-up a decode worker does when a prefill worker joins, beside the loop too
   TAIL=20 run t_overlap 300 "${pull[@]}" --lengths 1k,32k --spin-ms 0,20 --overlap-model bench/configs/qwen3.5-9b \
     --overlap-batch 64 --overlap-context 4k --warm --out "$OUT/t_overlap.json"
