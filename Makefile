@@ -8,7 +8,7 @@ PROTO_OUT := sdk/src
 TORCH_PIN := torch==2.13.0
 
 .PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak \
-	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity clean help
+	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity bench-peers bench-host-gap clean help
 
 help:
 	@echo "make setup     create .venv and install everything (CPU torch $(TORCH_PIN))"
@@ -84,6 +84,12 @@ bench-transfer-gpu:
 
 bench-disagg:
 	python bench/disagg_sweep.py --out bench/results/serve_sweep.json
+
+bench-peers:  # GPU + vLLM staged in /tmp/vllm-site (../shared/notes/peers-on-h200.md): deltamesh next to vLLM
+	$(PYTHON) bench/peers.py
+
+bench-host-gap:  # GPU: idle time between decode steps, async scheduling on and off
+	$(PYTHON) bench/host_gap.py
 
 bench-gpu-fidelity:
 	python bench/gpu_fidelity.py --out bench/results/gpu_fidelity.json

@@ -197,12 +197,15 @@ def free_port() -> int:
 
 def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
     """Stop a child started with start_new_session=True and everything it started: SIGINT (a mesh shuts
-    down cleanly on it), SIGKILL after `timeout` seconds."""
-    os.killpg(proc.pid, signal.SIGINT)
+    down cleanly on it), SIGKILL after `timeout` seconds. A group that is already gone is fine."""
     try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def decode_items(core, batch: int, context: int) -> list:

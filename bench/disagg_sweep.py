@@ -36,51 +36,60 @@ def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
     return proc, http_port, log
 
 
-def wait_ready(proc: subprocess.Popen, http_port: int, log: Path, timeout: float = 300) -> None:
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300) -> None:
+    """Until `url` answers 200 (a deltamesh router's /ready; vLLM's /v1/models, which it serves only when ready)."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"serve exited:\n{log.read_text()[-4000:]}")
+            raise RuntimeError(f"server exited:\n{log.read_text()[-4000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise TimeoutError(f"mesh not ready:\n{log.read_text()[-4000:]}")
+    raise TimeoutError(f"server not ready after {timeout:g} s:\n{log.read_text()[-4000:]}")
+
+
+def run_point(base_url: str, model_dir: str, input_len: int, output_len: int, concurrency: int, num_prompts: int,
+              result_file: Path, timeout: float, gpus: int = 1) -> dict:
+    """One load point with bench/serve.py (random prompts, one warm-up request): per-GPU throughput, TTFT and
+    TPOT, or {"error": ...}."""
+    cmd = [sys.executable, "bench/serve.py", "--backend", "openai", "--base-url", base_url, "--model-dir", model_dir,
+           "--input-len", str(input_len), "--output-len", str(output_len), "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(concurrency), "--disable-tqdm", "--result-file", str(result_file),
+           "--num-warmups", "1"]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"concurrency": concurrency, "error": f"point not done within {timeout:g} s"}
+    if done.returncode != 0 or not result_file.is_file():
+        return {"concurrency": concurrency, "error": (done.stderr or done.stdout)[-800:]}
+    m = json.loads(result_file.read_text())
+    m = m.get("metrics", m)
+    return {
+        "concurrency": concurrency, "completed": m["completed"], "failed": m["failed"],
+        "total_tok_s_per_gpu": m["total_token_throughput"] / gpus, "output_tok_s_per_gpu": m["output_throughput"] / gpus,
+        "ttft_median_ms": m["median_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"],
+        "tpot_median_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
+    }  # fmt: skip
 
 
 def sweep(args, colocated: bool) -> list[dict]:
     proc, http_port, log = start_mesh(args, colocated)
+    setup, gpus = ("colocated 1 GPU", 1) if colocated else ("1P+1D 2 GPUs", 2)
     rows = []
     try:
-        wait_ready(proc, http_port, log)
+        wait_ready(proc, f"http://127.0.0.1:{http_port}/ready", log)
         for c in args.concurrency:
             result_file = Path(args.log_dir) / f"serve-{'colo' if colocated else 'disagg'}-c{c}.json"
-            cmd = [sys.executable, "bench/serve.py", "--backend", "openai",
-                   "--base-url", f"http://127.0.0.1:{http_port}", "--model-dir", args.model,
-                   "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                   "--num-prompts", str(args.waves * c), "--max-concurrency", str(c), "--disable-tqdm",
-                   "--result-file", str(result_file), "--num-warmups", "1"]  # fmt: skip
-            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.point_timeout)
-            if done.returncode != 0 or not result_file.is_file():
-                rows.append({"setup": "colocated 1 GPU" if colocated else "1P+1D 2 GPUs", "concurrency": c,
-                             "error": (done.stderr or done.stdout)[-800:]})  # fmt: skip
+            row = run_point(f"http://127.0.0.1:{http_port}", args.model, args.input_len, args.output_len, c,
+                            args.waves * c, result_file, args.point_timeout, gpus)  # fmt: skip
+            rows.append({"setup": setup, "max_num_batched_tokens": args.max_num_batched_tokens, **row})
+            if "error" in row:
                 break
-            m = json.loads(result_file.read_text())
-            m = m.get("metrics", m)
-            gpus = 1 if colocated else 2
-            rows.append({
-                "setup": "colocated 1 GPU" if colocated else "1P+1D 2 GPUs", "concurrency": c,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-                "completed": m["completed"], "failed": m["failed"],
-                "total_tok_s_per_gpu": m["total_token_throughput"] / gpus,
-                "output_tok_s_per_gpu": m["output_throughput"] / gpus,
-                "ttft_median_ms": m["median_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"],
-                "tpot_median_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
-            })  # fmt: skip
     finally:
         stop_group(proc)
     return rows

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench.common import command_line, fmt, machine_info, table, utc_now, write_json  # noqa: E402
+from bench.common import fmt, ints, table, write_result  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 
@@ -82,12 +82,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bench/configs/qwen3.5-35b-a3b,bench/configs/qwen3.5-9b")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--batches", type=ints, default=[1, 16, 64])
     p.add_argument("--context", type=int, default=8192, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=40, help="decode steps in the profiled window")
     p.add_argument("--out")
     args = p.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     rows = []
     for model in args.models.split(","):
         config = EngineConfig(model=str(ROOT / model) if not Path(model).is_absolute() else model,
@@ -107,8 +107,7 @@ def main() -> None:
          for r in rows],
     ))  # fmt: skip
     if args.out:
-        write_json(args.out, {"benchmark": "host_gap", "command": command_line(), "date_utc": utc_now(),
-                              "machine": machine_info(), "settings": vars(args), "rows": rows})  # fmt: skip
+        write_result(args.out, {"benchmark": "host_gap", "settings": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -133,8 +133,8 @@ class EngineCore:
     def _warm_up(self) -> None:
         """Run each kind of step once: a prefill, then a mixed step (that request's decode next to three prefills,
         one a 2-token tail), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning happen
-        before the worker serves, not inside a client's request. On an H200 the first step of that mixed shape
-        took 4.7 s (bench/step_times.py); a colocated worker meets it with its first concurrent requests."""
+        before the worker serves, not inside a client's request (a first use of a step shape can cost seconds; a
+        colocated worker meets the mixed shape with its first concurrent requests)."""
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         longest = self.max_model_len - params.max_tokens  # a tiny max_model_len only shortens the prompts
         n = 2 * self.config.page_size + 1
@@ -384,7 +384,7 @@ class EngineCore:
     def reserve(self, num_tokens: int) -> Reservation:
         """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free.
         Nothing is written to them here: the pull fills every byte, from UCX's own CUDA stream, and a zeroing
-        kernel queued on the engine's stream could land after it (found on the H200: the pulled state wiped)."""
+        kernel queued on the engine's stream could land after it and wipe the pulled state."""
         slot = self.state_pool.alloc(zeroed=False)
         try:
             pages = self.kv_pool.alloc(self.kv_pool.pages_for(num_tokens))
