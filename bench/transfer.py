@@ -347,7 +347,7 @@ async def _puller(conn, opts: Options) -> None:
     import torch
 
     from transfer import StatePuller, TransferError
-    from transfer.side_channel import worker_address
+    from transfer import worker_address
 
     kv, st = _pools(opts, copies=opts.rotate)
     pulled = 0
@@ -470,7 +470,7 @@ def _floor_tools(peer_address: bytes, error_handling: bool):
     from ucxx._lib.arr import Array
     from ucxx._lib.libucxx import UCXXTag
 
-    from transfer import loop_worker
+    from transfer.ucx import loop_worker
 
     ucx = loop_worker.get()
     return ucx.worker, ucx.endpoint(peer_address, error_handling), Array, UCXXTag
@@ -514,8 +514,8 @@ def floor_puller(holder_address: bytes, buffers, reps: int, tag: int, error_hand
 def _rma_floor(holder_address: bytes, regions, buffers, error_handling: bool):
     """What both RMA floors read with: the worker, one endpoint per holder (kept open, as a puller keeps its
     own), the holder's keys unpacked for it (destroyed afterwards) and the plan of segments."""
-    from transfer import loop_worker, rma
-    from transfer.side_channel import segments
+    from transfer.ucx import loop_worker, rma
+    from transfer import segments
 
     ucx = loop_worker.get()
     if holder_address not in _RMA_FLOOR_EPS:
@@ -534,7 +534,7 @@ def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_h
     """The RMA floor: the same reads a pull posts (one per segment, keys unpacked once), spinning on UCX progress
     until all are done; no lease check, no event loop. Its distance to a pull is the side channel's own cost.
     `pause_s`: the process, GPUs and link idle this long before each rep (what a pull after a pause starts from)."""
-    from transfer import rma
+    from transfer.ucx import rma
 
     memory = rma.memory_type(buffers[0].is_cuda)
     secs = []

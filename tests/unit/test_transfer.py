@@ -218,7 +218,7 @@ def test_a_spinning_receive_spins_only_until_done_or_its_budget():
     then the worker sleeps on its wake-up fd again."""
     import numpy as np
 
-    from transfer import loop_worker
+    from transfer.ucx import loop_worker
 
     configure_ucx("127.0.0.1")
 
