@@ -93,18 +93,20 @@ class Options:
 # ---------------------------------------------------------------------------------------------------
 # Both sides
 # ---------------------------------------------------------------------------------------------------
-def _setup_process(opts: Options, gpu: int = 0) -> None:
-    """Before ucxx (and CUDA) is imported: loopback only, one GPU per process, UCX's protocols on request."""
-    from transfer import configure_ucx
+def _setup_process(opts: Options, gpu: int = 0):
+    """Before ucxx (and CUDA) is imported: loopback only, one GPU per process, UCX's protocols on request. Returns
+    the process's transport."""
+    from transfer.ucx import UcxTransport
 
     if opts.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    configure_ucx("127.0.0.1")
+    transport = UcxTransport("127.0.0.1", opts.error_handling, opts.spin_s)
     if opts.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    return transport
 
 
 def _pools(opts: Options, copies: int = 1):
@@ -173,23 +175,23 @@ async def _recv(conn):
 # Holder (prefill side)
 # ---------------------------------------------------------------------------------------------------
 def holder_main(conn, opts: Options) -> None:
-    _setup_process(opts)
+    transport = _setup_process(opts)
     try:
-        asyncio.run(_holder(conn, opts))
+        asyncio.run(_holder(conn, opts, transport))
     except Exception as e:  # tell the parent instead of leaving it waiting
         conn.send(("error", f"holder: {e!r}"))
         raise
 
 
-async def _holder(conn, opts: Options) -> None:
+async def _holder(conn, opts: Options, transport) -> None:
     import torch
 
     from engine.cache import pool_views
-    from transfer import LeaseTable, StateServer
+    from transfer import LeaseKey, LeaseTable
 
     kv, st = _pools(opts, copies=max(1, opts.offers_first))
     leases = LeaseTable()
-    server = StateServer(leases)
+    server = transport.holder(leases)
     await server.start()
     loop = asyncio.get_running_loop()
     ended: dict[str, asyncio.Future] = {}
@@ -206,7 +208,7 @@ async def _holder(conn, opts: Options) -> None:
             if msg[0] == "report":
                 conn.send(("overlap", prefill_loop.stop() if prefill_loop else None, preps))
             if msg[0] == "pools":  # the whole pools and the lease words, as a prefill worker registers them
-                conn.send(("pools", server.regions(pool_views(kv, st)), server.words()))
+                conn.send(("pools", server.describe(pool_views(kv, st))))
             if msg[0] == "offer":
                 _, lease_id, n_tokens, seed = msg
                 prep_started = time.perf_counter()
@@ -227,8 +229,8 @@ async def _holder(conn, opts: Options) -> None:
                 lease = leases.offer(lease_id, tensors, opts.timeout_s, on_end)
                 checksum = _checksum(tensors)
                 preps.append((prep_started, time.perf_counter()))
-                conn.send(("offered", lease.token, server.lease_check(lease), server.regions(tensors), checksum,
-                           sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
+                conn.send(("offered", LeaseKey(lease_id, lease.token), server.offer(lease), [t.numel() for t in tensors],
+                           checksum, sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
             elif msg[0] == "floor":
                 _, kind, n_tokens, reps, tag, puller_address = msg
                 pages, slot = kv.alloc(kv.pages_for(n_tokens)), st.alloc()
@@ -261,9 +263,9 @@ async def _holder(conn, opts: Options) -> None:
 # Puller (decode side)
 # ---------------------------------------------------------------------------------------------------
 def puller_main(conn, opts: Options) -> None:
-    _setup_process(opts, gpu=1)
+    transport = _setup_process(opts, gpu=1)
     try:
-        asyncio.run(_puller(conn, opts))
+        asyncio.run(_puller(conn, opts, transport))
     except Exception as e:
         conn.send(("error", f"puller: {e!r}"))
         raise
@@ -343,15 +345,15 @@ def overlap_summary(steps: Spans, pulls: Spans, checks: Spans = (), warm_ups: Sp
                                         for w in warm_ups]}  # fmt: skip
 
 
-async def _puller(conn, opts: Options) -> None:
+async def _puller(conn, opts: Options, transport) -> None:
     import torch
 
-    from transfer import StatePuller, TransferError
-    from transfer import worker_address
+    from transfer import TransferError
+    from transfer.ucx import loop_worker
 
     kv, st = _pools(opts, copies=opts.rotate)
     pulled = 0
-    puller = StatePuller(error_handling=opts.error_handling, spin_s=opts.spin_s)
+    puller = transport.puller()
     await puller.start()
     decode_loop = EngineLoop(opts) if opts.overlap_model and opts.overlap_side == "decode" else None
     # The bench's own GPU work (zeroing the targets, their checksum) runs on a side stream, so
@@ -361,7 +363,7 @@ async def _puller(conn, opts: Options) -> None:
     pulls: list[tuple[float, float]] = []
     checks: list[tuple[float, float]] = []  # when the benchmark checked the pulled bytes (after each pull)
     warm_ups: list[tuple[float, float]] = []
-    conn.send(("ready", worker_address()))
+    conn.send(("ready", loop_worker.get().address))
     if decode_loop:
         decode_loop.start()
     try:
@@ -389,13 +391,13 @@ async def _puller(conn, opts: Options) -> None:
                 conn.send(("overlap", decode_loop.stop() if decode_loop else None, pulls, checks, warm_ups))
                 continue
             if msg[0] == "warm":  # as services/decode/peers.py does when a prefill worker joins
-                _, address, pools, words = msg
+                _, holder = msg
                 t0 = time.perf_counter()
-                await puller.warm(address, pools, words, torch.device(opts.device), opts.timeout_s)
+                await puller.warm(holder, torch.device(opts.device), opts.timeout_s)
                 warm_ups.append((t0, time.perf_counter()))
                 conn.send(("warmed", warm_ups[-1][1] - t0))
                 continue
-            _, address, n_tokens, offers = msg  # offers: [(lease id, token, lease check, holder regions, checksum)]
+            _, n_tokens, offers = msg  # offers: [(lease key, transport descriptor, region sizes, checksum)]
             # --rotate: hold the places before this pull's for a moment, so that its pages and slots come after them
             spacer = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False))
                       for _ in range(pulled % opts.rotate * len(offers))]  # fmt: skip
@@ -413,8 +415,8 @@ async def _puller(conn, opts: Options) -> None:
                     aux.synchronize()
                 if opts.gap_s:
                     await asyncio.sleep(opts.gap_s)
-                pulls_of = [puller.pull(address, lease_id, token, check, regions, buffers, opts.timeout_s)
-                            for (lease_id, token, check, regions, _), buffers in zip(offers, targets)]  # fmt: skip
+                pulls_of = [puller.pull(puller.source(descriptor, key, sizes), buffers, opts.timeout_s)
+                            for (key, descriptor, sizes, _), buffers in zip(offers, targets)]  # fmt: skip
                 t0 = time.perf_counter()
                 try:
                     if opts.sequence > 1:
@@ -653,9 +655,9 @@ class Offer(NamedTuple):
     """A state the holder prepared and offered under a lease, as the parent hears of it."""
 
     lease_id: str
-    token: bytes
-    check: object  # transfer.LeaseCheck
-    regions: list  # [transfer.RemoteRegion]
+    key: object  # transfer.LeaseKey
+    descriptor: object  # its transport descriptor
+    region_bytes: list[int]
     checksum: int
     kv_bytes: int
     gdn_bytes: int
@@ -693,8 +695,8 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             time.sleep(opts.overlap_idle_s)  # the engine loop runs undisturbed: its baseline
         if opts.warm:
             h_conn.send(("pools",))
-            pools, words = _expect(h_conn, "pools", 60)
-            p_conn.send(("warm", address, pools, words))
+            (holder,) = _expect(h_conn, "pools", 60)
+            p_conn.send(("warm", holder))
             (warm_s,) = _expect(p_conn, "warmed", opts.timeout_s + 30)
             print(f"[{label}] side channel warmed in {warm_s * 1e3:.1f} ms", flush=True)
             time.sleep(0.5 if opts.overlap_model else 0)  # steps after the warm-up, before the first pull
@@ -702,9 +704,9 @@ def run_mode(opts: Options, lengths: list[int], reps: int, seed: int) -> tuple[l
             samples, info = [], {}
             for rep in range(reps + 1):
                 made = prepared.pop((n_tokens, rep), None) or offers_for(n_tokens, rep)
-                offers = [(o.lease_id, o.token, o.check, o.regions, o.checksum) for o in made]  # what the puller needs
-                regions, kv_bytes, gdn_bytes = made[-1].regions, made[-1].kv_bytes, made[-1].gdn_bytes
-                p_conn.send(("pull", address, n_tokens, offers))
+                offers = [(o.key, o.descriptor, o.region_bytes, o.checksum) for o in made]  # what the puller needs
+                regions, kv_bytes, gdn_bytes = made[-1].region_bytes, made[-1].kv_bytes, made[-1].gdn_bytes
+                p_conn.send(("pull", n_tokens, offers))
                 (res,) = _expect(p_conn, "pulled", opts.timeout_s + 30)
                 reasons, holder_times = [], []
                 for lease_id in (o.lease_id for o in made):

@@ -7,17 +7,21 @@ import asyncio
 import time
 from collections import deque
 
+import numpy as np
 import structlog
 import torch
 
+from deltamesh.v1 import ucx_pb2
+from deltamesh.v1.common_pb2 import TransportDescriptor
+from transfer.base import StateHolder
 from transfer.leases import Lease, LeaseTable
-from transfer.ucx import loop_worker, notices
-from transfer.ucx.descriptors import LeaseCheck, RemoteRegion
+from transfer.ucx import descriptors, loop_worker, notices
+from transfer.ucx.descriptors import RemoteRegion
 
 log = structlog.get_logger("deltamesh.transfer")
 
 
-class StateServer:
+class UcxHolder(StateHolder):
     def __init__(self, leases: LeaseTable):
         self.leases = leases
         self._task: asyncio.Task | None = None
@@ -39,6 +43,12 @@ class StateServer:
             registration.close()
         self._registered.clear()
 
+    def describe(self, pools: list[torch.Tensor]) -> TransportDescriptor:
+        return descriptors.holder_descriptor(self.address, self.regions(pools), self.words())
+
+    def offer(self, lease: Lease) -> TransportDescriptor:
+        return descriptors.lease_descriptor(self.address, self.regions(lease.buffers), self.word_of(lease))
+
     def regions(self, buffers: list[torch.Tensor]) -> list[RemoteRegion]:
         """Where `buffers` (views of this worker's pools) can be read by a puller. The allocation behind each is
         registered with UCX on first use and stays registered: pools live as long as the worker."""
@@ -57,29 +67,25 @@ class StateServer:
         """Where the lease words are (host memory): what a puller's warm-up reads besides the pools."""
         return self.regions([self.leases.words.view(torch.uint8)])[0]
 
-    def lease_check(self, lease: Lease) -> LeaseCheck:
-        """What a puller of `lease` reads after its data, and must find there."""
-        words = self.words()
-        return LeaseCheck(words.address + lease.word * self.leases.words.element_size(), words.rkey, lease.nonce)
+    def word_of(self, lease: Lease) -> RemoteRegion:
+        """Where the word of `lease` is: what its puller reads after the data, and must find the nonce in."""
+        words, size = self.words(), self.leases.words.element_size()
+        return RemoteRegion(size, words.address + lease.word * size, words.rkey)
 
     async def _serve(self) -> None:
-        import numpy as np
-
-        from deltamesh.v1 import transfer_pb2
-
         ucx = loop_worker.get()
         while True:
             buf = np.empty(notices.MAX_NOTICE_BYTES, dtype=np.uint8)
             try:
                 await ucx.recv(buf, notices.NOTICE_TAG, listening=True)
                 received = time.perf_counter()
-                notice = notices.unframe(buf, transfer_pb2.PullNotice)
+                notice = notices.unframe(buf, ucx_pb2.PullNotice)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # malformed or truncated: drop it, keep serving
                 log.warning("bad pull notice", error=str(e))
                 continue
-            if not notice.lease_id:  # a puller's warm-up (StatePuller.warm)
+            if not notice.lease_id:  # a puller's warm-up (UcxPuller.warm)
                 continue
             if not self.leases.finish(notice.lease_id, notice.token, pulled=notice.done):
                 continue  # ended already (expired, released) or a wrong token
