@@ -1,9 +1,9 @@
 """Puller side of the UCX transport (ucxx + UCX RMA): reads leased state straight from the holder's memory.
 
-No listening socket: each side publishes its UCX *worker address* through the gRPC control plane. The holder
-registers its pools with UCX once; with each lease it hands out, in the lease's transport descriptor
-(transfer/ucx/descriptors.py), where the held regions are, the remote keys to read them, and where the lease's
-*word* is (transfer/ucx/holder.py). A pull is one-sided:
+No listening socket: each side publishes its UCX *worker address* through the gRPC control plane, in its
+transport descriptors. The holder registers its pools with UCX once; with each lease it hands out, in the lease's
+transport descriptor (transfer/ucx/descriptors.py), where the held regions are, the remote keys to read them, and
+where the lease's *word* is (transfer/ucx/holder.py). A pull is one-sided:
 
 1. The puller reads every region straight into its own buffers (one RMA get per segment, zero-copy at both
    ends).
