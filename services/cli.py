@@ -44,6 +44,7 @@ MaxLen = Annotated[Optional[int], _opt("Context length (default: the model's, ca
 LoadFormat = Annotated[str, _opt("auto | safetensors | dummy (random weights at the real shapes)", "LOAD_FORMAT")]
 Kernels = Annotated[Optional[str], _opt("Kernel backend: auto | torch | flashinfer | fla | op=backend,...", "KERNELS")]
 Threads = Annotated[Optional[int], _opt("torch CPU threads per worker", "TORCH_THREADS")]
+Transport = Annotated[str, _opt("How held state moves between workers: ucx", "TRANSPORT")]
 UcxEH = Annotated[bool, _opt("UCX peer error handling (off lets UCX use shared memory / cuda_ipc)", "UCX_ERROR_HANDLING",
                              "--ucx-error-handling/--no-ucx-error-handling")]  # fmt: skip
 LogLevel = Annotated[str, _opt("debug | info | warning | error", "LOG_LEVEL")]
@@ -86,6 +87,14 @@ def _ports_free(command: str, host: str, ports: dict[str, int | None]) -> None:
             print(f"deltamesh {command}: cannot listen on {host}:{port} ({flag}): {os.strerror(e.errno)}",
                   file=sys.stderr)  # fmt: skip
             raise typer.Exit(2) from None
+
+
+def _transport_known(name: str) -> None:
+    from transfer import TRANSPORTS
+
+    if name not in TRANSPORTS:
+        raise typer.BadParameter(f"unknown transport {name!r}; transports: {', '.join(TRANSPORTS)}",
+                                 param_hint="--transport")  # fmt: skip
 
 
 def _mesh_secret(secret_file: str | None, create: bool = False):
@@ -155,6 +164,7 @@ def _worker_command(role: str):
         torch_threads: Threads = None,
         async_scheduling: AsyncSched = True,
         cuda_graphs: CudaGraphs = True,
+        transport: Transport = "ucx",
         ucx_error_handling: UcxEH = True,
         lease_ttl: LeaseTtl = 30.0,
         max_lease_ttl: MaxLeaseTtl = 300.0,
@@ -168,13 +178,15 @@ def _worker_command(role: str):
         log_level: LogLevel = "info",
     ) -> None:
         _ports_free(role, host, {"--port": port, "--metrics-port": metrics_port})
+        _transport_known(transport)
         tls = _tls(tls_cert, tls_key, tls_ca, tls_client_auth)
         secret = _mesh_secret(mesh_secret_file)
         engine = _engine(model, device, dtype, state_dtype, page_size, num_kv_pages, max_num_seqs,
                          max_num_batched_tokens, max_model_len, load_format, kernels, torch_threads,
                          async_scheduling, cuda_graphs)  # fmt: skip
         _run_worker(role, dict(
-            host=host, port=port, router=router, advertise_host=advertise_host, engine=engine, ucx_error_handling=ucx_error_handling,
+            host=host, port=port, router=router, advertise_host=advertise_host, engine=engine, transport=transport,
+            ucx_error_handling=ucx_error_handling,
             lease_ttl_s=lease_ttl, max_lease_ttl_s=max_lease_ttl, transfer_timeout_s=transfer_timeout,
             admission_timeout_s=admission_timeout,
             metrics_port=metrics_port, tls=tls, mesh_secret=secret, log_level=log_level,
@@ -182,7 +194,7 @@ def _worker_command(role: str):
 
     command.__doc__ = {
         "prefill": "Run a prefill worker: prefill prompts, hold their state under leases for decode workers.",
-        "decode": "Run a decode worker: pull request state over UCX and decode in a continuous batch.",
+        "decode": "Run a decode worker: pull request state from prefill workers and decode in a continuous batch.",
         "colocated": "Run a colocated worker: prefill and decode its own requests (the aggregated baseline).",
     }[role]
     return command
@@ -337,6 +349,7 @@ def serve(
     kernels: Kernels = None,
     async_scheduling: AsyncSched = True,
     cuda_graphs: CudaGraphs = True,
+    transport: Transport = "ucx",
     ucx_error_handling: UcxEH = True,
     lease_ttl: LeaseTtl = 30.0,
     max_lease_ttl: MaxLeaseTtl = 300.0,
@@ -368,7 +381,7 @@ def serve(
               "--max-num-batched-tokens", str(max_num_batched_tokens), "--load-format", load_format,
               "--log-level", log_level, "--lease-ttl", str(lease_ttl), "--max-lease-ttl", str(max_lease_ttl),
               "--transfer-timeout", str(transfer_timeout), "--admission-timeout", str(admission_timeout),
-              "--ucx-error-handling" if ucx_error_handling else "--no-ucx-error-handling",
+              "--transport", transport, "--ucx-error-handling" if ucx_error_handling else "--no-ucx-error-handling",
               "--async-scheduling" if async_scheduling else "--no-async-scheduling",
               "--cuda-graphs" if cuda_graphs else "--no-cuda-graphs", *tls_args]  # fmt: skip
     for flag, value in (("--num-kv-pages", num_kv_pages), ("--max-model-len", max_model_len), ("--kernels", kernels)):

@@ -1,32 +1,35 @@
-"""The UCX side channel: leases on held state, and the pull protocol between prefill and decode workers.
-It moves lists of byte buffers and knows nothing of models."""
+"""State transfer between workers: leases on held state (transfer/leases.py), the interface every transport
+implements (transfer/base.py) and the transports (transfer/registry.py; UCX in transfer/ucx/). It moves lists
+of byte buffers and knows nothing of models."""
 
-from transfer.leases import Lease, LeaseRefused, LeaseTable
-from transfer.side_channel import (
-    LeaseCheck,
-    RemoteRegion,
+from transfer.base import (
+    DescriptorError,
+    LeaseKey,
+    Source,
+    StateHolder,
     StatePuller,
-    StateServer,
     TransferError,
     TransferStats,
-    configure_ucx,
-    shutdown_ucx,
+    Transport,
     segments,
-    worker_address,
 )
+from transfer.leases import MIN_TOKEN_BYTES, Lease, LeaseRefused, LeaseTable
+from transfer.registry import TRANSPORTS, open_transport
 
 __all__ = [
+    "MIN_TOKEN_BYTES",
+    "TRANSPORTS",
+    "DescriptorError",
     "Lease",
-    "LeaseCheck",
+    "LeaseKey",
     "LeaseRefused",
     "LeaseTable",
-    "RemoteRegion",
+    "Source",
+    "StateHolder",
     "StatePuller",
-    "StateServer",
     "TransferError",
     "TransferStats",
-    "configure_ucx",
-    "shutdown_ucx",
+    "Transport",
+    "open_transport",
     "segments",
-    "worker_address",
 ]

@@ -4,8 +4,8 @@ A lease has an id (public), a secret token (given to whoever may pull the state 
 expiry. It ends exactly once: pulled, released, expired or aborted; its `on_end` callback then frees the held
 memory.
 
-Each live lease also owns one 64-bit *lease word* in a host array that pullers read with UCX (see
-transfer.side_channel): it holds the lease's nonce while the lease lives and is zeroed the moment the lease
+Each live lease also owns one 64-bit *lease word* in a host array that one-sided transports let pullers read
+(transfer/ucx/puller.py): it holds the lease's nonce while the lease lives and is zeroed the moment the lease
 ends, before its memory is freed. A puller that reads the nonce back after its data reads have completed knows
 the memory was not freed, so not reused, while they ran.
 
@@ -67,7 +67,7 @@ def lease_nonce(token: bytes, lease_id: str, extents: list[tuple[int, int]]) -> 
 class LeaseTable:
     def __init__(self, capacity: int = 4096):
         """`capacity`: leases alive at once (each holds a request's state, so the state pool bounds them first)."""
-        self.words = torch.zeros(capacity, dtype=torch.int64)  # registered with UCX by the StateServer
+        self.words = torch.zeros(capacity, dtype=torch.int64)  # made readable by the transport's holder
         self._words = self.words.numpy()  # plain stores, no torch dispatch
         self._free_words = list(range(capacity - 1, -1, -1))
         self._leases: dict[str, Lease] = {}

@@ -17,7 +17,7 @@ TPOT = Histogram("deltamesh_worker_time_per_output_token_seconds",
                  "Decode/colocated: time between output tokens of a request", buckets=_LATENCY)  # fmt: skip
 TRANSFER_BYTES = Histogram("deltamesh_transfer_bytes", "Decode: bytes of state pulled per request", buckets=_BYTES)
 TRANSFER_SECONDS = Histogram("deltamesh_transfer_seconds", "Decode: duration of one state pull", buckets=_LATENCY)
-TRANSFER_BUFFERS = Histogram("deltamesh_transfer_buffers", "Decode: UCX messages (segments) per pull",
+TRANSFER_BUFFERS = Histogram("deltamesh_transfer_buffers", "Decode: reads (segments) per state pull",
                              buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64))  # fmt: skip
 TRANSFERS = Counter("deltamesh_transfers", "Decode: state pulls by outcome", ["outcome"])
 

@@ -23,6 +23,7 @@ class WorkerSettings(BaseModel):
     mesh_secret: SecretStr  # shared by the router and every worker of the mesh (services/common/auth.py)
     advertise_host: str | None = None  # host the router should dial (default: the bind host)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    transport: str = "ucx"  # how held state moves between workers (transfer/registry.py)
     ucx_error_handling: bool = True  # False lets UCX use shared memory / cuda_ipc, but peer failures go undetected by UCX
     lease_ttl_s: float = 30.0  # prefill: how long a held state waits for its decode worker
     max_lease_ttl_s: float = 300.0  # prefill: the longest TTL a caller may ask for (Prefill, ExtendLease)

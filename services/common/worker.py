@@ -44,9 +44,10 @@ class Worker:
         self.model_id = Path(settings.engine.model).name
         self.address = ""  # host:port once the gRPC server is bound
         self.reservations = 0
-        # Set by the role's setup: what to tell the router of this worker's side channel (prefill), and what to
-        # do with each registration reply (decode); the latter must not block (it runs in the heartbeat).
-        self.side_channel: Callable[[], control_pb2.SideChannel] | None = None
+        # Set by the role's setup: what to tell the router of how this worker's memory is reached over its
+        # transport (prefill), and what to do with each registration reply (decode); the latter must not block (it
+        # runs in the heartbeat).
+        self.transport_descriptor: Callable[[], common_pb2.TransportDescriptor] | None = None
         self.on_registered: Callable[[control_pb2.RegisterWorkerResponse], None] | None = None
 
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
@@ -66,7 +67,7 @@ class Worker:
         auth = mesh_metadata(self.settings.mesh_secret.get_secret_value())
         request = control_pb2.RegisterWorkerRequest(
             address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash,
-            side_channel=self.side_channel() if self.side_channel else None,
+            transport=self.transport_descriptor() if self.transport_descriptor else None,
         )  # fmt: skip
         interval = 1.0
         async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
@@ -97,22 +98,23 @@ class Worker:
 
 
 async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> None:
-    """Start a worker: engine, side channel and gRPC services from `setup(worker)`, which returns
+    """Start a worker: transport, engine and gRPC services from `setup(worker, transport)`, which returns
     (services for GrpcServer, async start hook, async stop hook, background coroutines, lease table or None)."""
     from services.common.server import GrpcServer
-    from transfer import configure_ucx, shutdown_ucx
+    from transfer import open_transport
 
     from services.common.metrics import serve_worker_metrics
 
-    configure_ucx(settings.host)
+    transport = open_transport(settings.transport, settings)  # first: it may set up the process's environment
     worker = Worker(settings)
     device = settings.engine.torch_device()
     if device.type == "cuda":
         import torch
 
-        # UCX's CUDA copies are issued from this (the event loop's) thread; plain "cuda" is device 0 as in torch
+        # the transport's CUDA copies are issued from this (the event loop's) thread; plain "cuda" is device 0 as in
+        # torch
         torch.cuda.set_device(device.index or 0)
-    services, on_start, on_stop, background, leases = setup(worker)
+    services, on_start, on_stop, background, leases = setup(worker, transport)
     serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
     await on_start()
     # only the router (and tools holding the mesh secret) may call a worker: its calls hand out leases' tokens
@@ -130,5 +132,5 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> 
     await server.stop(grace_s=2.0)
     await asyncio.gather(*tasks, return_exceptions=True)
     await on_stop()
-    shutdown_ucx()
+    transport.close()
     worker.shutdown()

@@ -9,13 +9,13 @@ from services.common.settings import WorkerSettings
 from services.common.worker import Worker, serve_worker
 from services.decode.peers import PeerWarmer
 from services.decode.servicer import DecodeServicer
-from transfer import StatePuller
+from transfer import Transport
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    def setup(worker: Worker):
+    def setup(worker: Worker, transport: Transport):
         # a holder gets as long to act on an abandon notice as the pull was given
-        puller = StatePuller(settings.ucx_error_handling, settle_grace_s=settings.transfer_timeout_s)
+        puller = transport.puller(settle_grace_s=settings.transfer_timeout_s)
         servicer = DecodeServicer(worker, puller)
         name = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
         services = [(decode_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, name)]

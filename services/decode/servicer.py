@@ -1,6 +1,6 @@
-"""Decode worker: admits requests from any prefill worker, pulls their state over UCX into its own pools,
-and continues them in its continuous batch, streaming tokens. Without a transfer source (colocated mode) it
-prefills the prompt itself."""
+"""Decode worker: admits requests from any prefill worker, pulls their state over the workers' transport into its
+own pools, and continues them in its continuous batch, streaming tokens. Without a transfer source (colocated
+mode) it prefills the prompt itself."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine import PoolExhausted
 from services.common import metrics
 from services.common.convert import delta_from_output
 from services.common.worker import Worker, engine_request
-from transfer import LeaseCheck, RemoteRegion, StatePuller, TransferError
+from transfer import DescriptorError, LeaseKey, StatePuller, TransferError
 
 log = structlog.get_logger("deltamesh.decode")
 
@@ -51,19 +51,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             )
         if layout.num_tokens != len(request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state token count does not match the prompt")
-        if not len(layout.region_bytes) == len(layout.region_addresses) == len(layout.region_rkeys):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state layout: one address and key per region needed")
-        if not (src.lease.word_address and src.lease.word_rkey and src.lease.token):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: its token and its word's address and key needed")
-        regions = [RemoteRegion(*r) for r in zip(layout.region_bytes, layout.region_addresses, layout.region_rkeys)]
-        check = LeaseCheck.of(src.lease.word_address, src.lease.word_rkey, src.lease.token, src.lease.lease_id, regions)
+        if not src.lease.token:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: its token is needed")
+        lease = LeaseKey(src.lease.lease_id, src.lease.token)
+        try:  # nothing moves yet: a descriptor this worker cannot use is refused before any pool space is taken
+            source = self.puller.source(src.transport, lease, layout.region_bytes)
+        except DescriptorError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reservation = await self._reserve(len(request.prompt_token_ids), context)
         self.worker.reservations += 1
         try:
-            stats = await self.puller.pull(
-                src.ucx_address, src.lease.lease_id, src.lease.token, check, regions, [r.tensor for r in reservation.regions],
-                self.worker.settings.transfer_timeout_s,
-            )  # fmt: skip
+            buffers = [r.tensor for r in reservation.regions]
+            stats = await self.puller.pull(source, buffers, self.worker.settings.transfer_timeout_s)
         except TransferError as e:
             metrics.TRANSFERS.labels("refused" if e.refused else "failed").inc()
             self._release(src.lease.lease_id, reservation)
@@ -83,7 +82,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return reservation
 
     def _release(self, lease_id: str, reservation) -> None:
-        """A failed pull's pages and slot go back to the pool once UCX can no longer write into them."""
+        """A failed pull's pages and slot go back to the pool once the transport can no longer write into them."""
         self.puller.release_after(lease_id, lambda: self.engine.cancel_reservation(reservation))
 
     async def _reserve(self, num_tokens: int, context):

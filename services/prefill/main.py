@@ -8,17 +8,17 @@ from deltamesh.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.settings import WorkerSettings
 from services.common.worker import Worker, serve_worker
 from services.prefill.servicer import PrefillServicer, expire_leases
-from transfer import LeaseTable, StateServer
+from transfer import LeaseTable, Transport
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    def setup(worker: Worker):
+    def setup(worker: Worker, transport: Transport):
         leases = LeaseTable(capacity=worker.engine.num_state_slots)  # a lease holds a state slot
-        state_server = StateServer(leases)
-        servicer = PrefillServicer(worker, leases, state_server)
+        holder = transport.holder(leases)
+        servicer = PrefillServicer(worker, leases, holder)
         name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         services = [(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, name)]
-        worker.side_channel = servicer.side_channel
-        return services, state_server.start, state_server.stop, lambda s: [expire_leases(leases, s)], leases
+        worker.transport_descriptor = servicer.transport_descriptor
+        return services, holder.start, holder.stop, lambda s: [expire_leases(leases, s)], leases
 
     await serve_worker(settings, stop, setup)

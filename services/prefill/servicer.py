@@ -1,5 +1,5 @@
 """Prefill worker: runs prompts (chunked, batched with others), samples the first token, and holds each
-request's state under a lease until a decode worker pulls it over the UCX side channel."""
+request's state under a lease until a decode worker pulls it over the workers' transport."""
 
 from __future__ import annotations
 
@@ -9,20 +9,19 @@ import time
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, control_pb2, prefill_pb2, prefill_pb2_grpc
+from deltamesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from engine import FinishReason
 from services.common import metrics
 from services.common.convert import delta_from_output
 from services.common.worker import Worker, engine_request
-from transfer import LeaseRefused, LeaseTable, StateServer
-from transfer.leases import MIN_TOKEN_BYTES
+from transfer import MIN_TOKEN_BYTES, LeaseRefused, LeaseTable, StateHolder
 
 log = structlog.get_logger("deltamesh.prefill")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: Worker, leases: LeaseTable, state_server: StateServer):
-        self.worker, self.engine, self.leases, self.state_server = worker, worker.engine, leases, state_server
+    def __init__(self, worker: Worker, leases: LeaseTable, holder: StateHolder):
+        self.worker, self.engine, self.leases, self.holder = worker, worker.engine, leases, holder
         self._prefilling: dict[str, asyncio.Task] = {}  # request id -> its Prefill call's task (for Abort)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
@@ -45,10 +44,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
             response = prefill_pb2.PrefillResponse(first=delta_from_output(first))
             if first.finish_reason is None:  # more to decode: hold the state under a lease
-                response.lease.CopyFrom(self._lease(rid, len(req.prompt_ids), request.lease_ttl_ms,
-                                                    request.lease_token or None))  # fmt: skip
-                response.ucx_address = self.state_server.address
-                response.layout.CopyFrom(self._layout(rid, len(req.prompt_ids)))
+                self._hold(response, rid, len(req.prompt_ids), request.lease_ttl_ms, request.lease_token or None)
                 leased = True
                 # a caller that went away before the response reached it never learns the token: end the lease now
                 context.add_done_callback(lambda ctx: ctx.cancelled() and self.leases.release(rid))
@@ -59,27 +55,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             if not leased and first is not None and first.finish_reason is None:
                 self.engine.release_held(rid)  # cancelled between holding and leasing
 
-    def _lease(self, rid: str, num_tokens: int, ttl_ms: int, token: bytes | None) -> prefill_pb2.Lease:
+    def _hold(self, response: prefill_pb2.PrefillResponse, rid: str, num_tokens: int, ttl_ms: int,
+              token: bytes | None) -> None:  # fmt: skip
+        """Offer the held state under a lease; the lease, how a puller reaches the state, and its shape go into
+        `response`."""
         ttl = ttl_ms / 1000 if ttl_ms else self.worker.settings.lease_ttl_s
         buffers = self.engine.held_buffers(rid)
         lease = self.leases.offer(rid, buffers, ttl, lambda reason: self._ended(rid, reason), token)
         log.info("state held", lease_id=rid, tokens=num_tokens, bytes=lease.nbytes, buffers=len(buffers), ttl_s=ttl)
-        check = self.state_server.lease_check(lease)
-        return prefill_pb2.Lease(lease_id=rid, token=lease.token, expires_unix_ms=lease.expires_unix_ms(),
-                                 word_address=check.address, word_rkey=check.rkey)  # fmt: skip
+        response.lease.CopyFrom(prefill_pb2.Lease(lease_id=rid, token=lease.token,
+                                                  expires_unix_ms=lease.expires_unix_ms()))  # fmt: skip
+        response.transport.CopyFrom(self.holder.offer(lease))
+        response.layout.CopyFrom(prefill_pb2.StateLayout(compat_hash=self.worker.compat_hash, num_tokens=num_tokens,
+                                                         region_bytes=[b.numel() for b in buffers]))  # fmt: skip
 
-    def _layout(self, rid: str, num_tokens: int) -> prefill_pb2.StateLayout:
-        regions = self.state_server.regions(self.engine.held_buffers(rid))
-        return prefill_pb2.StateLayout(compat_hash=self.worker.compat_hash, num_tokens=num_tokens,
-                                       region_bytes=[r.nbytes for r in regions], **_where(regions))  # fmt: skip
-
-    def side_channel(self) -> control_pb2.SideChannel:
-        """Where this worker's pools and lease words can be read (registered with UCX now, once), for decode
-        workers to set up their side channel to it before the first request."""
-        regions = self.state_server.regions(self.engine.pool_buffers())
-        words = self.state_server.words()
-        return control_pb2.SideChannel(ucx_address=self.state_server.address, **_where(regions),
-                                      lease_words_address=words.address, lease_words_rkey=words.rkey)  # fmt: skip
+    def transport_descriptor(self) -> common_pb2.TransportDescriptor:
+        """How decode workers reach this worker's pools (made readable now, once), for them to set up their
+        transport to it before the first request."""
+        return self.holder.describe(self.engine.pool_buffers())
 
     def _ended(self, rid: str, reason: str) -> None:
         self.engine.release_held(rid)
@@ -115,11 +108,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
         return common_pb2.GetLoadsResponse(workers=[self.worker.load(leases=len(self.leases))])
-
-
-def _where(regions) -> dict:
-    """The proto fields (StateLayout's, SideChannel's) saying where regions start and their remote keys."""
-    return {"region_addresses": [r.address for r in regions], "region_rkeys": [r.rkey for r in regions]}
 
 
 async def expire_leases(leases: LeaseTable, stop: asyncio.Event, every_s: float = 0.05) -> None:

@@ -24,11 +24,11 @@ class ControlServicer(control_pb2_grpc.MeshControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.model and request.model != self.model_id:
             log.warning("worker serves another model", address=request.address, model=request.model)
-        worker.side_channel = request.side_channel if request.HasField("side_channel") else None
+        worker.transport = request.transport if request.HasField("transport") else None
         reply = control_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
         if request.role == "decode":
             peers = self.registry.healthy("prefill")
-            reply.prefill_peers.extend(w.side_channel for w in peers if w.side_channel is not None)
+            reply.prefill_transports.extend(w.transport for w in peers if w.transport is not None)
         return reply
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:

@@ -1,5 +1,5 @@
 """Runs one request through the mesh: prefill on one worker, decode on another, with the hybrid state
-moving between them over UCX under a lease. Shared by the gRPC front door and the REST gateway.
+moving between them over the workers' transport under a lease. Shared by the gRPC front door and the REST gateway.
 
 Failure rules: a prefill worker found unavailable is replaced (up to `prefill_retries` times); a decode
 worker found unavailable before it streamed anything is replaced too; any other failure of either leg ends
@@ -149,8 +149,8 @@ class Mesh:
                 yield first.first
                 if first.first.finished:
                     return
-                source = decode_pb2.TransferSource(
-                    lease=first.lease, ucx_address=first.ucx_address, layout=first.layout,
+                source = decode_pb2.TransferSource(  # the transport descriptor goes on unread
+                    lease=first.lease, transport=first.transport, layout=first.layout,
                     first_token_id=first.first.token_ids[0],
                 )  # fmt: skip
                 req = decode_pb2.DecodeRequest(

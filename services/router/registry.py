@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, control_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.common.auth import mesh_metadata
 from services.common.server import CHANNEL_OPTIONS
 from services.common.tls import aio_channel
@@ -29,7 +29,8 @@ class WorkerHandle:
     static: bool
     channel: grpc.aio.Channel
     compat_hash: str = ""
-    side_channel: control_pb2.SideChannel | None = None  # a registered prefill worker's, for decode workers
+    # a registered prefill worker's transport descriptor, passed on to decode workers unread
+    transport: common_pb2.TransportDescriptor | None = None
     healthy: bool = False
     load: common_pb2.WorkerLoad | None = None
     last_registered: float = field(default_factory=time.monotonic)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from deltamesh.client import Client, PermissionDenied
-from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2
+from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2, ucx_pb2
 from engine import DEFAULT_MODEL, SamplingParams
 from harness import ROOT, channel, start_mesh
 from services.common.auth import MESH_SECRET_ENV
@@ -117,9 +117,9 @@ def _prefill(prefill, rid: str, prompt: list[int]) -> prefill_pb2.PrefillRespons
                                   timeout=30)  # fmt: skip
 
 
-def _decode(decode, rid: str, prompt: list[int], first: prefill_pb2.PrefillResponse, lease=None, layout=None):
-    source = decode_pb2.TransferSource(lease=lease or first.lease, ucx_address=first.ucx_address,
-                                       layout=layout or first.layout, first_token_id=first.first.token_ids[0])  # fmt: skip
+def _decode(decode, rid: str, prompt: list[int], first: prefill_pb2.PrefillResponse, transport=None):
+    source = decode_pb2.TransferSource(lease=first.lease, transport=transport or first.transport, layout=first.layout,
+                                       first_token_id=first.first.token_ids[0])  # fmt: skip
     call = decode.stub().Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY,
                                                          source=source), timeout=30)  # fmt: skip
     return [t for d in call for t in d.token_ids]
@@ -130,8 +130,12 @@ def test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once(mesh, referen
     prompt_a, prompt_b = list(range(30, 70)), list(range(100, 140))  # same length: same-sized states
     a, b = _prefill(prefill, "lease-a", prompt_a), _prefill(prefill, "lease-b", prompt_b)
     # request b's state read under a's lease (a's token and word, b's regions): refused, nothing used
+    a_word_b_regions = ucx_pb2.UcxLeaseDescriptor.FromString(b.transport.payload)
+    a_word = ucx_pb2.UcxLeaseDescriptor.FromString(a.transport.payload)
+    a_word_b_regions.word_address, a_word_b_regions.word_rkey = a_word.word_address, a_word.word_rkey
     with pytest.raises(grpc.RpcError) as e:
-        _decode(decode, "lease-a", prompt_a, a, layout=b.layout)
+        _decode(decode, "lease-a", prompt_a, a, common_pb2.TransportDescriptor(
+            kind="ucx", version=1, payload=a_word_b_regions.SerializeToString()))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "regions are not the lease's" in e.value.details()
     # no lease ends without its token: a tokenless Abort, a wrong token, a TTL past the cap
     stub = prefill.stub()
@@ -223,5 +227,5 @@ def test_a_request_whose_holder_died_fails_fast(tmp_path):
 def test_router_protos_carry_no_transport_fields():
     """What a client sees of the router (its API) names no worker addresses, keys or lease fields."""
     names = {f.name for m in router_pb2.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
-    assert not names & {"ucx_address", "region_rkeys", "side_channel", "lease", "token", "address"}
+    assert not names & {"ucx_address", "region_rkeys", "side_channel", "transport", "lease", "token", "address"}
     assert set(router_pb2.DESCRIPTOR.services_by_name["Router"].methods_by_name) == {"Generate", "Abort", "ListModels"}

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from deltamesh.client import AsyncClient, DeltameshError, InvalidRequest
-from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, ucx_pb2
 from engine import DEFAULT_MODEL, SamplingParams
 from harness import start_mesh
 
@@ -124,39 +124,47 @@ def test_a_lease_never_pulled_expires_and_frees_prefill_memory(mesh):
     assert mesh.wait_idle() == {}
 
 
-def test_wrong_lease_or_layout_is_refused_and_the_state_stays_held(mesh, reference_engine):
+def test_wrong_lease_layout_or_transport_is_refused_and_the_state_stays_held(mesh, reference_engine):
     prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
     prompt = list(range(20, 60))
     sampling = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     first = prefill.stub().Prefill(prefill_pb2.PrefillRequest(request_id="guarded", prompt_token_ids=prompt,
                                                               sampling=sampling), timeout=30)  # fmt: skip
 
-    def decode_with(lease=None, layout=None):
-        source = decode_pb2.TransferSource(lease=lease or first.lease, ucx_address=first.ucx_address,
-                                           layout=layout or first.layout, first_token_id=first.first.token_ids[0])  # fmt: skip
+    def decode_with(lease=None, layout=None, transport=None):
+        source = decode_pb2.TransferSource(lease=lease or first.lease, transport=transport or first.transport,
+                                           layout=layout or first.layout,
+                                           first_token_id=first.first.token_ids[0])  # fmt: skip
         call = decode.stub().Decode(decode_pb2.DecodeRequest(request_id="guarded", prompt_token_ids=prompt,
                                                              sampling=sampling, source=source), timeout=30)  # fmt: skip
         return [t for d in call for t in d.token_ids]
 
+    def refused(code, text, **source):
+        with pytest.raises(grpc.RpcError) as e:
+            decode_with(**source)
+        assert e.value.code() == code and text in e.value.details(), e.value.details()
+
+    def ucx_descriptor(**changes) -> common_pb2.TransportDescriptor:
+        payload = ucx_pb2.UcxLeaseDescriptor.FromString(first.transport.payload)
+        for field in changes.pop("cleared", ()):
+            payload.ClearField(field)
+        return common_pb2.TransportDescriptor(**{"kind": "ucx", "version": 1, "payload": payload.SerializeToString(),
+                                                 **changes})  # fmt: skip
+
     wrong_token = prefill_pb2.Lease()
     wrong_token.CopyFrom(first.lease)
     wrong_token.token = bytes(b ^ 1 for b in first.lease.token)
-    with pytest.raises(grpc.RpcError) as e:
-        decode_with(lease=wrong_token)
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended before its state was read" in e.value.details()
-    no_word = prefill_pb2.Lease(lease_id="guarded", token=first.lease.token)
-    with pytest.raises(grpc.RpcError) as e:
-        decode_with(lease=no_word)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "its word's" in e.value.details()
+    refused(grpc.StatusCode.FAILED_PRECONDITION, "ended before its state was read", lease=wrong_token)
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    refused(invalid, "its token is needed", lease=prefill_pb2.Lease(lease_id="guarded"))
+    refused(invalid, "lease word's address and key", transport=ucx_descriptor(cleared=["word_address", "word_rkey"]))
+    # a transport this worker does not speak, or another version of its own: refused before any byte moves
+    refused(invalid, "'tcp' version 1 is not spoken here", transport=ucx_descriptor(kind="tcp"))
+    refused(invalid, "'ucx' version 2 is not spoken here", transport=ucx_descriptor(version=2))
     bad_layout = prefill_pb2.StateLayout(compat_hash="0" * 20, num_tokens=40, region_bytes=first.layout.region_bytes)
-    with pytest.raises(grpc.RpcError) as e:
-        decode_with(layout=bad_layout)
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "incompatible" in e.value.details()
-    unreadable = prefill_pb2.StateLayout(compat_hash=first.layout.compat_hash, num_tokens=40,
-                                         region_bytes=first.layout.region_bytes)  # no addresses or keys
-    with pytest.raises(grpc.RpcError) as e:
-        decode_with(layout=unreadable)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one address and key per region" in e.value.details()
+    refused(grpc.StatusCode.FAILED_PRECONDITION, "incompatible", layout=bad_layout)
+    unreadable = ucx_descriptor(cleared=["region_addresses", "region_rkeys"])  # no addresses or keys
+    refused(invalid, "one address and key per region", transport=unreadable)
     # the state is still held; the decode worker gave its reservation back (once the refused pull's reads were done)
     assert prefill.load().leases == 1
     deadline = time.monotonic() + 5

@@ -1,6 +1,7 @@
-"""Leases and the UCX side channel (real ucxx and UCX RMA, in one process over loopback): bytes move exactly,
-and a pull of a lease that ended before its reads were checked (pulled, released, expired, another lease's
-word) is refused: what its reads brought in is never used."""
+"""Leases and the UCX transport (real ucxx and UCX RMA, in one process over loopback): bytes move exactly, a
+pull of a lease that ended before its reads were checked (pulled, released, expired, another lease's word) is
+refused: what its reads brought in is never used; a descriptor of another transport or version is refused
+before anything moves."""
 
 import asyncio
 import contextlib
@@ -9,17 +10,9 @@ import time
 import pytest
 import torch
 
-from transfer import (
-    LeaseCheck,
-    LeaseRefused,
-    LeaseTable,
-    StatePuller,
-    StateServer,
-    TransferError,
-    configure_ucx,
-    segments,
-    shutdown_ucx,
-)
+from deltamesh.v1.common_pb2 import TransportDescriptor
+from transfer import DescriptorError, LeaseKey, LeaseRefused, LeaseTable, TransferError, open_transport, segments
+from transfer.ucx import UcxTransport, descriptors
 
 
 def test_segments_cut_both_region_lists_at_every_boundary():
@@ -52,28 +45,33 @@ def test_lease_table_ends_each_lease_once_and_zeroes_its_word_first():
     assert table.counts == {"pulled": 1, "released": 0, "expired": 1, "aborted": 1}
 
 
-def _source(leases, server, ttl_s=10.0):
-    """A lease over two regions of one registered pool (odd sizes and offsets), and what a puller is given."""
+def _source(leases, holder, ttl_s=10.0):
+    """A lease over two regions of one registered pool (odd sizes and offsets), and its descriptor."""
     src_pool = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     src = [src_pool[: 2 << 20], src_pool[(2 << 20) + 7 :]]
     ended = []
     lease = leases.offer("L", src, ttl_s, ended.append)
-    return src, lease, server.regions(src), server.lease_check(lease), ended
+    return src, lease, holder.offer(lease), ended
+
+
+def _sizes(buffers) -> list[int]:
+    return [b.numel() for b in buffers]
 
 
 @contextlib.asynccontextmanager
-async def _side_channel(**puller_options):
-    """A holder (lease table + state server) and a puller in this process; UCX released afterwards."""
+async def _transport(settle_grace_s: float = 10.0):
+    """A holder (lease table + UCX holder) and a puller in this process; UCX released afterwards."""
+    transport = UcxTransport("127.0.0.1")
     leases = LeaseTable()
-    server = StateServer(leases)
-    await server.start()
-    puller = StatePuller(**puller_options)
+    holder = transport.holder(leases)
+    await holder.start()
+    puller = transport.puller(settle_grace_s)
     try:
-        yield leases, server, puller
+        yield leases, holder, puller
     finally:
         await puller.close()
-        await server.stop()
-        shutdown_ucx()  # the UCX worker is bound to this event loop
+        await holder.stop()
+        transport.close()  # the UCX worker is bound to this event loop
 
 
 async def _until(predicate, timeout_s=2.0):
@@ -83,60 +81,93 @@ async def _until(predicate, timeout_s=2.0):
     return predicate()
 
 
-def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
-    configure_ucx("127.0.0.1")
+def _descriptor(address: bytes, regions, word) -> TransportDescriptor:
+    return descriptors.lease_descriptor(address, regions, word)
 
+
+def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
     async def main():
-        async with _side_channel() as (leases, server, puller):
-            src, lease, regions, check, ended = _source(leases, server)
+        async with _transport() as (leases, holder, puller):
+            src, lease, descriptor, ended = _source(leases, holder)
+            key = LeaseKey("L", lease.token)
+            source = puller.source(descriptor, key, _sizes(src))
+            regions, word = source.regions, holder.word_of(lease)
             assert len({r.rkey for r in regions}) == 1  # one registration for the pool behind both
             total = sum(r.nbytes for r in regions)
             dst_pool = torch.zeros(4 << 20, dtype=torch.uint8)
             dst = [dst_pool[: 1 << 20], dst_pool[1 << 20 : total]]
             # the puller derives what the word holds from the token and the regions it reads: only the lease's match
-            assert LeaseCheck.of(check.address, check.rkey, lease.token, "L", regions) == check
+            assert source.check.nonce == lease.nonce
             other = torch.randint(0, 256, (total,), dtype=torch.uint8)
             leases.offer("M", [other], 10, lambda reason: None)  # another request's state
             refused = {
-                "wrong token": (regions, LeaseCheck.of(check.address, check.rkey, b"x" * 16, "L", regions)),
-                "another lease's regions": (server.regions([other]), LeaseCheck.of(check.address, check.rkey,
-                                                                                   lease.token, "L", server.regions([other]))),
-                "an old or another lease's word": (regions, LeaseCheck(check.address, check.rkey, check.nonce ^ 1)),
+                "wrong token": puller.source(descriptor, LeaseKey("L", b"x" * 16), _sizes(src)),
+                "another lease's regions": puller.source(_descriptor(holder.address, holder.regions([other]), word),
+                                                         key, [total]),
+                "an old or another lease's word": puller.source(
+                    _descriptor(holder.address, regions, descriptors.RemoteRegion(8, word.address + 8, word.rkey)),
+                    key, _sizes(src)),
             }  # fmt: skip
-            for why, (named, bad) in refused.items():
+            for why, bad in refused.items():
                 with pytest.raises(TransferError, match="ended before its state was read") as e:
-                    await puller.pull(server.address, "L", lease.token, bad, named, dst, 10)
+                    await puller.pull(bad, dst, 10)
                 assert e.value.refused, why
             assert ended == [] and len(leases) == 2  # both leases are still there for their right pullers
             assert leases.release("M")
             dst_pool.zero_()
-            stats = await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
+            stats = await puller.pull(source, dst, 10)
             assert torch.equal(torch.cat(src), torch.cat(dst)) and stats.nbytes == total
-            assert stats.buffers == len(segments([r.nbytes for r in regions], [b.numel() for b in dst]))
+            assert stats.buffers == len(segments(_sizes(src), _sizes(dst)))
             assert await _until(lambda: ended == ["pulled"]) and len(leases) == 0  # the done notice ended it
-            assert [t["lease_id"] for t in server.timeline] == ["L"]
+            assert [t["lease_id"] for t in holder.timeline] == ["L"]
             with pytest.raises(TransferError, match="ended before") as e:  # used once, never again
-                await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
+                await puller.pull(source, dst, 10)
             assert e.value.refused
 
     asyncio.run(main())
 
 
+def test_a_descriptor_of_another_transport_or_version_is_refused_before_anything_moves():
+    """The puller reads no payload it does not speak: another kind, another version, a payload that does not
+    parse or does not fit the state's regions, a missing descriptor. Nothing of UCX is started to find out."""
+    puller = UcxTransport("127.0.0.1").puller()
+    key = LeaseKey("L", b"t" * 16)
+    good = descriptors.lease_descriptor(b"addr", [descriptors.RemoteRegion(4, 4096, b"k")],
+                                        descriptors.RemoteRegion(8, 64, b"w"))  # fmt: skip
+    assert puller.source(good, key, [4]).regions[0].address == 4096
+    bad = {
+        "is not spoken here": [TransportDescriptor(kind="tcp", version=1, payload=good.payload),
+                               TransportDescriptor(kind="ucx", version=2, payload=good.payload)],
+        "not a UcxLeaseDescriptor": [TransportDescriptor(kind="ucx", version=1, payload=b"\xff\xff\xff")],
+        "one address and key per region": [good],  # for two regions
+        "no transport descriptor": [TransportDescriptor()],
+    }  # fmt: skip
+    for message, descriptors_ in bad.items():
+        for descriptor in descriptors_:
+            with pytest.raises(DescriptorError, match=message):
+                puller.source(descriptor, key, [2, 2] if message.startswith("one address") else [4])
+    with pytest.raises(DescriptorError, match="is not spoken here"):
+        asyncio.run(puller.warm(bad["is not spoken here"][0], torch.device("cpu"), 1))
+    with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+        open_transport("tcp", None)
+
+
 def test_a_warm_up_reads_the_pools_and_lease_words_and_ends_no_lease():
-    """StatePuller.warm reads from the holder's pools and its lease words and sends a notice without a lease id,
-    which the holder skips: a lease offered before stays pullable."""
-    configure_ucx("127.0.0.1")
+    """The puller's warm-up reads from the holder's pools and its lease words and sends a notice without a lease
+    id, which the holder skips: a lease offered before stays pullable."""
 
     async def main():
-        async with _side_channel() as (leases, server, puller):
-            src, lease, regions, check, ended = _source(leases, server)
-            words = server.words()
-            assert words.rkey == check.rkey and words.address <= check.address < words.address + words.nbytes
-            await puller.warm(server.address, regions, words, torch.device("cpu"), 10)
+        async with _transport() as (leases, holder, puller):
+            src, lease, descriptor, ended = _source(leases, holder)
+            address, pools, words = descriptors.read_holder(holder.describe(src))
+            word = holder.word_of(lease)
+            assert address == holder.address and len(pools) == len(src)
+            assert words.rkey == word.rkey and words.address <= word.address < words.address + leases.words.numel() * 8
+            await puller.warm(holder.describe(src), torch.device("cpu"), 10)
             await asyncio.sleep(0.1)  # the warm-up notice has reached the holder
-            assert ended == [] and len(leases) == 1 and not server.timeline
-            dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
-            await puller.pull(server.address, "L", lease.token, check, regions, dst, 10)
+            assert ended == [] and len(leases) == 1 and not holder.timeline
+            dst = [torch.zeros(sum(_sizes(src)), dtype=torch.uint8)]
+            await puller.pull(puller.source(descriptor, LeaseKey("L", lease.token), _sizes(src)), dst, 10)
             assert torch.equal(dst[0], torch.cat(src)) and await _until(lambda: ended == ["pulled"])
 
     asyncio.run(main())
@@ -147,14 +178,14 @@ def test_a_lease_that_ends_while_its_reads_run_fails_the_pull(monkeypatch):
     failpoint holds it there): the bytes may already be another request's, so the pull is refused."""
     from transfer import failpoints
 
-    configure_ucx("127.0.0.1")
     monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:0.3")
 
     async def main():
-        async with _side_channel() as (leases, server, puller):
-            src, lease, regions, check, ended = _source(leases, server)
-            dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
-            pull = asyncio.ensure_future(puller.pull(server.address, "L", lease.token, check, regions, dst, 10))
+        async with _transport() as (leases, holder, puller):
+            src, lease, descriptor, ended = _source(leases, holder)
+            dst = [torch.zeros(sum(_sizes(src)), dtype=torch.uint8)]
+            source = puller.source(descriptor, LeaseKey("L", lease.token), _sizes(src))
+            pull = asyncio.ensure_future(puller.pull(source, dst, 10))
             await asyncio.sleep(0.1)
             assert leases.release("L", lease.token) and ended == ["released"]
             with pytest.raises(TransferError, match="ended before its state was read") as e:
@@ -170,15 +201,14 @@ def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
     reads are done (nothing of that pull can land in them any more), long before its 30 s grace."""
     from transfer import failpoints
 
-    configure_ucx("127.0.0.1")
     monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:20")
 
     async def main():
-        async with _side_channel(settle_grace_s=30) as (leases, server, puller):
-            src, lease, regions, check, ended = _source(leases, server, ttl_s=60)
-            dst = [torch.zeros(sum(r.nbytes for r in regions), dtype=torch.uint8)]
+        async with _transport(settle_grace_s=30) as (leases, holder, puller):
+            src, lease, descriptor, ended = _source(leases, holder, ttl_s=60)
+            dst = [torch.zeros(sum(_sizes(src)), dtype=torch.uint8)]
             with pytest.raises(TransferError, match="did not finish"):
-                await puller.pull(server.address, "L", lease.token, check, regions, dst, 0.5)
+                await puller.pull(puller.source(descriptor, LeaseKey("L", lease.token), _sizes(src)), dst, 0.5)
             t0 = time.monotonic()
             released = []
             puller.release_after("L", lambda: released.append(time.monotonic() - t0))
@@ -194,12 +224,11 @@ def test_an_idle_holder_costs_no_cpu_and_needs_no_helper_thread():
     (before, ucxx's polling made an idle worker burn a core), and completions need no extra Python thread."""
     import threading
 
-    configure_ucx("127.0.0.1")
-
     async def main():
         threads = threading.active_count()
-        server = StateServer(LeaseTable())
-        await server.start()
+        transport = UcxTransport("127.0.0.1")
+        holder = transport.holder(LeaseTable())
+        await holder.start()
         try:
             cpu0, wall0 = time.process_time(), time.monotonic()
             await asyncio.sleep(1.0)
@@ -207,8 +236,8 @@ def test_an_idle_holder_costs_no_cpu_and_needs_no_helper_thread():
             assert cpu < 0.2 * (time.monotonic() - wall0), f"idle holder used {cpu:.2f} CPU-s in 1 s"
             assert threading.active_count() == threads
         finally:
-            await server.stop()
-            shutdown_ucx()
+            await holder.stop()
+            transport.close()
 
     asyncio.run(main())
 
@@ -218,9 +247,9 @@ def test_a_spinning_receive_spins_only_until_done_or_its_budget():
     then the worker sleeps on its wake-up fd again."""
     import numpy as np
 
-    from transfer import loop_worker
+    from transfer.ucx import loop_worker
 
-    configure_ucx("127.0.0.1")
+    transport = UcxTransport("127.0.0.1")
 
     def cpu_share(seconds: float):
         async def measure():
@@ -248,64 +277,82 @@ def test_a_spinning_receive_spins_only_until_done_or_its_budget():
             assert not never.done()
             ep.close()
         finally:
-            shutdown_ucx()
+            transport.close()
 
     asyncio.run(main())
 
 
-def _holder_process(conn):
-    """A holder in its own process (so that it can be killed): offers three leases and waits."""
-    configure_ucx("127.0.0.1")
+def _peer_process(conn):
+    """Another worker in its own process (so that it can be killed): holds three leases, then pulls the state the
+    test's process holds through the same API (a pull the other way round), and waits."""
 
     async def main():
+        transport = UcxTransport("127.0.0.1")
         leases = LeaseTable()
-        server = StateServer(leases)
-        await server.start()
+        holder, puller = transport.holder(leases), transport.puller()
+        await holder.start()
         src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
         offers = []
         for i in range(3):
             lease = leases.offer(f"L{i}", [src], 60, lambda reason: None)
-            offers.append((f"L{i}", lease.token, server.lease_check(lease), server.regions([src])))
-        conn.send((server.address, offers))
+            offers.append((LeaseKey(f"L{i}", lease.token), holder.offer(lease)))
+        conn.send(offers)
+        key, descriptor, size = await asyncio.to_thread(conn.recv)
+        into = torch.zeros(size, dtype=torch.uint8)
+        await puller.pull(puller.source(descriptor, key, [size]), [into], 10)
+        conn.send(into.sum().item())
         await asyncio.sleep(3600)
 
     asyncio.run(main())
 
 
-def test_a_holder_that_dies_fails_the_pulls_and_never_crashes_the_puller():
-    """SIGKILL the holder after a first pull: the next pulls fail (UCX reports the dead peer) and the puller
-    drops and closes its endpoint to it. Closing an endpoint that UCX had already failed used to segfault the
-    decode worker."""
+def test_two_workers_pull_from_each_other_and_a_dead_holder_never_crashes_the_puller():
+    """Each process holds and pulls through the same API (prefill <- decode as well as prefill -> decode). Then
+    SIGKILL the other process after a first pull from it: the next pulls fail (UCX reports the dead peer) and the
+    puller drops and closes its endpoint to it. Closing an endpoint that UCX had already failed used to segfault
+    the decode worker."""
     import multiprocessing as mp
     import os
     import signal
 
-    configure_ucx("127.0.0.1")
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    holder = ctx.Process(target=_holder_process, args=(child,), daemon=True)
-    holder.start()
+    peer = ctx.Process(target=_peer_process, args=(child,), daemon=True)
+    peer.start()
 
     async def main():
-        assert conn.poll(60), "the holder did not start"
-        address, offers = conn.recv()
-        puller = StatePuller()  # UCX error handling on: a dead peer is reported
-        try:
+        assert await asyncio.to_thread(conn.poll, 60), "the other process did not start"
+        offers = conn.recv()
+        async with _transport() as (leases, holder, puller):  # UCX error handling on: a dead peer is reported
+            mine = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+            ended = []
+            lease = leases.offer("mine", [mine], 60, ended.append)
+            conn.send((LeaseKey("mine", lease.token), holder.offer(lease), mine.numel()))
+            assert await asyncio.to_thread(conn.recv) == mine.sum().item()  # it pulled the bytes this process holds
+            assert await _until(lambda: ended == ["pulled"])
             dst = [torch.zeros(1 << 20, dtype=torch.uint8)]
-            lease_id, token, check, regions = offers[0]
-            assert (await puller.pull(address, lease_id, token, check, regions, dst, 10)).nbytes == 1 << 20
-            os.kill(holder.pid, signal.SIGKILL)
-            holder.join(10)
-            for lease_id, token, check, regions in offers[1:]:
+            key, descriptor = offers[0]
+            assert (await puller.pull(puller.source(descriptor, key, [1 << 20]), dst, 10)).nbytes == 1 << 20
+            os.kill(peer.pid, signal.SIGKILL)
+            peer.join(10)
+            for key, descriptor in offers[1:]:
                 with pytest.raises(TransferError) as e:
-                    await puller.pull(address, lease_id, token, check, regions, dst, 5)
+                    await puller.pull(puller.source(descriptor, key, [1 << 20]), dst, 5)
                 assert not e.value.refused
-        finally:
-            await puller.close()
-            shutdown_ucx()
 
     try:
         asyncio.run(main())
     finally:
-        if holder.is_alive():
-            holder.kill()
+        if peer.is_alive():
+            peer.kill()
+
+
+def test_the_wire_api_names_no_transport_field_outside_a_transports_own_messages():
+    """Services carry transport descriptors opaquely: no field of the gRPC API's messages is a transport's."""
+    from deltamesh.v1 import common_pb2, control_pb2, decode_pb2, prefill_pb2, router_pb2
+
+    messages = [m for module in (common_pb2, control_pb2, decode_pb2, prefill_pb2, router_pb2)
+                for m in module.DESCRIPTOR.message_types_by_name.values()]  # fmt: skip
+    names = {f.name for m in messages for f in m.fields}
+    assert not {n for n in names if "ucx" in n or "rkey" in n or n in ("region_addresses", "word_address")}
+    assert {f.name for f in common_pb2.TransportDescriptor.DESCRIPTOR.fields} == {"kind", "version", "payload"}

@@ -1,16 +1,16 @@
 """One UCX worker per process, progressed by the asyncio event loop itself.
 
 ucxx's asyncio layer completes each request through two helper threads (a progress thread, then a Python
-notifier thread that hands the result to the loop), and both need the GIL. Measured on the H200 host, each
-such hand-over cost 0.3-0.8 ms, most of a pull's fixed cost; next to a busy decode thread it grew to ~10 ms.
-Here the worker's wake-up file descriptor sits in the loop's own epoll set instead: when UCX has something
-to do (a message arrived, a GPU copy finished: cuda_ipc signals through an eventfd) the loop wakes, progresses
-the worker and resolves the futures of the requests that completed. No extra thread; nothing spins when idle.
+notifier thread that hands the result to the loop), and both need the GIL: each hand-over costs a large part of a
+small pull, and more next to a busy engine thread. Here the worker's wake-up file descriptor sits in the loop's
+own epoll set instead: when UCX has something to do (a message arrived, a GPU copy finished: cuda_ipc signals
+through an eventfd) the loop wakes, progresses the worker and resolves the futures of the requests that
+completed. No extra thread; nothing spins when idle.
 
 A request may ask to be spun for (`spin_s`): until it completes, or for at most that long, the worker is
-progressed on every turn of the loop instead of waiting for the wake-up. On the H200 pair each event-driven
-hand-over (a message arrived, a copy finished) cost ~0.2-0.3 ms beyond what UCX needs; a transfer that is
-expected to finish in a few milliseconds is better watched. Other callbacks still run between rounds.
+progressed on every turn of the loop instead of waiting for the wake-up, because an event-driven hand-over
+costs more than UCX's own work for a transfer expected to finish within milliseconds. Other callbacks still
+run between rounds.
 
 All calls must come from the loop that created the worker (`get()`); `close()` releases it so that another
 loop (tests) can create a new one.
@@ -42,7 +42,7 @@ def get() -> "LoopWorker":
     if _worker is None:
         _worker = LoopWorker(loop)
     elif _worker.loop is not loop:
-        raise RuntimeError("the UCX worker belongs to another event loop: call transfer.shutdown_ucx() first")
+        raise RuntimeError("the UCX worker belongs to another event loop: close the UCX transport first")
     return _worker
 
 
@@ -63,7 +63,7 @@ class LoopWorker:
         self.worker = ucx.UCXWorker(self.context)  # no delayed submission, no Python futures: requests post at once
         self.worker.init_blocking_progress_mode()
         self._fd = self.worker.epoll_file_descriptor
-        # UCX request (ucxx's, or transfer.rma.GetRequest) -> (caller's future, buffer, listening, spin until
+        # UCX request (ucxx's, or rma.GetRequest) -> (caller's future, buffer, listening, spin until
         # this perf_counter())
         self._waiting: dict[object, tuple] = {}
         self._request_of: dict[asyncio.Future, object] = {}  # caller's future -> its UCX request, until done
@@ -99,7 +99,7 @@ class LoopWorker:
     def get(self, ep, buffer, remote_address: int, rkey, spin_s: float = 0.0) -> asyncio.Future:
         """Read `buffer.numel()` bytes at `remote_address` of the peer (memory registered there, `rkey` unpacked
         for `ep`) into `buffer` (a 1-D uint8 tensor, host or CUDA); resolves when they are there."""
-        from transfer import rma
+        from transfer.ucx import rma
 
         request = rma.GetRequest(ep.handle, buffer.data_ptr(), buffer.numel(), remote_address, rkey,
                                  rma.memory_type(buffer.is_cuda))  # fmt: skip
@@ -108,8 +108,8 @@ class LoopWorker:
         return self._track(request, buffer, False, _spin_until(spin_s))
 
     def register(self, address: int, length: int, cuda: bool):
-        """Register memory for peers' reads (see transfer.rma.Registration)."""
-        from transfer import rma
+        """Register memory for peers' reads (see rma.Registration)."""
+        from transfer.ucx import rma
 
         return rma.Registration(self.context.handle, address, length, rma.memory_type(cuda))
 
