@@ -212,9 +212,9 @@ def decode_items(core, batch: int, context: int) -> list:
     """Scheduled decode items of an EngineCore: `batch` requests that already hold `context` tokens of
     (random) state, one new token each, with their pages and state slot allocated. Each request's new token
     differs: identical inputs would route every token of a MoE step to the same experts."""
-    from engine import SamplingParams
-    from engine.request import Request
-    from engine.scheduler import ScheduledItem
+    from deltamesh.engine import SamplingParams
+    from deltamesh.engine.request import Request
+    from deltamesh.engine.scheduler import ScheduledItem
 
     items = []
     for i in range(batch):
@@ -231,9 +231,9 @@ def prefill_items(core, batch: int, chunk: int) -> list:
     """Scheduled prefill items of an EngineCore: `batch` fresh requests, each prefilling a `chunk`-token prompt
     in one step, with their pages and state slot allocated (stepping them again recomputes the same chunk).
     The prompts' tokens differ, for the reason decode_items gives."""
-    from engine import SamplingParams
-    from engine.request import Request
-    from engine.scheduler import ScheduledItem
+    from deltamesh.engine import SamplingParams
+    from deltamesh.engine.request import Request
+    from deltamesh.engine.scheduler import ScheduledItem
 
     vocab = core.model_config.vocab_size
     items = []

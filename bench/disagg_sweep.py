@@ -26,7 +26,7 @@ from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, print_table, s
 def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
     grpc_port, http_port = free_port(), free_port()
     log = Path(args.log_dir) / f"serve-{'colocated' if colocated else 'disagg'}.log"
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", args.model, "--load-format", "dummy",
+    cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--model", args.model, "--load-format", "dummy",
            "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--max-model-len", str(args.input_len + args.output_len + 16), "--max-num-seqs", str(max(args.concurrency)),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-ucx-error-handling",

@@ -150,8 +150,8 @@ class Bench:
     def __init__(self, spec: ModelSpec, args):
         import torch
 
-        from engine import EngineConfig
-        from engine.core import EngineCore
+        from deltamesh.engine import EngineConfig
+        from deltamesh.engine.core import EngineCore
 
         self.spec, self.args = spec, args
         self.decode_max_tokens = spec.decode_steps + 64  # room for the decode steps taken while others prefill
@@ -183,7 +183,7 @@ class Bench:
         return [torch.randint(0, vocab, (length,), generator=self.gen).tolist() for _ in range(n)]
 
     def submit(self, prompts: list[list[int]], max_tokens: int) -> list:
-        from engine import SamplingParams
+        from deltamesh.engine import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         reqs = []

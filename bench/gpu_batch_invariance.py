@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, median, write_result  # noqa: E402
 from bench.gpu_common import machine_info  # noqa: E402
-from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from deltamesh.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -85,8 +85,8 @@ def graph_ms(fn) -> float:
 def core_for(config_dir: str, max_seqs: int, context: int, extra_tokens: int = 64, **kw):
     """An EngineCore on the GPU with dummy bf16 weights, its pools sized for `max_seqs` requests of `context`
     (+ `extra_tokens`) tokens."""
-    from engine import EngineConfig
-    from engine.core import EngineCore
+    from deltamesh.engine import EngineConfig
+    from deltamesh.engine.core import EngineCore
 
     pages = max_seqs * (-(-(context + extra_tokens) // 16)) + 64
     return EngineCore(EngineConfig(

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from bench.common import CONFIGS, RESULTS, write_result  # noqa: E402
 from bench.gpu_common import machine_info  # noqa: E402
 from deltamesh.client import AsyncClient  # noqa: E402
-from engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams  # noqa: E402
+from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams  # noqa: E402
 from harness import start_mesh  # noqa: E402
 
 

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS, print_table, write_result  # noqa: E402
 from bench.gpu_common import hbm_bandwidth, machine_info  # noqa: E402
-from kernels import ModelShapes  # noqa: E402
-from kernels.registry import _BACKENDS  # noqa: E402
+from deltamesh.kernels import ModelShapes  # noqa: E402
+from deltamesh.kernels.registry import _BACKENDS  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -98,7 +98,7 @@ def decode_rows(batch, hk, hv, state_dtype, bandwidth):
 
 def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list[dict]:
     """The paged decode kernel on a pool laid out as the engine's (8 attention layers, page-major)."""
-    from kernels.triton_attention import paged_decode
+    from deltamesh.kernels.triton_attention import paged_decode
 
     page, kv_heads, heads, dim, layers = 16, 4, 16, 256, 8
     n_pages = -(-context // page)
@@ -127,7 +127,7 @@ def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list
 
 
 def attention_launches() -> list:
-    from kernels.triton_attention import DEFAULT_LAUNCH, DecodeLaunch
+    from deltamesh.kernels.triton_attention import DEFAULT_LAUNCH, DecodeLaunch
 
     sweep = [DecodeLaunch(block_n=n, num_warps=w, num_stages=st, target_programs=tp)
              for n in (32, 64, 128) for w in (4, 8) for st in (2, 3) for tp in (2048, 8192)]  # fmt: skip

@@ -32,7 +32,7 @@ from bench.gpu_common import (  # noqa: E402
     step_bytes,
     time_ms,
 )
-from engine import SamplingParams  # noqa: E402
+from deltamesh.engine import SamplingParams  # noqa: E402
 
 
 def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: float,
@@ -96,7 +96,7 @@ def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
     """transformers' own model vs this engine, same weights, batch of prompts, greedy, fixed lengths."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.weights import load_tensors
+    from deltamesh.engine.weights import load_tensors
 
     hf_cfg = AutoConfig.from_pretrained(config_dir)
     with torch.device("cuda"):

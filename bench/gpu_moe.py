@@ -37,10 +37,10 @@ from bench.gpu_common import (  # noqa: E402
     step_bytes,
     time_ms,
 )
-from engine.config import ModelConfig  # noqa: E402
-from engine.models.layers import SparseMoE  # noqa: E402
-from engine.weights import init_dummy  # noqa: E402
-from kernels import torch_ref, triton_moe  # noqa: E402
+from deltamesh.engine.config import ModelConfig  # noqa: E402
+from deltamesh.engine.models.layers import SparseMoE  # noqa: E402
+from deltamesh.engine.weights import init_dummy  # noqa: E402
+from deltamesh.kernels import torch_ref, triton_moe  # noqa: E402
 
 IMPLS = {"torch": torch_ref.moe, "triton": triton_moe.moe}
 

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.common import fmt, ints, table, write_result  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
+from deltamesh.engine import EngineConfig, SamplingParams  # noqa: E402
+from deltamesh.engine.core import EngineCore  # noqa: E402
 
 
 def busy_us(prof) -> tuple[float, float]:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, free_port, stop_group, write_result  # noqa: E402
 from deltamesh.client import AsyncClient, DeltameshError  # noqa: E402
-from services.router.control import read_loads  # noqa: E402
+from deltamesh.services.router.control import read_loads  # noqa: E402
 
 
 class OwnMesh:
@@ -38,7 +38,7 @@ class OwnMesh:
         self.address = f"127.0.0.1:{self.port}"
         self.secret = secrets.token_hex(16)  # given to the mesh, so that its loads can be read here
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "--grpc-port", str(self.port), "--control-port",
+            [sys.executable, "-m", "deltamesh.services.cli", "serve", "--grpc-port", str(self.port), "--control-port",
              str(self.control_port), "--http-port", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             cwd=ROOT, env={**os.environ, "DELTAMESH_MESH_SECRET": self.secret},

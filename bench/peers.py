@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, ROOT, fmt, free_port, ints, stop_group, table, write_result  # noqa: E402
 from bench.disagg_sweep import run_point, wait_ready  # noqa: E402
-from engine.defaults import DEFAULT_MODEL  # noqa: E402
+from deltamesh.engine.defaults import DEFAULT_MODEL  # noqa: E402
 
 
 def model_folder(shape: Path, work: Path) -> Path:
@@ -46,7 +46,7 @@ def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen,
     max_len = str(max(i + o for i, o in args.loads) + 16)
     env = dict(os.environ)
     if engine == "deltamesh":
-        cmd = [sys.executable, "-m", "services.cli", "serve", "--colocated", "--decode-workers", "1", "--gpus", "0",
+        cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--colocated", "--decode-workers", "1", "--gpus", "0",
                "--model", str(folder), "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
                "--grpc-port", str(free_port()), "--control-port", str(free_port()), "--http-port", str(port),
                "--max-model-len", max_len, "--max-num-seqs", str(args.max_num_seqs),

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import CONFIGS, write_result  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
+from deltamesh.engine import EngineConfig, SamplingParams  # noqa: E402
+from deltamesh.engine.core import EngineCore  # noqa: E402
 
 
 def main() -> None:

@@ -396,7 +396,7 @@ def main(argv=None) -> int:
         print(f"skipping lengths above --max-tokens {max_tokens}: {skipped}", flush=True)
     rows, overlaps = run_all(args, lengths, reps)
 
-    from engine.config import ModelConfig
+    from deltamesh.engine.config import ModelConfig
 
     mc = ModelConfig.from_dir(args.model_config)
     try:

@@ -58,7 +58,7 @@ def _tag_tools(peer_address: bytes, error_handling: bool):
     from ucxx._lib.arr import Array
     from ucxx._lib.libucxx import UCXXTag
 
-    from transfer.ucx import loop_worker
+    from deltamesh.transfer.ucx import loop_worker
 
     ucx = loop_worker.get()
     return ucx.worker, ucx.endpoint(peer_address, error_handling), Array, UCXXTag
@@ -104,8 +104,8 @@ def floor_puller(holder_address: bytes, buffers, reps: int, tag: int, error_hand
 def _rma_floor(holder_address: bytes, regions, buffers, error_handling: bool):
     """What both RMA floors read with: the worker, the endpoint to the holder, the holder's keys unpacked for it
     (destroyed afterwards) and the plan of segments, as a pull makes it."""
-    from transfer import segments
-    from transfer.ucx import loop_worker, rma
+    from deltamesh.transfer import segments
+    from deltamesh.transfer.ucx import loop_worker, rma
 
     ucx = loop_worker.get()
     if holder_address not in _RMA_FLOOR_EPS:
@@ -124,7 +124,7 @@ def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_h
     """The RMA floor: the reads a pull posts (one per segment, keys unpacked once), spinning on UCX progress until
     all are done; no lease check, no event loop. `pause_s`: the process, GPUs and link idle this long before each
     rep (what a pull after a pause starts from)."""
-    from transfer.ucx import rma
+    from deltamesh.transfer.ucx import rma
 
     memory = rma.memory_type(buffers[0].is_cuda)
     secs = []

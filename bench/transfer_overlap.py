@@ -17,8 +17,8 @@ class EngineLoop:
 
     def __init__(self, model: str, device: str, side: str, batch: int, context: int):
         from bench.common import decode_items, prefill_items
-        from engine import EngineConfig
-        from engine.core import EngineCore
+        from deltamesh.engine import EngineConfig
+        from deltamesh.engine.core import EngineCore
 
         weights = "auto" if any(Path(model).glob("*.safetensors")) else "dummy"
         self.core = EngineCore(EngineConfig(
@@ -33,7 +33,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=f"{side}-loop", daemon=True)
 
     def _run(self) -> None:
-        from engine.sampling import host_list
+        from deltamesh.engine.sampling import host_list
 
         while not self._stop.is_set():
             t0 = time.perf_counter()

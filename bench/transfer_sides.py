@@ -69,8 +69,8 @@ def pools(opts: Options, copies: int = 1, device: str | None = None):
     """The engine's pools for `copies` x opts.offers_per_pull requests of up to opts.max_tokens tokens."""
     import torch
 
-    from engine.cache import KVPagePool, StatePool
-    from engine.config import ModelConfig
+    from deltamesh.engine.cache import KVPagePool, StatePool
+    from deltamesh.engine.config import ModelConfig
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mc = ModelConfig.from_dir(opts.model_config)
@@ -111,7 +111,7 @@ def _checksum(buffers) -> int:
         for b in buffers:
             crc = zlib.crc32(b.numpy(), crc)
         return crc
-    from engine.sampling import host_list
+    from deltamesh.engine.sampling import host_list
 
     total, offset, chunk = torch.zeros((), dtype=torch.int64, device=buffers[0].device), 0, 1 << 24
     for b in buffers:
@@ -126,7 +126,7 @@ def _checksum(buffers) -> int:
 def _setup_process(opts: Options, gpu: int):
     """Before ucxx (and CUDA) is imported: one GPU per process, UCX's protocols on request. Returns the process's
     transport (loopback only)."""
-    from transfer.ucx import UcxTransport
+    from deltamesh.transfer.ucx import UcxTransport
 
     if opts.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -155,7 +155,7 @@ class _Side:
 
 class HolderSide(_Side):
     def __init__(self, conn, opts: Options, transport):
-        from transfer import LeaseTable
+        from deltamesh.transfer import LeaseTable
 
         super().__init__(conn)
         self.opts = opts
@@ -183,14 +183,14 @@ class HolderSide(_Side):
 
     async def on_pools(self) -> None:
         """The whole pools and the lease words, as a prefill worker registers them."""
-        from engine.cache import pool_views
+        from deltamesh.engine.cache import pool_views
 
         self.conn.send(("pools", self.holder.describe(pool_views(self.kv, self.st))))
 
     async def on_offer(self, lease_id: str, n_tokens: int, seed: int) -> None:
         import torch
 
-        from transfer import LeaseKey
+        from deltamesh.transfer import LeaseKey
 
         kv, st, loop = self.kv, self.st, asyncio.get_running_loop()
         prep_started = time.perf_counter()
@@ -262,7 +262,7 @@ class PullerSide(_Side):
         return torch.cuda.stream(self.aux) if self.aux else contextlib.nullcontext()
 
     async def run(self) -> None:
-        from transfer.ucx import loop_worker
+        from deltamesh.transfer.ucx import loop_worker
 
         await self.puller.start()
         self.engine_loop = self.opts.engine_loop("decode")
@@ -297,7 +297,7 @@ class PullerSide(_Side):
         self.conn.send(("overlap", steps, self.pulls, self.checks, self.warm_ups))
 
     async def on_warm(self, holder) -> None:
-        """As services/decode/peers.py does when a prefill worker joins."""
+        """As deltamesh/services/decode/peers.py does when a prefill worker joins."""
         import torch
 
         t0 = time.perf_counter()
@@ -338,7 +338,7 @@ class PullerSide(_Side):
                 self.st.free(slot)
 
     async def _pull(self, offers: list[tuple], targets: list[list]) -> dict:
-        from transfer import TransferError
+        from deltamesh.transfer import TransferError
 
         opts = self.opts
         pulls = [self.puller.pull(self.puller.source(descriptor, key, sizes), buffers, opts.timeout_s)

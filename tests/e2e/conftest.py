@@ -1,6 +1,6 @@
 import pytest
 
-from engine import DEFAULT_MODEL, Engine, EngineConfig
+from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig
 
 
 @pytest.fixture(scope="session")

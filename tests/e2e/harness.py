@@ -16,8 +16,8 @@ import grpc
 
 from deltamesh.client import Client
 from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from services.common.auth import MESH_SECRET_ENV, mesh_metadata
-from services.router.control import read_loads
+from deltamesh.services.common.auth import MESH_SECRET_ENV, mesh_metadata
+from deltamesh.services.router.control import read_loads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ class Mesh:
     def _spawn(self, role: str, args: list[str], port: int) -> Proc:
         log = self.log_dir / f"{role}-{port}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", MESH_SECRET_ENV: self.secret}
-        popen = subprocess.Popen([sys.executable, "-m", "services.cli", role, *args], cwd=ROOT, env=env,
+        popen = subprocess.Popen([sys.executable, "-m", "deltamesh.services.cli", role, *args], cwd=ROOT, env=env,
                                  stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
         creds = None
         if self.client_kwargs.get("root_certificates"):

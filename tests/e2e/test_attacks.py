@@ -12,9 +12,9 @@ import pytest
 
 from deltamesh.client import Client, PermissionDenied
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2, ucx_pb2
-from engine import DEFAULT_MODEL, SamplingParams
+from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from harness import ROOT, channel, start_mesh
-from services.common.auth import MESH_SECRET_ENV
+from deltamesh.services.common.auth import MESH_SECRET_ENV
 from reliability import record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.security]
@@ -72,7 +72,7 @@ def test_no_one_without_the_mesh_secret_joins_the_mesh_or_reads_its_keys(mesh):
 
 
 def test_operators_read_loads_with_the_mesh_secret_only(mesh):
-    cli = [sys.executable, "-m", "services.cli", "loads", mesh.control_address]  # run from the repo root
+    cli = [sys.executable, "-m", "deltamesh.services.cli", "loads", mesh.control_address]  # run from the repo root
     run = lambda env: subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)  # noqa: E731
     env = {k: v for k, v in os.environ.items() if k != MESH_SECRET_ENV}
     ok = run({**env, MESH_SECRET_ENV: mesh.secret})

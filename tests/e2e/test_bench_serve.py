@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench import serve
-from engine import DEFAULT_MODEL
+from deltamesh.engine import DEFAULT_MODEL
 from harness import ROOT, start_mesh
 
 pytestmark = pytest.mark.e2e

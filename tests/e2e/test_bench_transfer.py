@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path, side):
-    out = tmp_path / "transfer.json"
+    out = tmp_path / "deltamesh.transfer.json"
     assert transfer.main(["--lengths", "128", "--reps", "1", "--no-ucx-error-handling", "--floor", "--warm", "--rotate", "2",
                           "--overlap-model", "models/deltamesh-tiny", "--overlap-side", side, "--overlap-batch", "2",
                           "--overlap-context", "64", "--out", str(out), *(["--offers-first"] if side == "prefill" else [])
@@ -35,7 +35,7 @@ def test_transfer_bench_times_pulls_in_a_row_and_after_an_idle_gap(tmp_path):
     """--sequence 3: every pull of a turn but the first is timed (back to back, as the raw copy's first row);
     --gap-ms: the turn starts after that much idle time (as its second row), and the bare RMA reads of --floor
     are timed after the same pause too. Every pull verified."""
-    out = tmp_path / "transfer.json"
+    out = tmp_path / "deltamesh.transfer.json"
     assert transfer.main(["--lengths", "128", "--reps", "2", "--no-ucx-error-handling", "--sequence", "3",
                           "--gap-ms", "5", "--floor", "--out", str(out)]) == 0  # fmt: skip
     results = json.loads(out.read_text())["results"]

@@ -14,7 +14,7 @@ import pytest
 
 from deltamesh.client import InvalidRequest
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from engine import DEFAULT_MODEL
+from deltamesh.engine import DEFAULT_MODEL
 from harness import start_mesh
 from reliability import record
 

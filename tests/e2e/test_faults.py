@@ -10,7 +10,7 @@ import time
 import pytest
 
 from deltamesh.client import DeltameshError, Unavailable
-from engine import DEFAULT_MODEL
+from deltamesh.engine import DEFAULT_MODEL
 from harness import start_mesh
 from reliability import record
 
@@ -119,7 +119,7 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
 def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
     # the failpoint holds the puller before it reads the lease word, so SIGSTOP lands mid-transfer; on this CPU
     # mesh (UCX error handling on) RMA reads go over TCP and need the holder's progress
-    mesh = mesh_with_failpoint(tmp_path, "transfer.before_check=sleep:0.5")
+    mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=sleep:0.5")
     try:
         client = mesh.client(retries=0)
         prefill = mesh.workers("prefill")[0]
@@ -151,7 +151,7 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
 
 
 def test_side_channel_dropped_mid_transfer(tmp_path):
-    mesh = mesh_with_failpoint(tmp_path, "transfer.before_check=drop")
+    mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=drop")
     try:
         client = mesh.client(retries=0)
         t = time.monotonic()

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltamesh.client import DeltameshError, InvalidRequest, NotFound
-from engine import DEFAULT_MODEL
+from deltamesh.engine import DEFAULT_MODEL
 from harness import start_mesh
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ import pytest
 
 from bench import load_soak
 from deltamesh.client import AsyncClient, DeltameshError
-from engine import DEFAULT_MODEL
+from deltamesh.engine import DEFAULT_MODEL
 from harness import start_mesh
 from reliability import record
 

@@ -9,7 +9,7 @@ import pytest
 
 from deltamesh.client import AsyncClient, DeltameshError, InvalidRequest
 from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, ucx_pb2
-from engine import DEFAULT_MODEL, SamplingParams
+from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from harness import start_mesh
 
 pytestmark = pytest.mark.e2e

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from engine import DEFAULT_MODEL, SamplingParams
+from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from harness import start_mesh
 
 pytestmark = pytest.mark.e2e

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 
 from deltamesh.client import Client, Unavailable
-from engine import DEFAULT_MODEL
+from deltamesh.engine import DEFAULT_MODEL
 from harness import start_mesh
 
 pytestmark = pytest.mark.e2e

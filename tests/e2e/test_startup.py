@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from engine import DEFAULT_MODEL
+from deltamesh.engine import DEFAULT_MODEL
 from harness import ROOT, Mesh, free_port
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +65,7 @@ def test_a_mesh_without_workers_answers_503_with_retry_after(tmp_path):
 def test_serve_stops_quickly_and_logs_json_lines(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
-    serve = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--grpc-port", str(port), "--control-port",
+    serve = subprocess.Popen([sys.executable, "-m", "deltamesh.services.cli", "serve", "--grpc-port", str(port), "--control-port",
                               str(free_port()), "--http-port", str(free_port())], cwd=ROOT, stdout=log.open("w"),
                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     try:

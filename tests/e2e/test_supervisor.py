@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deltamesh.client import Client, DeltameshError
 from harness import ROOT, free_port
 from reliability import record
-from services.common.auth import MESH_SECRET_ENV
-from services.router.control import read_loads
+from deltamesh.services.common.auth import MESH_SECRET_ENV
+from deltamesh.services.router.control import read_loads
 
 pytestmark = [pytest.mark.e2e, pytest.mark.security]
 RESTART_BOUND_S = 10.0  # the bound: a killed worker's mesh serves again within this long
@@ -32,7 +32,7 @@ class Serve:
         self.grpc_port, self.control_port = grpc_port or free_port(), free_port()
         self.secret = secrets.token_hex(16)  # given to serve, so that this test can read the router's loads
         self.log = log_dir / "serve.log"
-        argv = [sys.executable, "-m", "services.cli", "serve", "--grpc-port", str(self.grpc_port), "--control-port",
+        argv = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--grpc-port", str(self.grpc_port), "--control-port",
                 str(self.control_port), "--http-port", "0", "--prefill-workers", str(prefill),
                 "--decode-workers", str(decode)]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1", MESH_SECRET_ENV: self.secret, **(env or {})}
@@ -103,7 +103,7 @@ class Serve:
                 text = cmdline.read_bytes()
             except OSError:
                 continue
-            if b"services.cli" in text and (mark in text or f"\0{self.grpc_port}\0".encode() in text):
+            if b"deltamesh.services.cli" in text and (mark in text or f"\0{self.grpc_port}\0".encode() in text):
                 left.append(int(cmdline.parent.name))
         return [pid for pid in left if pid != self.popen.pid]
 

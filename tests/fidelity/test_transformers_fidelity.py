@@ -4,11 +4,11 @@ random checkpoints that transformers wrote with save_pretrained and the engine r
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.core import EngineCore
-from engine.engine import Engine
-from engine.request import Request
-from engine.scheduler import ScheduledItem
+from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine.core import EngineCore
+from deltamesh.engine.engine import Engine
+from deltamesh.engine.request import Request
+from deltamesh.engine.scheduler import ScheduledItem
 from hf_checkpoints import VOCAB, load_hf
 
 pytestmark = pytest.mark.fidelity

@@ -4,8 +4,8 @@ P/D — memory freed while a launched step still writes it, handed to a state ar
 import pytest
 import torch
 
-from engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams
-from engine.core import EngineCore
+from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams
+from deltamesh.engine.core import EngineCore
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["The Python language", "A list is", "In this tutorial, we", "The module provides"]

@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from kernels import ModelShapes, torch_ref
-from kernels.batch import StepBatch
-from kernels.registry import _BACKENDS
+from deltamesh.kernels import ModelShapes, torch_ref
+from deltamesh.kernels.batch import StepBatch
+from deltamesh.kernels.registry import _BACKENDS
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams
+from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["The Python language", "A list is", "In this tutorial, we", "The module provides"]
@@ -19,8 +19,8 @@ def engines():
 
 
 def test_gpu_logits_match_cpu_fp32(engines):
-    from engine.request import Request
-    from engine.scheduler import ScheduledItem
+    from deltamesh.engine.request import Request
+    from deltamesh.engine.scheduler import ScheduledItem
 
     cpu, gpu = engines
     ids = cpu.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)

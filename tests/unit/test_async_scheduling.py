@@ -5,9 +5,9 @@ never lets a launched step and a new owner share memory."""
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.core import EngineCore
-from engine.request import Status
+from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine.core import EngineCore
+from deltamesh.engine.request import Status
 from test_engine import prompts, run_all
 
 

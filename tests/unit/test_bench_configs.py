@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from engine.weights import build_model
+from deltamesh.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from deltamesh.engine.weights import build_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from services.cli import app
+from deltamesh.services.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def test_a_taken_port_is_named_at_once():
         router = ["router", "--grpc-port", "0", "--control-port", "0", "--http-port", str(port)]
         for argv, flag in ((["prefill", "--port", str(port)], "--port"), (router, "--http-port")):
             started = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+            done = subprocess.run([sys.executable, "-m", "deltamesh.services.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                                   timeout=60, env={"DELTAMESH_MESH_SECRET": "s" * 32, "PATH": "/usr/bin:/bin"})  # fmt: skip
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 2 and len(lines) == 1, done.stderr
@@ -45,7 +45,7 @@ def test_a_taken_port_is_named_at_once():
 
 
 def test_help_at_80_columns_names_every_option_in_full():
-    done = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "deltamesh.services.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert done.returncode == 0 and "…" not in done.stdout
     for option in ("--max-num-batched-tokens", "--ucx-error-handling", "--mesh-secret-file", "--admission-timeout"):

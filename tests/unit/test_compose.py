@@ -18,7 +18,7 @@ import pytest
 import typer
 import yaml
 
-from services.cli import app
+from deltamesh.services.cli import app
 
 try:  # typer >= 0.2x vendors its own click; older typer uses click itself
     from typer._click.exceptions import ClickException, UsageError
@@ -452,8 +452,8 @@ def test_dockerignore_keeps_local_environments_out_and_the_sources_in():
                 hit = not neg
         return hit
 
-    assert ignored(".venv/bin/python") and ignored("engine/__pycache__/x.pyc")
+    assert ignored(".venv/bin/python") and ignored("deltamesh/engine/__pycache__/x.pyc")
     for path in ("Makefile", "pyproject.toml", "protos/deltamesh/v1/router.proto", "sdk/pyproject.toml",
-                 "sdk/src/deltamesh/client/__init__.py", "engine/__init__.py", "services/cli.py",
+                 "sdk/src/deltamesh/client/__init__.py", "deltamesh/engine/__init__.py", "deltamesh/services/cli.py",
                  "models/deltamesh-tiny/config.json", "README.md"):  # fmt: skip
         assert not ignored(path), f".dockerignore excludes {path}, which the image needs"

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from engine.config import ConfigError, ModelConfig
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
-from engine.models.layers import Rotary
-from engine.weights import WeightError
+from deltamesh.engine.config import ConfigError, ModelConfig
+from deltamesh.engine.core import EngineCore
+from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.engine.models.layers import Rotary
+from deltamesh.engine.weights import WeightError
 from hf_checkpoints import _COMMON, _MROPE, randomize
 
 QWEN35_9B_TEXT = {  # the text part of a released Qwen3.5 config, as published
@@ -80,13 +80,13 @@ def test_sharded_vision_language_checkpoint_loads_text_weights_only(tmp_path):
 
 
 def core_params():
-    from engine.sampling import SamplingParams
+    from deltamesh.engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=1, temperature=0)
 
 
 def run_to_first_logits(core, req):
-    from engine.scheduler import ScheduledItem
+    from deltamesh.engine.scheduler import ScheduledItem
 
     req.slot, req.pages = core.state_pool.alloc(), core.kv_pool.alloc(core.kv_pool.pages_for(req.num_tokens))
     try:

@@ -6,8 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams
-from engine.core import EngineCore
+from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams
+from deltamesh.engine.core import EngineCore
 from hf_checkpoints import VOCAB
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -178,7 +178,7 @@ def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
 def test_final_text_is_the_decode_of_the_output_ids():
     """Output that ends inside a multi-byte character: the streamed deltas plus the final flush equal the
     tokenizer's decode of the output ids (U+FFFD where the character is unfinished), at every cut."""
-    from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+    from deltamesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
     tok = Tokenizer(DEFAULT_MODEL)
     prompt = tok.encode("Say:")

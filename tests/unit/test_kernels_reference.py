@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import torch_ref
-from kernels.batch import StepBatch
+from deltamesh.kernels import torch_ref
+from deltamesh.kernels.batch import StepBatch
 
 
 def gdn_recurrence_f64(q, k, v, g, beta, state):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.cache import KVPagePool, PoolExhausted, StatePool, page_runs
+from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool, page_runs
 
 
 def kv_pool(n=16):

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kernels import ModelShapes, select_kernels
-from kernels.registry import OPS, Backend, _BACKENDS, parse_override, register_backend
+from deltamesh.kernels import ModelShapes, select_kernels
+from deltamesh.kernels.registry import OPS, Backend, _BACKENDS, parse_override, register_backend
 
 SHAPES = ModelShapes(torch.float32, torch.float32, 2, 4, 16, 16, 4, 2, 32, 16)
 

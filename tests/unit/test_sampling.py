@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, sample
+from deltamesh.engine.sampling import SamplingParams, sample
 
 
 def logits(rows=4, vocab=50, seed=0):

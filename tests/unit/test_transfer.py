@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from deltamesh.v1.common_pb2 import TransportDescriptor
-from transfer import DescriptorError, LeaseKey, LeaseRefused, LeaseTable, TransferError, open_transport, segments
-from transfer.ucx import UcxTransport, descriptors
+from deltamesh.transfer import DescriptorError, LeaseKey, LeaseRefused, LeaseTable, TransferError, open_transport, segments
+from deltamesh.transfer.ucx import UcxTransport, descriptors
 
 
 def test_segments_cut_both_region_lists_at_every_boundary():
@@ -176,9 +176,9 @@ def test_a_warm_up_reads_the_pools_and_lease_words_and_ends_no_lease():
 def test_a_lease_that_ends_while_its_reads_run_fails_the_pull(monkeypatch):
     """The holder releases the lease after the reads completed but before the puller checked the word (the
     failpoint holds it there): the bytes may already be another request's, so the pull is refused."""
-    from transfer import failpoints
+    from deltamesh.transfer import failpoints
 
-    monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:0.3")
+    monkeypatch.setitem(failpoints._ACTIVE, "deltamesh.transfer.before_check", "sleep:0.3")
 
     async def main():
         async with _transport() as (leases, holder, puller):
@@ -199,9 +199,9 @@ def test_an_abandoned_pull_ends_the_lease_at_once(monkeypatch):
     """A puller that gives up (here: its deadline passes while the failpoint holds it before the check) tells
     the holder, which frees the state now, not at the lease's expiry; the puller reuses its buffers once its
     reads are done (nothing of that pull can land in them any more), long before its 30 s grace."""
-    from transfer import failpoints
+    from deltamesh.transfer import failpoints
 
-    monkeypatch.setitem(failpoints._ACTIVE, "transfer.before_check", "sleep:20")
+    monkeypatch.setitem(failpoints._ACTIVE, "deltamesh.transfer.before_check", "sleep:20")
 
     async def main():
         async with _transport(settle_grace_s=30) as (leases, holder, puller):
@@ -247,7 +247,7 @@ def test_a_spinning_receive_spins_only_until_done_or_its_budget():
     then the worker sleeps on its wake-up fd again."""
     import numpy as np
 
-    from transfer.ucx import loop_worker
+    from deltamesh.transfer.ucx import loop_worker
 
     transport = UcxTransport("127.0.0.1")
 

@@ -18,7 +18,7 @@ PRELUDE = """
     import torch.nn.functional as F
     import triton.language as tl
     from triton.runtime import interpreter
-    from kernels import torch_ref, triton_fused
+    from deltamesh.kernels import torch_ref, triton_fused
     torch.manual_seed(0)
     errors = {}
 
@@ -168,7 +168,7 @@ def test_fused_moe_matches_reference():
     count that is not a power of two. float32 only: the interpreter's dots read bfloat16 operands as raw integers;
     the bfloat16 kernels are checked on the GPU (tests/gpu)."""
     check("""
-    from kernels import triton_moe
+    from deltamesh.kernels import triton_moe
     for tokens, experts, top_k, norm in ((3, 10, 2, True), (70, 12, 4, False), (600, 8, 4, True)):
         hidden, inter = 96, 48
         x = torch.randn(tokens, hidden)

@@ -24,8 +24,8 @@ def run_interpreted(code: str) -> str:
 def test_paged_decode_attention_matches_reference():
     out = run_interpreted("""
         import torch
-        from kernels import torch_ref, triton_attention
-        from kernels.batch import StepBatch
+        from deltamesh.kernels import torch_ref, triton_attention
+        from deltamesh.kernels.batch import StepBatch
         torch.manual_seed(0)
         pool = torch.randn(12, 2, 2, 16, 2, 64)  # [pages, layers, k|v, page, kv heads, dim]
         k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]  # a strided layer view, as the engine passes
@@ -50,8 +50,8 @@ def test_paged_decode_attention_matches_reference():
 def test_fused_gdn_gates_match_reference():
     out = run_interpreted("""
         import torch
-        from kernels import torch_ref
-        from kernels.triton_gates import gdn_gates
+        from deltamesh.kernels import torch_ref
+        from deltamesh.kernels.triton_gates import gdn_gates
         torch.manual_seed(1)
         a, b = torch.randn(37, 8) * 5, torch.randn(37, 8) * 5
         A_log, dt_bias = torch.randn(8), torch.randn(8)

@@ -1,0 +1,415 @@
+"""The engine core: model, pools, scheduler and sampler, stepped by one thread.
+
+Other threads talk to it through a command queue (`submit`, `abort`, ...), which the stepping thread drains
+at the start of every step; pool allocation is internally locked, so a decode worker can reserve space for
+an incoming transfer from any thread. Outputs go to one sink (callback) per request, called on the stepping
+thread.
+
+Disaggregation hooks:
+- prefill side: a request submitted with `hold_state=True` finishes after its first token, but its KV pages
+  and GDN slot stay allocated ("held") until `release_held`; `held_regions` names the bytes to ship.
+- decode side: `reserve` allocates a slot and pages for an incoming state and names the bytes to receive
+  into; `submit_transferred` then starts decoding from the first token not yet consumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import structlog
+import torch
+
+from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool, pool_views
+from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
+from deltamesh.engine.runner import ModelRunner
+from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
+from deltamesh.engine.scheduler import ScheduledItem, Scheduler
+from deltamesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from deltamesh.engine.weights import load_model
+from deltamesh.kernels import ModelShapes, select_kernels
+
+log = structlog.get_logger("deltamesh.engine")
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class Reservation:
+    """Pool space held for a request state arriving from a prefill worker."""
+
+    slot: int
+    pages: list[int]
+    regions: list[Region] = field(default_factory=list)
+    # Recorded on the engine's stream when the space was taken. A step launched before then may still write
+    # this memory (a request that ended while its next step ran ahead): nothing may write the regions from
+    # outside that stream (a UCX pull) before `wait_ready`.
+    ready: torch.cuda.Event | None = None
+
+    def wait_ready(self) -> None:
+        """Block (GIL released) until no launched step can still write this space."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+@dataclass
+class _InFlight:
+    """A launched step: the requests that sample in it (in row order) and their tokens on the way."""
+
+    requests: list[Request]
+    sampled: SampledTokens
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        model_dir = Path(config.model)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        mc = self.model_config
+        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
+        self.max_model_len = config.resolved_max_model_len(mc.max_position_embeddings)
+
+        self.model = load_model(mc, model_dir, self.device, self.dtype, config.load_format, config.seed)
+        state_dtype = config.torch_state_dtype()
+        self.state_pool = StatePool(
+            config.max_num_seqs, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim,
+            mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
+            self.dtype, state_dtype, self.device,
+        )  # fmt: skip
+        self.kv_pool = KVPagePool(
+            self._num_kv_pages(), config.page_size, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+        shapes = ModelShapes(
+            self.dtype, state_dtype, mc.linear_num_key_heads, mc.linear_num_value_heads, mc.linear_key_head_dim,
+            mc.linear_value_head_dim, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, config.page_size,
+        )  # fmt: skip
+        self.kernels = select_kernels(self.device, shapes, config.kernel_backend)
+        self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.kernels, self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._sinks: dict[str, Sink] = {}
+        self._held: dict[str, Request] = {}
+        self._held_lock = threading.Lock()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._in_flight: _InFlight | None = None  # the launched step whose tokens the host has not read yet
+        self.stats = EngineStats()
+        if self.device.type == "cuda":
+            self._warm_up()
+        if self.device.type == "cuda" and config.cuda_graphs:
+            if self.kernels.chosen["paged_attention"] == "torch":
+                log.warning("CUDA graphs off: the torch attention reference reads host lengths")
+            else:
+                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        log.info(
+            "engine ready", model=str(model_dir), family=mc.family, device=str(self.device), dtype=str(self.dtype),
+            kv_pages=self.kv_pool.num_pages, page_size=config.page_size, state_slots=config.max_num_seqs,
+            max_model_len=self.max_model_len, kernels=self.kernels.chosen,
+        )  # fmt: skip
+
+    def _warm_up(self) -> None:
+        """Run each kind of step once: a prefill, then a mixed step (that request's decode next to three prefills,
+        one a 2-token tail), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning happen
+        before the worker serves, not inside a client's request (a first use of a step shape can cost seconds; a
+        colocated worker meets the mixed shape with its first concurrent requests)."""
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        longest = self.max_model_len - params.max_tokens  # a tiny max_model_len only shortens the prompts
+        n = 2 * self.config.page_size + 1
+        for lengths in ([n], [n - 1, n + 3, 2]):
+            for k in lengths:
+                prompt = [1] * max(1, min(k, longest))
+                self.submit(self.make_request(prompt, params, f"warm-up-{next(self._ids)}"), lambda out: None)
+            self.process_commands()
+            self.step()
+        while self.has_work:
+            self.step()
+        self.stats = EngineStats()
+
+    def _num_kv_pages(self) -> int:
+        c, mc = self.config, self.model_config
+        if c.num_kv_pages:
+            return c.num_kv_pages
+        per_page = 2 * max(len(mc.full_layers), 1) * c.page_size * mc.num_key_value_heads * mc.head_dim
+        per_page *= torch.tensor([], dtype=self.dtype).element_size()
+        if c.kv_cache_memory_gb is not None:
+            budget = c.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            budget = 0.85 * torch.cuda.mem_get_info(self.device)[0]
+        else:
+            budget = 2**30
+        wanted = c.max_num_seqs * -(-self.max_model_len // c.page_size)
+        return max(1, min(wanted, int(budget // per_page)))
+
+    # ---- building requests (any thread; validation only, no engine state touched) ------------------
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        hold_state: bool = False,
+    ) -> Request:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer; send token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        self.validate(prompt_ids, params)
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+            if self.tokenizer
+            else None
+        )
+        return Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=prompt_ids,
+            params=params,
+            detokenizer=detok,
+            eos_token_ids=self.eos_token_ids,
+            hold_state=hold_state,
+        )
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
+        n = len(prompt_ids)
+        pages = self.kv_pool.pages_for(n + params.max_tokens)
+        if pages > self.kv_pool.num_pages:
+            raise RequestError(
+                f"request needs {pages} KV pages but this worker's pool has {self.kv_pool.num_pages}; "
+                "lower max_tokens or shorten the prompt"
+            )
+
+    # ---- commands (any thread) ------------------------------------------------------------------------
+    def submit(self, request: Request, sink: Sink) -> None:
+        self._commands.put(("add", request, sink))
+
+    def submit_transferred(self, request: Request, first_token: int, reservation: Reservation, sink: Sink) -> None:
+        """Start decoding a request whose prompt state arrived in `reservation`; `first_token` was sampled
+        by the prefill worker and is the first input not yet consumed."""
+        request.output_ids = [first_token]
+        request.num_computed = len(request.prompt_ids)
+        request.slot, request.pages = reservation.slot, reservation.pages
+        if request.detokenizer is not None:
+            request.detokenizer.add(first_token)  # replays what the prefill worker already streamed
+        self._commands.put(("add_running", request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+
+    def process_commands(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, arg, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "abort":
+                outputs.extend(self._abort(arg))
+            elif arg.request_id in self.requests or self.held_request(arg.request_id) is not None:
+                sink(RequestOutput(arg.request_id, [], "", finished=True, finish_reason=FinishReason.ERROR,
+                                   error=f"duplicate request id {arg.request_id!r}"))  # fmt: skip
+            else:
+                self.requests[arg.request_id] = arg
+                self._sinks[arg.request_id] = sink
+                if kind == "add":
+                    self.scheduler.add(arg)
+                else:
+                    self.scheduler.add_running(arg)
+
+    def _abort(self, request_id: str) -> list[RequestOutput]:
+        if self.release_held(request_id):
+            return []
+        req = self.requests.get(request_id)
+        return [self._finish(req, FinishReason.ABORT)] if req is not None else []
+
+    # ---- the step (stepping thread) -----------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._in_flight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step, then finish the one before it, and return that one's outputs.
+
+        With async scheduling (the default) the host reads step N-1's tokens, checks stops, detokenises and
+        streams them while the device runs step N, which was scheduled before those tokens were known (see the
+        scheduler). Without it, each step is finished before this returns."""
+        previous, self._in_flight = self._in_flight, None
+        items = self.scheduler.schedule()
+        failed: list[tuple[Request, str]] = []
+        if items:
+            try:
+                self._in_flight = self._launch(items, previous)
+            except Exception as e:  # a failed step must not take down other requests' bookkeeping
+                log.exception("step failed", requests=[it.request.request_id for it in items])
+                failed = [(it.request, f"engine step failed: {e}") for it in items]
+        outputs = self._complete(previous) if previous is not None else []
+        outputs += [self._finish(r, FinishReason.ERROR, error=m) for r, m in failed if r.status != Status.FINISHED]
+        if self._in_flight is not None and not self.config.async_scheduling:
+            outputs += self._complete(self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _launch(self, items: list[ScheduledItem], previous: _InFlight | None) -> _InFlight:
+        items.sort(key=lambda it: it.num_tokens != 1)  # decode-first, as kernels expect
+        logits = self.runner.execute(items, previous.sampled.tokens if previous is not None else None)
+        sampling = [it.request for it in items if it.samples]
+        for it in items:
+            it.request.num_computed += it.num_tokens
+            if it.request.num_computed <= len(it.request.prompt_ids):
+                self.stats.prompt_tokens += it.num_tokens
+        sampled = sample_async(
+            logits, [r.params for r in sampling], [len(r.output_ids) + r.num_pending for r in sampling],
+            self.generator,
+        )  # fmt: skip
+        for row, req in enumerate(sampling):
+            req.num_pending += 1
+            req.pending_row = row
+        self.stats.steps += 1
+        return _InFlight(sampling, sampled)
+
+    def _complete(self, step: _InFlight) -> list[RequestOutput]:
+        """Take a launched step's tokens to the host and into its requests (skipping requests that ended
+        meanwhile: aborted, or stopped by the token of the step before)."""
+        tokens, logprobs = step.sampled.result()
+        now = time.monotonic()
+        outputs = []
+        for req, tok, lp in zip(step.requests, tokens, logprobs):
+            req.num_pending -= 1
+            if req.status != Status.FINISHED:
+                outputs.append(self._append_token(req, tok, lp, now))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, lp, now: float) -> RequestOutput:
+        req.output_ids.append(token)
+        req.first_token_time = req.first_token_time or now
+        self.stats.generation_tokens += 1
+        # A stop token ends the text without adding its own.
+        stop_token = (not req.params.ignore_eos and token in req.eos_token_ids) or token in req.params.stop_token_ids
+        detok = req.detokenizer
+        text = detok.add(token) if detok is not None and not stop_token else ""
+        req.check_stop(token, self.max_model_len)
+        if req.finish_reason is not None and detok is not None:
+            text += detok.flush()
+        out = RequestOutput(
+            req.request_id, [token], text, [lp] if lp else [],
+            num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
+        )  # fmt: skip
+        if req.finish_reason is not None:
+            self._finish(req, req.finish_reason, out=out)
+        elif req.hold_state:
+            self._hold(req, out)
+        return out
+
+    def _hold(self, req: Request, out: RequestOutput) -> None:
+        """Prefill-only request: done here, state kept for a decode worker to pull."""
+        self.scheduler.remove(req)
+        req.status = Status.FINISHED
+        del self.requests[req.request_id]
+        with self._held_lock:
+            self._held[req.request_id] = req
+        out.finished = True
+
+    def _finish(self, req: Request, reason: FinishReason, out: RequestOutput | None = None, error: str | None = None):
+        self.scheduler.remove(req)
+        self.scheduler.free(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.requests.pop(req.request_id, None)
+        self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
+        if out is None:
+            out = RequestOutput(req.request_id, [], "", num_prompt_tokens=len(req.prompt_ids),
+                                num_output_tokens=len(req.output_ids))  # fmt: skip
+        out.finished, out.finish_reason, out.stop_reason, out.error = True, reason, req.stop_reason, error
+        return out
+
+    def dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its request's sink (stepping thread); a finished request's sink is dropped."""
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                try:
+                    sink(out)
+                except Exception:  # a gone consumer must not stop the engine
+                    log.exception("output sink failed", request_id=out.request_id)
+
+    # ---- held states (prefill side; any thread) ---------------------------------------------------------
+    def held_request(self, request_id: str) -> Request | None:
+        with self._held_lock:
+            return self._held.get(request_id)
+
+    def held_regions(self, request_id: str) -> list[Region]:
+        req = self.held_request(request_id)
+        if req is None:
+            raise KeyError(request_id)
+        return self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
+
+    def pool_views(self) -> list[torch.Tensor]:
+        return pool_views(self.kv_pool, self.state_pool)
+
+    def release_held(self, request_id: str) -> bool:
+        with self._held_lock:
+            req = self._held.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.free(req)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    # ---- reservations (decode side; any thread) ----------------------------------------------------------
+    def reserve(self, num_tokens: int) -> Reservation:
+        """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free.
+        Nothing is written to them here: the pull fills every byte, from UCX's own CUDA stream, and a zeroing
+        kernel queued on the engine's stream could land after it and wipe the pulled state."""
+        slot = self.state_pool.alloc(zeroed=False)
+        try:
+            pages = self.kv_pool.alloc(self.kv_pool.pages_for(num_tokens))
+        except PoolExhausted:
+            self.state_pool.free(slot)
+            raise
+        regions = self.kv_pool.regions(pages) + self.state_pool.regions(slot)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.default_stream(self.device))
+        return Reservation(slot, pages, regions, ready)
+
+    def cancel_reservation(self, reservation: Reservation) -> None:
+        self.kv_pool.free(reservation.pages)
+        self.state_pool.free(reservation.slot)
+
+    # ---- observability ----------------------------------------------------------------------------------------
+    def loads(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "held": self.num_held,
+            "kv_pages_used": self.kv_pool.num_used,
+            "kv_pages_total": self.kv_pool.num_pages,
+            "state_slots_used": self.state_pool.num_used,
+            "state_slots_total": self.state_pool.num_slots,
+        }

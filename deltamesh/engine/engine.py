@@ -1,0 +1,191 @@
+"""The monolithic engine: `EngineCore` stepped by a background thread, with a blocking `generate` and an
+asyncio streaming `generate_stream`. This is the reference the disaggregated path is compared against."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import structlog
+import torch
+
+from deltamesh.engine.core import EngineCore, Reservation
+from deltamesh.engine.handoff import compat_hash
+from deltamesh.engine.request import RequestError
+from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.engine.request import FinishReason, Request, RequestOutput
+from deltamesh.engine.sampling import SamplingParams, TokenLogprobs
+
+log = structlog.get_logger("deltamesh.engine")
+
+
+@dataclass
+class Completion:
+    """A finished request, all steps merged."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.text += out.new_text
+        self.logprobs += out.logprobs
+        if out.finished:
+            self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = config or EngineConfig(**overrides)
+        self.core = EngineCore(config)
+        self.tokenizer = self.core.tokenizer
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- the stepping thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            core.dispatch(core.process_commands())
+            if core.has_work:
+                core.dispatch(core.step())
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- submitting -----------------------------------------------------------------------------------
+    def submit(self, request: Request, sink) -> None:
+        self.core.submit(request, sink)
+        self._wake.set()
+
+    def submit_transferred(self, request: Request, first_token: int, reservation: Reservation, sink) -> None:
+        self.core.submit_transferred(request, first_token, reservation, sink)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        self._wake.set()
+
+    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None, hold_state: bool = False):
+        return self.core.make_request(prompt, params, request_id, hold_state)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.core.requests
+
+    # ---- state hand-off (disaggregation): what the services use, with the layout the engine owns ---------------
+    @functools.cached_property
+    def compat_hash(self) -> str:
+        """Equal on two engines exactly when one's held state can be pulled into the other's pools."""
+        return compat_hash(self.core)
+
+    def held_buffers(self, request_id: str) -> list[torch.Tensor]:
+        """A held request's state (KeyError if not held) as 1-D byte views of the pools, in hand-off order."""
+        return [r.tensor for r in self.core.held_regions(request_id)]
+
+    def pool_buffers(self) -> list[torch.Tensor]:
+        """Each pool's whole memory as a 1-D byte view: what a holder lets peers read."""
+        return self.core.pool_views()
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a held state; False if it was not held."""
+        return self.core.release_held(request_id)
+
+    def reserve(self, num_tokens: int) -> Reservation:
+        """Pool space for an incoming state of `num_tokens` prompt tokens; raises PoolExhausted when full. Its
+        `regions` are what a pull fills; then `submit_transferred`, or `cancel_reservation`."""
+        return self.core.reserve(num_tokens)
+
+    def cancel_reservation(self, reservation: Reservation) -> None:
+        self.core.cancel_reservation(reservation)
+
+    def loads(self) -> dict:
+        return self.core.loads()
+
+    @property
+    def stats(self):
+        """Token, step and finish counters (EngineStats); `num_preemptions` beside them."""
+        return self.core.stats
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.core.scheduler.num_preemptions
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.device
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.core.state_pool.num_slots
+
+    # ---- blocking API -------------------------------------------------------------------------------------
+    def generate(
+        self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | None = None
+    ) -> list[Completion]:
+        """Run prompts to completion, together in one continuous batch. Returns one Completion per prompt."""
+        params = params or SamplingParams()
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        requests = [self.make_request(p, params) for p in batch]
+        results = {r.request_id: Completion(r.request_id, r.prompt_ids) for r in requests}
+        done = threading.Semaphore(0)
+
+        def sink(out: RequestOutput) -> None:
+            results[out.request_id].add(out)
+            if out.finished:
+                done.release()
+
+        for r in requests:
+            self.submit(r, sink)
+        for _ in requests:
+            done.acquire()
+        return [results[r.request_id] for r in requests]
+
+    # ---- streaming API -------------------------------------------------------------------------------------
+    async def generate_stream(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come; leaving the loop early aborts the request."""
+        request = self.make_request(prompt, params, request_id)
+        async for out in self.stream(request):
+            yield out
+
+    async def stream(self, request: Request, submit=None) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        sink = lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)  # noqa: E731
+        (submit or self.submit)(request, sink)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+
+__all__ = ["Completion", "Engine", "EngineConfig", "RequestError", "SamplingParams"]

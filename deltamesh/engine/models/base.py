@@ -1,0 +1,107 @@
+"""The decoder stack every family shares; a family file says which MLP each layer has and how its
+checkpoint names map onto this stack's weights."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltamesh.engine.cache import KVPagePool, StatePool
+from deltamesh.engine.config import FULL_ATTENTION, ModelConfig
+from deltamesh.engine.models.layers import GatedAttention, GatedDeltaNet, RMSNorm, Rotary, WeightSlot, _param
+from deltamesh.kernels import Kernels
+from deltamesh.kernels.batch import StepBatch
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.mixer, self.mlp = mixer, mlp
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        mixer_name = "self_attn" if isinstance(self.mixer, GatedAttention) else "linear_attn"
+        return (
+            self.mixer.weight_slots(f"{prefix}.{mixer_name}")
+            | self.mlp.weight_slots(f"{prefix}.mlp")
+            | {
+                f"{prefix}.input_layernorm.weight": WeightSlot(self.input_norm.weight),
+                f"{prefix}.post_attention_layernorm.weight": WeightSlot(self.post_attention_norm.weight),
+            }
+        )
+
+
+class HybridLM(nn.Module, ABC):
+    """Embedding, interleaved GDN / gated-attention layers, final norm, LM head."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        layers, kv_layer, state_layer = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == FULL_ATTENTION:
+                mixer = GatedAttention(cfg, kv_layer)
+                kv_layer += 1
+            else:
+                mixer = GatedDeltaNet(cfg, state_layer)
+                state_layer += 1
+            layers.append(DecoderLayer(cfg, mixer, self.make_mlp(cfg, i)))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg, device)
+
+    # -- family hooks --------------------------------------------------------------------------------
+    @abstractmethod
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """The feed-forward block of decoder layer `layer`."""
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Turn one checkpoint tensor into the (name, tensor) pairs `weight_slots` knows."""
+        yield name, tensor
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        slots = {"model.embed_tokens.weight": WeightSlot(self.embed), "model.norm.weight": WeightSlot(self.norm.weight)}
+        if not self.cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = WeightSlot(self.lm_head)
+        for i, layer in enumerate(self.layers):
+            slots |= layer.weight_slots(f"model.layers.{i}")
+        return slots
+
+    # -- forward -----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: StepBatch,
+        kv_pool: KVPagePool,
+        state_pool: StatePool,
+        kernels: Kernels,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        residual = F.embedding(input_ids, self.embed)
+        rope = self.rotary.cos_sin(batch.positions, residual.dtype)
+        state_rows = state_pool.layer_rows(batch.state_slots)
+        h = None  # the last block's output, not yet added to the residual stream
+        for layer in self.layers:
+            # each residual add is fused with the norm that reads its result
+            if h is None:
+                x = layer.input_norm(residual, kernels)
+            else:
+                x, residual = kernels.add_rms_norm(h, residual, layer.input_norm.weight, layer.input_norm.eps)
+            if isinstance(layer.mixer, GatedAttention):
+                h = layer.mixer(x, batch, rope, kv_pool, kernels)
+            else:
+                h = layer.mixer(x, batch, state_pool, state_rows, kernels)
+            x, residual = kernels.add_rms_norm(h, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps)
+            h = layer.mlp(x, kernels)
+        return kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

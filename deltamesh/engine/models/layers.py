@@ -1,0 +1,263 @@
+"""Layers shared by the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next families.
+
+Everything runs on a flat batch of tokens ([T, hidden]) described by a `kernels.batch.StepBatch`.
+Projections that read the same input are fused into one weight at load time (see `WeightSlot`): the
+checkpoint's tensor names map onto row ranges of the fused weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltamesh.engine.cache import KVPagePool, StatePool
+from deltamesh.engine.config import ModelConfig
+from deltamesh.kernels import Kernels
+from deltamesh.kernels.batch import StepBatch
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where a checkpoint tensor lands: `param[index]` (all of `param` if index is None), rows
+    [start, stop) of dim `dim` of it (all rows if start is None)."""
+
+    param: torch.Tensor
+    start: int | None = None
+    stop: int | None = None
+    dim: int = 0
+    index: int | None = None
+
+    def target(self) -> torch.Tensor:
+        t = self.param if self.index is None else self.param[self.index]
+        if self.start is None:
+            return t
+        return t.narrow(self.dim, self.start, self.stop - self.start)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _fused_slots(param: torch.Tensor, names_and_rows: list[tuple[str, int]], dim: int = 0) -> dict[str, WeightSlot]:
+    slots, start = {}, 0
+    for name, rows in names_and_rows:
+        slots[name] = WeightSlot(param, start, start + rows, dim)
+        start += rows
+    assert start == param.shape[dim], (names_and_rows, param.shape)
+    return slots
+
+
+# ---------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: x / rms(x) * (1 + w), computed in float32 (kernels.rms_norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = _param(dim), eps
+
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """The GDN output norm: w * x / rms(x), gated by silu(z) (kernels.gated_rms_norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = _param(dim), eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+class Rotary:
+    """cos/sin tables of the partial rotary embedding (rotate-half form, applied by kernels.attention_inputs)
+    on the first `rotary_dim` dims of each head.
+
+    Qwen3.5's multimodal RoPE gives each frequency one of three position streams (time, height, width),
+    interleaved per `mrope_section`. Text tokens carry the same position in all three streams, so for text
+    the recomposition is the identity and this is plain RoPE; `cos_sin` accepts [3, T] positions to show it.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        dim = cfg.rotary_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+        self.mrope_section = cfg.mrope_section
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [T, dim/2] or [3, T, dim/2]
+        if positions.dim() == 2:
+            freqs = self._interleave_mrope(freqs)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _interleave_mrope(self, freqs: torch.Tensor) -> torch.Tensor:
+        out = freqs[0].clone()
+        section = self.mrope_section or (freqs.shape[-1], 0, 0)
+        for stream in (1, 2):  # height, width take every third frequency from offset 1, 2
+            idx = slice(stream, section[stream] * 3, 3)
+            out[..., idx] = freqs[stream][..., idx]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+class GatedAttention(nn.Module):
+    """Full softmax attention with an output gate (sigmoid), q/k RMSNorm, partial RoPE, GQA, paged KV."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int):
+        super().__init__()
+        self.kv_layer = kv_layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_rows, kv_rows = 2 * self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv = _param(q_rows + 2 * kv_rows, cfg.hidden_size)
+        self.qkv_bias = _param(q_rows + 2 * kv_rows) if cfg.attention_bias else None
+        self.o_proj = _param(cfg.hidden_size, self.heads * self.head_dim)
+        self.o_bias = _param(cfg.hidden_size) if cfg.attention_bias else None
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.splits = (q_rows, kv_rows, kv_rows)
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        names = [f"{prefix}.{p}_proj" for p in "qkv"]
+        slots = {f"{n}.weight": s for n, s in _fused_slots(self.qkv, list(zip(names, self.splits))).items()}
+        if self.qkv_bias is not None:
+            slots |= {f"{n}.bias": s for n, s in _fused_slots(self.qkv_bias, list(zip(names, self.splits))).items()}
+            slots[f"{prefix}.o_proj.bias"] = WeightSlot(self.o_bias)
+        slots[f"{prefix}.o_proj.weight"] = WeightSlot(self.o_proj)
+        slots[f"{prefix}.q_norm.weight"] = WeightSlot(self.q_norm.weight)
+        slots[f"{prefix}.k_norm.weight"] = WeightSlot(self.k_norm.weight)
+        return slots
+
+    def forward(self, x, batch: StepBatch, rope: tuple, kv_pool: KVPagePool, kernels: Kernels):
+        t, d = x.shape[0], self.head_dim
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        k_cache, v_cache = kv_pool.layer(self.kv_layer)
+        q = kernels.attention_inputs(qkv, self.heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope,
+                                     k_cache, v_cache, batch.slot_mapping)  # fmt: skip
+        attn = kernels.paged_attention(q, k_cache, v_cache, batch, d**-0.5)
+        gate = qkv[:, : self.splits[0]].view(t, self.heads, 2 * d)[..., d:]
+        return F.linear(kernels.sigmoid_gate(attn, gate), self.o_proj, self.o_bias)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention: depthwise causal conv1d over q|k|v, then the gated delta rule with
+    g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), then a gated RMSNorm with silu(z)."""
+
+    def __init__(self, cfg: ModelConfig, state_layer: int):
+        super().__init__()
+        self.state_layer = state_layer
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.conv_dim, self.value_dim = cfg.conv_dim, cfg.linear_value_dim
+        self.splits = (self.conv_dim, self.value_dim, self.hv, self.hv)  # qkv | z | b | a
+        self.in_proj = _param(sum(self.splits), cfg.hidden_size)
+        self.conv_weight = _param(self.conv_dim, cfg.linear_conv_kernel_dim)
+        # gate parameters stay float32 whatever the model dtype (exact upcast; GPU kernels take them so)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = _param(cfg.hidden_size, self.value_dim)
+        self.activation = cfg.hidden_act
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        names = [f"{prefix}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")]
+        slots = _fused_slots(self.in_proj, list(zip(names, self.splits)))
+        slots[f"{prefix}.conv1d.weight"] = WeightSlot(self.conv_weight.view(self.conv_dim, 1, -1))
+        slots[f"{prefix}.dt_bias"] = WeightSlot(self.dt_bias)
+        slots[f"{prefix}.A_log"] = WeightSlot(self.A_log)
+        slots[f"{prefix}.norm.weight"] = WeightSlot(self.norm.weight)
+        slots[f"{prefix}.out_proj.weight"] = WeightSlot(self.out_proj)
+        return slots
+
+    def forward(self, x, batch: StepBatch, state_pool: StatePool, state_rows: torch.Tensor, kernels: Kernels):
+        """state_rows: StatePool.layer_rows of the step's slots."""
+        t, nd = x.shape[0], batch.num_decode
+        mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        idx = state_rows[self.state_layer]
+        conv_pool, rec_pool = state_pool.conv_flat, state_pool.recurrent_flat
+        prefill_lens = batch.query_lens[nd:]
+
+        conv_out = []
+        if nd:
+            conv_out.append(kernels.conv1d_update(mixed[:nd], conv_pool, idx[:nd], self.conv_weight, self.activation))
+        if prefill_lens:
+            conv_out.append(
+                kernels.conv1d_prefill(mixed[nd:], prefill_lens, conv_pool, idx[nd:], self.conv_weight, self.activation)
+            )
+        mixed = torch.cat(conv_out) if len(conv_out) > 1 else conv_out[0]
+
+        key_dim = self.hk * self.dk
+        q, k, v = mixed.split((key_dim, key_dim, self.value_dim), dim=-1)
+        q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
+        gates = (self.A_log, self.dt_bias)
+        core = []
+        if nd:
+            core.append(kernels.gdn_decode(q[:nd], k[:nd], v[:nd], a[:nd], b[:nd], *gates, rec_pool, idx[:nd]))
+        if prefill_lens:
+            core.append(
+                kernels.gdn_prefill(q[nd:], k[nd:], v[nd:], a[nd:], b[nd:], *gates, prefill_lens,
+                                    batch.prefill_cu_seqlens, rec_pool, idx[nd:])
+            )
+        core = torch.cat(core) if len(core) > 1 else core[0]
+        out = self.norm(core, z.view(t, self.hv, self.dv), kernels).reshape(t, self.value_dim)
+        return F.linear(out, self.out_proj)
+
+
+# ---------------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.inter = inter
+        self.gate_up = _param(2 * inter, hidden)
+        self.down = _param(hidden, inter)
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        slots = _fused_slots(self.gate_up, [(f"{prefix}.gate_proj.weight", self.inter), (f"{prefix}.up_proj.weight", self.inter)])
+        slots[f"{prefix}.down_proj.weight"] = WeightSlot(self.down)
+        return slots
+
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return F.linear(kernels.silu_mul(F.linear(x, self.gate_up)), self.down)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (softmax router, optional renormalisation) plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k, self.inter, self.norm_topk = e, cfg.num_experts_per_tok, i, cfg.norm_topk_prob
+        self.gates = _param(e + 1, h)  # the router's rows, then the shared expert's gate: one GEMM for both
+        self.w13 = _param(e, 2 * i, h)  # per expert: gate rows then up rows
+        self.w2 = _param(e, h, i)
+        self.shared = MLP(h, cfg.shared_expert_intermediate_size)
+
+    @property
+    def router(self) -> torch.Tensor:
+        return self.gates[: self.num_experts]
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        e = self.num_experts
+        slots = {
+            f"{prefix}.gate.weight": WeightSlot(self.gates, 0, e),
+            f"{prefix}.experts.gate_up_proj": WeightSlot(self.w13),
+            f"{prefix}.experts.down_proj": WeightSlot(self.w2),
+            f"{prefix}.shared_expert_gate.weight": WeightSlot(self.gates, e, e + 1),
+        }
+        for e in range(self.num_experts):  # per-expert checkpoint layout
+            i = self.inter
+            slots[f"{prefix}.experts.{e}.gate_proj.weight"] = WeightSlot(self.w13, 0, i, index=e)
+            slots[f"{prefix}.experts.{e}.up_proj.weight"] = WeightSlot(self.w13, i, 2 * i, index=e)
+            slots[f"{prefix}.experts.{e}.down_proj.weight"] = WeightSlot(self.w2, index=e)
+        return slots | self.shared.weight_slots(f"{prefix}.shared_expert")
+
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        logits = F.linear(x, self.gates)
+        e = self.num_experts
+        return kernels.moe(x, logits[:, :e], self.w13, self.w2, self.top_k, self.norm_topk, self.shared(x, kernels),
+                           logits[:, e:])  # fmt: skip

@@ -1,0 +1,124 @@
+"""A request's life inside the engine, and what the engine reports about it after each step."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from deltamesh.engine.sampling import SamplingParams, TokenLogprobs, is_int
+from deltamesh.engine.tokenizer import IncrementalDetokenizer
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (bad parameters, too long, ...)."""
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Checks that need only the model's shape (the router runs them too, before any worker sees the request)."""
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if not prompt_ids:
+        raise RequestError("the prompt is empty")
+    n = len(prompt_ids)
+    if n + params.max_tokens > max_model_len:  # first: it bounds the scan below
+        raise RequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {n} tokens "
+            f"and max_tokens is {params.max_tokens} ({n + params.max_tokens} in total)"
+        )
+    if any(not is_int(t) or not 0 <= t < vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the system
+    ERROR = "error"  # the engine failed while running it
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    eos_token_ids: frozenset[int] = frozenset()
+    # Prefill-only (disaggregated prefill worker): finish after the first token but keep the state.
+    hold_state: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV / GDN state are in the pools (or being written by a launched step)
+    # Tokens sampled on the device but not yet read by the host (async scheduling: at most the last two steps').
+    # They count as tokens, so a decode step can be scheduled before its input reaches the host; the runner
+    # takes that input from the previous step's device tensor, row `pending_row`.
+    num_pending: int = 0
+    pending_row: int = 0
+    slot: int | None = None
+    # KV pages in token order. Only ever appended to in place or replaced by a new list: the model
+    # runner caches each request's pages as an array on that basis.
+    pages: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+
+    def ids_between(self, start: int, stop: int) -> list[int]:
+        """(prompt_ids + output_ids)[start:stop] without concatenating them (a decode step needs one id of a
+        long prompt). Pending tokens are not known here: the list stops short of them."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def last_token_pending(self) -> bool:
+        """Its pending token surely ends it (prefill-only, or max_tokens reached): nothing to run ahead of it."""
+        return self.num_pending > 0 and (
+            self.hold_state or len(self.output_ids) + self.num_pending >= self.params.max_tokens
+        )
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    def check_stop(self, token_id: int, max_model_len: int) -> None:
+        """Decide whether the token just appended ends the request."""
+        p = self.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
+        elif token_id in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
+        elif self.detokenizer is not None and self.detokenizer.stopped_on is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, self.detokenizer.stopped_on
+        elif len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= max_model_len:
+            self.finish_reason = FinishReason.LENGTH

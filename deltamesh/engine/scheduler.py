@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill.
+
+Each step takes, in order: every running request's next tokens (one for decodes, a chunk for prefills in
+progress), then new requests from the queue, all under a token budget. A new request is admitted only
+when a GDN slot and KV pages for its whole prompt are free (allocated as one best-fit run, so the prompt's
+KV is usually one contiguous region). When a running request cannot grow its KV, the most recently admitted
+running request is preempted: its state is freed and it is recomputed later (prompt + output so far), so a
+shortage never corrupts another request's state.
+
+With async scheduling a step is scheduled while the previous one still runs: a request's token sampled there is
+"pending" (counted, not yet known on the host) and its decode is scheduled all the same, unless that token
+surely ends the request (see Request.last_token_pending). A request that turns out to have stopped wastes one
+token of compute; its state is never advanced past a point another worker will pull from.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+
+from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
+from deltamesh.engine.request import Request, Status
+
+log = structlog.get_logger("deltamesh.scheduler")
+
+
+@dataclass
+class ScheduledItem:
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This step runs the request's last pending token, so a new token is sampled."""
+        return self.num_tokens == self.request.remaining
+
+
+class Scheduler:
+    def __init__(self, kv_pool: KVPagePool, state_pool: StatePool, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request whose state is already in the pools (received from a prefill worker)."""
+        request.status = Status.RUNNING
+        self.running.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledItem]:
+        budget = self.max_num_batched_tokens
+        items: list[ScheduledItem] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.last_token_pending:
+                i += 1
+                continue
+            n = min(req.remaining, budget)
+            if not self._grow(req, req.num_computed + n):
+                continue  # req itself was preempted; running[i] is now the next request
+            items.append(ScheduledItem(req, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_pending or not self._admit(req):  # a preempted request waits for its last token first
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.remaining, budget)
+            items.append(ScheduledItem(req, n))
+            budget -= n
+        return items
+
+    def _admit(self, req: Request) -> bool:
+        need = self.kv_pool.pages_for(req.num_tokens)
+        if self.state_pool.num_free == 0 or self.kv_pool.num_free < need:
+            return False
+        req.slot = self.state_pool.alloc()
+        req.pages = self.kv_pool.alloc(need)
+        req.status = Status.RUNNING
+        return True
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Make room for `num_tokens` of KV, preempting from the back of the running list if needed.
+        False when `req` itself had to be preempted."""
+        need = self.kv_pool.pages_for(num_tokens) - len(req.pages)
+        while need > 0:
+            try:
+                req.pages += self.kv_pool.alloc(need, after=req.pages[-1] if req.pages else None)
+                return True
+            except PoolExhausted:
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is req:
+                    return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.free(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        log.warning("preempted", request_id=req.request_id, tokens=req.num_tokens)
+
+    def free(self, req: Request) -> None:
+        if req.slot is not None:
+            self.state_pool.free(req.slot)
+            req.slot = None
+        self.kv_pool.free(req.pages)
+        req.pages = []
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues (finished or aborted); its state is not freed here."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)

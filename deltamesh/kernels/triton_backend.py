@@ -1,0 +1,34 @@
+"""The Triton backend (CUDA): paged decode attention (triton_attention) and the fused kernels
+(triton_fused: norms, activations, conv1d update, attention inputs and output gate) that keep a
+decode step's small ops to one kernel each, and the fused MoE experts (triton_moe)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from deltamesh.kernels.registry import Backend, ModelShapes, register_backend
+
+FUSED_OPS = ("rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "conv1d_update", "conv1d_prefill")
+
+
+def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable], str]:
+    if device.type != "cuda":
+        return {}, "needs a CUDA device"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return {}, f"triton is not installed ({e})"
+    if shapes.dtype == torch.float32:
+        return {}, "fp32 models keep the exact torch reference (Triton dots would run in tf32)"
+    from deltamesh.kernels import triton_attention, triton_fused, triton_moe
+
+    ops = {op: getattr(triton_fused, op) for op in FUSED_OPS} | {"moe": triton_moe.moe}
+    if shapes.head_dim & (shapes.head_dim - 1) or shapes.page_size < 16:
+        return ops, "the attention kernels need a power-of-two head dim and page size >= 16"
+    attention = {op: getattr(triton_fused, op) for op in ("attention_inputs", "sigmoid_gate")}
+    return ops | attention | {"paged_attention": triton_attention.paged_attention}, ""
+
+
+register_backend(Backend("triton", 15, _load))

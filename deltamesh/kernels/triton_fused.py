@@ -1,0 +1,325 @@
+"""Fused elementwise and norm kernels (Triton): RMSNorm (plain, with the residual add, gated by silu(z)),
+SwiGLU's silu(gate) * up, the decode step of the depthwise causal conv1d, the attention layer's inputs
+(q/k norm + RoPE + KV write) and its sigmoid output gate.
+
+Each program handles one row (a norm needs the whole row in one block) or one block of channels, in float32,
+reading inputs through their strides so views from .chunk()/.split() need no copy. No host synchronisation
+and grids fixed by the shapes, so all of them can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import torch
+
+_KERNELS = None
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm(x_ptr, w_ptr, out_ptr, heads, stride_t, stride_h, stride_d, dim, eps, BLOCK: tl.constexpr):
+        # Rows are (t, h) pairs of a [T, H, dim] view; a 2-D input arrives as T = 1.
+        row = tl.program_id(0).to(tl.int64)
+        t, h = row // heads, row % heads
+        d = tl.arange(0, BLOCK)
+        mask = d < dim
+        x = tl.load(x_ptr + t * stride_t + h * stride_h + d * stride_d, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / dim + eps)
+        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * dim + d, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def add_rms_norm(
+        x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_r, dim, eps, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK)
+        mask = d < dim
+        x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + row * stride_r + d, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum as the unfused `x + residual` does, and normalise the rounded value.
+        s = (x + r).to(new_res_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + row * dim + d, s, mask=mask)
+        s = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(s * s, 0) / dim + eps)
+        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * dim + d, (s * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def gated_rms_norm(
+        x_ptr, z_ptr, w_ptr, out_ptr, heads, stride_xt, stride_xh, stride_zt, stride_zh, dim, eps,
+        ROUND_PRODUCT: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Rows are (t, h) pairs of [T, H, dim] views (last dim contiguous); a 2-D input arrives as H = 1.
+        row = tl.program_id(0).to(tl.int64)
+        t, h = row // heads, row % heads
+        d = tl.arange(0, BLOCK)
+        mask = d < dim
+        x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + t * stride_zt + h * stride_zh + d, mask=mask, other=0.0).to(tl.float32)
+        # Round as the reference does: normed to the input dtype, and weight * normed too when both share it.
+        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / dim + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        weighted = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32) * normed
+        if ROUND_PRODUCT:
+            weighted = weighted.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = weighted * z * tl.sigmoid(z)
+        tl.store(out_ptr + row * dim + d, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def silu_mul(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < inter
+        gate = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + inter + i, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * inter + i, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def conv1d_update(
+        x_ptr, pool_ptr, idx_ptr, w_ptr, out_ptr, stride_x, stride_pp, stride_pc, stride_wc, channels,
+        WIDTH: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = c < channels
+        state = pool_ptr + tl.load(idx_ptr + b).to(tl.int64) * stride_pp + c * stride_pc
+        # The new input enters the window at the pool's precision, as it will be stored.
+        x = tl.load(x_ptr + b.to(tl.int64) * stride_x + c, mask=mask, other=0.0).to(pool_ptr.dtype.element_ty)
+        acc = x.to(tl.float32) * tl.load(w_ptr + c * stride_wc + WIDTH - 1, mask=mask, other=0.0).to(tl.float32)
+        # Walk the state from its newest slot: each slot is read, then takes the value one place newer.
+        newer = x
+        for k in tl.static_range(WIDTH - 2, -1, -1):
+            s = tl.load(state + k, mask=mask, other=0.0)
+            acc += s.to(tl.float32) * tl.load(w_ptr + c * stride_wc + k, mask=mask, other=0.0).to(tl.float32)
+            tl.store(state + k, newer, mask=mask)
+            newer = s
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + b.to(tl.int64) * channels + c, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def conv1d_prefill(
+        x_ptr, pool_ptr, idx_ptr, w_ptr, out_ptr, cu_ptr, stride_x, stride_pp, stride_pc, stride_wc, channels,
+        WIDTH: tl.constexpr, HIST_P2: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (sequence, block of channels) walks the sequence's tokens in order, so the pooled state
+        # it starts from is read (first tile) before the same program overwrites it (after the last tile).
+        s = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < channels
+        start = tl.load(cu_ptr + s).to(tl.int64)
+        length = tl.load(cu_ptr + s + 1).to(tl.int64) - start
+        state = pool_ptr + tl.load(idx_ptr + s).to(tl.int64) * stride_pp + c[None, :] * stride_pc
+        x_seq = x_ptr + start * stride_x + c[None, :]
+        for t0 in range(0, length, BLOCK_T):
+            rows = t0 + tl.arange(0, BLOCK_T)
+            acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+            for k in tl.static_range(WIDTH):
+                src = rows[:, None] - (WIDTH - 1) + k  # input position; negative: the pooled history
+                ok = c_ok[None, :] & (rows[:, None] < length)
+                v = tl.load(x_seq + src * stride_x, mask=ok & (src >= 0), other=0.0)
+                v += tl.load(state + (WIDTH - 1) + src, mask=ok & (src < 0), other=0.0).to(v.dtype)
+                acc += v.to(tl.float32) * tl.load(w_ptr + c * stride_wc + k, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(out_ptr + (start + rows[:, None]) * channels + c[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=c_ok[None, :] & (rows[:, None] < length))  # fmt: skip
+        # The new state: the last WIDTH - 1 inputs, older ones from the old state when the sequence is short.
+        j = tl.arange(0, HIST_P2)[:, None]
+        src = length - (WIDTH - 1) + j
+        keep = c_ok[None, :] & (j < WIDTH - 1)
+        new = tl.load(x_seq + src * stride_x, mask=keep & (src >= 0), other=0.0)
+        new += tl.load(state + (WIDTH - 1) + src, mask=keep & (src < 0), other=0.0).to(new.dtype)
+        tl.debug_barrier()  # every lane has read the old state before any lane overwrites it
+        tl.store(state + j, new.to(pool_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def attention_inputs(
+        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t,
+        stride_cos, stride_sin, stride_kp, stride_ks, stride_kh, heads, kv_heads, eps,
+        HEAD_DIM: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (token, head): query heads 0..heads-1, then the KV heads.
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        d = tl.arange(0, HEAD_DIM)
+        half: tl.constexpr = ROT // 2
+        in_rot = d < ROT
+        partner = tl.where(d < half, d + half, d - half)  # rotate-half: dim d pairs with d -/+ ROT/2
+        sign = tl.where(d < half, -1.0, 1.0)
+        row = qkv_ptr + t * stride_t
+        if h < heads:
+            src = row + h * 2 * HEAD_DIM
+            w_ptr = qw_ptr
+        else:
+            src = row + (heads + h) * HEAD_DIM  # k of KV head h - heads starts after the 2 * heads q|gate rows
+            w_ptr = kw_ptr
+        x = tl.load(src + d).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
+        # Normalised values are rounded to the model dtype before the rotation, as the unfused path does.
+        y = (x * rstd * (1.0 + tl.load(w_ptr + d).to(tl.float32))).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+        xp = tl.load(src + partner, mask=in_rot, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
+        yp = (xp * rstd * (1.0 + wp)).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos_ptr + t * stride_cos + d, mask=in_rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_sin + d, mask=in_rot, other=0.0).to(tl.float32)
+        out = tl.where(in_rot, y * c + sign * yp * s, y)
+        if h < heads:
+            tl.store(q_out_ptr + (t * heads + h) * HEAD_DIM + d, out.to(q_out_ptr.dtype.element_ty))
+        else:
+            kvh = h - heads
+            slot = tl.load(slot_ptr + t)
+            dst = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_ks + kvh * stride_kh + d
+            tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty))
+            v = tl.load(row + (2 * heads + kv_heads + kvh) * HEAD_DIM + d)
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+
+    @triton.jit
+    def sigmoid_gate(x_ptr, gate_ptr, out_ptr, heads, stride_gt, stride_gh, HEAD_DIM: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        t, h = row // heads, row % heads
+        d = tl.arange(0, HEAD_DIM)
+        x = tl.load(x_ptr + row * HEAD_DIM + d).to(tl.float32)
+        g = tl.load(gate_ptr + t * stride_gt + h * stride_gh + d).to(tl.float32)
+        tl.store(out_ptr + row * HEAD_DIM + d, (x * tl.sigmoid(g)).to(out_ptr.dtype.element_ty))
+
+    _KERNELS = SimpleNamespace(rms_norm=rms_norm, add_rms_norm=add_rms_norm, gated_rms_norm=gated_rms_norm,
+                               silu_mul=silu_mul, conv1d_update=conv1d_update, conv1d_prefill=conv1d_prefill,
+                               attention_inputs=attention_inputs,
+                               sigmoid_gate=sigmoid_gate)  # fmt: skip
+    return _KERNELS
+
+
+def _row_block(dim: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for a kernel that holds a whole row of `dim` in one block."""
+    block = 1 << (dim - 1).bit_length()
+    return block, min(max(block // 256, 1), 8)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm over the last dim: x / rms(x) * (1 + weight). x: [rows, dim] or [T, H, dim], any
+    strides (e.g. a per-head q/k view); returns a contiguous tensor of x's shape and dtype."""
+    kernel = _kernels().rms_norm
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block, warps = _row_block(x.shape[-1])
+    rows = x3.shape[0] * x3.shape[1]
+    kernel[(rows,)](x3, weight, out, x3.shape[1], *x3.stride(), x.shape[-1], eps, BLOCK=block, num_warps=warps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual) in one pass. x, residual: [T, hidden], last dim contiguous.
+    The sum takes the dtype torch's `x + residual` would; the normed output takes the sum's dtype."""
+    kernel = _kernels().add_rms_norm
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    new_residual = torch.empty_like(out)
+    block, warps = _row_block(x.shape[-1])
+    kernel[(x.shape[0],)](x, residual, weight, out, new_residual, x.stride(0), residual.stride(0), x.shape[-1], eps,
+                          BLOCK=block, num_warps=warps)  # fmt: skip
+    return out, new_residual
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The GDN output norm: weight * x / rms(x) * silu(z). x, z: [rows, dim] or [T, H, dim] of the same shape,
+    last dim contiguous, other dims any stride (z is a view into the input projection); returns a contiguous
+    tensor of x's shape and dtype."""
+    kernel = _kernels().gated_rms_norm
+    x3, z3 = (x, z) if x.dim() == 3 else (x.unsqueeze(1), z.unsqueeze(1))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block, warps = _row_block(x.shape[-1])
+    kernel[(x3.shape[0] * x3.shape[1],)](
+        x3, z3, weight, out, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), x.shape[-1], eps,
+        ROUND_PRODUCT=weight.dtype == x.dtype, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: [T, 2I] (gate | up, last dim contiguous) -> silu(gate) * up, [T, I]."""
+    kernel = _kernels().silu_mul
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    kernel[(gate_up.shape[0], -(-inter // block))](gate_up, out, gate_up.stride(0), inter, BLOCK=block)
+    return out
+
+
+def conv1d_update(
+    x: torch.Tensor,  # [B, C], last dim contiguous
+    conv_pool: torch.Tensor,  # [P, C, W-1], last dim contiguous
+    state_idx: torch.Tensor,  # [B] int32 or int64
+    weight: torch.Tensor,  # [C, W], last dim contiguous
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode step of the depthwise causal conv (torch_ref.conv1d_update): shifts x into each
+    sequence's pooled state in place and returns act(window . weight), [B, C] in x's dtype."""
+    kernel = _kernels().conv1d_update
+    batch, channels = x.shape
+    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    block = 256
+    kernel[(batch, -(-channels // block))](
+        x, conv_pool, state_idx, weight, out, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
+        channels, WIDTH=weight.shape[-1], SILU=activation in ("silu", "swish"), BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+def conv1d_prefill(
+    x: torch.Tensor,  # [T, C], last dim contiguous
+    seq_lens: list[int],
+    conv_pool: torch.Tensor,  # [P, C, W-1], last dim contiguous
+    state_idx: torch.Tensor,  # [N]
+    weight: torch.Tensor,  # [C, W], last dim contiguous
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """deltamesh.kernels.torch_ref.conv1d_prefill in one kernel: the causal conv over variable-length sequences, each
+    continuing from its pooled state, which it then replaces with the sequence's last W-1 inputs."""
+    import triton
+
+    kernel = _kernels().conv1d_prefill
+    channels, width = weight.shape
+    cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int64, device=x.device)
+    out = torch.empty((x.shape[0], channels), dtype=x.dtype, device=x.device)
+    block_c = 64
+    kernel[(len(seq_lens), -(-channels // block_c))](
+        x, conv_pool, state_idx, weight, out, cu, x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+        weight.stride(0), channels, WIDTH=width, HIST_P2=triton.next_power_of_2(width - 1),
+        SILU=activation in ("silu", "swish"), BLOCK_T=64, BLOCK_C=block_c,
+    )  # fmt: skip
+    return out
+
+
+def attention_inputs(qkv, heads, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """deltamesh.kernels.torch_ref.attention_inputs in one kernel: q/k RMSNorm, RoPE, the KV write; returns q [T, H, D].
+    Needs a power-of-two head dim; qkv's last dim contiguous, k_cache / v_cache with the same strides."""
+    kernel = _kernels().attention_inputs
+    t, dim, kv_heads = qkv.shape[0], k_cache.shape[-1], k_cache.shape[-2]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.stride(-1) == 1
+    q = torch.empty((t, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    kernel[(t, heads + kv_heads)](
+        qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
+        sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads, eps,
+        HEAD_DIM=dim, ROT=cos.shape[-1], PAGE=k_cache.shape[1], num_warps=2,
+    )  # fmt: skip
+    return q
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) -> [T, H*D]; x [T, H, D] contiguous, gate a [T, H, D] view (last dim contiguous);
+    power-of-two D."""
+    kernel = _kernels().sigmoid_gate
+    t, heads, dim = x.shape
+    out = torch.empty((t, heads * dim), dtype=x.dtype, device=x.device)
+    kernel[(t * heads,)](x, gate, out, heads, gate.stride(0), gate.stride(1), HEAD_DIM=dim, num_warps=2)
+    return out

@@ -1,0 +1,215 @@
+"""Fused MoE experts in Triton: routing, the token-to-expert alignment, both expert GEMMs and the combination with
+the shared expert in six kernels,
+with no host synchronisation (so a decode step with MoE layers can be captured in a CUDA graph).
+
+1. `_route`: per token, softmax over the router logits, top-k (renormalised if the model says so), and for each
+   chosen expert a rank among that expert's (token, choice) pairs, taken with an atomic counter.
+2. `_align`: one program turns the per-expert counts into segments of the sorted pair order, each padded to a
+   multiple of BLOCK_M, and names the expert of every block of BLOCK_M sorted rows.
+3. `_scatter`: writes each pair's index at its sorted row (segment start + rank). Rows past an expert's count are
+   padding; the GEMM kernels mask them by the count, so the sorted buffer needs no fill.
+4. `_gate_up_silu`: per block of one expert's rows, gate and up projections (two accumulators over the
+   hidden size) and silu(gate) * up, into an intermediate buffer in sorted-row order.
+5. `_down`: per block, the down projection times the pair's routing weight, written at the pair's own row of a
+   [tokens * top_k, hidden] buffer.
+6. `_combine`: per token, the sum of its top_k rows plus the gated shared expert's output.
+
+Rows within a block are computed independently, so a pair's result does not depend on where the atomic rank
+put it: the output is deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route(logits, ids, weights, ranks, counts, stride_l, E: tl.constexpr, BLOCK_E: tl.constexpr,
+           TOP_K: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        e = tl.min(tl.where(p == best, offs, BLOCK_E), 0)  # the first index of the largest, as torch.topk
+        tl.store(ids + t * TOP_K + j, e)
+        tl.store(weights + t * TOP_K + j, best)
+        tl.store(ranks + t * TOP_K + j, tl.atomic_add(counts + e, 1))
+        total += best
+        p = tl.where(offs == e, -1.0, p)
+    if NORM:
+        for j in tl.static_range(TOP_K):
+            w = tl.load(weights + t * TOP_K + j)
+            tl.store(weights + t * TOP_K + j, w / total)
+
+
+@triton.jit
+def _align(counts, starts, block_expert, max_blocks, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_B: tl.constexpr):  # fmt: skip
+    offs = tl.arange(0, BLOCK_E)
+    c = tl.load(counts + offs, mask=offs < E, other=0)
+    padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts + offs, ends - padded, mask=offs < E)
+    total = tl.sum(padded, 0)
+    ends = tl.where(offs < E, ends, total + 1)  # lanes past E never count below a used block
+    for b0 in range(0, max_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        row = b * BLOCK_M
+        expert = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), 1)  # segments that end at or before row
+        tl.store(block_expert + b, tl.where(row < total, expert, -1), mask=b < max_blocks)
+
+
+@triton.jit
+def _scatter(ids, ranks, starts, sorted_pairs, P, BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = p < P
+    e = tl.load(ids + p, mask=mask, other=0)
+    row = tl.load(starts + e, mask=mask, other=0) + tl.load(ranks + p, mask=mask, other=0)
+    tl.store(sorted_pairs + row, p, mask=mask)
+
+
+@triton.jit
+def _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M: tl.constexpr):
+    """(expert, sorted rows, which are real pairs, their pair indices) of this program's block; expert < 0: none."""
+    b = tl.program_id(0)
+    e = tl.load(block_expert + b)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    e_safe = tl.maximum(e, 0)
+    end = tl.load(starts + e_safe) + tl.load(counts + e_safe)
+    valid = rows < tl.where(e >= 0, end, 0)
+    pairs = tl.load(sorted_pairs + rows, mask=valid, other=0)
+    return e, rows, valid, pairs
+
+
+@triton.jit
+def _gate_up_silu(x, w13, inter, block_expert, starts, counts, sorted_pairs, H, I, stride_x, stride_we, stride_wn,
+                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
+    if e < 0:
+        return
+    tokens = pairs // TOP_K
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    kk = tl.arange(0, BLOCK_K)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w = w13 + e.to(tl.int64) * stride_we
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + kk
+        a = tl.load(x + tokens[:, None].to(tl.int64) * stride_x + k[None, :], mask=valid[:, None] & (k[None, :] < H),
+                    other=0.0)  # fmt: skip
+        w_mask = (k[:, None] < H) & n_ok[None, :]
+        wg = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w + (n[None, :] + I) * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        gate = tl.dot(a, wg, gate)
+        up = tl.dot(a, wu, up)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(inter + rows[:, None].to(tl.int64) * I + n[None, :], h.to(inter.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _down(inter, w2, out, weights, block_expert, starts, counts, sorted_pairs, H, I, stride_we, stride_wn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
+    if e < 0:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w = w2 + e.to(tl.int64) * stride_we
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + kk
+        a = tl.load(inter + rows[:, None].to(tl.int64) * I + k[None, :], mask=valid[:, None] & (k[None, :] < I),
+                    other=0.0)  # fmt: skip
+        b = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=(k[:, None] < I) & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    acc = acc * tl.load(weights + pairs, mask=valid, other=0.0)[:, None]
+    tl.store(out + pairs[:, None].to(tl.int64) * H + n[None, :], acc.to(out.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _combine(pairs_out, shared, gate, out, H, stride_s, stride_g, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum of the token's TOP_K pair rows + sigmoid(gate[t]) * shared[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_out + (t * TOP_K + j) * H + h, mask=ok, other=0.0).to(tl.float32)
+    g = tl.sigmoid(tl.load(gate + t * stride_g).to(tl.float32))
+    acc += g * tl.load(shared + t * stride_s + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + t * H + h, acc.to(out.dtype.element_ty), mask=ok)
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemm_config(num_pairs: int) -> GemmConfig:
+    """Small row blocks while pairs are few (decode: an expert gets a handful of rows, padding them to 64 would
+    waste the GEMM), larger ones for prefill; the best of `bench/gpu_moe.py --sweep` (bench/RESULTS.md)."""
+    if num_pairs <= 2048:
+        return GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
+    if num_pairs <= 16384:
+        return GemmConfig(64, 128, 64)
+    return GemmConfig(128, 128, 64, num_warps=8)
+
+
+def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+        norm_topk: bool, shared: torch.Tensor, shared_gate: torch.Tensor,
+        config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """deltamesh.kernels.torch_ref.moe: the MoE layer's output [T, H] for x [T, H] (rows contiguous; the logits, the shared
+    expert's output and its gate [T, 1] may be row-strided views)."""
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    P = T * top_k
+    dev = x.device
+    cfg = config or gemm_config(P)
+    BLOCK_M, BLOCK_N, BLOCK_K = cfg.block_m, cfg.block_n, cfg.block_k
+    tuning = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    BLOCK_E = triton.next_power_of_2(E)
+    # every used expert's segment may end in a partly filled block, and at most min(E, P) experts are used
+    max_blocks = triton.cdiv(P, BLOCK_M) + min(E, P)
+
+    ids = torch.empty(P, dtype=torch.int32, device=dev)
+    weights = torch.empty(P, dtype=torch.float32, device=dev)
+    ranks = torch.empty(P, dtype=torch.int32, device=dev)
+    counts = torch.zeros(E, dtype=torch.int32, device=dev)
+    starts = torch.empty(E, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=dev)
+    inter = torch.empty(max_blocks * BLOCK_M, I, dtype=x.dtype, device=dev)
+    pairs_out = torch.empty(P, H, dtype=x.dtype, device=dev)
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
+
+    assert x.stride(1) == 1 and router_logits.stride(1) == 1 and shared.stride(1) == 1
+    _route[(T,)](router_logits, ids, weights, ranks, counts, router_logits.stride(0), E, BLOCK_E, top_k, norm_topk)
+    _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64)
+    _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256)
+    _gate_up_silu[(max_blocks, triton.cdiv(I, BLOCK_N))](
+        x, w13, inter, block_expert, starts, counts, sorted_pairs, H, I, x.stride(0), w13.stride(0), w13.stride(1),
+        top_k, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
+    )  # fmt: skip
+    _down[(max_blocks, triton.cdiv(H, BLOCK_N))](
+        inter, w2, pairs_out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0), w2.stride(1),
+        BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
+    )  # fmt: skip
+    _combine[(T, triton.cdiv(H, 1024))](pairs_out, shared, shared_gate, out, H, shared.stride(0), shared_gate.stride(0),
+                                         top_k, 1024)  # fmt: skip
+    return out

@@ -1,0 +1,136 @@
+"""What prefill and decode workers share: the engine, its compatibility hash, load reports, and
+registration with the router (repeated as a heartbeat)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import structlog
+
+from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
+from deltamesh.engine import Engine, RequestError
+from deltamesh.services.common.auth import mesh_interceptor, mesh_metadata
+from deltamesh.services.common.convert import sampling_from_proto
+from deltamesh.services.common.logs import bind_request, request_id_from
+from deltamesh.services.common.server import CHANNEL_OPTIONS
+from deltamesh.services.common.settings import WorkerSettings
+from deltamesh.services.common.tls import aio_channel
+
+log = structlog.get_logger("deltamesh.worker")
+
+
+async def engine_request(engine, request, context, hold_state: bool = False):
+    """The engine request of a Prefill/Decode call, with its id bound to the logs; INVALID_ARGUMENT for bad
+    input, so nothing invalid reaches the engine loop."""
+    rid = request.request_id or request_id_from(context)
+    if not rid:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+    bind_request(rid)
+    try:
+        params = sampling_from_proto(request.sampling, request.stop)
+        return engine.make_request(list(request.prompt_token_ids), params, rid, hold_state=hold_state)
+    except (ValueError, RequestError) as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings):
+        self.settings = settings
+        self.engine = Engine(settings.engine)
+        self.compat_hash = self.engine.compat_hash
+        self.model_id = Path(settings.engine.model).name
+        self.address = ""  # host:port once the gRPC server is bound
+        self.reservations = 0
+        # Set by the role's setup: what to tell the router of how this worker's memory is reached over its
+        # transport (prefill), and what to do with each registration reply (decode); the latter must not block (it
+        # runs in the heartbeat).
+        self.transport_descriptor: Callable[[], common_pb2.TransportDescriptor] | None = None
+        self.on_registered: Callable[[control_pb2.RegisterWorkerResponse], None] | None = None
+
+    def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
+        l = self.engine.loads()  # noqa: E741
+        return common_pb2.WorkerLoad(
+            address=self.address, role=self.settings.role, running=l["running"], waiting=l["waiting"],
+            held_states=l["held"], leases=leases, kv_pages_used=l["kv_pages_used"],
+            kv_pages_total=l["kv_pages_total"], state_slots_used=l["state_slots_used"],
+            state_slots_total=l["state_slots_total"], reservations=self.reservations, healthy=True,
+        )  # fmt: skip
+
+    async def register_forever(self, stop: asyncio.Event) -> None:
+        """Keep this worker registered with the router's control plane; survives router restarts."""
+        router = self.settings.router
+        if not router:
+            return
+        auth = mesh_metadata(self.settings.mesh_secret.get_secret_value())
+        request = control_pb2.RegisterWorkerRequest(
+            address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash,
+            transport=self.transport_descriptor() if self.transport_descriptor else None,
+        )  # fmt: skip
+        interval = 1.0
+        async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
+            stub = control_pb2_grpc.MeshControlStub(channel)
+            registered = False
+            while not stop.is_set():
+                try:
+                    reply = await stub.RegisterWorker(request, metadata=auth, timeout=2.0)
+                    interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
+                    if self.on_registered:
+                        self.on_registered(reply)
+                    if not registered:
+                        log.info("registered with router", router=router)
+                    registered = True
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        log.error("the router refused this worker's mesh secret", router=router)
+                    elif registered:
+                        log.warning("router unreachable", router=router, code=e.code().name)
+                    registered = False
+                try:
+                    await asyncio.wait_for(stop.wait(), interval)
+                except asyncio.TimeoutError:
+                    pass
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> None:
+    """Start a worker: transport, engine and gRPC services from `setup(worker, transport)`, which returns
+    (services for GrpcServer, async start hook, async stop hook, background coroutines, lease table or None)."""
+    from deltamesh.services.common.server import GrpcServer
+    from deltamesh.transfer import open_transport
+
+    from deltamesh.services.common.metrics import serve_worker_metrics
+
+    transport = open_transport(settings.transport, settings)  # first: it may set up the process's environment
+    worker = Worker(settings)
+    device = settings.engine.torch_device()
+    if device.type == "cuda":
+        import torch
+
+        # the transport's CUDA copies are issued from this (the event loop's) thread; plain "cuda" is device 0 as in
+        # torch
+        torch.cuda.set_device(device.index or 0)
+    services, on_start, on_stop, background, leases = setup(worker, transport)
+    serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
+    await on_start()
+    # only the router (and tools holding the mesh secret) may call a worker: its calls hand out leases' tokens
+    server = GrpcServer(settings.host, settings.port, services, settings.tls,
+                        interceptors=(mesh_interceptor(settings.mesh_secret.get_secret_value()),))  # fmt: skip
+    worker.address = f"{settings.advertise_host or settings.host}:{server.port}"
+    await server.start()
+    await server.set_serving(True)
+    log.info("worker serving", role=settings.role, address=server.address, model=worker.model_id,
+             compat_hash=worker.compat_hash)  # fmt: skip
+    tasks = [asyncio.create_task(c) for c in [worker.register_forever(stop), *background(stop)]]
+    print(f"DELTAMESH_READY {settings.role} {server.address}", flush=True)
+    await stop.wait()
+    log.info("worker stopping")
+    await server.stop(grace_s=2.0)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await on_stop()
+    transport.close()
+    worker.shutdown()

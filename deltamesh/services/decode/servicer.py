@@ -1,0 +1,114 @@
+"""Decode worker: admits requests from any prefill worker, pulls their state over the workers' transport into its
+own pools, and continues them in its continuous batch, streaming tokens. Without a transfer source (colocated
+mode) it prefills the prompt itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+
+from deltamesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from deltamesh.engine import PoolExhausted
+from deltamesh.services.common import metrics
+from deltamesh.services.common.convert import delta_from_output
+from deltamesh.services.common.worker import Worker, engine_request
+from deltamesh.transfer import DescriptorError, LeaseKey, StatePuller, TransferError
+
+log = structlog.get_logger("deltamesh.decode")
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: Worker, puller: StatePuller):
+        self.worker, self.engine, self.puller = worker, worker.engine, puller
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        req = await engine_request(self.engine, request, context)
+        submit = None
+        started = last = time.monotonic()
+        if request.HasField("source"):
+            reservation = await self._receive_state(request, context)
+            first = request.source.first_token_id
+            submit = lambda r, sink: self.engine.submit_transferred(r, first, reservation, sink)  # noqa: E731
+        async for out in self.engine.stream(req, submit):
+            if out.new_token_ids:
+                now = time.monotonic()
+                if out.num_output_tokens == 1:  # colocated: this worker made the first token too
+                    metrics.TTFT.observe(now - started)
+                else:
+                    metrics.TPOT.observe(now - last)
+                last = now
+            yield delta_from_output(out)
+
+    async def _receive_state(self, request: decode_pb2.DecodeRequest, context):
+        src, layout = request.source, request.source.layout
+        if layout.compat_hash != self.worker.compat_hash:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"incompatible state layout: prefill {layout.compat_hash}, decode {self.worker.compat_hash}",
+            )
+        if layout.num_tokens != len(request.prompt_token_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state token count does not match the prompt")
+        if not src.lease.token:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease: its token is needed")
+        lease = LeaseKey(src.lease.lease_id, src.lease.token)
+        try:  # nothing moves yet: a descriptor this worker cannot use is refused before any pool space is taken
+            source = self.puller.source(src.transport, lease, layout.region_bytes)
+        except DescriptorError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        reservation = await self._reserve(len(request.prompt_token_ids), context)
+        self.worker.reservations += 1
+        try:
+            buffers = [r.tensor for r in reservation.regions]
+            stats = await self.puller.pull(source, buffers, self.worker.settings.transfer_timeout_s)
+        except TransferError as e:
+            metrics.TRANSFERS.labels("refused" if e.refused else "failed").inc()
+            self._release(src.lease.lease_id, reservation)
+            code = grpc.StatusCode.FAILED_PRECONDITION if e.refused else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"state transfer failed: {e}")
+        except BaseException:
+            self._release(src.lease.lease_id, reservation)
+            raise
+        finally:
+            self.worker.reservations -= 1
+        metrics.TRANSFERS.labels("ok").inc()
+        metrics.TRANSFER_BYTES.observe(stats.nbytes)
+        metrics.TRANSFER_SECONDS.observe(stats.seconds)
+        metrics.TRANSFER_BUFFERS.observe(stats.buffers)
+        log.info("state received", bytes=stats.nbytes, buffers=stats.buffers, seconds=round(stats.seconds, 6),
+                 gbps=round(stats.gbps, 3))  # fmt: skip
+        return reservation
+
+    def _release(self, lease_id: str, reservation) -> None:
+        """A failed pull's pages and slot go back to the pool once the transport can no longer write into them."""
+        self.puller.release_after(lease_id, lambda: self.engine.cancel_reservation(reservation))
+
+    async def _reserve(self, num_tokens: int, context):
+        """Pool space for the incoming state, once nothing but the pull can write it; waits (bounded) while the
+        batch is full."""
+        deadline = time.monotonic() + self.worker.settings.admission_timeout_s
+        delay = 0.002
+        while True:
+            try:
+                reservation = self.engine.reserve(num_tokens)
+                break
+            except PoolExhausted as e:
+                if time.monotonic() + delay > deadline:
+                    waited = self.worker.settings.admission_timeout_s
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: no pool space "
+                                        f"within {waited:g} s (--admission-timeout): {e}")  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        if reservation.ready is not None:  # a step launched before may still write this space (deltamesh/engine/core.py)
+            await asyncio.to_thread(reservation.wait_ready)
+        return reservation
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        found = self.engine.has_request(request.request_id)
+        self.engine.abort(request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
+        return common_pb2.GetLoadsResponse(workers=[self.worker.load()])

@@ -1,0 +1,47 @@
+"""The router's control plane: workers register (and keep registering, as a heartbeat) and operators read the
+workers' loads. Served on a listener of its own, for callers holding the mesh secret only."""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
+from deltamesh.services.common.auth import mesh_metadata
+from deltamesh.services.router.registry import WorkerRegistry
+
+log = structlog.get_logger("deltamesh.router")
+
+
+class ControlServicer(control_pb2_grpc.MeshControlServicer):
+    def __init__(self, registry: WorkerRegistry, model_id: str):
+        self.registry, self.model_id = registry, model_id
+
+    async def RegisterWorker(self, request: control_pb2.RegisterWorkerRequest, context):
+        try:
+            worker = self.registry.add(request.address, request.role, static=False, compat_hash=request.compat_hash)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.model and request.model != self.model_id:
+            log.warning("worker serves another model", address=request.address, model=request.model)
+        worker.transport = request.transport if request.HasField("transport") else None
+        reply = control_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
+        if request.role == "decode":
+            peers = self.registry.healthy("prefill")
+            reply.prefill_transports.extend(w.transport for w in peers if w.transport is not None)
+        return reply
+
+    async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
+        return common_pb2.GetLoadsResponse(workers=self.registry.loads())
+
+
+def read_loads(address: str, secret: str, credentials: grpc.ChannelCredentials | None = None,
+               timeout: float = 5.0) -> list[common_pb2.WorkerLoad]:  # fmt: skip
+    """Every worker's load as the router at control-plane `address` sees it (for operators, tests and benchmarks;
+    `credentials` for a mesh on TLS)."""
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
+        reply = control_pb2_grpc.MeshControlStub(channel).GetLoads(
+            common_pb2.GetLoadsRequest(), metadata=mesh_metadata(secret), timeout=timeout
+        )
+    return list(reply.workers)

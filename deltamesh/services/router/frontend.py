@@ -1,0 +1,102 @@
+"""What the router knows of the model without loading it: tokenizer, chat template, vocabulary and context
+length. Requests are size-checked, tokenized and checked here, before any worker sees them.
+
+The router's event loop serves every stream, so nothing here that grows with the input runs on it: the size
+checks are O(1) per text and come first; tokenising and chat templating run in a small thread pool."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from deltamesh.engine import EngineConfig, RequestError, SamplingParams, validate_request
+from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.sampling import check_text
+from deltamesh.engine.tokenizer import TemplateError, Tokenizer
+from deltamesh.services.common.settings import RequestLimits
+
+T = TypeVar("T")
+# Tokenising is CPU work and the tokenizer's batch encode already spreads one request over the cores; two
+# threads let a small request pass a big one without letting many requests crowd out the event loop's core.
+TOKENIZER_THREADS = 2
+
+
+class Frontend:
+    def __init__(self, model_dir: str, max_model_len: int | None = None, limits: RequestLimits | None = None):
+        path = Path(model_dir)
+        self.model_config = ModelConfig.from_dir(path)
+        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        self.model_id = path.name
+        self.max_model_len = EngineConfig(max_model_len=max_model_len).resolved_max_model_len(
+            self.model_config.max_position_embeddings
+        )
+        self.limits = limits or RequestLimits()
+        # Each token covers at most this many characters, so a longer text cannot fit the context whatever
+        # it holds: refuse it without tokenising it.
+        self.max_text_chars = self.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer else 1)
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """Run `fn(*args)` in the tokenizer pool: work that grows with the input never blocks the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ---- cheap checks, on the loop, before any tokenising ------------------------------------------------
+    def check_count(self, n: int, limit: int, what: str) -> None:
+        if n > limit:
+            raise RequestError(f"too many {what}: {n} (this server takes at most {limit} per request)")
+
+    def _check_length(self, chars: int, what: str) -> None:
+        if chars > self.max_text_chars:
+            raise RequestError(
+                f"{what} has {chars} characters, more than can fit this model's context of "
+                f"{self.max_model_len} tokens (at most {self.max_text_chars} characters)"
+            )
+
+    def check_text(self, text: str, what: str = "the prompt") -> None:
+        self._check_length(len(text), what)
+        try:
+            check_text(text, what)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    def check_token_count(self, n: int) -> None:
+        """Before a token-id list is copied or scanned."""
+        if n > self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; this model's maximum context length is "
+                               f"{self.max_model_len} tokens")  # fmt: skip
+
+    def check_chat(self, messages: list[dict]) -> None:
+        if not messages:
+            raise RequestError("a chat needs at least one message")
+        self.check_count(len(messages), self.limits.max_messages, "chat messages")
+        self._check_length(sum(len(m["content"]) for m in messages), "the chat")
+        for m in messages:
+            self.check_text(m["content"], "a chat message")
+
+    # ---- tokenising: call through off_loop ------------------------------------------------------------
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer; send token ids")
+        return self.tokenizer
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """All of a request's prompts in one batch (the tokenizer releases the GIL while it works)."""
+        return self._need_tokenizer().encode_batch(texts)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            return self._need_tokenizer().encode_chat(messages)
+        except TemplateError as e:
+            raise RequestError(str(e)) from None
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)

@@ -1,0 +1,22 @@
+"""The gateway's FastAPI app: its routers, error handlers and /v1 middleware, all served from one `Gateway`
+(frontend, mesh, API key) that the routes read from `app.state`."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from deltamesh.services.router.gateway import chat, completions, health
+from deltamesh.services.router.gateway.dependencies import Gateway
+from deltamesh.services.router.gateway.errors import ERROR_RESPONSES, add_error_handlers
+from deltamesh.services.router.gateway.middleware import LimitsAndAuth
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="deltamesh", version="0.1.0", summary="OpenAI-compatible API of a deltamesh router",
+                  responses=ERROR_RESPONSES)  # fmt: skip
+    app.state.gateway = gateway
+    add_error_handlers(app)
+    app.add_middleware(LimitsAndAuth, api_key=gateway.api_key, limits=gateway.frontend.limits)
+    for module in (health, completions, chat):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,89 @@
+"""POST /v1/completions: prompts as text or token ids, answered whole or streamed."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from deltamesh.v1 import common_pb2
+from deltamesh.services.router import openai_schema as oa
+from deltamesh.services.router.frontend import Frontend
+from deltamesh.services.router.gateway.choices import Choice, build_choices, check_model_and_sampling, check_sizes
+from deltamesh.services.router.gateway.dependencies import GatewayDep
+from deltamesh.services.router.gateway.errors import ApiError, as_api_error
+from deltamesh.services.router.gateway.generation import Accumulator
+from deltamesh.services.router.gateway.reply import Reply, respond
+from deltamesh.services.router.gateway.streaming import Deltas, sse, sse_responses
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=oa.Completion, responses=sse_responses("Completion or SSE stream"))
+async def completions(request: Request, body: oa.CompletionRequest, gateway: GatewayDep) -> Response:
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    choices = await completion_choices(gateway.frontend, rid, body)
+    return await respond(request, Reply(gateway, body, rid, choices), _chunks, _completion)
+
+
+async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRequest) -> list[Choice]:
+    check_model_and_sampling(frontend, body)
+    if body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if body.best_of not in (None, body.n):
+        raise ApiError(400, "best_of must equal n", param="best_of")
+    p = body.prompt
+    texts = [p] if isinstance(p, str) else p if p and all(isinstance(x, str) for x in p) else None
+    id_lists = None if texts is not None else [p] if p and isinstance(p[0], int) else p or [[]]
+    with as_api_error("prompt"):
+        check_sizes(frontend, len(texts if texts is not None else id_lists), body)
+        for text in texts or ():
+            frontend.check_text(text)
+        for ids in id_lists or ():
+            frontend.check_token_count(len(ids))
+        return await frontend.off_loop(_prepare, frontend, rid, body, texts, id_lists)
+
+
+def _prepare(frontend: Frontend, rid: str, body: oa.CompletionRequest, texts: list[str] | None,
+             id_lists: list[list[int]] | None) -> list[Choice]:  # fmt: skip
+    prompts = frontend.encode_texts(texts) if texts is not None else id_lists
+    return build_choices(frontend, rid, prompts, body, body.max_tokens, body.logprobs)
+
+
+def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob], offset: int) -> oa.CompletionLogprobs | None:
+    if reply.body.logprobs is None:
+        return None
+    token_text = reply.gateway.token_text
+    tokens = [token_text(lp.token_id) for lp in items]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return oa.CompletionLogprobs(
+        tokens=tokens, token_logprobs=[lp.logprob for lp in items], text_offset=offsets,
+        top_logprobs=[{token_text(t.token_id): t.logprob for t in lp.top} for lp in items],
+    )  # fmt: skip
+
+
+async def _chunks(reply: Reply, deltas: Deltas):
+    acc = Accumulator(reply.choices)
+    async for index, d in deltas:
+        offset = len(acc.text[index])
+        acc.add(index, d)
+        choice = oa.CompletionChoice(index=index, text=d.text, finish_reason=acc.finish[index],
+                                     logprobs=_logprobs(reply, list(d.logprobs), offset))  # fmt: skip
+        yield sse(oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, choices=[choice]))
+    if reply.include_usage:
+        yield sse(oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, choices=[],
+                                usage=acc.usage()))  # fmt: skip
+
+
+def _completion(reply: Reply, acc: Accumulator) -> oa.Completion:
+    return oa.Completion(
+        id=reply.id, created=reply.created, model=reply.body.model, usage=acc.usage(),
+        choices=[oa.CompletionChoice(index=c.index, text=acc.text[c.index], finish_reason=acc.finish[c.index],
+                                     logprobs=_logprobs(reply, acc.logprobs[c.index], 0)) for c in reply.choices],
+    )  # fmt: skip

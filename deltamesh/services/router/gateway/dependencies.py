@@ -1,0 +1,30 @@
+"""What the gateway's routes depend on, as one object: the frontend (tokenizer, limits, request checks), the
+mesh that runs requests and the API key. `create_app` stores it on `app.state`; a route asks for it with a
+`GatewayDep` parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from deltamesh.services.router.frontend import Frontend
+from deltamesh.services.router.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Gateway:
+    frontend: Frontend
+    mesh: Mesh
+    api_key: str | None = None
+
+    def token_text(self, token_id: int) -> str:
+        return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False) if self.frontend.tokenizer else ""
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(_gateway)]

@@ -1,0 +1,117 @@
+"""OpenAI-shaped errors: the `ApiError` every part of the gateway raises, the HTTP status of each mesh (gRPC)
+error, and the app's exception handlers, which turn whatever a request raises into OpenAI's JSON error body."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import grpc
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deltamesh.engine import RequestError
+from deltamesh.services.router import openai_schema as oa
+from deltamesh.services.router.mesh import MeshError
+
+log = structlog.get_logger("deltamesh.gateway")
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+ERROR_RESPONSES = {code: {"model": oa.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 502, 503)}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.detail = status, oa.ErrorDetail(message=message, type=type_, param=param, code=code)
+
+    @classmethod
+    def from_mesh(cls, e: MeshError) -> "ApiError":
+        status, kind = _HTTP_STATUS.get(e.code, (500, "server_error"))
+        return cls(status, e.message, kind)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 503 else None  # nothing to serve with yet: come back soon
+        return _AsciiJSON(oa.ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=headers)
+
+
+class _AsciiJSON(JSONResponse):
+    """Error bodies escape non-ASCII: a message that quotes the client's input (a lone surrogate, say) can
+    always be encoded."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
+class BodyTooLarge(Exception):
+    """A body sent without Content-Length (chunked) passed the size limit while it was being read."""
+
+    def __init__(self, limit: int):
+        super().__init__(limit)
+        self.limit = limit
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body over {limit} bytes")
+
+
+@contextlib.contextmanager
+def as_api_error(param: str):
+    """A request the frontend or the engine refuses is the client's error: 400 naming the parameter."""
+    try:
+        yield
+    except RequestError as e:
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        raise ApiError(400, str(e), param=param, code=code) from None
+
+
+async def _api_error(request: Request, e: ApiError):
+    return e.response()
+
+
+async def _too_large(request: Request, e: BodyTooLarge):
+    return body_too_large(e.limit).response()
+
+
+async def _invalid(request: Request, e: RequestValidationError):
+    err = e.errors()[0] if e.errors() else {}
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}").response()
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if not loc and "json" not in request.headers.get("content-type", ""):  # FastAPI read it as a plain string
+        return ApiError(400, "the request body must be a JSON object sent with 'Content-Type: application/json'"
+                        ).response()  # fmt: skip
+    message = err.get("msg", "invalid request")
+    return ApiError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None).response()
+
+
+async def _http_error(request: Request, e: StarletteHTTPException):
+    if isinstance(e.__cause__, BodyTooLarge):  # FastAPI wraps errors raised while reading the body
+        return await _too_large(request, e.__cause__)
+    return ApiError(e.status_code, str(e.detail), "invalid_request_error").response()
+
+
+async def _bug(request: Request, e: Exception):  # details go to the log, never to the client
+    log.exception("request failed", path=request.url.path)
+    return ApiError(500, "internal error", "server_error").response()
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    handlers = {ApiError: _api_error, BodyTooLarge: _too_large, RequestValidationError: _invalid,
+                StarletteHTTPException: _http_error, Exception: _bug}  # fmt: skip
+    for exception, handler in handlers.items():
+        app.add_exception_handler(exception, handler)

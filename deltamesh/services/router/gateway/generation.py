@@ -1,0 +1,104 @@
+"""Running a request's choices in the mesh: their deltas merged into one stream, and, for an answer sent
+whole, accumulated per choice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+import structlog
+from fastapi import Request
+
+from deltamesh.v1 import common_pb2
+from deltamesh.services.router import openai_schema as oa
+from deltamesh.services.router.gateway.choices import Choice
+from deltamesh.services.router.gateway.errors import ApiError
+from deltamesh.services.router.mesh import Mesh, MeshError
+
+log = structlog.get_logger("deltamesh.gateway")
+
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+           common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
+
+
+async def _produce(mesh: Mesh, choice: Choice, out: asyncio.Queue) -> None:
+    try:
+        deltas = mesh.generate(choice.request_id, choice.prompt_ids, choice.params)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                await out.put((choice.index, delta))
+    except MeshError as e:
+        await out.put((choice.index, ApiError.from_mesh(e)))
+    except Exception:  # a bug: report it as a 500, never hang the stream (details go to the log only)
+        log.exception("choice failed", request_id=choice.request_id)
+        await out.put((choice.index, ApiError(500, "internal error", "server_error")))
+    finally:
+        await out.put((choice.index, None))
+
+
+async def run_choices(mesh: Mesh, choices: list[Choice]) -> AsyncIterator[tuple[int, common_pb2.TokenDelta]]:
+    """Deltas of all choices as they arrive; raises ApiError on the first failure. Leaving early
+    (client gone) cancels every choice in the mesh."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_produce(mesh, c, queue)) for c in choices]
+    open_choices = len(choices)
+    finished: set[int] = set()
+    try:
+        while open_choices:
+            index, item = await queue.get()
+            if item is None:
+                open_choices -= 1
+                if index not in finished:  # never end a choice silently
+                    raise ApiError(502, "a worker stream ended before the request finished", "server_error")
+            elif isinstance(item, ApiError):
+                raise item
+            else:
+                if item.finished:
+                    finished.add(index)
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Accumulator:
+    """Per choice: text, finish reason, logprobs, token counts."""
+
+    def __init__(self, choices: list[Choice]):
+        self.text = {c.index: "" for c in choices}
+        self.finish = {c.index: None for c in choices}
+        self.logprobs = {c.index: [] for c in choices}
+        self.prompt_tokens = {c.prompt_index: len(c.prompt_ids) for c in choices}  # once per prompt, as OpenAI
+        self.completion_tokens = {c.index: 0 for c in choices}
+
+    def add(self, index: int, delta: common_pb2.TokenDelta) -> None:
+        self.text[index] += delta.text
+        self.logprobs[index] += list(delta.logprobs)
+        self.completion_tokens[index] = delta.usage.completion_tokens or self.completion_tokens[index]
+        if delta.finished:
+            self.finish[index] = _FINISH.get(delta.finish_reason)
+
+    def usage(self) -> oa.Usage:
+        p, c = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
+        return oa.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+async def collect(request: Request, mesh: Mesh, choices: list[Choice]) -> Accumulator:
+    """All choices run to the end; a client that hangs up aborts its request in the mesh (499)."""
+    acc = Accumulator(choices)
+
+    async def consume():
+        async for index, delta in run_choices(mesh, choices):
+            acc.add(index, delta)
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ApiError(499, "client disconnected", "cancelled")
+    task.result()
+    return acc

@@ -1,0 +1,39 @@
+"""The routes that describe the server rather than run the model: liveness, readiness, Prometheus metrics and
+the model list."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from deltamesh.services.router import openai_schema as oa
+from deltamesh.services.router.gateway.dependencies import GatewayDep
+from deltamesh.services.router.gateway.errors import ApiError
+
+router = APIRouter()
+
+
+@router.get("/health", summary="Liveness")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/ready", summary="Readiness: healthy workers to serve requests",
+            responses={503: {"model": oa.ErrorResponse}})  # fmt: skip
+async def ready(gateway: GatewayDep):
+    if not gateway.mesh.ready():
+        return ApiError(503, "no healthy workers to serve requests", "service_unavailable").response()
+    healthy = [w.role for w in gateway.mesh.registry.workers.values() if w.healthy]
+    return {"status": "ready", "workers": {role: healthy.count(role) for role in sorted(set(healthy))}}
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics() -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models", response_model=oa.ModelList)
+async def models(gateway: GatewayDep) -> oa.ModelList:
+    f = gateway.frontend
+    return oa.ModelList(data=[oa.ModelCard(id=f.model_id, created=0, max_model_len=f.max_model_len)])

@@ -1,0 +1,42 @@
+"""Answering a request whose choices are ready, the same way for completions and chat: streamed as SSE when
+the request asks for it, else collected and sent as one JSON body. The route supplies the two formats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from deltamesh.services.router import openai_schema as oa
+from deltamesh.services.router.gateway.choices import Choice
+from deltamesh.services.router.gateway.dependencies import Gateway
+from deltamesh.services.router.gateway.generation import Accumulator, collect
+from deltamesh.services.router.gateway.streaming import Deltas, stream_response
+
+
+@dataclass
+class Reply:
+    """What every part of one answer shares: its id, creation time, request and choices."""
+
+    gateway: Gateway
+    body: oa._Sampling
+    id: str
+    choices: list[Choice]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def include_usage(self) -> bool:
+        """A stream ends with a usage chunk only when asked to, as OpenAI's does."""
+        return bool(self.body.stream_options and self.body.stream_options.include_usage)
+
+
+async def respond(request: Request, reply: Reply, chunks: Callable[[Reply, Deltas], AsyncIterator[str]],
+                  whole: Callable[[Reply, Accumulator], BaseModel]) -> Response:  # fmt: skip
+    if reply.body.stream:
+        return await stream_response(reply.gateway.mesh, reply.choices, lambda deltas: chunks(reply, deltas))
+    acc = await collect(request, reply.gateway.mesh, reply.choices)
+    return JSONResponse(whole(reply, acc).model_dump())

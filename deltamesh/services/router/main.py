@@ -1,0 +1,63 @@
+"""Router process: gRPC front door (+ the REST gateway when an HTTP port is set)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from deltamesh.v1 import control_pb2, control_pb2_grpc, router_pb2, router_pb2_grpc
+from deltamesh.services.common.auth import api_key_interceptor, mesh_interceptor
+from deltamesh.services.common.server import GrpcServer
+from deltamesh.services.common.settings import RouterSettings
+from deltamesh.services.router.control import ControlServicer
+from deltamesh.services.router.frontend import Frontend
+from deltamesh.services.router.gateway import Gateway, start_gateway
+from deltamesh.services.router.mesh import Mesh
+from deltamesh.services.router.metrics import register_worker_gauge
+from deltamesh.services.router.policies import POLICIES
+from deltamesh.services.router.registry import WorkerRegistry
+from deltamesh.services.router.servicer import RouterServicer
+
+log = structlog.get_logger("deltamesh.router")
+
+
+async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
+    frontend = Frontend(settings.model, settings.max_model_len, settings.limits)
+    secret = settings.mesh_secret.get_secret_value()
+    registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, secret, settings.tls)
+    for role in ("prefill", "decode", "colocated"):
+        for address in getattr(settings, role):
+            registry.add(address, role, static=True)
+    register_worker_gauge(registry)
+    mesh = Mesh(registry, POLICIES[settings.policy](), settings.prefill_retries, settings.request_timeout_s,
+                settings.ready_timeout_s)  # fmt: skip
+    # Two listeners: the client API (the API key, when set) and the control plane (the mesh secret)
+    name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh), name)]
+    key_check = (api_key_interceptor(settings.api_key),) if settings.api_key else ()
+    server = GrpcServer(settings.host, settings.grpc_port, client_api, settings.tls, interceptors=key_check)
+    name = control_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name
+    control_servicer = ControlServicer(registry, frontend.model_id)
+    control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, control_servicer, name)]
+    control = GrpcServer(settings.host, settings.control_port, control_api, settings.tls,
+                         interceptors=(mesh_interceptor(secret),))  # fmt: skip
+    for s in (server, control):
+        await s.start()
+        await s.set_serving(True)
+    tasks = [asyncio.create_task(registry.poll_forever(stop))]
+    http = None
+    if settings.http_port:
+        gateway = Gateway(frontend, mesh, settings.api_key)
+        http, http_task = await start_gateway(gateway, settings.host, settings.http_port, settings.http_header_timeout_s)
+        tasks.append(http_task)
+    log.info("router serving", grpc=server.address, control=control.address, http=settings.http_port,
+             model=frontend.model_id, policy=settings.policy)  # fmt: skip
+    print(f"DELTAMESH_READY router {server.address}", flush=True)
+    await stop.wait()
+    if http is not None:
+        http.should_exit = True
+    await asyncio.gather(server.stop(grace_s=2.0), control.stop(grace_s=0.5))
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await registry.close()
+    frontend.close()

@@ -1,0 +1,253 @@
+"""Runs one request through the mesh: prefill on one worker, decode on another, with the hybrid state
+moving between them over the workers' transport under a lease. Shared by the gRPC front door and the REST gateway.
+
+Failure rules: a prefill worker found unavailable is replaced (up to `prefill_retries` times); a decode
+worker found unavailable before it streamed anything is replaced too; any other failure of either leg ends
+the request at once with an error, cancels the other leg and releases the lease so the prefill worker's
+memory is freed. A client that goes away cancels both legs; `abort` does the same on request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+import structlog
+
+from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
+from deltamesh.engine import SamplingParams
+from deltamesh.services.common.convert import sampling_to_proto
+from deltamesh.services.router import metrics
+from deltamesh.services.router.policies import Policy
+from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
+
+log = structlog.get_logger("deltamesh.mesh")
+
+
+class MeshError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class _Inflight:
+    call: object = None  # the worker call in progress
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.call is not None:
+            self.call.cancel()
+
+
+def _leg_error(e: grpc.aio.AioRpcError, leg: str, w: WorkerHandle) -> MeshError:
+    return MeshError(e.code(), f"{leg} worker {w.address}: {e.details()}")
+
+
+def _cancelled_call(inflight: "_Inflight", leg: str, w: WorkerHandle) -> MeshError:
+    """A worker call was cancelled but not our task: an abort, or the call's channel went away. Anything but
+    a silent end of the stream. (When our own task is being cancelled, the caller re-raises instead.)"""
+    if inflight.aborted:
+        return MeshError(grpc.StatusCode.CANCELLED, f"aborted during the {leg} call")
+    return MeshError(grpc.StatusCode.UNAVAILABLE, f"{leg} worker {w.address}: call cancelled (connection closed)")
+
+
+def _own_task_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class Mesh:
+    def __init__(self, registry: WorkerRegistry, policy: Policy, prefill_retries: int = 2, timeout_s: float = 600.0,
+                 ready_timeout_s: float = 10.0):  # fmt: skip
+        """`ready_timeout_s`: how long a request waits for the mesh to have workers (just started, or all
+        restarting) before it fails as UNAVAILABLE."""
+        self.registry, self.policy = registry, policy
+        self.ready_timeout_s = ready_timeout_s
+        self.prefill_retries, self.timeout_s = prefill_retries, timeout_s
+        self._inflight: dict[str, _Inflight] = {}
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def colocated(self) -> bool:
+        return bool(self.registry.healthy("colocated")) and not self.registry.healthy("prefill")
+
+    def ready(self) -> bool:
+        r = self.registry
+        return bool(r.healthy("colocated") or (r.healthy("prefill") and r.healthy("decode")))
+
+    async def _until_ready(self) -> None:
+        """Hold a request while no worker can serve it, as a server that is still starting would; bounded."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not self.ready():
+            if time.monotonic() >= deadline:
+                raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy workers to serve requests (waited "
+                                f"{self.ready_timeout_s:g} s); retry shortly")  # fmt: skip
+            await asyncio.sleep(0.05)
+
+    def _pick(self, role: str, exclude: set[str]) -> WorkerHandle:
+        candidates = [w for w in self.registry.healthy(role) if w.address not in exclude]
+        if not candidates:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker is available")
+        return self.policy.pick(candidates)
+
+    def abort(self, request_id: str) -> bool:
+        inflight = self._inflight.get(request_id)
+        if inflight is not None:
+            inflight.abort()
+        return inflight is not None
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[common_pb2.TokenDelta]:
+        """The request's token deltas, first token first; raises MeshError when it cannot be served."""
+        timer = metrics.RequestTimer()
+        outcome = "aborted"  # unless it finishes or fails: the client went away
+        try:
+            # closed explicitly: a client gone mid-stream releases what its request holds at once, not at GC
+            async with contextlib.aclosing(self._generate(request_id, prompt_ids, params)) as deltas:
+                async for delta in deltas:
+                    timer.delta(len(delta.token_ids), delta.usage.prompt_tokens)
+                    if delta.finished:
+                        outcome = "aborted" if delta.finish_reason == common_pb2.FINISH_REASON_ABORT else "completed"
+                    yield delta
+        except MeshError:
+            outcome = "error"
+            raise
+        finally:
+            timer.end(outcome)
+            ttft = None if timer.first is None else round(timer.first - timer.start, 4)
+            log.info("request", request_id=request_id, outcome=outcome, prompt_tokens=len(prompt_ids),
+                     completion_tokens=timer.tokens, ttft_s=ttft, seconds=round(time.monotonic() - timer.start, 4))
+
+    async def _generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        if request_id in self._inflight:
+            raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
+        inflight = self._inflight[request_id] = _Inflight()
+        sampling, stop = sampling_to_proto(params)
+        try:
+            await self._until_ready()
+            if self.colocated:
+                req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop)
+                async for delta in self._decode(req, "colocated", inflight):
+                    yield delta
+                return
+            # the lease's token is ours from the start: a request that goes away while its prefill answer is on the
+            # wire can still end the lease it will never see
+            prefill_req = prefill_pb2.PrefillRequest(
+                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop,
+                lease_token=secrets.token_bytes(16),
+            )  # fmt: skip
+            first, pw = await self._prefill(prefill_req, inflight)
+            try:
+                yield first.first
+                if first.first.finished:
+                    return
+                source = decode_pb2.TransferSource(  # the transport descriptor goes on unread
+                    lease=first.lease, transport=first.transport, layout=first.layout,
+                    first_token_id=first.first.token_ids[0],
+                )  # fmt: skip
+                req = decode_pb2.DecodeRequest(
+                    request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
+                )
+                async for delta in self._decode(req, "decode", inflight):
+                    yield delta
+            finally:  # never let the lease outlive the request (a no-op once decode pulled the state)
+                if first.HasField("lease"):
+                    self._release_later(pw, first.lease)
+        except MeshError as e:
+            if not inflight.aborted:
+                raise
+            log.info("aborted", request_id=request_id, during=e.message)
+            yield common_pb2.TokenDelta(finished=True, finish_reason=common_pb2.FINISH_REASON_ABORT)
+        finally:
+            del self._inflight[request_id]
+
+    async def _prefill(self, req: prefill_pb2.PrefillRequest, inflight: _Inflight):
+        tried: set[str] = set()
+        while True:
+            w = self._pick("prefill", tried)
+            w.inflight += 1
+            inflight.call = w.stub.Prefill(req, metadata=self.registry.call_metadata(req.request_id),
+                                           timeout=self.timeout_s)  # fmt: skip
+            try:
+                return await inflight.call, w
+            except asyncio.CancelledError:
+                # an answer on its way is lost with the call (client gone, or an abort): end the lease it may
+                # carry, whose token we chose
+                self._release_later(w, prefill_pb2.Lease(lease_id=req.request_id, token=req.lease_token))
+                if _own_task_cancelled():
+                    raise
+                raise _cancelled_call(inflight, "prefill", w) from None
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
+                    self.registry.mark_failed(w, "prefill call unavailable")
+                    tried.add(w.address)
+                    if len(tried) <= self.prefill_retries:
+                        metrics.RETRIES.labels("prefill").inc()
+                        log.warning("retrying prefill on another worker", failed=w.address)
+                        continue
+                raise _leg_error(e, "prefill", w) from None
+            finally:
+                w.inflight -= 1
+                inflight.call = None
+
+    async def _decode(self, req: decode_pb2.DecodeRequest, role: str, inflight: _Inflight):
+        tried: set[str] = set()
+        while True:
+            w = self._pick(role, tried)
+            w.inflight += 1
+            call = inflight.call = w.stub.Decode(req, metadata=self.registry.call_metadata(req.request_id),
+                                                 timeout=self.timeout_s)  # fmt: skip
+            streamed = finished = False
+            try:
+                async for delta in call:
+                    streamed = True
+                    finished = delta.finished
+                    yield delta
+                if not finished:
+                    raise MeshError(grpc.StatusCode.UNAVAILABLE, f"{role} worker {w.address}: stream ended early")
+                return
+            except asyncio.CancelledError:
+                if _own_task_cancelled():
+                    raise
+                raise _cancelled_call(inflight, role, w) from None
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
+                    self.registry.mark_failed(w, "decode call unavailable")
+                    tried.add(w.address)
+                    if not streamed and len(tried) <= 1:
+                        metrics.RETRIES.labels(role).inc()
+                        log.warning("retrying decode on another worker", failed=w.address)
+                        continue
+                if tried and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # the failed worker may have pulled (used up) the lease before dying: a worker fault
+                    raise MeshError(grpc.StatusCode.UNAVAILABLE, f"decode worker failed and the retry could not "
+                                    f"take over the request's state: {e.details()}") from None  # fmt: skip
+                raise _leg_error(e, role, w) from None
+            finally:
+                w.inflight -= 1
+                inflight.call = None
+                if not finished:
+                    call.cancel()  # the client left or the stream broke: stop the worker's request
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _release_later(self, w: WorkerHandle, lease: prefill_pb2.Lease) -> None:
+        async def release() -> None:
+            try:
+                await w.stub.ReleaseLease(prefill_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token),
+                                          metadata=self.registry.call_metadata(), timeout=5)  # fmt: skip
+            except Exception:  # noqa: BLE001 - best effort: a gone worker took its memory along, else the lease expires
+                pass
+
+        self._in_background(release())

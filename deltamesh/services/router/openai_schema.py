@@ -1,0 +1,223 @@
+"""Request and response bodies of the OpenAI-compatible API (the subset deltamesh serves), as pydantic
+models: they validate input and make the served OpenAPI schema accurate. Unknown fields are ignored, as
+OpenAI's own server does for forward compatibility; fields we do not support are rejected when set to a
+non-default value."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from deltamesh.services.common.settings import RequestLimits
+
+MAX_N = 16
+UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # integer bounds of the wire types (common.proto)
+# Token ids must be JSON integers: strict, so that true/false and 2.0 are refused rather than read as 1 and 2.
+TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
+
+# The serving router's limits, set for each request by the gateway's middleware. They are checked on the raw
+# JSON before pydantic validates it: validating a huge list would itself hold the event loop.
+LIMITS: ContextVar[RequestLimits] = ContextVar("LIMITS", default=RequestLimits())
+
+
+def _check_count(data, field: str, limit: int, what: str) -> None:
+    items = data.get(field) if isinstance(data, dict) else None
+    if isinstance(items, list) and len(items) > limit:
+        raise ValueError(f"too many {what}: {len(items)} (this server takes at most {limit} per request)")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = Field(None, ge=0, le=UINT64_MAX,
+                                   description="makes sampling reproducible; choice i of n uses seed + i (mod 2**64)")
+    presence_penalty: float | None = Field(None, description="Only 0 is supported")
+    frequency_penalty: float | None = Field(None, description="Only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)")
+    user: str | None = None
+    # extensions (vLLM-style)
+    top_k: StrictInt | None = Field(None, ge=0, le=UINT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(16, ge=1, le=UINT32_MAX)
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    echo: bool = Field(False, description="Not supported (must be false)")
+    suffix: str | None = Field(None, description="Not supported")
+    best_of: int | None = Field(None, description="Only best_of == n is supported")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_prompts(cls, data):
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch, not token ids
+            _check_count(data, "prompt", LIMITS.get().max_prompts, "prompts")
+        return data
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX,
+                                         description="Deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = Field(None, description="Not supported")
+    response_format: dict | None = Field(None, description="Only {'type': 'text'}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_messages(cls, data):
+        _check_count(data, "messages", LIMITS.get().max_messages, "chat messages")
+        return data
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "deltamesh"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,139 @@
+"""The router's view of its workers: given by flags (static) or registered by the workers themselves
+(dynamic, kept alive by repeated registration). A poller checks every worker's loads; a worker that does not
+answer, or that a call found dead, is left out of routing until it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from deltamesh.services.common.auth import mesh_metadata
+from deltamesh.services.common.server import CHANNEL_OPTIONS
+from deltamesh.services.common.tls import aio_channel
+
+log = structlog.get_logger("deltamesh.registry")
+
+ROLES = ("prefill", "decode", "colocated")
+MAX_MISSED_POLLS = 5
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    role: str
+    static: bool
+    channel: grpc.aio.Channel
+    compat_hash: str = ""
+    # a registered prefill worker's transport descriptor, passed on to decode workers unread
+    transport: common_pb2.TransportDescriptor | None = None
+    healthy: bool = False
+    load: common_pb2.WorkerLoad | None = None
+    last_registered: float = field(default_factory=time.monotonic)
+    inflight: int = 0  # requests the router has sent here and not yet seen end
+    missed_polls: int = 0  # consecutive load polls without an answer in time
+
+    @property
+    def stub(self):
+        if self.role == "prefill":
+            return prefill_pb2_grpc.PrefillWorkerStub(self.channel)
+        return decode_pb2_grpc.DecodeWorkerStub(self.channel)
+
+
+class WorkerRegistry:
+    def __init__(self, health_interval_s: float, heartbeat_interval_s: float, mesh_secret: str, tls=None):
+        self.tls, self._secret = tls, mesh_secret
+        self.health_interval_s = health_interval_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.workers: dict[str, WorkerHandle] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    def add(self, address: str, role: str, static: bool, compat_hash: str = "") -> WorkerHandle:
+        if role not in ROLES:
+            raise ValueError(f"unknown worker role {role!r}; roles are {', '.join(ROLES)}")
+        w = self.workers.get(address)
+        if w is not None and w.role != role:
+            self._drop(w)
+            w = None
+        if w is None:
+            w = WorkerHandle(address, role, static, aio_channel(address, self.tls, CHANNEL_OPTIONS))
+            self.workers[address] = w
+            log.info("worker added", address=address, role=role, static=static)
+        w.compat_hash = compat_hash or w.compat_hash
+        w.last_registered = time.monotonic()
+        return w
+
+    def _drop(self, w: WorkerHandle) -> None:
+        self.workers.pop(w.address, None)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(w))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        log.info("worker removed", address=w.address, role=w.role)
+
+    @staticmethod
+    async def _close_when_idle(w: WorkerHandle, limit_s: float = 600.0) -> None:
+        """Closing a channel cancels its calls: let the requests already on it finish first."""
+        deadline = time.monotonic() + limit_s
+        while w.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        await w.channel.close()
+
+    def call_metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        """Metadata of a call to a worker: the mesh secret (workers refuse calls without it) and the request id."""
+        return mesh_metadata(self._secret, request_id)
+
+    def healthy(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.role == role and w.healthy]
+
+    def mark_failed(self, w: WorkerHandle, why: str) -> None:
+        if w.healthy:
+            log.warning("worker failed", address=w.address, role=w.role, why=why)
+        w.healthy = False
+
+    async def poll_forever(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.poll_once()
+            try:
+                await asyncio.wait_for(stop.wait(), self.health_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def poll_once(self) -> None:
+        now = time.monotonic()
+        for w in list(self.workers.values()):  # dynamic workers that stopped registering are gone
+            if not w.static and now - w.last_registered > MAX_MISSED_POLLS * self.heartbeat_interval_s:
+                self._drop(w)
+        await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
+
+    async def _check(self, w: WorkerHandle) -> None:
+        """A worker that is unreachable is out at once; one that is only slow to answer (a long engine step,
+        kernel compilation) is out after MAX_MISSED_POLLS polls in a row."""
+        try:
+            reply = await w.stub.GetLoads(common_pb2.GetLoadsRequest(), metadata=self.call_metadata(),
+                                          timeout=max(self.health_interval_s * 4, 2.0))  # fmt: skip
+            w.load = reply.workers[0]
+            w.missed_polls = 0
+            if not w.healthy:
+                log.info("worker healthy", address=w.address, role=w.role)
+            w.healthy = True
+        except grpc.aio.AioRpcError as e:
+            w.missed_polls += 1
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.missed_polls >= MAX_MISSED_POLLS:
+                self.mark_failed(w, e.code().name)
+
+    def loads(self) -> list[common_pb2.WorkerLoad]:
+        out = []
+        for w in self.workers.values():
+            load = common_pb2.WorkerLoad()
+            if w.load is not None:
+                load.CopyFrom(w.load)
+            load.address, load.role, load.healthy = w.address, w.role, w.healthy
+            out.append(load)
+        return out
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.channel.close() for w in self.workers.values()), return_exceptions=True)

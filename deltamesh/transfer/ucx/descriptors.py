@@ -1,0 +1,101 @@
+"""The UCX transport's descriptors (protos/deltamesh/v1/ucx.proto), made by the holder and read by the puller:
+where each held region is and the key to read it, where the lease's word is; and for a warm-up, where the
+holder's pools and lease words are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from google.protobuf.message import DecodeError
+
+from deltamesh.v1 import ucx_pb2
+from deltamesh.v1.common_pb2 import TransportDescriptor
+from deltamesh.transfer.base import DescriptorError, LeaseKey, Source, payload_of
+from deltamesh.transfer.leases import lease_nonce
+
+KIND, VERSION = "ucx", 1
+WORD_BYTES = 8
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """One region of the holder's memory as a puller reads it: its size, where it starts, and the packed UCX
+    remote key of the registered memory around it."""
+
+    nbytes: int
+    address: int
+    rkey: bytes
+
+
+@dataclass(frozen=True)
+class LeaseCheck:
+    """Where a lease's word is in the holder's memory (registered host memory, and its packed remote key), and
+    the nonce it holds while the lease lives."""
+
+    address: int
+    rkey: bytes
+    nonce: int
+
+    @classmethod
+    def of(cls, word: RemoteRegion, lease: LeaseKey, regions: Sequence[RemoteRegion]) -> LeaseCheck:
+        """The check of a pull of `regions` under `lease`: what its word must hold."""
+        extents = [(r.address, r.nbytes) for r in regions]
+        return cls(word.address, word.rkey, lease_nonce(lease.token, lease.lease_id, extents))
+
+
+@dataclass(frozen=True)
+class UcxSource(Source):
+    """A held state as the UCX puller reads it: the holder's worker address, the regions, the lease's check."""
+
+    address: bytes
+    regions: tuple[RemoteRegion, ...]
+    check: LeaseCheck
+
+
+def lease_descriptor(address: bytes, regions: Sequence[RemoteRegion], word: RemoteRegion) -> TransportDescriptor:
+    payload = ucx_pb2.UcxLeaseDescriptor(
+        worker_address=address, region_addresses=[r.address for r in regions], region_rkeys=[r.rkey for r in regions],
+        word_address=word.address, word_rkey=word.rkey,
+    )  # fmt: skip
+    return TransportDescriptor(kind=KIND, version=VERSION, payload=payload.SerializeToString())
+
+
+def holder_descriptor(address: bytes, pools: Sequence[RemoteRegion], words: RemoteRegion) -> TransportDescriptor:
+    payload = ucx_pb2.UcxHolderDescriptor(
+        worker_address=address, pool_addresses=[r.address for r in pools], pool_rkeys=[r.rkey for r in pools],
+        lease_words_address=words.address, lease_words_rkey=words.rkey,
+    )  # fmt: skip
+    return TransportDescriptor(kind=KIND, version=VERSION, payload=payload.SerializeToString())
+
+
+def read_lease(descriptor: TransportDescriptor, lease: LeaseKey, region_bytes: Sequence[int]) -> UcxSource:
+    """The source a lease descriptor names, for regions of `region_bytes`; DescriptorError if it names none."""
+    d = _parse(descriptor, ucx_pb2.UcxLeaseDescriptor)
+    if not len(region_bytes) == len(d.region_addresses) == len(d.region_rkeys):
+        raise DescriptorError(f"ucx descriptor: one address and key per region needed ({len(region_bytes)} regions, "
+                              f"{len(d.region_addresses)} addresses, {len(d.region_rkeys)} keys)")  # fmt: skip
+    if not (d.worker_address and d.word_address and d.word_rkey):
+        raise DescriptorError("ucx descriptor: the holder's address and the lease word's address and key are needed")
+    regions = tuple(RemoteRegion(*r) for r in zip(region_bytes, d.region_addresses, d.region_rkeys))
+    word = RemoteRegion(WORD_BYTES, d.word_address, d.word_rkey)
+    return UcxSource(lease, d.worker_address, regions, LeaseCheck.of(word, lease, regions))
+
+
+def read_holder(descriptor: TransportDescriptor) -> tuple[bytes, list[RemoteRegion], RemoteRegion | None]:
+    """(worker address, one byte of each pool, the lease words or None) of a holder descriptor."""
+    d = _parse(descriptor, ucx_pb2.UcxHolderDescriptor)
+    if len(d.pool_addresses) != len(d.pool_rkeys) or not d.worker_address:
+        raise DescriptorError("ucx holder descriptor: the holder's address and one key per pool are needed")
+    pools = [RemoteRegion(1, address, rkey) for address, rkey in zip(d.pool_addresses, d.pool_rkeys)]
+    words = RemoteRegion(WORD_BYTES, d.lease_words_address, d.lease_words_rkey) if d.lease_words_rkey else None
+    return d.worker_address, pools, words
+
+
+def _parse(descriptor: TransportDescriptor, cls):
+    message = cls()
+    try:
+        message.ParseFromString(payload_of(descriptor, KIND, VERSION))
+    except DecodeError as e:
+        raise DescriptorError(f"ucx descriptor: its payload is not a {cls.__name__}: {e}") from None
+    return message
