@@ -62,7 +62,7 @@ def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen,
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.vllm_site, env.get("PYTHONPATH")]))
         env.update(HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0", CUDA_VISIBLE_DEVICES="0")
         ready = f"http://127.0.0.1:{port}/v1/models"
-    # vLLM starts outside the repository: our top-level `kernels` package would shadow the one vLLM imports
+    # vLLM starts outside the repository, so that no top-level folder of ours can shadow a package it imports
     cwd = ROOT if engine == "deltamesh" else log.parent
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
