@@ -18,6 +18,8 @@ _KERNELS = None
 
 
 def _kernels():
+    # One long function on purpose: the kernels are defined here, on first use, so that importing this module
+    # (on CPU, in CI) never imports triton; each kernel inside is short.
     global _KERNELS
     if _KERNELS is not None:
         return _KERNELS
