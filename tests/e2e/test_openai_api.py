@@ -206,3 +206,19 @@ def test_a_json_body_without_a_json_content_type_is_told_so(base_url):
     body = json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 2})
     r = httpx.post(f"{base_url}/v1/completions", content=body, headers={"Content-Type": "text/plain"}, timeout=30)
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+
+
+def test_unknown_parameters_are_refused_as_openai_does_and_known_ones_pass(base_url):
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):  # fmt: skip
+        base = {"model": MODEL_ID, "max_tokens": 2, **body}
+        r = httpx.post(f"{base_url}{path}", json=base | {"foo_bar": 1}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["message"] == "Unrecognized request argument supplied: foo_bar", r.text
+        assert err["param"] == "foo_bar" and err["type"] == "invalid_request_error"
+        # OpenAI parameters that do not change the output, and a message field the server does not use
+        ok = base | {"user": "u-1"}
+        if "messages" in body:
+            ok |= {"store": False, "metadata": {"k": "v"}, "messages": [{"role": "user", "content": "x", "refusal": None}]}
+        r = httpx.post(f"{base_url}{path}", json=ok, timeout=60)
+        assert r.status_code == 200, r.text

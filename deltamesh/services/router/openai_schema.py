@@ -1,7 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (the subset deltamesh serves), as pydantic
-models: they validate input and make the served OpenAPI schema accurate. Unknown fields are ignored, as
-OpenAI's own server does for forward compatibility; fields we do not support are rejected when set to a
-non-default value."""
+models: they validate input and make the served OpenAPI schema accurate. A parameter that neither OpenAI's API
+nor the extensions below define is refused with 400, as OpenAI refuses unrecognized arguments (a typo must not
+silently change nothing); OpenAI parameters that do not change the output here (user, store, metadata, ...) are
+accepted, and those we do not support are refused when set to a non-default value. Objects nested in a request
+(chat messages) keep ignoring fields they do not use, so a conversation echoed back with tool-call fields still
+parses."""
 
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
@@ -116,7 +119,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = Field(None, description="Not supported")
+    tool_choice: Literal["none", "auto"] | None = Field(None, description="Without tools, none and auto are alike")
+    parallel_tool_calls: bool | None = None
     response_format: dict | None = Field(None, description="Only {'type': 'text'}")
+    # OpenAI parameters about the service, not the output: accepted and not used
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @model_validator(mode="before")
     @classmethod

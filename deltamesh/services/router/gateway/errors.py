@@ -95,6 +95,8 @@ async def _invalid(request: Request, e: RequestValidationError):
     if not loc and "json" not in request.headers.get("content-type", ""):  # FastAPI read it as a plain string
         return ApiError(400, "the request body must be a JSON object sent with 'Content-Type: application/json'"
                         ).response()  # fmt: skip
+    if err.get("type") == "extra_forbidden":  # OpenAI's wording for a parameter it does not know
+        return ApiError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=".".join(loc)).response()
     message = err.get("msg", "invalid request")
     return ApiError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None).response()
 
