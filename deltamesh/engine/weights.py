@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
 import structlog
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models import MODEL_CLASSES, HybridLM
@@ -48,7 +51,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    # a progress bar over the shards of a real checkpoint, on a terminal only (logs stay JSON lines)
+    shown = len(files) > 1 and sys.stderr.isatty()
+    for path in tqdm(files, desc="loading checkpoint shards", unit="shard", disable=not shown):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -121,6 +127,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> HybridLM:
+    started = time.monotonic()
     model = build_model(cfg, device, dtype)
     if load_format == "dummy":
         init_dummy(model, seed)
@@ -131,5 +138,5 @@ def load_model(
     else:
         raise WeightError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
     log.info("model loaded", family=cfg.family, load_format=load_format, device=str(device), dtype=str(dtype),
-             params=sum(p.numel() for p in model.parameters()))
+             params=sum(p.numel() for p in model.parameters()), seconds=round(time.monotonic() - started, 2))
     return model
