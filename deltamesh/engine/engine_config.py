@@ -1,42 +1,65 @@
-"""Engine settings, and how the engine turns them into concrete devices, dtypes and pool sizes."""
+"""Engine settings, and how the engine turns them into concrete devices, dtypes and pool sizes.
+
+Each field is also a command-line option of the commands that run an engine (deltamesh/services/common/options.py):
+its metadata holds the option's help, and "flag" where the option's name is not the field's, or "cli": False for a
+field with no option. torch is imported where a method needs it, so that commands reading the fields (`--help`)
+start without it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deltamesh.engine.defaults import DEFAULT_MODEL
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _setting(default, help: str = "", **cli):
+    """A field with its command-line option's help (and "flag" or "cli", see the module's docstring)."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
 class EngineConfig:
-    model: str = str(DEFAULT_MODEL)  # Hugging Face checkpoint directory (config.json is enough for dummy)
-    load_format: str = "auto"  # auto | safetensors | dummy
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    state_dtype: str = "float32"  # GDN recurrent state: float32 | bfloat16
-    page_size: int = 16
-    num_kv_pages: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 85% of free memory on CUDA
-    max_num_seqs: int = 32  # concurrent requests (= GDN state slots)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 32768
-    max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunk size)
-    kernel_backend: str | None = None  # None/auto | torch | flashinfer | fla | "op=backend,..."
-    seed: int = 0  # dummy weights and unseeded sampling
-    torch_threads: int | None = None  # CPU threads for torch (None: torch's default)
-    cuda_graphs: bool = True  # CUDA only: replay decode steps from captured graphs
-    async_scheduling: bool = True  # schedule and launch step N+1 before reading step N's tokens on the host
+    # Hugging Face checkpoint directory (config.json is enough for dummy)
+    model: str = _setting(str(DEFAULT_MODEL), "Hugging Face checkpoint directory (default: the embedded model)")
+    load_format: str = _setting("auto", "auto | safetensors | dummy (random weights at the real shapes)")
+    device: str = _setting("cpu", "cpu | cuda | cuda:N")
+    dtype: str = _setting("auto", "auto | float32 | bfloat16")  # auto = float32 on CPU, bfloat16 on CUDA
+    state_dtype: str = _setting("float32", "GDN recurrent state dtype: float32 | bfloat16")
+    page_size: int = _setting(16, "KV page size in tokens")
+    # None: sized from kv_cache_memory_gb
+    num_kv_pages: int | None = _setting(None, "KV pages per worker (default: sized from memory)")
+    kv_cache_memory_gb: float | None = _setting(None, cli=False)  # None: 1 GiB on CPU, 85% of free memory on CUDA
+    max_num_seqs: int = _setting(32, "Concurrent requests per worker (= GDN state slots)")
+    # None: the model's max_position_embeddings, capped at 32768
+    max_model_len: int | None = _setting(None, "Context length (default: the model's, capped at 32768)")
+    max_num_batched_tokens: int = _setting(1024, "Token budget of one engine step")  # prefill chunk size
+    # None/auto | torch | flashinfer | fla | "op=backend,..."
+    kernel_backend: str | None = _setting(None, "Kernel backend: auto | torch | flashinfer | fla | op=backend,...",
+                                          flag="kernels")  # fmt: skip
+    seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
+    torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
+    cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")
+    # schedule and launch step N+1 before reading step N's tokens on the host
+    async_scheduling: bool = _setting(True, "Schedule and launch each engine step before the previous step's tokens "
+                                            "reach the host (off: finish every step first)")  # fmt: skip
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         return self.max_model_len or min(max_position_embeddings, 32768)
 
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if self.torch_device().type == "cpu" else torch.bfloat16
         return _dtype(self.dtype)
@@ -57,7 +80,8 @@ class EngineConfig:
 
 
 def _dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}") from None
+    import torch
+
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return getattr(torch, name)

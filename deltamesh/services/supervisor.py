@@ -1,8 +1,9 @@
 """Process supervision for `deltamesh serve`: start the mesh's processes, restart any that exits while the mesh
 is not stopping, and stop them all on SIGINT/SIGTERM.
 
-A crashed worker is restarted with the same command line, so it comes back on the same gRPC and metrics ports
-and the router's registry entry (keyed by address) stays valid; the other processes keep serving meanwhile.
+A crashed worker is restarted with the same command line and environment (where `serve` hands it its settings),
+so it comes back on the same gRPC and metrics ports and the router's registry entry (keyed by address) stays valid;
+the other processes keep serving meanwhile.
 A process that cannot start at all (a bad flag, a port in use) is not retried forever: after
 MAX_START_FAILURES quick exits in a row the supervisor gives up and stops the mesh."""
 

@@ -2,6 +2,7 @@
 the mesh keeps serving, SIGINT stops everything with exit code 0 and leaves no process behind, and a process that
 cannot start makes `serve` give up instead of restarting it forever. All against the real `serve` command."""
 
+import json
 import os
 import secrets
 import signal
@@ -19,10 +20,16 @@ from deltamesh.client import Client, DeltameshError
 from harness import ROOT, free_port
 from reliability import record
 from deltamesh.services.common.auth import MESH_SECRET_ENV
+from deltamesh.services.common.options import SETTINGS_ENV
 from deltamesh.services.router.control import read_loads
 
 pytestmark = [pytest.mark.e2e, pytest.mark.security]
 RESTART_BOUND_S = 10.0  # the issue's bound: a killed worker's mesh serves again within this long
+
+
+def environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(e.split("=", 1) for e in entries if "=" in e)
 
 
 class Serve:
@@ -49,12 +56,13 @@ class Serve:
             for pid in (task / "children").read_text().split():
                 try:
                     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                    env = environ(int(pid))
                 except OSError:  # exited meanwhile
                     continue
                 if len(argv) < 4:  # a zombie (dead, not reaped yet) has no command line
                     continue
-                port = argv[argv.index("--port") + 1] if "--port" in argv else ""
-                out[int(pid)] = (argv[3], f"127.0.0.1:{port}" if port else "")
+                port = json.loads(env.get(SETTINGS_ENV, "{}")).get("port")  # serve hands each child its settings
+                out[int(pid)] = (argv[3], f"127.0.0.1:{port}" if argv[3] != "router" else "")
         self.seen_pids |= out.keys()
         return out
 
@@ -95,16 +103,16 @@ class Serve:
                 self.popen.kill()
 
     def pids_left(self) -> list[int]:
-        """Processes still running a command line of this mesh (its router port is in every one of them)."""
-        mark = f"127.0.0.1:{self.grpc_port}".encode()
+        """Processes still running a command line of this mesh (its secret is in every one's environment)."""
         left = []
         for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            pid = int(cmdline.parent.name)
             try:
-                text = cmdline.read_bytes()
+                ours = b"deltamesh.services.cli" in cmdline.read_bytes() and environ(pid).get(MESH_SECRET_ENV) == self.secret
             except OSError:
                 continue
-            if b"deltamesh.services.cli" in text and (mark in text or f"\0{self.grpc_port}\0".encode() in text):
-                left.append(int(cmdline.parent.name))
+            if ours:
+                left.append(pid)
         return [pid for pid in left if pid != self.popen.pid]
 
 

@@ -1,15 +1,23 @@
 """The `deltamesh` command as a new user meets it: one flag name for the router's address, `serve` taking the
-worker flags it passes on, and a taken port named at once instead of after the model loads."""
+worker flags it passes on, and a taken port named at once instead of after the model loads; and the settings
+behind the flags: every engine setting a flag, each flag filling its setting, `serve` handing its children their
+settings."""
 
+import os
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import typer
 
+from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.services import cli
 from deltamesh.services.cli import app
+from deltamesh.services.common.options import SETTINGS_ENV, handed_settings, settings_from
+from deltamesh.services.common.settings import RouterSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,3 +58,42 @@ def test_help_at_80_columns_names_every_option_in_full():
     assert done.returncode == 0 and "…" not in done.stdout
     for option in ("--max-num-batched-tokens", "--ucx-error-handling", "--mesh-secret-file", "--admission-timeout"):
         assert option in done.stdout, option
+
+
+def test_every_engine_setting_is_a_flag_of_the_commands_that_run_an_engine():
+    engine_flags = {f.metadata.get("flag", f.name) for f in fields(EngineConfig) if f.metadata.get("cli", True)}
+    for command in ("prefill", "decode", "colocated", "serve"):
+        names = set(params([command]))
+        missing = engine_flags - names - ({"torch_threads"} if command == "serve" else set())  # serve shares threads out
+        assert not missing, (command, missing)
+
+
+def test_a_flag_fills_its_setting():
+    worker = settings_from(WorkerSettings, cli.WORKER, params(["prefill", "--page-size", "32", "--kernels", "torch",
+                           "--lease-ttl", "7", "--tls-client-auth"]), role="prefill", mesh_secret="s" * 32)  # fmt: skip
+    assert (worker.engine.page_size, worker.engine.kernel_backend, worker.lease_ttl_s) == (32, "torch", 7.0)
+    assert worker.tls.client_auth and worker.engine.max_num_seqs == EngineConfig().max_num_seqs
+    router = settings_from(RouterSettings, cli.ROUTER, params(["router", "--max-prompts", "3", "--http-port", "0",
+                           "--prefill", "a:1", "--prefill", "b:2"]), mesh_secret="s" * 32)  # fmt: skip
+    assert (router.limits.max_prompts, router.http_port, router.prefill, router.decode) == (3, None, ["a:1", "b:2"], [])
+
+
+def test_serve_hands_each_child_its_settings_in_the_environment_and_never_a_secret(monkeypatch):
+    monkeypatch.setenv("DELTAMESH_POLICY", "round_robin")  # a router setting serve has no flag for
+    values = params(["serve", "--page-size", "32", "--no-cuda-graphs", "--transfer-timeout", "5", "--grpc-port", "6000",
+                     "--http-port", "0", "--api-key", "k" * 20, "--max-model-len", "512"])  # fmt: skip
+    specs, _ = cli._children(values, "s" * 32)
+    assert [s.argv[3:] for s in specs] == [["router"], ["prefill"], ["decode"]]
+    for spec in specs:
+        handed = spec.env[SETTINGS_ENV]
+        assert "s" * 32 not in handed and "k" * 20 not in handed and spec.env["DELTAMESH_MESH_SECRET"] == "s" * 32
+    router_spec, prefill_spec, _ = specs
+    monkeypatch.setattr(os, "environ", router_spec.env)  # the child's environment
+    router = settings_from(RouterSettings, cli.ROUTER, params(["router"]), handed_settings(), mesh_secret="s" * 32)
+    assert (router.grpc_port, router.http_port, router.max_model_len, router.policy) == (6000, None, 512, "round_robin")
+    assert router.api_key == "k" * 20
+    monkeypatch.setattr(os, "environ", prefill_spec.env)
+    worker = settings_from(WorkerSettings, cli.WORKER, params(["prefill"]), handed_settings(), role="prefill",
+                           mesh_secret="s" * 32)  # fmt: skip
+    assert (worker.engine.page_size, worker.engine.cuda_graphs, worker.transfer_timeout_s) == (32, False, 5.0)
+    assert worker.router == "127.0.0.1:50052" and worker.port and worker.metrics_port and worker.engine.torch_threads

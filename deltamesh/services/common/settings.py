@@ -1,37 +1,68 @@
-"""One settings object per service, filled from CLI flags and DELTAMESH_* environment variables (see
-deltamesh/services/cli.py) and printed at start."""
+"""One settings object per service, and the `deltamesh serve` settings; printed at start.
+
+Every field with a description is a command-line option and a DELTAMESH_* environment variable of the commands
+that use the model (deltamesh/services/common/options.py says how; json_schema_extra holds the option's metadata).
+Fields without one are set only here."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 
-from deltamesh.engine import EngineConfig
+from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.services.common.tls import TlsSettings
 
 Role = Literal["prefill", "decode", "colocated"]
+_NO_OPTION = {"cli": False}
+
+
+def _flag(name: str) -> dict:
+    return {"json_schema_extra": {"flag": name}}
+
+
+def _engine_setting(name: str):
+    """The engine's setting `name` (default and help) on a service that takes it without running an engine."""
+    (f,) = [f for f in dataclasses.fields(EngineConfig) if f.name == name]
+    return Field(f.default, description=f.metadata["help"])
 
 
 class WorkerSettings(BaseModel):
-    role: Role
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port
-    router: str | None = None  # the router's control-plane address to register with (heartbeats)
-    mesh_secret: SecretStr  # shared by the router and every worker of the mesh (deltamesh/services/common/auth.py)
-    advertise_host: str | None = None  # host the router should dial (default: the bind host)
+    role: Role = Field(json_schema_extra=_NO_OPTION)  # the command
+    host: str = Field("127.0.0.1", description="Address to bind (loopback unless told otherwise)")
+    port: int = Field(0, description="gRPC port (0: any free port)")
+    # registration and heartbeats
+    router: str | None = Field(None, description="The router's control-plane address (its --control-port) to "
+                                                 "register with")  # fmt: skip
+    # shared by the router and every worker of the mesh (deltamesh/services/common/auth.py); --mesh-secret-file
+    mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
+    advertise_host: str | None = Field(None, description="Host the router should dial (default: --host)")
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    transport: str = "ucx"  # how held state moves between workers (deltamesh/transfer/registry.py)
-    ucx_error_handling: bool = True  # False lets UCX use shared memory / cuda_ipc, but peer failures go undetected by UCX
-    lease_ttl_s: float = 30.0  # prefill: how long a held state waits for its decode worker
-    max_lease_ttl_s: float = 300.0  # prefill: the longest TTL a caller may ask for (Prefill, ExtendLease)
-    transfer_timeout_s: float = 30.0  # decode: deadline of one state pull
-    admission_timeout_s: float = 30.0  # decode: how long a transferred request may wait for pool space
-    metrics_port: int | None = None  # Prometheus /metrics over HTTP (None: off)
-    tls: TlsSettings = Field(default_factory=TlsSettings)
-    log_level: str = "info"
+    # how held state moves between workers (deltamesh/transfer/registry.py)
+    transport: str = Field("ucx", description="How held state moves between workers: ucx")
+    # False lets UCX use shared memory / cuda_ipc, but peer failures go undetected by UCX
+    ucx_error_handling: bool = Field(True, description="UCX peer error handling (off lets UCX use shared memory / "
+                                                       "cuda_ipc)")  # fmt: skip
+    # prefill: how long a held state waits for its decode worker
+    lease_ttl_s: float = Field(30.0, description="Prefill: seconds a held state waits to be pulled",
+                               **_flag("lease_ttl"))  # fmt: skip
+    # prefill: the longest TTL a caller may ask for (Prefill, ExtendLease)
+    max_lease_ttl_s: float = Field(300.0, description="Prefill: the longest lease TTL a caller may ask for (s)",
+                                   **_flag("max_lease_ttl"))  # fmt: skip
+    # decode: deadline of one state pull
+    transfer_timeout_s: float = Field(30.0, description="Deadline of one state transfer (s)",
+                                      **_flag("transfer_timeout"))  # fmt: skip
+    # decode: how long a transferred request may wait for pool space
+    admission_timeout_s: float = Field(30.0, description="Decode: how long a request may queue for pool space before "
+                                                         "it is refused as full (s)",
+                                       **_flag("admission_timeout"))  # fmt: skip
+    # Prometheus /metrics over HTTP (None: off)
+    metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port")
+    tls: TlsSettings = Field(default_factory=TlsSettings, json_schema_extra={"prefix": "tls_"})
+    log_level: str = Field("info", description="debug | info | warning | error")
 
 
 class RequestLimits(BaseModel):
@@ -41,38 +72,61 @@ class RequestLimits(BaseModel):
 
     # /v1/completions prompts in one request: batches are client-side conveniences of a few to a few hundred
     # prompts; 1024 leaves room and keeps one request's choices (below) in the same range.
-    max_prompts: int = Field(1024, ge=1)
+    max_prompts: int = Field(1024, ge=1, description="Most prompts in one completions request")
     # prompts x n: every choice is a stream through the mesh, so this caps what one request may hold.
-    max_choices: int = Field(1024, ge=1)
+    max_choices: int = Field(1024, ge=1, description="Most choices (prompts x n) in one request")
     # chat messages: long agent transcripts reach hundreds; 4096 messages of one token each already pass the
     # context of most models, while validating a hundred thousand of them holds the router's loop noticeably.
-    max_messages: int = Field(4096, ge=1)
+    max_messages: int = Field(4096, ge=1, description="Most messages in one chat request")
 
 
 class RouterSettings(BaseModel):
-    host: str = "127.0.0.1"
-    grpc_port: int = 50051  # the client API
-    control_port: int = 50052  # the control plane: worker registration and loads (mesh secret required)
-    mesh_secret: SecretStr
-    http_port: int | None = 8000  # OpenAI-compatible REST gateway (None: off)
-    model: str = EngineConfig().model  # checkpoint directory: tokenizer, chat template, model id
-    max_model_len: int | None = None
-    prefill: list[str] = Field(default_factory=list)  # static worker addresses
-    decode: list[str] = Field(default_factory=list)
-    colocated: list[str] = Field(default_factory=list)
-    policy: Literal["round_robin", "least_loaded"] = "least_loaded"
-    health_interval_s: float = 0.5
-    heartbeat_interval_s: float = 1.0
-    prefill_retries: int = 2
-    request_timeout_s: float = 600.0
-    ready_timeout_s: float = 10.0  # how long a request waits for the mesh to have workers before a 503
-    api_key: str | None = None
+    host: str = WorkerSettings.model_fields["host"]
+    grpc_port: int = Field(50051, description="Router gRPC port of the client API")
+    control_port: int = Field(50052, description="Router gRPC port of the control plane (workers register here; "
+                                                 "mesh secret required)")  # fmt: skip
+    mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
+    # OpenAI-compatible REST gateway (None: off)
+    http_port: int | None = Field(8000, description="OpenAI-compatible REST port (0: off)")
+    model: str = _engine_setting("model")  # checkpoint directory: tokenizer, chat template, model id
+    max_model_len: int | None = _engine_setting("max_model_len")
+    # static worker addresses
+    prefill: list[str] = Field(default_factory=list, description="Static prefill worker address (repeatable)")
+    decode: list[str] = Field(default_factory=list, description="Static decode worker address (repeatable)")
+    colocated: list[str] = Field(default_factory=list, description="Static colocated worker address (repeatable)")
+    policy: Literal["round_robin", "least_loaded"] = Field("least_loaded", description="round_robin | least_loaded")
+    health_interval_s: float = Field(0.5, json_schema_extra=_NO_OPTION)
+    heartbeat_interval_s: float = Field(1.0, json_schema_extra=_NO_OPTION)
+    prefill_retries: int = Field(2, json_schema_extra=_NO_OPTION)
+    request_timeout_s: float = Field(600.0, json_schema_extra=_NO_OPTION)
+    # how long a request waits for the mesh to have workers before a 503
+    ready_timeout_s: float = Field(10.0, description="Seconds a request waits for the mesh to have workers (at "
+                                                     "start, or all restarting) before a 503 / UNAVAILABLE",
+                                   **_flag("ready_timeout"))  # fmt: skip
+    api_key: str | None = Field(None, description="Require this key on the REST /v1 routes and the gRPC client API")
     limits: RequestLimits = Field(default_factory=RequestLimits)
     # Seconds a client has to send a request's line and headers once it connects or starts a request (idle
     # keep-alive connections are closed by uvicorn's own keep-alive timeout).
-    http_header_timeout_s: float = Field(10.0, gt=0)
-    tls: TlsSettings = Field(default_factory=TlsSettings)
-    log_level: str = "info"
+    http_header_timeout_s: float = Field(10.0, gt=0, description="Seconds a REST client has to send a request's "
+                                                                 "headers", **_flag("http_header_timeout"))  # fmt: skip
+    tls: TlsSettings = WorkerSettings.model_fields["tls"]
+    log_level: str = WorkerSettings.model_fields["log_level"]
+
+    @field_validator("http_port")
+    @classmethod
+    def _zero_is_off(cls, port: int | None) -> int | None:
+        return port or None
+
+
+class ServeSettings(BaseModel):
+    """What `deltamesh serve` adds to its router's and workers' settings: which processes to start."""
+
+    prefill_workers: int = Field(1, description="Prefill worker processes")
+    decode_workers: int = Field(1, description="Decode worker processes")
+    colocated: bool = Field(False, description="Aggregated baseline: --decode-workers colocated workers prefill and "
+                                               "decode their own requests (--prefill-workers is ignored)",
+                            json_schema_extra={"decls": ("--colocated",)})  # fmt: skip
+    gpus: str | None = Field(None, description="GPU ids to spread workers over, e.g. 0,1 (cuda only)")
 
 
 def print_settings(name: str, settings: BaseModel) -> None:
@@ -81,4 +135,3 @@ def print_settings(name: str, settings: BaseModel) -> None:
         data["api_key"] = "***"  # never log secrets
     sys.stderr.write(json.dumps({"service": name, "settings": data}, default=str) + "\n")  # one write: see logs.py
     sys.stderr.flush()
-

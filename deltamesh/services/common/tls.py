@@ -9,14 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class TlsSettings(BaseModel):
-    cert: str | None = None  # PEM certificate chain
-    key: str | None = None  # PEM private key
-    ca: str | None = None  # PEM CA bundle to trust (peers' certificates)
-    client_auth: bool = False  # mutual TLS: servers require client certificates
+    cert: str | None = Field(None, description="TLS certificate (PEM) for gRPC")  # PEM certificate chain
+    key: str | None = Field(None, description="TLS private key (PEM)")
+    ca: str | None = Field(None, description="CA bundle (PEM) to trust for gRPC peers")  # peers' certificates
+    client_auth: bool = Field(False, description="Mutual TLS: require and present client certificates",
+                              json_schema_extra={"decls": ("--tls-client-auth",)})  # fmt: skip
 
     @property
     def enabled(self) -> bool:

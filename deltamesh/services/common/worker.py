@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Coroutine
 
 import grpc
 import structlog
@@ -18,8 +18,37 @@ from deltamesh.services.common.logs import bind_request, request_id_from
 from deltamesh.services.common.server import CHANNEL_OPTIONS
 from deltamesh.services.common.settings import WorkerSettings
 from deltamesh.services.common.tls import aio_channel
+from deltamesh.transfer import LeaseTable, Transport
 
 log = structlog.get_logger("deltamesh.worker")
+
+
+class Role:
+    """What a worker role (prefill, decode) adds to the worker all roles share: its gRPC services, what the router
+    learns and answers at registration, and its own start, stop and background work. The defaults do nothing."""
+
+    leases: LeaseTable | None = None  # held states, exported in the worker's metrics
+
+    def services(self) -> list[tuple]:
+        """(add_servicer_to_server, servicer, service name) of each gRPC service, for GrpcServer."""
+        raise NotImplementedError
+
+    def transport_descriptor(self) -> common_pb2.TransportDescriptor | None:
+        """How this worker's memory is reached over its transport, told to the router at registration."""
+        return None
+
+    def on_registered(self, reply: control_pb2.RegisterWorkerResponse) -> None:
+        """Each registration reply (a heartbeat's); must not block: it runs in the heartbeat."""
+
+    async def on_start(self) -> None:
+        pass
+
+    async def on_stop(self) -> None:
+        pass
+
+    def background(self, stop: asyncio.Event) -> list[Coroutine]:
+        """Coroutines that run while the worker serves; they end when `stop` is set."""
+        return []
 
 
 async def engine_request(engine, request, context, hold_state: bool = False):
@@ -44,11 +73,6 @@ class Worker:
         self.model_id = Path(settings.engine.model).name
         self.address = ""  # host:port once the gRPC server is bound
         self.reservations = 0
-        # Set by the role's setup: what to tell the router of how this worker's memory is reached over its
-        # transport (prefill), and what to do with each registration reply (decode); the latter must not block (it
-        # runs in the heartbeat).
-        self.transport_descriptor: Callable[[], common_pb2.TransportDescriptor] | None = None
-        self.on_registered: Callable[[control_pb2.RegisterWorkerResponse], None] | None = None
 
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
         l = self.engine.loads()  # noqa: E741
@@ -59,7 +83,7 @@ class Worker:
             state_slots_total=l["state_slots_total"], reservations=self.reservations, healthy=True,
         )  # fmt: skip
 
-    async def register_forever(self, stop: asyncio.Event) -> None:
+    async def register_forever(self, stop: asyncio.Event, role: Role) -> None:
         """Keep this worker registered with the router's control plane; survives router restarts."""
         router = self.settings.router
         if not router:
@@ -67,7 +91,7 @@ class Worker:
         auth = mesh_metadata(self.settings.mesh_secret.get_secret_value())
         request = control_pb2.RegisterWorkerRequest(
             address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash,
-            transport=self.transport_descriptor() if self.transport_descriptor else None,
+            transport=role.transport_descriptor(),
         )  # fmt: skip
         interval = 1.0
         async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
@@ -77,8 +101,7 @@ class Worker:
                 try:
                     reply = await stub.RegisterWorker(request, metadata=auth, timeout=2.0)
                     interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
-                    if self.on_registered:
-                        self.on_registered(reply)
+                    role.on_registered(reply)
                     if not registered:
                         log.info("registered with router", router=router)
                     registered = True
@@ -97,9 +120,8 @@ class Worker:
         self.engine.shutdown()
 
 
-async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> None:
-    """Start a worker: transport, engine and gRPC services from `setup(worker, transport)`, which returns
-    (services for GrpcServer, async start hook, async stop hook, background coroutines, lease table or None)."""
+async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role: Callable[[Worker, Transport], Role]):
+    """Start a worker: transport, engine, and the role `make_role(worker, transport)` with its gRPC services."""
     from deltamesh.services.common.server import GrpcServer
     from deltamesh.transfer import open_transport
 
@@ -114,23 +136,23 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, setup) -> 
         # the transport's CUDA copies are issued from this (the event loop's) thread; plain "cuda" is device 0 as in
         # torch
         torch.cuda.set_device(device.index or 0)
-    services, on_start, on_stop, background, leases = setup(worker, transport)
-    serve_worker_metrics(worker, settings.host, settings.metrics_port, leases)
-    await on_start()
+    role = make_role(worker, transport)
+    serve_worker_metrics(worker, settings.host, settings.metrics_port, role.leases)
+    await role.on_start()
     # only the router (and tools holding the mesh secret) may call a worker: its calls hand out leases' tokens
-    server = GrpcServer(settings.host, settings.port, services, settings.tls,
+    server = GrpcServer(settings.host, settings.port, role.services(), settings.tls,
                         interceptors=(mesh_interceptor(settings.mesh_secret.get_secret_value()),))  # fmt: skip
     worker.address = f"{settings.advertise_host or settings.host}:{server.port}"
     await server.start()
     await server.set_serving(True)
     log.info("worker serving", role=settings.role, address=server.address, model=worker.model_id,
              compat_hash=worker.compat_hash)  # fmt: skip
-    tasks = [asyncio.create_task(c) for c in [worker.register_forever(stop), *background(stop)]]
+    tasks = [asyncio.create_task(c) for c in [worker.register_forever(stop, role), *role.background(stop)]]
     print(f"DELTAMESH_READY {settings.role} {server.address}", flush=True)
     await stop.wait()
     log.info("worker stopping")
     await server.stop(grace_s=2.0)
     await asyncio.gather(*tasks, return_exceptions=True)
-    await on_stop()
+    await role.on_stop()
     transport.close()
     worker.shutdown()

@@ -6,30 +6,40 @@ import asyncio
 
 from deltamesh.v1 import decode_pb2, decode_pb2_grpc
 from deltamesh.services.common.settings import WorkerSettings
-from deltamesh.services.common.worker import Worker, serve_worker
+from deltamesh.services.common.worker import Role, Worker, serve_worker
 from deltamesh.services.decode.peers import PeerWarmer
 from deltamesh.services.decode.servicer import DecodeServicer
 from deltamesh.transfer import Transport
 
 
-async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    def setup(worker: Worker, transport: Transport):
+class DecodeRole(Role):
+    """Pulls request state from prefill workers and decodes in a continuous batch; a colocated worker prefills its
+    own requests and never pulls."""
+
+    def __init__(self, worker: Worker, transport: Transport):
+        timeout_s = worker.settings.transfer_timeout_s
+        self.pulls = worker.settings.role == "decode"
         # a holder gets as long to act on an abandon notice as the pull was given
-        puller = transport.puller(settle_grace_s=settings.transfer_timeout_s)
-        servicer = DecodeServicer(worker, puller)
+        self.puller = transport.puller(settle_grace_s=timeout_s)
+        self.servicer = DecodeServicer(worker, self.puller)
+        self.warmer = PeerWarmer(self.puller, worker.engine.device, timeout_s)
+
+    def services(self) -> list[tuple]:
         name = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
-        services = [(decode_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, name)]
-        warmer = PeerWarmer(puller, worker.engine.device, settings.transfer_timeout_s)
+        return [(decode_pb2_grpc.add_DecodeWorkerServicer_to_server, self.servicer, name)]
 
-        async def start() -> None:
-            if settings.role == "decode":  # a colocated worker never pulls
-                await puller.start()
-                worker.on_registered = warmer.on_registered
+    def on_registered(self, reply) -> None:
+        if self.pulls:
+            self.warmer.on_registered(reply)
 
-        async def stop() -> None:
-            await warmer.close()
-            await puller.close()
+    async def on_start(self) -> None:
+        if self.pulls:
+            await self.puller.start()
 
-        return services, start, stop, lambda s: [], None
+    async def on_stop(self) -> None:
+        await self.warmer.close()
+        await self.puller.close()
 
-    await serve_worker(settings, stop, setup)
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
+    await serve_worker(settings, stop, DecodeRole)

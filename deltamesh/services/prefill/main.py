@@ -6,19 +6,35 @@ import asyncio
 
 from deltamesh.v1 import prefill_pb2, prefill_pb2_grpc
 from deltamesh.services.common.settings import WorkerSettings
-from deltamesh.services.common.worker import Worker, serve_worker
+from deltamesh.services.common.worker import Role, Worker, serve_worker
 from deltamesh.services.prefill.servicer import PrefillServicer, expire_leases
 from deltamesh.transfer import LeaseTable, Transport
 
 
-async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    def setup(worker: Worker, transport: Transport):
-        leases = LeaseTable(capacity=worker.engine.num_state_slots)  # a lease holds a state slot
-        holder = transport.holder(leases)
-        servicer = PrefillServicer(worker, leases, holder)
-        name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
-        services = [(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, name)]
-        worker.transport_descriptor = servicer.transport_descriptor
-        return services, holder.start, holder.stop, lambda s: [expire_leases(leases, s)], leases
+class PrefillRole(Role):
+    """Prefills prompts and holds their state under leases until a decode worker pulls it over the transport."""
 
-    await serve_worker(settings, stop, setup)
+    def __init__(self, worker: Worker, transport: Transport):
+        self.leases = LeaseTable(capacity=worker.engine.num_state_slots)  # a lease holds a state slot
+        self.holder = transport.holder(self.leases)
+        self.servicer = PrefillServicer(worker, self.leases, self.holder)
+
+    def services(self) -> list[tuple]:
+        name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+        return [(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer, name)]
+
+    def transport_descriptor(self):
+        return self.servicer.transport_descriptor()
+
+    async def on_start(self) -> None:
+        await self.holder.start()
+
+    async def on_stop(self) -> None:
+        await self.holder.stop()
+
+    def background(self, stop: asyncio.Event) -> list:
+        return [expire_leases(self.leases, stop)]
+
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
+    await serve_worker(settings, stop, PrefillRole)
