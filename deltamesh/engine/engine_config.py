@@ -29,6 +29,12 @@ class EngineConfig:
     torch_threads: int | None = None  # CPU threads for torch (None: torch's default)
     cuda_graphs: bool = True  # CUDA only: replay decode steps from captured graphs
     async_scheduling: bool = True  # schedule and launch step N+1 before reading step N's tokens on the host
+    # Prefix caching (prefix_cache.py). Off by default: cached pages stay allocated after their requests end, and
+    # callers (tests, services' idle checks) read any page still in use after the work as a leak.
+    prefix_cache: bool = False
+    prefix_cache_pages: int | None = None  # most KV pages the cache keeps; None: as many as the pool has free
+    prefix_cache_checkpoints: int = 8  # GDN state checkpoint slots (each the size of a request's state slot)
+    state_checkpoint_interval: int | None = None  # also checkpoint every this many pages of a prompt (None: only its end)
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         return self.max_model_len or min(max_position_embeddings, 32768)
@@ -53,6 +59,10 @@ class EngineConfig:
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.prefix_cache_checkpoints < 1 or (self.prefix_cache_pages or 0) < 0:
+            raise ValueError("prefix_cache_checkpoints must be >= 1 and prefix_cache_pages >= 0")
+        if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
+            raise ValueError("state_checkpoint_interval must be >= 1 pages")
         self.torch_dtype()
 
 
