@@ -10,6 +10,9 @@
   pool [slot * layers + layer], so they read and write in place. Slot 0 is never handed out: it is the
   scratch slot that padded rows of a batch (CUDA graphs) read and write.
 
+KV pages are reference-counted: the prefix cache (prefix_cache.py) shares a full page between the requests whose
+prompts begin with the same tokens, and a page returns to the free set when its last holder frees it.
+
 Both pools count what is in use, so tests can prove that nothing leaks.
 """
 
@@ -63,6 +66,7 @@ class KVPagePool:
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self._free = np.ones(num_pages + 1, dtype=bool)
         self._free[0] = False  # the scratch page
+        self._refs = np.zeros(num_pages + 1, dtype=np.int32)  # holders of each page (requests, the prefix cache)
         self._lock = threading.Lock()
 
     # -- views -------------------------------------------------------------------------------------
@@ -102,7 +106,20 @@ class KVPagePool:
             else:
                 pages = self._best_fit(n)
             self._free[pages] = False
+            self._refs[pages] = 1
             return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of these (allocated) pages; each holder frees them once."""
+        if not pages:
+            return
+        with self._lock:
+            if self._free[pages].any():
+                raise RuntimeError(f"sharing free KV pages {[p for p in pages if self._free[p]]}")
+            self._refs[pages] += 1
+
+    def refs(self, page: int) -> int:
+        return int(self._refs[page])
 
     def _best_fit(self, n: int) -> list[int]:
         starts, lengths = free_runs(self._free)
@@ -124,7 +141,8 @@ class KVPagePool:
         with self._lock:
             if self._free[pages].any():
                 raise RuntimeError(f"double free of KV pages {[p for p in pages if self._free[p]]}")
-            self._free[pages] = True
+            self._refs[pages] -= 1
+            self._free[pages] = self._refs[pages] == 0
 
 
 class StatePool:

@@ -10,6 +10,9 @@ Disaggregation hooks:
   and GDN slot stay allocated ("held") until `release_held`; `held_regions` names the bytes to ship.
 - decode side: `reserve` allocates a slot and pages for an incoming state and names the bytes to receive
   into; `submit_transferred` then starts decoding from the first token not yet consumed.
+
+With `prefix_cache` on, prompt prefills fill a PrefixCache (shared KV pages + GDN checkpoints) that later
+admissions start from; a held state's pages may be shared with it (the transfer only reads them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool, pool_views
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.engine.prefix_cache import PrefixCache
 from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
 from deltamesh.engine.runner import ModelRunner
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
@@ -73,6 +77,10 @@ class EngineStats:
     generation_tokens: int = 0
     steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+    prefix_cache_hits: int = 0  # admissions that started from a cached prefix
+    prefix_cache_hit_tokens: int = 0  # prompt tokens those admissions did not compute
+    checkpoints_saved: int = 0
+    checkpoints_evicted: int = 0
 
 
 class EngineCore:
@@ -97,6 +105,12 @@ class EngineCore:
             mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
             self.dtype, state_dtype, self.device,
         )  # fmt: skip
+        # Allocated before the KV pool, which may size itself from the memory left.
+        self.checkpoint_pool = StatePool(
+            config.prefix_cache_checkpoints, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim,
+            mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
+            self.dtype, state_dtype, self.device,
+        ) if config.prefix_cache else None  # fmt: skip
         self.kv_pool = KVPagePool(
             self._num_kv_pages(), config.page_size, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
             self.dtype, self.device,
@@ -117,6 +131,7 @@ class EngineCore:
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens the host has not read yet
         self.stats = EngineStats()
+        self.prefix_cache: PrefixCache | None = None
         if self.device.type == "cuda":
             self._warm_up()
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -124,6 +139,13 @@ class EngineCore:
                 log.warning("CUDA graphs off: the torch attention reference reads host lengths")
             else:
                 self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        # Made after the warm-up, whose repeated prompts must run (and compile) every step shape in full.
+        if self.checkpoint_pool is not None:
+            self.prefix_cache = PrefixCache(
+                self.kv_pool, self.state_pool, self.checkpoint_pool, self.stats, config.prefix_cache_pages,
+                config.state_checkpoint_interval,
+            )  # fmt: skip
+            self.scheduler.prefix_cache = self.prefix_cache
         log.info(
             "engine ready", model=str(model_dir), family=mc.family, device=str(self.device), dtype=str(self.dtype),
             kv_pages=self.kv_pool.num_pages, page_size=config.page_size, state_slots=config.max_num_seqs,
@@ -277,9 +299,13 @@ class EngineCore:
         logits = self.runner.execute(items, previous.sampled.tokens if previous is not None else None)
         sampling = [it.request for it in items if it.samples]
         for it in items:
-            it.request.num_computed += it.num_tokens
-            if it.request.num_computed <= len(it.request.prompt_ids):
+            req = it.request
+            in_prompt = req.num_computed < len(req.prompt_ids)
+            req.num_computed += it.num_tokens
+            if req.num_computed <= len(req.prompt_ids):
                 self.stats.prompt_tokens += it.num_tokens
+            if in_prompt and self.prefix_cache is not None:  # queued after the step: it reads what the step wrote
+                self.prefix_cache.register(req)
         sampled = sample_async(
             logits, [r.params for r in sampling], [len(r.output_ids) + r.num_pending for r in sampling],
             self.generator,
@@ -387,7 +413,7 @@ class EngineCore:
         kernel queued on the engine's stream could land after it and wipe the pulled state."""
         slot = self.state_pool.alloc(zeroed=False)
         try:
-            pages = self.kv_pool.alloc(self.kv_pool.pages_for(num_tokens))
+            pages = self.scheduler.alloc_pages(self.kv_pool.pages_for(num_tokens))
         except PoolExhausted:
             self.state_pool.free(slot)
             raise
@@ -412,4 +438,10 @@ class EngineCore:
             "kv_pages_total": self.kv_pool.num_pages,
             "state_slots_used": self.state_pool.num_used,
             "state_slots_total": self.state_pool.num_slots,
+            "prefix_cache_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,
+            "prefix_cache_checkpoints": self.prefix_cache.num_checkpoints if self.prefix_cache is not None else 0,
+            "prefix_cache_hits": self.stats.prefix_cache_hits,
+            "prefix_cache_hit_tokens": self.stats.prefix_cache_hit_tokens,
+            "checkpoints_saved": self.stats.checkpoints_saved,
+            "checkpoints_evicted": self.stats.checkpoints_evicted,
         }

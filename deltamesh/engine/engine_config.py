@@ -48,6 +48,13 @@ class EngineConfig:
     # schedule and launch step N+1 before reading step N's tokens on the host
     async_scheduling: bool = _setting(True, "Schedule and launch each engine step before the previous step's tokens "
                                             "reach the host (off: finish every step first)")  # fmt: skip
+    # Prefix caching (prefix_cache.py), engine-level only so far and so not yet a CLI flag: off by default, since
+    # cached pages stay allocated after their requests end and the services' idle checks read them as in use.
+    prefix_cache: bool = _setting(False, cli=False)
+    prefix_cache_pages: int | None = _setting(None, cli=False)  # most KV pages the cache keeps; None: all free ones
+    prefix_cache_checkpoints: int = _setting(8, cli=False)  # GDN state checkpoint slots (a request's slot each)
+    # also checkpoint every this many pages of a prompt (None: only at its end)
+    state_checkpoint_interval: int | None = _setting(None, cli=False)
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         return self.max_model_len or min(max_position_embeddings, 32768)
@@ -76,6 +83,10 @@ class EngineConfig:
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.prefix_cache_checkpoints < 1 or (self.prefix_cache_pages or 0) < 0:
+            raise ValueError("prefix_cache_checkpoints must be >= 1 and prefix_cache_pages >= 0")
+        if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
+            raise ValueError("state_checkpoint_interval must be >= 1 pages")
         self.torch_dtype()
 
 

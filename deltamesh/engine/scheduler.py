@@ -7,6 +7,10 @@ KV is usually one contiguous region). When a running request cannot grow its KV,
 running request is preempted: its state is freed and it is recomputed later (prompt + output so far), so a
 shortage never corrupts another request's state.
 
+With a prefix cache (prefix_cache.py), admission starts a request from the longest cached prefix of its prompt
+that ends at a GDN checkpoint, prefill chunks end exactly where a checkpoint is to be taken, and allocation
+evicts pages only the cache holds before it gives up (so the cache never causes a refusal or a preemption).
+
 With async scheduling a step is scheduled while the previous one still runs: a request's token sampled there is
 "pending" (counted, not yet known on the host) and its decode is scheduled all the same, unless that token
 surely ends the request (see Request.last_token_pending). A request that turns out to have stopped wastes one
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
+from deltamesh.engine.prefix_cache import PrefixCache
 from deltamesh.engine.request import Request, Status
 
 log = structlog.get_logger("deltamesh.scheduler")
@@ -45,6 +50,19 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache: PrefixCache | None = None
+
+    def alloc_pages(self, n: int, after: int | None = None) -> list[int]:
+        """KV pages from the pool, evicting from the prefix cache if it is short (any thread)."""
+        if self.prefix_cache is not None:
+            return self.prefix_cache.alloc(n, after)
+        return self.kv_pool.alloc(n, after)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of `req` to run this step: its rest, within the budget, ending at its next checkpoint."""
+        n = min(req.remaining, budget)
+        stop = self.prefix_cache.next_stop(req) if self.prefix_cache is not None else None
+        return n if stop is None else min(n, stop - req.num_computed)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -67,7 +85,7 @@ class Scheduler:
             if req.last_token_pending:
                 i += 1
                 continue
-            n = min(req.remaining, budget)
+            n = self._chunk(req, budget)
             if not self._grow(req, req.num_computed + n):
                 continue  # req itself was preempted; running[i] is now the next request
             items.append(ScheduledItem(req, n))
@@ -79,17 +97,23 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = min(req.remaining, budget)
+            n = self._chunk(req, budget)
             items.append(ScheduledItem(req, n))
             budget -= n
         return items
 
     def _admit(self, req: Request) -> bool:
-        need = self.kv_pool.pages_for(req.num_tokens)
-        if self.state_pool.num_free == 0 or self.kv_pool.num_free < need:
+        cache = self.prefix_cache
+        cached = cache.acquire(req) if cache is not None else []
+        need = self.kv_pool.pages_for(req.num_tokens) - len(cached)
+        free = self.kv_pool.num_free + (cache.reclaimable() if cache is not None else 0)
+        if self.state_pool.num_free == 0 or free < need:
+            self.kv_pool.free(cached)
             return False
-        req.slot = self.state_pool.alloc()
-        req.pages = self.kv_pool.alloc(need)
+        req.slot = self.state_pool.alloc(zeroed=not cached)
+        if cached:
+            cache.restore(req, len(cached))
+        req.pages = cached + self.alloc_pages(need)
         req.status = Status.RUNNING
         return True
 
@@ -99,7 +123,7 @@ class Scheduler:
         need = self.kv_pool.pages_for(num_tokens) - len(req.pages)
         while need > 0:
             try:
-                req.pages += self.kv_pool.alloc(need, after=req.pages[-1] if req.pages else None)
+                req.pages += self.alloc_pages(need, after=req.pages[-1] if req.pages else None)
                 return True
             except PoolExhausted:
                 victim = self.running[-1]
@@ -111,7 +135,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.free(req)
-        req.num_computed = 0
+        req.num_computed = req.num_registered_pages = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1

@@ -1,0 +1,159 @@
+"""Prefix caching (shared KV pages + GDN state checkpoints) is exact: every scenario gives token-for-token the
+same outputs with the cache as without it (fp32 on CPU, greedy and seeded sampling), for each model family,
+and leaves every pool at its cached baseline (dropping the cache then frees everything)."""
+
+import pytest
+import torch
+
+from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine.core import EngineCore
+from hf_checkpoints import VOCAB
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+PAGE = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
+
+
+def tokens(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+P = tokens(30, 1)  # ends two tokens past a page boundary: its checkpoint is at 28
+
+
+def core(model_dir, cache: bool, **kw) -> EngineCore:
+    kw.setdefault("max_num_batched_tokens", 16)
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("num_kv_pages", 96)  # small pools: building them is most of a small test's time
+    return EngineCore(EngineConfig(model=str(model_dir), page_size=PAGE, prefix_cache=cache, **kw))
+
+
+def run_waves(engine: EngineCore, waves, params, abort_after=None):
+    """Submit each wave's prompts together, the next wave once the previous has finished; returns
+    {request id: output ids}. `abort_after`: (request id, step) to abort that request at that step."""
+    out = {}
+    for w, prompts in enumerate(waves):
+        ids = [f"w{w}r{i}" for i in range(len(prompts))]
+        done = set()
+
+        def sink(o, done=done):
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                done.add(o.request_id)
+
+        for rid, p in zip(ids, prompts):
+            engine.submit(engine.make_request(p, params, rid), sink)
+        step = 0
+        while len(done) < len(ids):
+            engine.dispatch(engine.process_commands())
+            engine.dispatch(engine.step())
+            step += 1
+            if abort_after and abort_after[1] == step and abort_after[0] in ids:
+                engine.abort(abort_after[0])
+    return out
+
+
+def assert_cached_baseline(engine: EngineCore):
+    cache = engine.prefix_cache
+    assert not engine.has_work and not engine.requests
+    assert engine.state_pool.num_used == 0
+    assert engine.kv_pool.num_used == cache.num_pages == cache.reclaimable()
+    assert engine.checkpoint_pool.num_used == cache.num_checkpoints
+    cache.clear()
+    assert engine.kv_pool.num_used == 0 and engine.checkpoint_pool.num_used == 0
+
+
+def compare(model_dir, waves, params, expect_hit_tokens=None, abort_after=None, **kw):
+    ref = run_waves(core(model_dir, False, **kw), waves, params, abort_after)
+    engine = core(model_dir, True, **kw)
+    got = run_waves(engine, waves, params, abort_after)
+    if abort_after:
+        ref.pop(abort_after[0]), got.pop(abort_after[0])
+    assert got == ref
+    if expect_hit_tokens is not None:
+        assert engine.stats.prefix_cache_hit_tokens == expect_hit_tokens
+    assert_cached_baseline(engine)
+    return engine
+
+
+@pytest.fixture(params=FAMILIES)
+def model_dir(request, hf_checkpoints):
+    return hf_checkpoints[request.param]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_full_hit(model_dir, params):
+    engine = compare(model_dir, [[P], [P]], params, expect_hit_tokens=28)
+    assert engine.stats.prefix_cache_hits == 1 and engine.stats.checkpoints_saved == 1
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_hit_ending_between_page_boundaries(model_dir, params):
+    # the second prompt shares 30 tokens; the cache serves the 28 up to the checkpoint, the rest is computed
+    compare(model_dir, [[P], [P + tokens(9, 2)]], params, expect_hit_tokens=28)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_branch_off_the_middle_of_a_cached_prefix(model_dir, params):
+    # checkpoints every 2 pages: the branches at token 18 and 11 start from the ones at 16 and 8
+    long = P + tokens(10, 3)
+    waves = [[long], [long[:18] + tokens(7, 4)], [long[:11] + tokens(5, 5)]]
+    compare(model_dir, waves, params, expect_hit_tokens=16 + 8, state_checkpoint_interval=2)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_concurrent_requests_sharing_a_prefix(model_dir, params):
+    together = [P + tokens(6, 10 + i) for i in range(3)]
+    after = [P + tokens(5, 20 + i) for i in range(3)]
+    # checkpoints every 2 pages: the shared 30 tokens have one at 24, each whole prompt one at 32
+    engine = compare(model_dir, [together, after, [after[0]], [after[1]]], params, state_checkpoint_interval=2)
+    assert engine.stats.prefix_cache_hits >= 5  # the third of `together`, admitted a step later, may hit too
+
+
+def test_eviction_under_a_small_budget(model_dir):
+    prompts = [tokens(22, 30 + i) for i in range(4)]
+    waves = [[p] for p in prompts] + [[prompts[-1]], [prompts[0]]]
+    engine = compare(model_dir, waves, GREEDY, prefix_cache_pages=8, prefix_cache_checkpoints=2)
+    assert engine.stats.checkpoints_evicted > 0 and engine.stats.prefix_cache_hits >= 1
+
+
+def test_allocation_evicts_cached_pages_instead_of_refusing_or_preempting(model_dir):
+    prompts = [tokens(38, 40 + i) for i in range(3)]  # 11 pages each with their outputs
+    waves = [[p] for p in prompts] + [[prompts[-1]]]
+    engine = compare(model_dir, waves, GREEDY, num_kv_pages=16)
+    assert engine.scheduler.num_preemptions == 0 and engine.stats.prefix_cache_hits == 1
+    reservation = engine.reserve(16 * PAGE)  # the whole pool: takes every cached page back
+    assert engine.prefix_cache.num_pages == 0
+    engine.cancel_reservation(reservation)
+
+
+def test_aborted_request_that_shared_pages(model_dir):
+    waves = [[P], [P + tokens(8, 50), P + tokens(3, 51)]]
+    compare(model_dir, waves, GREEDY, abort_after=("w1r0", 2))
+
+
+def test_preempted_request_with_a_shared_prefix(model_dir):
+    prompts = [P + tokens(4 + 3 * i, 60 + i) for i in range(4)]
+    waves = [[P], prompts]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = run_waves(core(model_dir, False), waves, params)
+    engine = core(model_dir, True, num_kv_pages=26)
+    assert run_waves(engine, waves, params) == ref
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.prefix_cache_hits > 0
+    assert_cached_baseline(engine)
+
+
+def test_held_states_may_share_pages_and_release_to_the_baseline(hf_checkpoints):
+    engine = core(hf_checkpoints["qwen3_5"], True)
+    done = []
+    for i, p in enumerate([P, P + tokens(5, 70)]):
+        engine.submit(engine.make_request(p, GREEDY, f"h{i}", hold_state=True), done.append)
+        while engine.has_work or not engine._commands.empty():
+            engine.dispatch(engine.process_commands())
+            engine.dispatch(engine.step())
+    assert engine.num_held == 2 and engine.stats.prefix_cache_hits == 1
+    shared = set(engine.held_request("h0").pages) & set(engine.held_request("h1").pages)
+    assert len(shared) == 7 and engine.held_regions("h1")
+    assert engine.release_held("h0") and engine.release_held("h1")
+    assert_cached_baseline(engine)
