@@ -222,3 +222,20 @@ def test_unknown_parameters_are_refused_as_openai_does_and_known_ones_pass(base_
             ok |= {"store": False, "metadata": {"k": "v"}, "messages": [{"role": "user", "content": "x", "refusal": None}]}
         r = httpx.post(f"{base_url}{path}", json=ok, timeout=60)
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 5), ("top_p", 0), ("top_k", -1), ("min_p", 2), ("seed", -3)])
+def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, field, value):
+    from deltamesh.client import InvalidRequest
+
+    with pytest.raises(ValueError) as shared:  # the engine's own check, which the router runs for gRPC requests
+        SamplingParams(**{field: value}).validate(vocab_size=1)
+    r = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL_ID, "prompt": "x", "max_tokens": 2, field: value},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"] == {"message": str(shared.value), "type": "invalid_request_error",
+                                                          "param": field, "code": None}, r.text  # fmt: skip
+    if value < 0:
+        return  # an unsigned field on the wire: the SDK cannot even encode a negative value
+    with mesh.client() as grpc_client, pytest.raises(InvalidRequest) as e:
+        grpc_client.generate("x", max_tokens=2, **{field: value})
+    assert str(shared.value) in str(e.value), (str(shared.value), str(e.value))

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deltamesh.engine import RequestError
+from deltamesh.engine import RequestError, SamplingParams
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.mesh import MeshError
 
@@ -87,6 +87,25 @@ async def _too_large(request: Request, e: BodyTooLarge):
     return body_too_large(e.limit).response()
 
 
+# REST fields whose bounds the engine's own check (SamplingParams.validate) also enforces: a bad value gets that
+# check's message, the one the gRPC API gives for the same value.
+_SHARED_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+                  "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}  # fmt: skip
+
+
+def _shared_message(loc: list[str], value) -> str | None:
+    attr = _SHARED_FIELDS.get(loc[0]) if len(loc) == 1 else None
+    if attr is None:
+        return None
+    try:
+        SamplingParams(**{attr: value}).validate(vocab_size=1)
+    except ValueError as e:
+        return str(e)
+    except TypeError:  # not even a number: the schema's own message says so
+        return None
+    return None
+
+
 async def _invalid(request: Request, e: RequestValidationError):
     err = e.errors()[0] if e.errors() else {}
     if err.get("type") == "json_invalid":
@@ -95,6 +114,9 @@ async def _invalid(request: Request, e: RequestValidationError):
     if not loc and "json" not in request.headers.get("content-type", ""):  # FastAPI read it as a plain string
         return ApiError(400, "the request body must be a JSON object sent with 'Content-Type: application/json'"
                         ).response()  # fmt: skip
+    shared = _shared_message(loc, err.get("input"))
+    if shared is not None:
+        return ApiError(400, shared, param=loc[-1]).response()
     if err.get("type") == "extra_forbidden":  # OpenAI's wording for a parameter it does not know
         return ApiError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=".".join(loc)).response()
     message = err.get("msg", "invalid request")
