@@ -9,6 +9,7 @@ import random
 import secrets
 import socket
 import sys
+from collections import Counter
 from typing import Annotated, Optional
 
 import typer
@@ -17,6 +18,7 @@ from deltamesh.client.cli import generate
 from deltamesh.services.common.options import Option, hand_over, handed_settings, options, settings_from, with_options
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
+from deltamesh.services.ready_notice import announce_when_ready
 from deltamesh.services.supervisor import ChildSpec, Supervisor
 
 # plain help (rich_markup_mode=None): rich tables cut long option names at 80 columns; plain help wraps them
@@ -211,8 +213,11 @@ def serve(**values) -> None:
     has_secret = values["mesh_secret_file"] or os.environ.get("DELTAMESH_MESH_SECRET")
     secret = _mesh_secret(values["mesh_secret_file"]) if has_secret else secrets.token_urlsafe(32)
     specs, metrics_urls = _children(values, secret)
-    print(f"deltamesh: router gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port
-          else "") + f"; metrics: {', '.join(metrics_urls)}", file=sys.stderr, flush=True)  # fmt: skip
+    where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
+    print(f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}", file=sys.stderr, flush=True)
+    workers = Counter(spec.name.rsplit("-", 1)[0] for spec in specs if spec.name != "router")
+    tls = settings_from(RouterSettings, SERVE_ROUTER, values, mesh_secret=secret).tls
+    announce_when_ready(f"{host}:{values['control_port']}", secret, workers, tls, where)
     code = Supervisor(specs).run()
     if code:
         raise typer.Exit(code)

@@ -80,6 +80,10 @@ def test_serve_stops_quickly_and_logs_json_lines(tmp_path):
             except Exception:
                 assert time.monotonic() < deadline and serve.poll() is None, log.read_text()[-3000:]
                 time.sleep(0.5)
+        # one line tells the user the mesh can serve (every worker registered and healthy)
+        while "deltamesh: mesh ready (1 prefill + 1 decode): gRPC" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
         stopping = time.monotonic()
         serve.send_signal(signal.SIGINT)
         assert serve.wait(30) == 0

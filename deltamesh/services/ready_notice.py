@@ -1,0 +1,39 @@
+"""`deltamesh serve`'s one line for the user once the mesh can serve: every worker it started has registered with
+the router and is healthy. Read from the router's control plane in a background thread, so that nothing waits on
+it; a mesh that never gets ready says nothing more here (the supervisor reports exits)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter
+
+import grpc
+
+from deltamesh.services.common.tls import TlsSettings, channel_credentials
+
+
+def announce_when_ready(control: str, secret: str, roles: Counter, tls: TlsSettings, where: str,
+                        timeout_s: float = 3600.0) -> threading.Thread:  # fmt: skip
+    """Print "deltamesh: mesh ready ..." once the router at `control` sees `roles` healthy workers."""
+
+    def watch() -> None:
+        from deltamesh.services.router.control import read_loads
+
+        credentials = channel_credentials(tls) if tls.cert else None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                healthy = Counter(w.role for w in read_loads(control, secret, credentials, timeout=2) if w.healthy)
+            except grpc.RpcError:
+                healthy = Counter()
+            if all(healthy[role] >= n for role, n in roles.items()):
+                counts = " + ".join(f"{n} {role}" for role, n in roles.items())
+                print(f"deltamesh: mesh ready ({counts}): {where}", file=sys.stderr, flush=True)
+                return
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=watch, name="ready-notice", daemon=True)
+    thread.start()
+    return thread
