@@ -430,11 +430,14 @@ class EngineCore:
 
     # ---- observability ----------------------------------------------------------------------------------------
     def loads(self) -> dict:
+        cached_only = self.prefix_cache.reclaimable() if self.prefix_cache is not None else 0
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "held": self.num_held,
-            "kv_pages_used": self.kv_pool.num_used,
+            # pages requests hold; pages only the prefix cache holds are free on demand, so they count apart
+            "kv_pages_used": self.kv_pool.num_used - cached_only,
+            "kv_pages_cached": cached_only,
             "kv_pages_total": self.kv_pool.num_pages,
             "state_slots_used": self.state_pool.num_used,
             "state_slots_total": self.state_pool.num_slots,

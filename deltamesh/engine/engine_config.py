@@ -48,13 +48,15 @@ class EngineConfig:
     # schedule and launch step N+1 before reading step N's tokens on the host
     async_scheduling: bool = _setting(True, "Schedule and launch each engine step before the previous step's tokens "
                                             "reach the host (off: finish every step first)")  # fmt: skip
-    # Prefix caching (prefix_cache.py), engine-level only so far and so not yet a CLI flag: off by default, since
-    # cached pages stay allocated after their requests end and the services' idle checks read them as in use.
-    prefix_cache: bool = _setting(False, cli=False)
-    prefix_cache_pages: int | None = _setting(None, cli=False)  # most KV pages the cache keeps; None: all free ones
-    prefix_cache_checkpoints: int = _setting(8, cli=False)  # GDN state checkpoint slots (a request's slot each)
-    # also checkpoint every this many pages of a prompt (None: only at its end)
-    state_checkpoint_interval: int | None = _setting(None, cli=False)
+    # Prefix caching (prefix_cache.py). Off by default until it is measured on the GPU: a prompt's prefill then
+    # stops at its last page boundary to checkpoint the GDN state, one more (short) step per new prompt.
+    prefix_cache: bool = _setting(False, "Reuse the KV pages and GDN state of prompt prefixes computed before "
+                                         "(exact: same tokens as without it)")  # fmt: skip
+    prefix_cache_pages: int | None = _setting(None, "Most KV pages the prefix cache keeps (default: every free page)")
+    prefix_cache_checkpoints: int = _setting(8, "GDN state checkpoints the prefix cache keeps (each the size of "
+                                                "one request's state)")  # fmt: skip
+    state_checkpoint_interval: int | None = _setting(None, "Also checkpoint GDN state every this many KV pages of "
+                                                           "a prompt (default: only at its end)")  # fmt: skip
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         return self.max_model_len or min(max_position_embeddings, 32768)

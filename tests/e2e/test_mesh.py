@@ -72,6 +72,19 @@ def test_two_prefill_two_decode_workers_match_too(tmp_path, reference_engine):
         m.stop()
 
 
+def test_with_the_prefix_cache_on_outputs_are_unchanged_and_repeats_hit(tmp_path, reference_engine):
+    """Prefill workers with --prefix-cache: prompts sharing prefixes and a repeated batch give the monolithic
+    engine's tokens; the repeat is served from the cache; cached pages do not read as in use (idle check)."""
+    m = start_mesh(MODEL, tmp_path, worker_args=["--prefix-cache"])
+    try:
+        check_against_reference(m, reference_engine, n_prompts=8, seed=2)
+        check_against_reference(m, reference_engine, n_prompts=8, seed=2)  # the same prompts again
+        prefill = m.workers("prefill")[0].load()
+        assert prefill.prefix_cache_hit_tokens > 0 and prefill.kv_pages_cached > 0
+    finally:
+        m.stop()
+
+
 def test_streaming_delivers_every_token_once_in_order_with_usage(mesh, reference_engine):
     prompt = "The Python language"
     ref = reference_engine.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]

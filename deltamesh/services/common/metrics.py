@@ -34,7 +34,9 @@ class EngineCollector:
         for name, value, doc in (
             ("requests_running", loads["running"], "Requests in the running batch"),
             ("requests_waiting", loads["waiting"], "Requests queued for admission (queue depth)"),
-            ("kv_pages_used", loads["kv_pages_used"], "KV cache pages in use"),
+            ("kv_pages_used", loads["kv_pages_used"], "KV cache pages in use by requests"),
+            ("kv_pages_cached", loads["kv_pages_cached"], "KV cache pages only the prefix cache holds (free on demand)"),
+            ("prefix_cache_checkpoints", loads["prefix_cache_checkpoints"], "GDN state checkpoints in the prefix cache"),
             ("kv_pages_total", loads["kv_pages_total"], "KV cache pages in the pool"),
             ("state_slots_used", loads["state_slots_used"], "GDN state slots in use"),
             ("state_slots_total", loads["state_slots_total"], "GDN state slots in the pool"),
@@ -49,6 +51,10 @@ class EngineCollector:
             ("generation_tokens", stats.generation_tokens, "Tokens sampled (rate = decode tokens/s)"),
             ("steps", stats.steps, "Engine steps run"),
             ("preemptions", engine.num_preemptions, "Requests preempted for lack of KV pages"),
+            ("prefix_cache_hits", stats.prefix_cache_hits, "Requests started from a cached prefix"),
+            ("prefix_cache_hit_tokens", stats.prefix_cache_hit_tokens, "Prompt tokens served from the prefix cache"),
+            ("prefix_cache_checkpoints_saved", stats.checkpoints_saved, "GDN state checkpoints saved"),
+            ("prefix_cache_checkpoints_evicted", stats.checkpoints_evicted, "GDN state checkpoints evicted"),
         ):
             c = CounterMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             c.add_metric([role], value)

@@ -81,6 +81,7 @@ class Worker:
             held_states=l["held"], leases=leases, kv_pages_used=l["kv_pages_used"],
             kv_pages_total=l["kv_pages_total"], state_slots_used=l["state_slots_used"],
             state_slots_total=l["state_slots_total"], reservations=self.reservations, healthy=True,
+            kv_pages_cached=l["kv_pages_cached"], prefix_cache_hit_tokens=l["prefix_cache_hit_tokens"],
         )  # fmt: skip
 
     async def register_forever(self, stop: asyncio.Event, role: Role) -> None:
