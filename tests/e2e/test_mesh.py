@@ -85,6 +85,23 @@ def test_with_the_prefix_cache_on_outputs_are_unchanged_and_repeats_hit(tmp_path
         m.stop()
 
 
+def test_cache_aware_routing_sends_a_shared_prefix_to_the_worker_that_caches_it(tmp_path, reference_engine):
+    m = start_mesh(MODEL, tmp_path, prefill=2, worker_args=["--prefix-cache"], router_args=["--policy", "cache_aware"])
+    try:
+        vocab = reference_engine.core.model_config.vocab_size
+        system = random_prompts(1, vocab, [120], seed=3)[0]
+        turns = [system + tail for tail in random_prompts(4, vocab, [5, 9, 14, 20], seed=4)]
+        ref = reference_engine.generate(turns, SamplingParams(max_tokens=8, temperature=0))
+        with m.client() as client:
+            for prompt, expected in zip(turns, ref):  # one after the other, as turns of a conversation arrive
+                assert client.generate(prompt, max_tokens=8, temperature=0).token_ids == expected.token_ids
+        hits = sorted(p.load().prefix_cache_hit_tokens for p in m.workers("prefill"))
+        assert hits[0] == 0 and hits[1] >= 3 * 112  # every later turn reused the system prompt, on one worker
+        assert m.wait_idle() == {}
+    finally:
+        m.stop()
+
+
 def test_streaming_delivers_every_token_once_in_order_with_usage(mesh, reference_engine):
     prompt = "The Python language"
     ref = reference_engine.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]

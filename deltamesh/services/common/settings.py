@@ -94,7 +94,9 @@ class RouterSettings(BaseModel):
     prefill: list[str] = Field(default_factory=list, description="Static prefill worker address (repeatable)")
     decode: list[str] = Field(default_factory=list, description="Static decode worker address (repeatable)")
     colocated: list[str] = Field(default_factory=list, description="Static colocated worker address (repeatable)")
-    policy: Literal["round_robin", "least_loaded"] = Field("least_loaded", description="round_robin | least_loaded")
+    policy: Literal["round_robin", "least_loaded", "cache_aware"] = Field(
+        "least_loaded", description="round_robin | least_loaded | cache_aware (prefill: where the prompt's prefix "
+                                    "went before, balanced against load; pair with the workers' --prefix-cache)")
     health_interval_s: float = Field(0.5, json_schema_extra=_NO_OPTION)
     heartbeat_interval_s: float = Field(1.0, json_schema_extra=_NO_OPTION)
     prefill_retries: int = Field(2, json_schema_extra=_NO_OPTION)

@@ -91,11 +91,12 @@ class Mesh:
                                 f"{self.ready_timeout_s:g} s); retry shortly")  # fmt: skip
             await asyncio.sleep(0.05)
 
-    def _pick(self, role: str, exclude: set[str]) -> WorkerHandle:
+    def _pick(self, role: str, exclude: set[str], prompt_ids=()) -> WorkerHandle:
         candidates = [w for w in self.registry.healthy(role) if w.address not in exclude]
         if not candidates:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker is available")
-        return self.policy.pick(candidates)
+        # decode workers cache nothing of a transferred prompt: only prefill and colocated picks see the prompt
+        return self.policy.pick(candidates, prompt_ids if role != "decode" else ())
 
     def abort(self, request_id: str) -> bool:
         inflight = self._inflight.get(request_id)
@@ -172,7 +173,7 @@ class Mesh:
     async def _prefill(self, req: prefill_pb2.PrefillRequest, inflight: _Inflight):
         tried: set[str] = set()
         while True:
-            w = self._pick("prefill", tried)
+            w = self._pick("prefill", tried, req.prompt_token_ids)
             w.inflight += 1
             inflight.call = w.stub.Prefill(req, metadata=self.registry.call_metadata(req.request_id),
                                            timeout=self.timeout_s)  # fmt: skip
@@ -201,7 +202,7 @@ class Mesh:
     async def _decode(self, req: decode_pb2.DecodeRequest, role: str, inflight: _Inflight):
         tried: set[str] = set()
         while True:
-            w = self._pick(role, tried)
+            w = self._pick(role, tried, req.prompt_token_ids)
             w.inflight += 1
             call = inflight.call = w.stub.Decode(req, metadata=self.registry.call_metadata(req.request_id),
                                                  timeout=self.timeout_s)  # fmt: skip

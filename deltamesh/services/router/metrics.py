@@ -19,6 +19,8 @@ RUNNING = Gauge("deltamesh_router_requests_running", "Requests in flight through
 PROMPT_TOKENS = Counter("deltamesh_router_prompt_tokens", "Prompt tokens of finished requests")
 GENERATION_TOKENS = Counter("deltamesh_router_generation_tokens", "Output tokens streamed to clients")
 RETRIES = Counter("deltamesh_router_retries", "Requests re-sent to another worker", ["leg"])
+ROUTING_DECISIONS = Counter("deltamesh_router_cache_aware_decisions",
+                            "cache_aware policy: sent where the prompt's prefix went before (cache) or by load", ["choice"])
 
 
 class RequestTimer:
