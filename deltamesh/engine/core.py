@@ -120,7 +120,8 @@ class EngineCore:
             mc.linear_value_head_dim, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, config.page_size,
         )  # fmt: skip
         self.kernels = select_kernels(self.device, shapes, config.kernel_backend)
-        self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs,
+                                   config.resolved_max_num_batched_tokens())  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.kernels, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
