@@ -1,6 +1,7 @@
 """Transport security: gRPC over TLS and mutual TLS, with certificates generated in the test."""
 
 import subprocess
+import sys
 
 import pytest
 
@@ -42,7 +43,8 @@ def test_mutual_tls_mesh(tmp_path):
         with Client(mesh.router_address, retries=0) as plaintext:
             with pytest.raises(Unavailable):
                 plaintext.generate("x", max_tokens=2)
-        health = subprocess.run([".venv/bin/deltamesh", "health", mesh.router_address, *tls], capture_output=True)
+        health = subprocess.run([sys.executable, "-m", "deltamesh.services.cli", "health", mesh.router_address, *tls],
+                                capture_output=True)  # fmt: skip
         assert health.returncode == 0, health.stderr
         assert mesh.wait_idle() == {}
     finally:
