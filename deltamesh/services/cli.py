@@ -34,7 +34,7 @@ WORKER = options(WorkerSettings) + [SECRET_FILE]
 ROUTER = options(RouterSettings) + [SECRET_FILE]
 # serve starts workers on ports of its own choosing, registered with its router, and their threads shared out
 PER_WORKER = ("port", "router", "advertise_host", "metrics_port", "torch_threads")
-ROUTER_ONLY = ("prefill", "decode", "colocated", "policy", "max_prompts", "max_choices", "max_messages",
+ROUTER_ONLY = ("prefill", "decode", "colocated", "max_prompts", "max_choices", "max_messages",
                "http_header_timeout", "ready_timeout")  # fmt: skip
 SERVE_ROUTER = options(RouterSettings, exclude=ROUTER_ONLY)
 SERVE_WORKER = options(WorkerSettings, exclude=PER_WORKER)
