@@ -23,15 +23,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, print_table, stop_group, write_result  # noqa: E402
 
 
+def serve_command(model: str, http_port: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                  colocated: bool, extra: list[str] = ()) -> list[str]:  # fmt: skip
+    """`deltamesh serve` on dummy bf16 weights: colocated on GPU 0, or 1P+1D on GPUs 0 and 1."""
+    cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--model", model, "--load-format", "dummy",
+           "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(free_port()),
+           "--control-port", str(free_port()), "--http-port", str(http_port), "--max-model-len", str(max_model_len),
+           "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
+           "--no-ucx-error-handling", "--log-level", "warning", *extra]  # fmt: skip
+    return cmd + (["--colocated", "--decode-workers", "1", "--gpus", "0"] if colocated else ["--gpus", "0,1"])
+
+
 def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
-    grpc_port, http_port = free_port(), free_port()
+    http_port = free_port()
     log = Path(args.log_dir) / f"serve-{'colocated' if colocated else 'disagg'}.log"
-    cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--model", args.model, "--load-format", "dummy",
-           "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-           "--max-model-len", str(args.input_len + args.output_len + 16), "--max-num-seqs", str(max(args.concurrency)),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-ucx-error-handling",
-           "--log-level", "warning", *args.serve_flag]  # fmt: skip
-    cmd += ["--colocated", "--decode-workers", "1", "--gpus", "0"] if colocated else ["--gpus", "0,1"]
+    cmd = serve_command(args.model, http_port, args.input_len + args.output_len + 16, max(args.concurrency),
+                        args.max_num_batched_tokens, colocated, args.serve_flag)  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, http_port, log
 

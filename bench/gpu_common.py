@@ -12,6 +12,16 @@ import torch
 from bench import common
 
 
+def host_list(t: torch.Tensor) -> list:
+    """`t.tolist()`, waiting for the GPU with the GIL released (as the engine waits for a step's tokens), so that
+    a benchmark's event loop beside the GPU work keeps running."""
+    if t.is_cuda:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+        done.synchronize()
+    return t.tolist()
+
+
 def hbm_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
     from triton.testing import do_bench

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, ROOT, fmt, free_port, ints, stop_group, table, write_result  # noqa: E402
-from bench.disagg_sweep import run_point, wait_ready  # noqa: E402
+from bench.disagg_sweep import run_point, serve_command, wait_ready  # noqa: E402
 from deltamesh.engine.defaults import DEFAULT_MODEL  # noqa: E402
 
 
@@ -43,20 +43,15 @@ def model_folder(shape: Path, work: Path) -> Path:
 def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen, str, str]:
     """(process, base URL, readiness URL) of one server on GPU 0."""
     port = free_port()
-    max_len = str(max(i + o for i, o in args.loads) + 16)
+    max_len = max(i + o for i, o in args.loads) + 16
     env = dict(os.environ)
     if engine == "deltamesh":
-        cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--colocated", "--decode-workers", "1", "--gpus", "0",
-               "--model", str(folder), "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
-               "--grpc-port", str(free_port()), "--control-port", str(free_port()), "--http-port", str(port),
-               "--max-model-len", max_len, "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-ucx-error-handling",
-               "--log-level", "warning"]  # fmt: skip
+        cmd = serve_command(str(folder), port, max_len, args.max_num_seqs, args.max_num_batched_tokens, colocated=True)
         ready = f"http://127.0.0.1:{port}/ready"
     else:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--served-model-name", folder.name, "--port", str(port), "--load-format", "dummy",
-               "--language-model-only", "--dtype", "bfloat16", "--max-model-len", max_len,
+               "--language-model-only", "--dtype", "bfloat16", "--max-model-len", str(max_len),
                "--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-utilization", "0.90",
                "--gdn-prefill-backend", "triton"]  # fmt: skip
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.vllm_site, env.get("PYTHONPATH")]))

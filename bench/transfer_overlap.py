@@ -33,7 +33,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=f"{side}-loop", daemon=True)
 
     def _run(self) -> None:
-        from deltamesh.engine.sampling import host_list
+        from bench.gpu_common import host_list
 
         while not self._stop.is_set():
             t0 = time.perf_counter()

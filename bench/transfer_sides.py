@@ -111,7 +111,7 @@ def _checksum(buffers) -> int:
         for b in buffers:
             crc = zlib.crc32(b.numpy(), crc)
         return crc
-    from deltamesh.engine.sampling import host_list
+    from bench.gpu_common import host_list
 
     total, offset, chunk = torch.zeros((), dtype=torch.int64, device=buffers[0].device), 0, 1 << 24
     for b in buffers:

@@ -100,17 +100,16 @@ class EngineCore:
 
         self.model = load_model(mc, model_dir, self.device, self.dtype, config.load_format, config.seed)
         state_dtype = config.torch_state_dtype()
-        self.state_pool = StatePool(
-            config.max_num_seqs, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim,
-            mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
-            self.dtype, state_dtype, self.device,
-        )  # fmt: skip
+
+        def state_pool(num_slots: int) -> StatePool:
+            return StatePool(
+                num_slots, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads,
+                mc.linear_key_head_dim, mc.linear_value_head_dim, self.dtype, state_dtype, self.device,
+            )  # fmt: skip
+
+        self.state_pool = state_pool(config.max_num_seqs)
         # Allocated before the KV pool, which may size itself from the memory left.
-        self.checkpoint_pool = StatePool(
-            config.prefix_cache_checkpoints, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim,
-            mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
-            self.dtype, state_dtype, self.device,
-        ) if config.prefix_cache else None  # fmt: skip
+        self.checkpoint_pool = state_pool(config.prefix_cache_checkpoints) if config.prefix_cache else None
         self.kv_pool = KVPagePool(
             self._num_kv_pages(), config.page_size, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
             self.dtype, self.device,

@@ -30,6 +30,12 @@ from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
 from deltamesh.engine.request import Request
 
 
+def block_key(parent: int | None, tokens) -> int:
+    """The key of a token block after the prefix whose last block's key is `parent` (None: the first block). The
+    router's cache-aware policy names what it sent each worker the same way."""
+    return hash((parent, tuple(tokens)))
+
+
 @dataclass
 class _Block:
     parent: int | None  # the previous block's key; None for a prompt's first block
@@ -101,7 +107,7 @@ class PrefixCache:
         keys, ps = req.block_keys, self.kv_pool.page_size
         while len(keys) < n:
             i = len(keys)
-            keys.append(hash((keys[-1] if keys else None, tuple(req.prompt_ids[i * ps : (i + 1) * ps]))))
+            keys.append(block_key(keys[-1] if keys else None, req.prompt_ids[i * ps : (i + 1) * ps]))
         return keys[:n]
 
     def _block(self, req: Request, i: int) -> _Block | None:

@@ -93,7 +93,8 @@ class ModelRunner:
         if self._staging is None or self._staging.numel() < total:
             self._staging = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
         elif self._staged is not None:
-            self._staged.synchronize()  # the previous step's copy has left the buffer (it has, after sampling)
+            self._staged.synchronize()  # the previous step's copy has left the buffer (it was queued first in
+            # that step, behind a step whose tokens have been read, so this rarely waits)
         host = self._staging.numpy()
         for a, off in zip(arrays, offsets):
             host[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)

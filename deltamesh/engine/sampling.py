@@ -125,17 +125,6 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return probs
 
 
-def host_list(t: torch.Tensor) -> list:
-    """`t.tolist()`, but waiting for the GPU with the GIL released: `tolist` alone blocks in the CUDA copy
-    holding the GIL for the rest of the step, so the worker's event loop (gRPC, the side channel) could not
-    run during it."""
-    if t.is_cuda:
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(t.device))
-        done.synchronize()
-    return t.tolist()
-
-
 class SampledTokens:
     """A step's sampled tokens (and logprobs where asked), computed on the device and on their way to the host.
 

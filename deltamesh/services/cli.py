@@ -212,31 +212,37 @@ def serve(**values) -> None:
     # one secret per mesh, made here unless given; children get it in their environment (never on a command line)
     has_secret = values["mesh_secret_file"] or os.environ.get("DELTAMESH_MESH_SECRET")
     secret = _mesh_secret(values["mesh_secret_file"]) if has_secret else secrets.token_urlsafe(32)
-    specs, metrics_urls = _children(values, secret)
+    router, roles, gpus = _plan(values, secret)
+    specs, metrics_urls = _children(values, secret, router, roles, gpus)
     where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
     print(f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}", file=sys.stderr, flush=True)
-    workers = Counter(spec.name.rsplit("-", 1)[0] for spec in specs if spec.name != "router")
-    tls = settings_from(RouterSettings, SERVE_ROUTER, values, mesh_secret=secret).tls
-    announce_when_ready(f"{host}:{values['control_port']}", secret, workers, tls, where)
+    announce_when_ready(f"{host}:{router.control_port}", secret, Counter(roles), router.tls, where)
     code = Supervisor(specs).run()
     if code:
         raise typer.Exit(code)
 
 
-def _children(values: dict, secret: str) -> tuple[list[ChildSpec], list[str]]:
-    """The processes `serve` starts, each handed its settings in its environment, and the workers' metrics URLs."""
+def _plan(values: dict, secret: str) -> tuple[RouterSettings, list[str], str | None]:
+    """What `serve` starts: its router's settings, one role per worker, the GPUs to spread them over."""
     mesh = settings_from(ServeSettings, options(ServeSettings), values)
     router = settings_from(RouterSettings, SERVE_ROUTER, values, mesh_secret=secret)
     _check_tls(router.tls)
+    roles = ["colocated"] * mesh.decode_workers if mesh.colocated else (
+        ["prefill"] * mesh.prefill_workers + ["decode"] * mesh.decode_workers)  # fmt: skip
+    return router, roles, mesh.gpus
+
+
+def _children(values: dict, secret: str, router: RouterSettings, roles: list[str],
+              gpus: str | None) -> tuple[list[ChildSpec], list[str]]:  # fmt: skip
+    """The processes `serve` starts (its router, then a worker per role), each handed its settings in its
+    environment, and the workers' metrics URLs."""
     # what every child gets: the mesh's secret travels in the environment, never on a command line
     base_env = {k: v for k, v in os.environ.items() if k != "DELTAMESH_MESH_SECRET_FILE"}
     base_env["DELTAMESH_MESH_SECRET"] = secret
     router_env = {**base_env, "DELTAMESH_API_KEY": router.api_key} if router.api_key else base_env
     cli = [sys.executable, "-m", "deltamesh.services.cli"]
     specs = [ChildSpec("router", cli + ["router"], {**router_env, **hand_over(router)})]
-    roles = ["colocated"] * mesh.decode_workers if mesh.colocated else (
-        ["prefill"] * mesh.prefill_workers + ["decode"] * mesh.decode_workers)  # fmt: skip
-    gpu_ids = (mesh.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
+    gpu_ids = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
     host, metrics_urls = router.host, []
     for i, role in enumerate(roles):
         # fixed ports, chosen once: a restarted worker comes back at the address the router knows it by

@@ -79,10 +79,10 @@ def test_a_flag_fills_its_setting():
 
 
 def test_serve_hands_each_child_its_settings_in_the_environment_and_never_a_secret(monkeypatch):
-    monkeypatch.setenv("DELTAMESH_POLICY", "round_robin")  # a router setting serve has no flag for
+    monkeypatch.setenv("DELTAMESH_POLICY", "round_robin")  # a router setting from serve's environment
     values = params(["serve", "--page-size", "32", "--no-cuda-graphs", "--transfer-timeout", "5", "--grpc-port", "6000",
                      "--http-port", "0", "--api-key", "k" * 20, "--max-model-len", "512"])  # fmt: skip
-    specs, _ = cli._children(values, "s" * 32)
+    specs, _ = cli._children(values, "s" * 32, *cli._plan(values, "s" * 32))
     assert [s.argv[3:] for s in specs] == [["router"], ["prefill"], ["decode"]]
     for spec in specs:
         handed = spec.env[SETTINGS_ENV]

@@ -3,6 +3,7 @@ registration with the router (repeated as a heartbeat)."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from pathlib import Path
 from typing import Callable, Coroutine
@@ -23,15 +24,15 @@ from deltamesh.transfer import LeaseTable, Transport
 log = structlog.get_logger("deltamesh.worker")
 
 
-class Role:
+class Role(abc.ABC):
     """What a worker role (prefill, decode) adds to the worker all roles share: its gRPC services, what the router
     learns and answers at registration, and its own start, stop and background work. The defaults do nothing."""
 
     leases: LeaseTable | None = None  # held states, exported in the worker's metrics
 
+    @abc.abstractmethod
     def services(self) -> list[tuple]:
         """(add_servicer_to_server, servicer, service name) of each gRPC service, for GrpcServer."""
-        raise NotImplementedError
 
     def transport_descriptor(self) -> common_pb2.TransportDescriptor | None:
         """How this worker's memory is reached over its transport, told to the router at registration."""

@@ -6,6 +6,7 @@ import itertools
 from collections import OrderedDict
 from typing import Protocol, Sequence
 
+from deltamesh.engine.prefix_cache import block_key
 from deltamesh.services.router import metrics
 from deltamesh.services.router.registry import WorkerHandle
 
@@ -64,7 +65,7 @@ class CacheAware:
     def _keys(self, prompt_ids: Sequence[int]) -> list[int]:
         keys, parent = [], None
         for i in range(len(prompt_ids) // self.block):
-            parent = hash((parent, tuple(prompt_ids[i * self.block : (i + 1) * self.block])))
+            parent = block_key(parent, prompt_ids[i * self.block : (i + 1) * self.block])
             keys.append(parent)
         return keys
 
