@@ -106,7 +106,9 @@ class Scheduler:
         cache = self.prefix_cache
         cached = cache.acquire(req) if cache is not None else []
         need = self.kv_pool.pages_for(req.num_tokens) - len(cached)
-        free = self.kv_pool.num_free + (cache.reclaimable() if cache is not None else 0)
+        free = self.kv_pool.num_free
+        if cache is not None and free < need:  # walking the cache's blocks only when the pool is short
+            free += cache.reclaimable()
         if self.state_pool.num_free == 0 or free < need:
             self.kv_pool.free(cached)
             return False
