@@ -8,7 +8,8 @@ PROTO_OUT := sdk/src
 TORCH_PIN := torch==2.13.0
 
 .PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak \
-	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity bench-peers bench-host-gap clean help
+	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity bench-peers bench-host-gap \
+	bench-parallel clean help
 
 help:
 	@echo "make setup     create .venv and install everything (CPU torch $(TORCH_PIN))"
@@ -90,6 +91,10 @@ bench-peers:  # GPU + vLLM staged in /tmp/vllm-site (../shared/notes/peers-on-h2
 
 bench-host-gap:  # GPU: idle time between decode steps, async scheduling on and off
 	$(PYTHON) bench/host_gap.py
+
+bench-parallel:  # 2+ GPUs: the 35B-A3B shape on one rank and tensor-parallel over two
+	python bench/parallel.py --device cuda --model bench/configs/qwen3.5-35b-a3b --load-format dummy --tp 1,2 \
+		--batch 16 --prompt 8192 --decode-tokens 128 --out bench/results/parallel_gpu.json
 
 bench-gpu-fidelity:
 	python bench/gpu_fidelity.py --out bench/results/gpu_fidelity.json

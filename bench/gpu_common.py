@@ -150,9 +150,9 @@ def profiled_steps(core, items, steps: int):
     return prof
 
 
-def kernel_breakdown(core, items, steps: int = 3) -> tuple[list[dict], list[dict]]:
+def kernel_breakdown(core, items, steps: int = 3, top: int = 25) -> tuple[list[dict], list[dict]]:
     """CUDA time per kernel of eager steps of `items` (the kernels a graph replays), grouped by KERNEL_GROUPS:
-    (groups, the 25 slowest kernels)."""
+    (groups, the `top` slowest kernels)."""
     prof = profiled_steps(core, items, steps)
     kernels = []
     for e in prof.key_averages():
@@ -167,4 +167,4 @@ def kernel_breakdown(core, items, steps: int = 3) -> tuple[list[dict], list[dict
         grp["kernels"] += 1
         grp["calls"] += k["calls"]
         grp["ms"] += k["ms"]
-    return sorted(groups.values(), key=lambda g: -g["ms"]), kernels[:25]
+    return sorted(groups.values(), key=lambda g: -g["ms"]), kernels[:top]

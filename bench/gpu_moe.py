@@ -1,9 +1,9 @@
 """MoE on one GPU, Qwen3.5-35B-A3B shape (dummy weights, bf16): the fused Triton experts against the torch
 reference (grouped GEMMs), alone and in whole decode steps, against an honest roofline.
 
-- `op` rows: the routed experts of one layer for T tokens, each implementation replayed from a CUDA graph
-  (as a decode step runs them) up to T = 256, eager for prefill sizes; the floor is the bytes they must read
-  (the experts the routing touched, x, the output) at the measured HBM copy rate.
+- `op` rows: one MoE layer (routed and shared experts) for T tokens, each implementation replayed from a CUDA
+  graph (as a decode step runs them) up to T = 256, eager for prefill sizes; the floor is the bytes it must read
+  (the experts the routing touched, the shared expert, x, the output) at the measured HBM copy rate.
 - `routing` rows: how evenly the dummy router spreads tokens: distinct experts touched per layer against what
   uniform routing would touch, E * (1 - (1 - k/E)^T), and the busiest expert's share of the pairs.
 - `decode step` rows: whole steps (CUDA graphs) with each MoE implementation; GPU operations per step (an eager
@@ -46,23 +46,36 @@ IMPLS = {"torch": torch_ref.moe, "triton": triton_moe.moe}
 
 
 def layer_inputs(layer: SparseMoE, tokens: int):
-    """(x, the shared expert's output, router logits, shared gate) for `tokens` random hidden states."""
+    """(x, router logits, shared gate) for `tokens` random hidden states."""
     x = torch.randn(tokens, layer.w13.shape[2], device="cuda", dtype=torch.bfloat16)
     gates = F.linear(x, layer.gates)
-    return x, torch.randn_like(x), gates[:, : layer.num_experts], gates[:, layer.num_experts :]
+    return x, gates[:, : layer.num_experts], gates[:, layer.num_experts :]
+
+
+def layer_args(layer: SparseMoE, tokens: int) -> tuple:
+    """kernels.moe's arguments for `tokens` random hidden states."""
+    x, logits, gate = layer_inputs(layer, tokens)
+    return x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, layer.shared.gate_up, layer.shared.down, gate
 
 
 def op_rows(layer: SparseMoE, tokens: list[int], bandwidth: float) -> list[dict]:
+    """The whole layer (routed and shared experts) per implementation; up to 32 tokens also both Triton paths
+    forced (pairs: every pair reads its expert; aligned: pairs grouped by expert), which sets DECODE_MAX_TOKENS."""
     rows = []
     expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
+    shared_bytes = (layer.shared.gate_up.numel() + layer.shared.down.numel()) * layer.w13.element_size()
     for t in tokens:
-        x, shared, logits, gate = layer_inputs(layer, t)
+        args = layer_args(layer, t)
+        x, logits = args[0], args[1]
         touched = torch.topk(logits.float(), layer.top_k, dim=-1).indices.unique().numel()
-        floor_ms = (touched * expert_bytes + 3 * x.numel() * x.element_size()) / bandwidth * 1e3  # x, shared, out
+        floor_ms = (touched * expert_bytes + shared_bytes + 2 * x.numel() * x.element_size()) / bandwidth * 1e3
         row = {"bench": "op", "tokens": t, "experts_touched": touched, "floor_ms": floor_ms}
-        for name, impl in IMPLS.items():
-            fn = lambda: impl(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, shared, gate)  # noqa: E731
-            row[f"{name}_ms"] = graph_ms(fn) if t <= 256 else gpu_ms(fn)
+        impls = dict(IMPLS)
+        if t <= 32:
+            impls["pairs"] = triton_moe._moe_pairs
+            impls["aligned"] = lambda *a: triton_moe.moe(*a, config=triton_moe.gemm_config(t * layer.top_k))
+        for name, impl in impls.items():
+            row[f"{name}_ms"] = graph_ms(lambda: impl(*args)) if t <= 256 else gpu_ms(lambda: impl(*args))
         row["speedup"] = row["torch_ms"] / row["triton_ms"]
         row["triton_of_floor"] = floor_ms / row["triton_ms"]
         rows.append(row)
@@ -77,10 +90,10 @@ def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
     """The fused kernels' time per block configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
     rows = []
     for t in tokens:
-        x, shared, logits, gate = layer_inputs(layer, t)
+        args = layer_args(layer, t)
         for cfg in map(lambda c: triton_moe.GemmConfig(*c), SWEEP):
             def fn(cfg=cfg):
-                return triton_moe.moe(x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, shared, gate, cfg)
+                return triton_moe.moe(*args, config=cfg)
 
             rows.append({"bench": "sweep", "tokens": t, "config": "/".join(map(str, cfg)),
                          "ms": graph_ms(fn) if t <= 256 else gpu_ms(fn),
@@ -121,11 +134,11 @@ def touched_expert_bytes(core, items) -> tuple[int, int]:
     r = core.runner
     impl, layers = r.kernels.moe, []
 
-    def counting(x, logits, w13, w2, top_k, norm_topk, *shared):
+    def counting(x, logits, w13, w2, top_k, norm_topk, *shared, **kw):
         per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
         used = torch.topk(logits.float(), top_k, dim=-1).indices.unique().numel()
         layers.append((w13.shape[0] * per_expert, used * per_expert))
-        return impl(x, logits, w13, w2, top_k, norm_topk, *shared)
+        return impl(x, logits, w13, w2, top_k, norm_topk, *shared, **kw)
 
     r.kernels.moe = counting
     try:
@@ -160,6 +173,19 @@ def decode_rows(core, batches: list[int], context: int, bandwidth: float) -> lis
     return rows
 
 
+def print_step_kernels(core, batches: list[int], context: int) -> None:
+    core.runner.kernels.moe = IMPLS["triton"]
+    for batch in batches:
+        items = decode_items(core, batch, context)
+        groups, kernels = kernel_breakdown(core, items, steps=1, top=1000)
+        print(f"decode step, batch {batch}: {sum(k['calls'] for k in kernels)} kernel calls, "
+              f"{sum(k['ms'] for k in kernels):.2f} ms of kernel time")
+        print_table(groups, ["group", "kernels", "calls", "ms"])
+        print_table(sorted(kernels, key=lambda k: -k["calls"]), ["kernel", "calls", "ms"])
+        for it in items:
+            core.scheduler.free(it.request)
+
+
 def prefill_rows(core, tokens: int, profile: bool) -> list[dict]:
     rows = []
     for name, impl in IMPLS.items():
@@ -188,13 +214,16 @@ def main() -> None:
     p.add_argument("--skip-steps", action="store_true", help="the op and routing rows only")
     p.add_argument("--sweep", action="store_true", help="also time the fused kernels' block configurations")
     p.add_argument("--profile", action="store_true", help="print where the prefill's GPU time goes")
+    p.add_argument("--step-kernels", action="store_true",
+                   help="print every kernel of one eager decode step (fused MoE) at each batch, with its calls")
     p.add_argument("--out", default=str(RESULTS / "gpu_moe.json"))
     args = p.parse_args()
     bandwidth = hbm_bandwidth()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = dummy_layer(args.model)
     rows = op_rows(layer, args.op_tokens, bandwidth)
-    print_table(rows, ["tokens", "experts_touched", "floor_ms", "torch_ms", "triton_ms", "speedup", "triton_of_floor"])
+    print_table(rows, ["tokens", "experts_touched", "floor_ms", "torch_ms", "triton_ms", "pairs_ms", "aligned_ms",
+                       "speedup", "triton_of_floor"])  # fmt: skip
     routing = routing_rows(layer, [1, 16, 64, 256, 8192])
     print_table(routing, ["tokens", "experts_touched", "uniform_expectation", "busiest_expert_share", "uniform_share"])
     rows += routing
@@ -205,6 +234,8 @@ def main() -> None:
     del layer
     if not args.skip_steps:
         core = core_for(args.model, max(args.batches), max(args.context, args.prefill), cuda_graphs=False)
+        if args.step_kernels:
+            print_step_kernels(core, args.batches, args.context)
         steps = decode_rows(core, args.batches, args.context, bandwidth)
         print_table(steps, ["moe", "batch", "graph_gpu_ms", "step_ms", "launches", "experts_touched_share",
                             "roofline_ms", "of_roofline", "all_experts_roofline_ms"])  # fmt: skip

@@ -168,6 +168,9 @@ class StatePool:
         )
         self._free = list(range(num_slots, 0, -1))  # slot 0 is the scratch slot
         self._lock = threading.Lock()
+        # Tensor parallelism: the leader records its writes outside model steps here (name, then the op), for
+        # the other ranks to repeat on their own pools before their next step (engine/tp_workers.py).
+        self.name, self.mirror = "", None
 
     @property
     def conv_flat(self) -> torch.Tensor:
@@ -214,9 +217,21 @@ class StatePool:
                 raise PoolExhausted(f"all {self.num_slots} GDN state slots are in use")
             slot = self._free.pop()
         if zeroed:
-            self.conv[slot].zero_()
-            self.recurrent[slot].zero_()
+            self.zero(slot)
         return slot
+
+    def zero(self, slot: int) -> None:
+        self.conv[slot].zero_()
+        self.recurrent[slot].zero_()
+        if self.mirror is not None:
+            self.mirror.append(("zero", self.name, slot))
+
+    def copy_slot(self, dst: int, src_pool: "StatePool", src: int) -> None:
+        """Slot `dst` of this pool := slot `src` of `src_pool` (queued on the current stream)."""
+        self.conv[dst].copy_(src_pool.conv[src], non_blocking=True)
+        self.recurrent[dst].copy_(src_pool.recurrent[src], non_blocking=True)
+        if self.mirror is not None:
+            self.mirror.append(("copy", self.name, dst, src_pool.name, src))
 
     def free(self, slot: int) -> None:
         with self._lock:

@@ -61,6 +61,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = field(default=())
+    # (first, count) of the routed experts one rank holds under expert parallelism (engine/parallel.py); None: all
+    local_experts: tuple[int, int] | None = None
     # misc
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False

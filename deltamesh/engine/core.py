@@ -28,17 +28,17 @@ from typing import Callable
 import structlog
 import torch
 
-from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool, pool_views
+from deltamesh.engine.cache import PoolExhausted, Region, pool_views
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.engine.parallel import shard_config
 from deltamesh.engine.prefix_cache import PrefixCache
+from deltamesh.engine.rank import build_rank
 from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
-from deltamesh.engine.runner import ModelRunner
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
 from deltamesh.engine.scheduler import ScheduledItem, Scheduler
 from deltamesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from deltamesh.engine.weights import load_model
-from deltamesh.kernels import ModelShapes, select_kernels
+from deltamesh.engine.tp_workers import Followers
 
 log = structlog.get_logger("deltamesh.engine")
 
@@ -98,30 +98,20 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
         self.max_model_len = config.resolved_max_model_len(mc.max_position_embeddings)
 
-        self.model = load_model(mc, model_dir, self.device, self.dtype, config.load_format, config.seed)
-        state_dtype = config.torch_state_dtype()
-
-        def state_pool(num_slots: int) -> StatePool:
-            return StatePool(
-                num_slots, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads,
-                mc.linear_key_head_dim, mc.linear_value_head_dim, self.dtype, state_dtype, self.device,
-            )  # fmt: skip
-
-        self.state_pool = state_pool(config.max_num_seqs)
-        # Allocated before the KV pool, which may size itself from the memory left.
-        self.checkpoint_pool = state_pool(config.prefix_cache_checkpoints) if config.prefix_cache else None
-        self.kv_pool = KVPagePool(
-            self._num_kv_pages(), config.page_size, len(mc.full_layers), mc.num_key_value_heads, mc.head_dim,
-            self.dtype, self.device,
-        )  # fmt: skip
-        shapes = ModelShapes(
-            self.dtype, state_dtype, mc.linear_num_key_heads, mc.linear_num_value_heads, mc.linear_key_head_dim,
-            mc.linear_value_head_dim, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, config.page_size,
-        )  # fmt: skip
-        self.kernels = select_kernels(self.device, shapes, config.kernel_backend)
+        # tensor parallelism: this process is rank 0, the followers are processes of their own (tp_workers.py)
+        # a model that cannot be split fails here, before any rank starts
+        shard_config(mc, config.tensor_parallel_size, config.enable_expert_parallel)
+        self.followers = Followers(config) if config.tensor_parallel_size > 1 else None
+        tp = self.followers.group if self.followers else None
+        rank = build_rank(config, mc, self.max_model_len, self.device, tp)
+        self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
+        self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
+        if self.followers:
+            self.runner.followers = self.followers
+            for pool in filter(None, (self.state_pool, self.checkpoint_pool)):
+                pool.mirror = self.followers.pool_ops
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs,
                                    config.resolved_max_num_batched_tokens())  # fmt: skip
-        self.runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.kernels, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, Sink] = {}
@@ -138,6 +128,8 @@ class EngineCore:
             if self.kernels.chosen["paged_attention"] == "torch":
                 log.warning("CUDA graphs off: the torch attention reference reads host lengths")
             else:
+                if self.followers:
+                    self.followers.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
                 self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         # Made after the warm-up, whose repeated prompts must run (and compile) every step shape in full.
         if self.checkpoint_pool is not None:
@@ -169,21 +161,6 @@ class EngineCore:
         while self.has_work:
             self.step()
         self.stats = EngineStats()
-
-    def _num_kv_pages(self) -> int:
-        c, mc = self.config, self.model_config
-        if c.num_kv_pages:
-            return c.num_kv_pages
-        per_page = 2 * max(len(mc.full_layers), 1) * c.page_size * mc.num_key_value_heads * mc.head_dim
-        per_page *= torch.tensor([], dtype=self.dtype).element_size()
-        if c.kv_cache_memory_gb is not None:
-            budget = c.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            budget = 0.85 * torch.cuda.mem_get_info(self.device)[0]
-        else:
-            budget = 2**30
-        wanted = c.max_num_seqs * -(-self.max_model_len // c.page_size)
-        return max(1, min(wanted, int(budget // per_page)))
 
     # ---- building requests (any thread; validation only, no engine state touched) ------------------
     def make_request(
@@ -278,6 +255,8 @@ class EngineCore:
         With async scheduling (the default) the host reads step N-1's tokens, checks stops, detokenises and
         streams them while the device runs step N, which was scheduled before those tokens were known (see the
         scheduler). Without it, each step is finished before this returns."""
+        if self.failure:
+            return self._fail_all(self.failure)
         previous, self._in_flight = self._in_flight, None
         items = self.scheduler.schedule()
         failed: list[tuple[Request, str]] = []
@@ -286,6 +265,8 @@ class EngineCore:
                 self._in_flight = self._launch(items, previous)
             except Exception as e:  # a failed step must not take down other requests' bookkeeping
                 log.exception("step failed", requests=[it.request.request_id for it in items])
+                if self.followers is not None and (reason := self.followers.failure_within(1.0)):
+                    return self._fail_all(reason)
                 failed = [(it.request, f"engine step failed: {e}") for it in items]
         outputs = self._complete(previous) if previous is not None else []
         outputs += [self._finish(r, FinishReason.ERROR, error=m) for r, m in failed if r.status != Status.FINISHED]
@@ -293,6 +274,20 @@ class EngineCore:
             outputs += self._complete(self._in_flight)
             self._in_flight = None
         return outputs
+
+    def _fail_all(self, reason: str) -> list[RequestOutput]:
+        """The engine cannot step any more (a tensor-parallel rank is gone): end every request with the reason."""
+        self._in_flight = None
+        return [self._finish(r, FinishReason.ERROR, error=reason) for r in list(self.requests.values())]
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot serve any more, or None."""
+        return self.followers.failure if self.followers is not None else None
+
+    def close(self) -> None:
+        if self.followers is not None:
+            self.followers.close()
 
     def _launch(self, items: list[ScheduledItem], previous: _InFlight | None) -> _InFlight:
         items.sort(key=lambda it: it.num_tokens != 1)  # decode-first, as kernels expect

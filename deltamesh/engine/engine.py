@@ -68,6 +68,7 @@ class Engine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self.core.close()
 
     def __enter__(self) -> "Engine":
         return self

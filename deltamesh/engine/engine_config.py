@@ -45,6 +45,11 @@ class EngineConfig:
     # None/auto | torch | flashinfer | fla | "op=backend,..."
     kernel_backend: str | None = _setting(None, "Kernel backend: auto | torch | flashinfer | fla | op=backend,...",
                                           flag="kernels")  # fmt: skip
+    # one engine over this many ranks (processes; GPUs on CUDA), each holding 1/N of the heads and columns
+    tensor_parallel_size: int = _setting(1, "Ranks (GPUs on CUDA) one worker's model is split over by heads "
+                                            "and columns")  # fmt: skip
+    enable_expert_parallel: bool = _setting(False, "With --tensor-parallel-size N: split the routed experts whole "
+                                                   "among the ranks (not each expert's columns)")  # fmt: skip
     seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
     cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")
@@ -87,6 +92,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.state_dtype not in ("float32", "bfloat16"):

@@ -149,8 +149,7 @@ class PrefixCache:
         with self._lock:
             key = req.block_keys[num_pages - 1]
             src = self._blocks[key].checkpoint
-            self.state_pool.conv[req.slot].copy_(self.checkpoints.conv[src], non_blocking=True)
-            self.state_pool.recurrent[req.slot].copy_(self.checkpoints.recurrent[src], non_blocking=True)
+            self.state_pool.copy_slot(req.slot, self.checkpoints, src)
             self._checkpointed.move_to_end(key)
             self._touch(req.block_keys[:num_pages][::-1])
         req.num_registered_pages = num_pages
@@ -253,8 +252,7 @@ class PrefixCache:
             self._free_checkpoint(oldest, self._blocks[oldest])
             self.stats.checkpoints_evicted += 1
         dst = self.checkpoints.alloc(zeroed=False)
-        self.checkpoints.conv[dst].copy_(self.state_pool.conv[slot], non_blocking=True)
-        self.checkpoints.recurrent[dst].copy_(self.state_pool.recurrent[slot], non_blocking=True)
+        self.checkpoints.copy_slot(dst, self.state_pool, slot)
         block.checkpoint = dst
         self._checkpointed[key] = None
         self.stats.checkpoints_saved += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -15,9 +17,24 @@ from deltamesh.kernels.batch import StepBatch
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
 
+@dataclass
+class HostStep:
+    """A step's model inputs on the host: what the tensor-parallel leader sends its followers each step."""
+
+    # input ids (a 0 where a pending token goes), sequence lengths, block tables, slot mapping, state slots,
+    # positions, prefill chunk offsets, and the pending tokens' [2, n] (where in the ids, which sampled row)
+    arrays: list[np.ndarray]
+    query_lens: list[int]
+    context_lens: list[int]
+    has_pending: bool
+    sample_rows: list[int]  # the tokens whose logits are sampled
+
+
 class ModelRunner:
     def __init__(self, model: HybridLM, kv_pool: KVPagePool, state_pool: StatePool, kernels: Kernels, device: torch.device):
         self.model, self.kv_pool, self.state_pool, self.kernels, self.device = model, kv_pool, state_pool, kernels, device
+        self.tp = model.tp  # the tensor-parallel group, or None
+        self.followers = None  # on a tensor-parallel leader: tp_workers.Followers, sent every step
         self.graphs = None  # DecodeGraphs once captured
         self._page_rows: dict[str, tuple[list[int], np.ndarray]] = {}  # request id -> (pages list, as array)
         self._staging: torch.Tensor | None = None  # pinned host buffer of the step's index arrays (CUDA)
@@ -32,10 +49,12 @@ class ModelRunner:
     def prepare(
         self, items: list[ScheduledItem], pending_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, StepBatch]:
+        """The step's model inputs on the device (see `host_step` and `device_inputs`)."""
+        return self.device_inputs(self.host_step(items), pending_tokens)
+
+    def host_step(self, items: list[ScheduledItem]) -> HostStep:
         """Items must be ordered decode-first (single-token items before chunks). Vectorised over items:
-        at batch 256 with 9k-token contexts this is host time on every decode step. An item whose last input
-        is still pending (sampled by the step before, not yet on the host) takes it from
-        `pending_tokens[request.pending_row]`, on the device."""
+        at batch 256 with 9k-token contexts this is host time on every decode step."""
         ps = self.kv_pool.page_size
         n = len(items)
         starts = np.fromiter((it.request.num_computed for it in items), np.int64, n)
@@ -60,24 +79,39 @@ class ModelRunner:
 
         q_list = q_lens.tolist()
         prefill_lens = [q for q in q_list if q != 1] or [0]
-        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill = self._upload([
-            np.asarray(ids, dtype=np.int64),
-            (starts + q_lens).astype(np.int32),
-            tables,
-            slot_mapping,
-            np.fromiter((it.request.slot for it in items), np.int32, n),
-            positions,
-            np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32),
-            np.asarray([fill_at, fill_from], dtype=np.int64).reshape(2, -1),
-        ])  # fmt: skip
-        if fill_at:
-            if pending_tokens is None:
+        last = np.cumsum(q_lens) - 1
+        return HostStep(
+            arrays=[
+                np.asarray(ids, dtype=np.int64),
+                (starts + q_lens).astype(np.int32),
+                tables,
+                slot_mapping,
+                np.fromiter((it.request.slot for it in items), np.int32, n),
+                positions,
+                np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32),
+                np.asarray([fill_at, fill_from], dtype=np.int64).reshape(2, -1),
+            ],
+            query_lens=q_list, context_lens=starts.tolist(), has_pending=bool(fill_at),
+            sample_rows=[int(last[i]) for i, it in enumerate(items) if it.samples],
+        )  # fmt: skip
+
+    def device_inputs(self, step: HostStep, pending_tokens: torch.Tensor | None) -> tuple[torch.Tensor, StepBatch]:
+        """An item whose last input is still pending (sampled by the step before, not yet on the host) takes it
+        from `pending_tokens[request.pending_row]`, on the device. A tensor-parallel follower has no pending
+        tokens: it receives the leader's filled input ids."""
+        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill = self._upload(step.arrays)
+        if step.has_pending:
+            if pending_tokens is not None:
+                ids_t[fill[0]] = pending_tokens[fill[1]]
+            elif self.tp is None or self.tp.shard.rank == 0:
                 raise ValueError("a scheduled token is pending but no previous step's tokens were given")
-            ids_t[fill[0]] = pending_tokens[fill[1]]
+            if self.tp is not None:
+                self.tp.broadcast(ids_t)
+        q_list = step.query_lens
         batch = StepBatch(
-            num_decode=int((q_lens == 1).sum()), query_lens=q_list, context_lens=starts.tolist(), seq_lens=seq_lens,
-            block_tables=tables_t, slot_mapping=slot_mapping_t, state_slots=slots, positions=positions_t,
-            prefill_cu_seqlens=cu_seqlens,
+            num_decode=sum(q == 1 for q in q_list), query_lens=q_list, context_lens=step.context_lens,
+            seq_lens=seq_lens, block_tables=tables_t, slot_mapping=slot_mapping_t, state_slots=slots,
+            positions=positions_t, prefill_cu_seqlens=cu_seqlens,
         )  # fmt: skip
         return ids_t, batch
 
@@ -120,13 +154,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling items, vocab], in item order. `pending_tokens`:
-        the previous step's sampled tokens, on the device (see `prepare`)."""
-        input_ids, batch = self.prepare(items, pending_tokens)
+        the previous step's sampled tokens, on the device (see `device_inputs`)."""
+        step = self.host_step(items)
+        if self.followers is not None:
+            self.followers.send_step(step)
+        return self.run(step, pending_tokens)
+
+    @torch.inference_mode()
+    def run(self, step: HostStep, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`execute` from the host inputs: what every tensor-parallel rank runs for the leader's step."""
+        input_ids, batch = self.device_inputs(step, pending_tokens)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(input_ids, batch)  # decode-only: every item samples
         hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels)
-        last = np.cumsum(batch.query_lens) - 1
-        rows = [int(last[i]) for i, it in enumerate(items) if it.samples]
-        if not rows:
+        if not step.sample_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[torch.as_tensor(rows, device=hidden.device)])
+        return self.model.logits(hidden[torch.as_tensor(step.sample_rows, device=hidden.device)])

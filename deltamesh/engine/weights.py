@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models import MODEL_CLASSES, HybridLM
+from deltamesh.engine.parallel import TensorParallelGroup, shard_tensor
 
 log = structlog.get_logger("deltamesh.weights")
 
@@ -28,12 +29,13 @@ class WeightError(ValueError):
     """The checkpoint's tensors do not fit the configured model."""
 
 
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> HybridLM:
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                tp: TensorParallelGroup | None = None) -> HybridLM:  # fmt: skip
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = MODEL_CLASSES[cfg.family](cfg, device)
+            model = MODEL_CLASSES[cfg.family](cfg, device, tp)
         finally:
             torch.set_default_dtype(prev)
     return model.eval()
@@ -74,7 +76,8 @@ def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
 
 
 def load_tensors(model: HybridLM, named_tensors) -> None:
-    """Fill every weight from (checkpoint name, tensor) pairs; names the missing and the unexpected."""
+    """Fill every weight from (checkpoint name, tensor) pairs; names the missing and the unexpected. A
+    tensor-parallel rank keeps its own part of each tensor (parallel.shard_tensor)."""
     slots = model.weight_slots()
     covered: dict[int, int] = {}
     params = {id(s.param): s.param for s in slots.values()}
@@ -85,6 +88,10 @@ def load_tensors(model: HybridLM, named_tensors) -> None:
             if name is None:
                 continue
             for part_name, part in model.checkpoint_tensors(name, tensor):
+                if model.tp:
+                    part = shard_tensor(part_name, part, model.tp.shard)
+                    if part is None:  # an expert another rank holds
+                        continue
                 slot = slots.get(part_name)
                 if slot is None:
                     unexpected.append(part_name)
@@ -126,11 +133,12 @@ def load_model(
     dtype: torch.dtype,
     load_format: str = "auto",
     seed: int = 0,
+    tp: TensorParallelGroup | None = None,
 ) -> HybridLM:
     started = time.monotonic()
-    model = build_model(cfg, device, dtype)
+    model = build_model(cfg, device, dtype, tp)
     if load_format == "dummy":
-        init_dummy(model, seed)
+        init_dummy(model, seed + (tp.shard.rank if tp else 0))
     elif load_format in ("auto", "safetensors"):
         if model_dir is None:
             raise WeightError("a model directory is needed unless load_format='dummy'")

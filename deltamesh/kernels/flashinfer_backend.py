@@ -51,9 +51,14 @@ def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable
         )  # fmt: skip
 
     def gdn_decode(q, k, v, a, b, A_log, dt_bias, state_pool, state_idx):
+        # the kernel writes every row of `output` in bf16; left to FlashInfer, its fp32-state path zero-fills a
+        # new one first: one more kernel per layer and step
+        bf16 = v.dtype == torch.bfloat16
+        output = torch.empty((v.shape[0], 1) + v.shape[1:], dtype=v.dtype, device=v.device) if bf16 else None
         out, _ = gated_delta_rule_decode_pretranspose(
             q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), None, A_log, a.unsqueeze(1), dt_bias,
             b.unsqueeze(1), initial_state=state_pool, initial_state_indices=state_idx, use_qk_l2norm=True,
+            output=output,
         )  # fmt: skip
         return out.squeeze(1)
 

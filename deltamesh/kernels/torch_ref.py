@@ -280,48 +280,58 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        norm_topk: bool, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """A MoE layer's output from its router logits and its shared expert's output: softmax router, top_k experts
-    per token (renormalised when `norm_topk`); expert e maps x to silu_mul(x w13[e]^T) w2[e]^T; outputs
-    weighted and summed per token, plus sigmoid(shared_gate) * shared."""
-    return _routed(x, router_logits, w13, w2, top_k, norm_topk) + torch.sigmoid(shared_gate) * shared
+        norm_topk: bool, shared_w13: torch.Tensor, shared_w2: torch.Tensor, shared_gate: torch.Tensor,
+        first_expert: int = 0) -> torch.Tensor:  # fmt: skip
+    """A MoE layer's output from its router logits: softmax router, top_k experts per token (renormalised when
+    `norm_topk`); expert e maps x to silu_mul(x w13[e]^T) w2[e]^T; outputs weighted and summed per token, plus
+    the shared expert silu_mul(x shared_w13^T) shared_w2^T weighted by sigmoid(shared_gate). Under expert
+    parallelism w13 and w2 hold experts [first_expert, first_expert + len(w13)) only, and only their pairs
+    count (the ranks' outputs are summed)."""
+    shared = F.linear(silu_mul(F.linear(x, shared_w13)), shared_w2)
+    return _routed(x, router_logits, w13, w2, top_k, norm_topk, first_expert) + torch.sigmoid(shared_gate) * shared
 
 
-def _routed(x, router_logits, w13, w2, top_k: int, norm_topk: bool) -> torch.Tensor:
+def _routed(x, router_logits, w13, w2, top_k: int, norm_topk: bool, first_expert: int = 0) -> torch.Tensor:
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(x.dtype)
-    # Group (token, choice) pairs by expert, then run each used expert once on its tokens.
-    flat = experts.flatten()
+    weights = weights.to(x.dtype).flatten()
+    # (token, choice) pairs by their expert among this rank's, then each used expert runs once on its tokens
+    flat = experts.flatten() - first_expert
+    pairs = torch.arange(flat.numel(), device=flat.device)
+    if w13.shape[0] != router_logits.shape[-1]:  # expert parallel: the pairs of this rank's experts
+        mine = (flat >= 0) & (flat < w13.shape[0])
+        if x.is_cuda:  # no host sync (CUDA graphs): the other pairs stay, weighted 0, on a clamped expert
+            weights, flat = weights * mine, flat.clamp(0, w13.shape[0] - 1)
+        else:
+            flat, pairs = flat[mine], pairs[mine]
     order = torch.argsort(flat, stable=True)
-    token_of = order // top_k
+    flat, pairs = flat[order], pairs[order]
+    token_of, pair_weights = pairs // top_k, weights[pairs]
     if x.is_cuda and x.dtype == torch.bfloat16:
-        return _grouped_experts(x, flat, order, token_of, weights, w13, w2)
+        return _grouped_experts(x, flat, token_of, pair_weights, w13, w2)
     out = torch.zeros_like(x)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        pairs = order[start : start + n]
         tokens = token_of[start : start + n]
+        y = F.linear(silu_mul(F.linear(x[tokens], w13[e])), w2[e]) * pair_weights[start : start + n, None]
         start += n
-        y = F.linear(silu_mul(F.linear(x[tokens], w13[e])), w2[e]) * weights.flatten()[pairs, None]
         out.index_add_(0, tokens, y)
     return out
 
 
-def _grouped_experts(x, flat, order, token_of, weights, w13, w2) -> torch.Tensor:
-    """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation."""
+def _grouped_experts(x, flat, token_of, pair_weights, w13, w2) -> torch.Tensor:
+    """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation; `flat` sorted by expert."""
     counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     h = torch._grouped_mm(x[token_of], w13.transpose(1, 2), offs=offsets)
     y = torch._grouped_mm(silu_mul(h), w2.transpose(1, 2), offs=offsets)
-    y = y * weights.flatten()[order, None]
-    return torch.zeros_like(x).index_add_(0, token_of, y)
+    return torch.zeros_like(x).index_add_(0, token_of, y * pair_weights[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,16 @@
-"""Fused MoE experts in Triton: routing, the token-to-expert alignment, both expert GEMMs and the combination with
-the shared expert in six kernels,
-with no host synchronisation (so a decode step with MoE layers can be captured in a CUDA graph).
+"""Fused MoE experts in Triton, the shared expert included, with no host synchronisation (so a decode step with
+MoE layers can be captured in a CUDA graph). Two paths, chosen by the number of tokens:
 
+Few tokens (a decode step, T <= DECODE_MAX_TOKENS): every (token, choice) pair reads its expert's weights
+directly, so no alignment is needed, and the shared expert is one more pair per token. Two kernels:
+1. `_gate_up_silu_pairs`: per pair and block of intermediate columns, the token's routing (softmax, top-k,
+   renormalised if the model says so; the shared pair's weight is sigmoid of its gate), then gate and up
+   projections as dot products over the hidden size and silu(gate) * up.
+2. `_down_combine`: per token and block of hidden columns, the down projections of all its pairs, each times
+   its routing weight, summed: the layer's output.
+Two tokens routed to one expert read it twice, so past a few tokens the aligned path below reads fewer bytes.
+
+More tokens: six kernels, the pairs grouped by expert into blocks of BLOCK_M rows for `tl.dot`:
 1. `_route`: per token, softmax over the router logits, top-k (renormalised if the model says so), and for each
    chosen expert a rank among that expert's (token, choice) pairs, taken with an atomic counter.
 2. `_align`: one program turns the per-expert counts into segments of the sorted pair order, each padded to a
@@ -12,7 +21,8 @@ with no host synchronisation (so a decode step with MoE layers can be captured i
    hidden size) and silu(gate) * up, into an intermediate buffer in sorted-row order.
 5. `_down`: per block, the down projection times the pair's routing weight, written at the pair's own row of a
    [tokens * top_k, hidden] buffer.
-6. `_combine`: per token, the sum of its top_k rows plus the gated shared expert's output.
+6. `_combine`: per token, the sum of its top_k rows plus the gated shared expert's output (computed before by
+   two cuBLAS GEMMs around a fused silu-mul).
 
 Rows within a block are computed independently, so a pair's result does not depend on where the atomic rank
 put it: the output is deterministic.
@@ -23,8 +33,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from deltamesh.kernels import triton_fused
+
+# Up to this many tokens the pair-wise path runs (see the module docstring); from bench/gpu_moe.py's op rows.
+DECODE_MAX_TOKENS = 4
 
 
 @triton.jit
@@ -152,6 +168,88 @@ def _combine(pairs_out, shared, gate, out, H, stride_s, stride_g, TOP_K: tl.cons
     tl.store(out + t * H + h, acc.to(out.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _choice(logits, t, j, stride_l, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr):
+    """(expert, routing weight) of token t's j-th choice, as `_route` picks them."""
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    total = 0.0
+    expert = 0
+    weight = 0.0
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        e = tl.min(tl.where(p == best, offs, BLOCK_E), 0)
+        expert = tl.where(i == j, e, expert)
+        weight = tl.where(i == j, best, weight)
+        total += best
+        p = tl.where(offs == e, -1.0, p)
+    if NORM:
+        weight = weight / total
+    return expert, weight
+
+
+@triton.jit
+def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, inter, ids, weights, H, I, IS, stride_x, stride_l,
+                        stride_g, stride_we, stride_wn, stride_swn, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                        TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    pair = tl.program_id(0)  # token * (TOP_K + 1) + choice; choice TOP_K is the shared expert
+    t, j = pair // (TOP_K + 1), pair % (TOP_K + 1)
+    if j < TOP_K:
+        e, weight = _choice(logits, t, j, stride_l, E, BLOCK_E, TOP_K, NORM)
+        w, stride_n, width = w13 + e.to(tl.int64) * stride_we, stride_wn, I
+    else:
+        e, weight = -1, tl.sigmoid(tl.load(shared_gate + t * stride_g).to(tl.float32))
+        w, stride_n, width = sw13, stride_swn, IS
+    n0 = tl.program_id(1) * BLOCK_N
+    if n0 == 0:
+        tl.store(ids + pair, e)
+        tl.store(weights + pair, weight)
+    if n0 >= width:
+        return
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < width
+    kk = tl.arange(0, BLOCK_K)
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < H
+        a = tl.load(x + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        gate += tl.load(w + n[:, None] * stride_n + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+        up += tl.load(w + (n[:, None] + width) * stride_n + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+    g = tl.sum(gate, 1)
+    h = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
+    tl.store(inter + pair.to(tl.int64) * tl.maximum(I, IS) + n, h.to(inter.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_combine(inter, w2, sw2, ids, weights, out, H, I, IS, stride_we, stride_wn, stride_swn,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    kk = tl.arange(0, BLOCK_K)
+    row_len = tl.maximum(I, IS)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in tl.static_range(TOP_K + 1):
+        pair = t * (TOP_K + 1) + j
+        weight = tl.load(weights + pair)
+        if j < TOP_K:
+            w, stride_n, width = w2 + tl.load(ids + pair).to(tl.int64) * stride_we, stride_wn, I
+        else:
+            w, stride_n, width = sw2, stride_swn, IS
+        for k0 in range(0, width, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < width
+            a = tl.load(inter + pair.to(tl.int64) * row_len + k, mask=k_ok, other=0.0).to(tl.float32) * weight
+            b = tl.load(w + n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += b.to(tl.float32) * a[None, :]
+    tl.store(out + t * H + n, tl.sum(acc, 1).to(out.dtype.element_ty), mask=n_ok)
+
+
 class GemmConfig(NamedTuple):
     block_m: int
     block_n: int
@@ -171,10 +269,44 @@ def gemm_config(num_pairs: int) -> GemmConfig:
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        norm_topk: bool, shared: torch.Tensor, shared_gate: torch.Tensor,
-        config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
-    """deltamesh.kernels.torch_ref.moe: the MoE layer's output [T, H] for x [T, H] (rows contiguous; the logits, the shared
-    expert's output and its gate [T, 1] may be row-strided views)."""
+        norm_topk: bool, shared_w13: torch.Tensor, shared_w2: torch.Tensor, shared_gate: torch.Tensor,
+        first_expert: int = 0, config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """deltamesh.kernels.torch_ref.moe: the MoE layer's output [T, H] for x [T, H] (rows contiguous; the logits
+    and the shared expert's gate [T, 1] may be row-strided views). `config` forces the aligned path's blocks.
+    Every expert must be local: under expert parallelism the engine runs the torch reference (rank.py)."""
+    assert x.stride(1) == 1 and router_logits.stride(1) == 1
+    if first_expert or w13.shape[0] != router_logits.shape[1]:
+        raise ValueError("the fused Triton MoE runs all of a layer's experts; expert parallelism needs moe=torch")
+    if config is None and x.shape[0] <= DECODE_MAX_TOKENS:
+        return _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate)
+    shared = F.linear(triton_fused.silu_mul(F.linear(x, shared_w13)), shared_w2)
+    return _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config)
+
+
+def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate) -> torch.Tensor:
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I, IS = two_i // 2, shared_w13.shape[0] // 2  # noqa: E741
+    P = T * (top_k + 1)
+    dev = x.device
+    ids = torch.empty(P, dtype=torch.int32, device=dev)
+    weights = torch.empty(P, dtype=torch.float32, device=dev)
+    inter = torch.empty(P, max(I, IS), dtype=x.dtype, device=dev)
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
+    block_n, block_k = 16, 256
+    _gate_up_silu_pairs[(P, triton.cdiv(max(I, IS), block_n))](
+        x, router_logits, shared_gate, w13, shared_w13, inter, ids, weights, H, I, IS, x.stride(0),
+        router_logits.stride(0), shared_gate.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(0), E,
+        triton.next_power_of_2(E), top_k, norm_topk, block_n, block_k,
+    )  # fmt: skip
+    _down_combine[(T, triton.cdiv(H, block_n))](
+        inter, w2, shared_w2, ids, weights, out, H, I, IS, w2.stride(0), w2.stride(1), shared_w2.stride(0), top_k,
+        block_n, block_k,
+    )  # fmt: skip
+    return out
+
+
+def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config) -> torch.Tensor:
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741
@@ -198,7 +330,6 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     pairs_out = torch.empty(P, H, dtype=x.dtype, device=dev)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
 
-    assert x.stride(1) == 1 and router_logits.stride(1) == 1 and shared.stride(1) == 1
     _route[(T,)](router_logits, ids, weights, ranks, counts, router_logits.stride(0), E, BLOCK_E, top_k, norm_topk)
     _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64)
     _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256)

@@ -72,6 +72,15 @@ def test_two_prefill_two_decode_workers_match_too(tmp_path, reference_engine):
         m.stop()
 
 
+def test_a_colocated_worker_over_two_tensor_parallel_ranks_matches_too(tmp_path, reference_engine):
+    m = start_mesh(MODEL, tmp_path, prefill=0, decode=0, colocated=1,
+                   role_args={"colocated": ["--tensor-parallel-size", "2", "--torch-threads", "1"]})  # fmt: skip
+    try:
+        check_against_reference(m, reference_engine, n_prompts=8)
+    finally:
+        m.stop()
+
+
 def test_with_the_prefix_cache_on_outputs_are_unchanged_and_repeats_hit(tmp_path, reference_engine):
     """Prefill workers with --prefix-cache: prompts sharing prefixes and a repeated batch give the monolithic
     engine's tokens; the repeat is served from the cache; cached pages do not read as in use (idle check)."""

@@ -139,20 +139,22 @@ def test_triton_fused_ops_match_reference():
     assert rel(ops["sigmoid_gate"](q, gate), torch_ref.sigmoid_gate(f64(q), f64(gate))) <= 1e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 64, 300, 2048, 4096])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 8, 16, 64, 300, 2048, 4096])
 def test_triton_fused_moe_matches_reference(tokens):
-    """The fused MoE experts against the torch reference (grouped GEMMs) on the Qwen3.5-35B-A3B expert shapes,
-    bf16: decode batches (most experts unused) up to a prefill chunk."""
+    """The fused MoE layer against the torch reference (grouped GEMMs) on the Qwen3.5-35B-A3B expert shapes,
+    bf16: decode batches (the pair-wise path up to DECODE_MAX_TOKENS, then most experts unused) up to a prefill
+    chunk; the routed experts alone (a zero shared expert) and the whole layer."""
     moe = backend("triton")["moe"]
     g = torch.Generator(device=DEV).manual_seed(tokens)
     r = lambda *s: torch.randn(*s, generator=g, device=DEV)  # noqa: E731
     hidden, inter, experts, top_k = 2048, 512, 256, 8
     x = r(tokens, hidden).bfloat16()
     gates = r(tokens, experts + 1).bfloat16()  # router logits and the shared expert's gate, as one GEMM gives them
-    logits, gate, shared = gates[:, :experts], gates[:, experts:], r(tokens, hidden).bfloat16()
+    logits, gate = gates[:, :experts], gates[:, experts:]
     w13 = (r(experts, 2 * inter, hidden) / hidden**0.5).bfloat16()
     w2 = (r(experts, hidden, inter) / inter**0.5).bfloat16()
+    sw13, sw2 = (r(2 * inter, hidden) / hidden**0.5).bfloat16(), (r(hidden, inter) / inter**0.5).bfloat16()
     for norm in (True, False):
-        for with_shared in (shared, torch.zeros_like(shared)):  # the whole layer; the routed experts alone
-            args = (x, logits, w13, w2, top_k, norm, with_shared, gate)
+        for shared_down in (sw2, torch.zeros_like(sw2)):
+            args = (x, logits, w13, w2, top_k, norm, sw13, shared_down, gate)
             assert rel(moe(*args), torch_ref.moe(*args)) < 1e-2

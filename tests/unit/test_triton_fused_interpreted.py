@@ -163,22 +163,28 @@ def test_attention_inputs_and_gate_match_reference():
 
 
 def test_fused_moe_matches_reference():
-    """Routing, alignment and both expert GEMMs against the torch reference: few tokens (decode: most experts
-    unused, partly filled blocks) and enough pairs for the larger blocks, top-k renormalised or not, an expert
-    count that is not a power of two. float32 only: the interpreter's dots read bfloat16 operands as raw integers;
-    the bfloat16 kernels are checked on the GPU (tests/gpu)."""
+    """Both fused MoE paths against the torch reference: the pair-wise path of few tokens (decode; a shared
+    expert narrower or wider than the routed ones) and the aligned path (most experts unused and partly filled
+    blocks; enough pairs for the larger blocks), top-k renormalised or not, an expert count that is not a power
+    of two. float32 only: the interpreter's dots read bfloat16 operands as raw integers; the bfloat16 kernels are
+    checked on the GPU (tests/gpu)."""
     check("""
     from deltamesh.kernels import triton_moe
-    for tokens, experts, top_k, norm in ((3, 10, 2, True), (70, 12, 4, False), (600, 8, 4, True)):
+    cases = ((1, 10, 2, True, 48, None), (5, 12, 3, False, 80, None), (4, 10, 2, True, 32, None),
+             (3, 10, 2, True, 48, triton_moe.GemmConfig(16, 64, 128)), (70, 12, 4, False, 64, None),
+             (600, 8, 4, True, 48, None))
+    for tokens, experts, top_k, norm, shared_inter, config in cases:
         hidden, inter = 96, 48
         x = torch.randn(tokens, hidden)
         w13 = torch.randn(experts, 2 * inter, hidden) / hidden**0.5
         w2 = torch.randn(experts, hidden, inter) / inter**0.5
+        sw13 = torch.randn(2 * shared_inter, hidden) / hidden**0.5
+        sw2 = torch.randn(hidden, shared_inter) / shared_inter**0.5
         # the router's logits and the shared expert's gate come from one GEMM: row-strided views of it
         gates = torch.randn(tokens, experts + 1)
         logits, gate = gates[:, :experts], gates[:, experts:]
-        shared = torch.randn(tokens, hidden)
-        ref = torch_ref.moe(x, logits, w13, w2, top_k, norm, shared, gate)
-        got = triton_moe.moe(x, logits, w13, w2, top_k, norm, shared, gate)
-        errors[f"T={tokens} E={experts} k={top_k}"] = (float((got - ref).abs().max()), 1e-4)
+        ref = torch_ref.moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate)
+        got = triton_moe.moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate, config=config)
+        path = "aligned" if config or tokens > triton_moe.DECODE_MAX_TOKENS else "pairs"
+        errors[f"{path} T={tokens} E={experts} k={top_k} shared={shared_inter}"] = (float((got - ref).abs().max()), 1e-4)
     """)

@@ -13,6 +13,7 @@ from torch import nn
 from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.config import FULL_ATTENTION, ModelConfig
 from deltamesh.engine.models.layers import GatedAttention, GatedDeltaNet, RMSNorm, Rotary, WeightSlot, _param
+from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.kernels import Kernels
 from deltamesh.kernels.batch import StepBatch
 
@@ -37,24 +38,28 @@ class DecoderLayer(nn.Module):
 
 
 class HybridLM(nn.Module, ABC):
-    """Embedding, interleaved GDN / gated-attention layers, final norm, LM head."""
+    """Embedding, interleaved GDN / gated-attention layers, final norm, LM head. With a tensor-parallel group,
+    this rank's part of them (deltamesh/engine/parallel.py): `cfg` stays the full model's config, the layers are
+    built from the shard's."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TensorParallelGroup | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        self.cfg, self.tp = cfg, tp
+        local = tp.shard.local if tp else cfg
+        vocab_rows = tp.shard.vocab_rows if tp else cfg.vocab_size
+        self.embed = _param(vocab_rows, cfg.hidden_size)
         layers, kv_layer, state_layer = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             if kind == FULL_ATTENTION:
-                mixer = GatedAttention(cfg, kv_layer)
+                mixer = GatedAttention(local, kv_layer)
                 kv_layer += 1
             else:
-                mixer = GatedDeltaNet(cfg, state_layer)
+                mixer = GatedDeltaNet(local, state_layer)
                 state_layer += 1
-            layers.append(DecoderLayer(cfg, mixer, self.make_mlp(cfg, i)))
+            layers.append(DecoderLayer(local, mixer, self.make_mlp(local, i)))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         self.rotary = Rotary(cfg, device)
 
     # -- family hooks --------------------------------------------------------------------------------
@@ -85,7 +90,8 @@ class HybridLM(nn.Module, ABC):
         kernels: Kernels,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
-        residual = F.embedding(input_ids, self.embed)
+        tp = self.tp
+        residual = tp.embed(input_ids, self.embed) if tp else F.embedding(input_ids, self.embed)
         rope = self.rotary.cos_sin(batch.positions, residual.dtype)
         state_rows = state_pool.layer_rows(batch.state_slots)
         h = None  # the last block's output, not yet added to the residual stream
@@ -99,9 +105,14 @@ class HybridLM(nn.Module, ABC):
                 h = layer.mixer(x, batch, rope, kv_pool, kernels)
             else:
                 h = layer.mixer(x, batch, state_pool, state_rows, kernels)
+            if tp:  # each rank's heads gave a partial sum of the output projection
+                h = tp.all_reduce(h)
             x, residual = kernels.add_rms_norm(h, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps)
             h = layer.mlp(x, kernels)
+            if tp:  # likewise each rank's intermediate columns
+                h = tp.all_reduce(h)
         return kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        logits = F.linear(hidden, self.lm_head)
+        return (self.tp.gather_vocab(logits) if self.tp else logits).float()

@@ -226,15 +226,18 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed experts (softmax router, optional renormalisation) plus a sigmoid-gated shared expert."""
+    """Top-k routed experts (softmax router, optional renormalisation) plus a sigmoid-gated shared expert, all in
+    one kernels.moe call (so a backend can fuse the shared expert with the routed ones)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k, self.inter, self.norm_topk = e, cfg.num_experts_per_tok, i, cfg.norm_topk_prob
+        # expert parallelism: this rank's experts [first_expert, first_expert + local)
+        self.first_expert, local = cfg.local_experts or (0, e)
         self.gates = _param(e + 1, h)  # the router's rows, then the shared expert's gate: one GEMM for both
-        self.w13 = _param(e, 2 * i, h)  # per expert: gate rows then up rows
-        self.w2 = _param(e, h, i)
+        self.w13 = _param(local, 2 * i, h)  # per expert: gate rows then up rows
+        self.w2 = _param(local, h, i)
         self.shared = MLP(h, cfg.shared_expert_intermediate_size)
 
     @property
@@ -249,15 +252,15 @@ class SparseMoE(nn.Module):
             f"{prefix}.experts.down_proj": WeightSlot(self.w2),
             f"{prefix}.shared_expert_gate.weight": WeightSlot(self.gates, e, e + 1),
         }
-        for e in range(self.num_experts):  # per-expert checkpoint layout
-            i = self.inter
-            slots[f"{prefix}.experts.{e}.gate_proj.weight"] = WeightSlot(self.w13, 0, i, index=e)
-            slots[f"{prefix}.experts.{e}.up_proj.weight"] = WeightSlot(self.w13, i, 2 * i, index=e)
-            slots[f"{prefix}.experts.{e}.down_proj.weight"] = WeightSlot(self.w2, index=e)
+        for local in range(self.w13.shape[0]):  # per-expert checkpoint layout
+            e, i = self.first_expert + local, self.inter
+            slots[f"{prefix}.experts.{e}.gate_proj.weight"] = WeightSlot(self.w13, 0, i, index=local)
+            slots[f"{prefix}.experts.{e}.up_proj.weight"] = WeightSlot(self.w13, i, 2 * i, index=local)
+            slots[f"{prefix}.experts.{e}.down_proj.weight"] = WeightSlot(self.w2, index=local)
         return slots | self.shared.weight_slots(f"{prefix}.shared_expert")
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         logits = F.linear(x, self.gates)
         e = self.num_experts
-        return kernels.moe(x, logits[:, :e], self.w13, self.w2, self.top_k, self.norm_topk, self.shared(x, kernels),
-                           logits[:, e:])  # fmt: skip
+        return kernels.moe(x, logits[:, :e], self.w13, self.w2, self.top_k, self.norm_topk, self.shared.gate_up,
+                           self.shared.down, logits[:, e:], first_expert=self.first_expert)  # fmt: skip

@@ -74,6 +74,7 @@ class Worker:
         self.model_id = Path(settings.engine.model).name
         self.address = ""  # host:port once the gRPC server is bound
         self.reservations = 0
+        self.failure: str | None = None  # why the engine stopped serving, once it did
 
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
         l = self.engine.loads()  # noqa: E741
@@ -81,7 +82,8 @@ class Worker:
             address=self.address, role=self.settings.role, running=l["running"], waiting=l["waiting"],
             held_states=l["held"], leases=leases, kv_pages_used=l["kv_pages_used"],
             kv_pages_total=l["kv_pages_total"], state_slots_used=l["state_slots_used"],
-            state_slots_total=l["state_slots_total"], reservations=self.reservations, healthy=True,
+            state_slots_total=l["state_slots_total"], reservations=self.reservations,
+            healthy=self.engine.core.failure is None,
             kv_pages_cached=l["kv_pages_cached"], prefix_cache_hit_tokens=l["prefix_cache_hit_tokens"],
         )  # fmt: skip
 
@@ -118,6 +120,20 @@ class Worker:
                 except asyncio.TimeoutError:
                     pass
 
+    async def stop_on_engine_failure(self, stop: asyncio.Event) -> None:
+        """A tensor-parallel rank gone ends the engine (its requests end with the reason); the worker then stops,
+        and exits with an error, so that the router drops it and a supervisor restarts it."""
+        while not stop.is_set():
+            if reason := self.engine.core.failure:
+                log.error("engine failed; stopping the worker", reason=reason)
+                self.failure = reason
+                stop.set()
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -149,7 +165,8 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     await server.set_serving(True)
     log.info("worker serving", role=settings.role, address=server.address, model=worker.model_id,
              compat_hash=worker.compat_hash)  # fmt: skip
-    tasks = [asyncio.create_task(c) for c in [worker.register_forever(stop, role), *role.background(stop)]]
+    tasks = [asyncio.create_task(c) for c in [worker.register_forever(stop, role), worker.stop_on_engine_failure(stop),
+                                              *role.background(stop)]]  # fmt: skip
     print(f"DELTAMESH_READY {settings.role} {server.address}", flush=True)
     await stop.wait()
     log.info("worker stopping")
@@ -158,3 +175,5 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     await role.on_stop()
     transport.close()
     worker.shutdown()
+    if worker.failure:
+        raise SystemExit(1)

@@ -1,0 +1,188 @@
+"""Tensor and expert parallelism: which part of the model each of N ranks holds, and the collectives that join
+them.
+
+Every rank holds the model of a *shard config*: the full model with 1/N of the attention heads, the GDN key and
+value heads (with their conv channels and recurrent state), the MLP and expert intermediate columns; norms,
+routers and gates are replicated. With expert parallelism the routed experts are split whole instead (E/N per
+rank; each rank adds the pairs routed to its own experts); the shared expert stays split by columns. A layer's mixer and MLP outputs are partial sums that one all-reduce per block
+completes. The embedding and LM head are split by vocabulary rows (padded to a multiple of N): a token's
+embedding row lives on one rank (the others add zeros), and the logits are gathered.
+
+Qwen3.5 has 2 KV heads: with N above that, each KV head is replicated on the N / 2 ranks whose query heads use
+it (N must then be a multiple of the KV heads). GDN value heads follow their key head (value head j reads key
+head j // (HV / HK)), so a rank's key heads and value heads are contiguous ranges of the same fraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from deltamesh.engine.config import ModelConfig
+
+
+class ParallelConfigError(ValueError):
+    """The model cannot be split into the asked number of ranks."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size`, and the model config each rank holds; with `expert_parallel`, the routed experts
+    are split whole among the ranks instead of by intermediate columns."""
+
+    size: int
+    rank: int
+    full: ModelConfig
+    expert_parallel: bool = False
+
+    @property
+    def local(self) -> ModelConfig:
+        return shard_config(self.full, self.size, self.expert_parallel, self.rank)
+
+    def experts(self) -> tuple[int, int]:
+        """(first, count) of the routed experts this rank holds."""
+        if not self.expert_parallel:
+            return 0, self.full.num_experts
+        count = self.full.num_experts // self.size
+        return self.rank * count, count
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and LM head on each rank (the last rank's tail is padding)."""
+        return -(-self.full.vocab_size // self.size)
+
+    def kv_heads(self) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank holds."""
+        kv, n = self.full.num_key_value_heads, self.size
+        if kv >= n:
+            return self.rank * (kv // n), kv // n
+        return self.rank // (n // kv), 1
+
+
+def shard_config(cfg: ModelConfig, size: int, expert_parallel: bool = False, rank: int = 0) -> ModelConfig:
+    """The config of the model rank `rank` of `size` holds; ParallelConfigError when the model cannot be split so."""
+    if size == 1:
+        return cfg
+    kv = cfg.num_key_value_heads
+    needs = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "linear_num_key_heads": cfg.linear_num_key_heads,
+        "linear_num_value_heads": cfg.linear_num_value_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+    }
+    experts = {}
+    if expert_parallel:  # whole experts per rank; the shared expert still split by columns
+        del needs["moe_intermediate_size"]
+        count = cfg.num_experts // size
+        experts = {"local_experts": (rank * count, count)}
+    bad = [f"{name}={value}" for name, value in needs.items() if value % size]
+    if expert_parallel and cfg.num_experts % size:
+        bad.append(f"num_experts={cfg.num_experts}")
+    if kv % size and size % kv:
+        bad.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {size})")
+    if bad:
+        raise ParallelConfigError(f"cannot split this model into {size} tensor-parallel ranks: {', '.join(bad)} "
+                                  f"not divisible by {size}")  # fmt: skip
+    return replace(cfg, num_key_value_heads=max(kv // size, 1), **{k: v // size for k, v in needs.items()}, **experts)
+
+
+def _chunk(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    n = t.shape[dim] // size
+    return t.narrow(dim, rank * n, n)
+
+
+def _gate_up_chunk(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    """A fused [gate | up] weight: this rank's gate rows, then its up rows."""
+    gate, up = t.chunk(2, dim)
+    return torch.cat((_chunk(gate, dim, size, rank), _chunk(up, dim, size, rank)), dim)
+
+
+def shard_tensor(name: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | None:
+    """This rank's part of checkpoint tensor `name` (canonical name, Qwen3.5 layout) of the full model; None for
+    a routed expert another rank holds."""
+    n, r, c = shard.size, shard.rank, shard.full
+    if n == 1:
+        return t
+    if shard.expert_parallel and ".mlp.experts." in name:
+        first, count = shard.experts()
+        index = name.split(".mlp.experts.")[1].split(".")[0]
+        if index.isdigit():  # per-expert tensors: whole, on the rank that holds the expert
+            return t if first <= int(index) < first + count else None
+        return t[first : first + count]  # the fused [E, ...] layout
+    leaf = name.rsplit(".", 2)
+    proj = ".".join(leaf[-2:])
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = shard.vocab_rows
+        part = t[r * rows : (r + 1) * rows]
+        return F.pad(part, (0, 0, 0, rows - part.shape[0]))
+    if ".self_attn." in name:
+        d = c.head_dim
+        if proj in ("q_proj.weight", "q_proj.bias"):  # per head: d query rows, then d gate rows
+            return _chunk(t, 0, n, r)
+        if proj in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
+            first, count = shard.kv_heads()
+            return t[first * d : (first + count) * d]
+        if proj == "o_proj.weight":
+            return _chunk(t, 1, n, r)
+        if proj == "o_proj.bias":
+            raise ParallelConfigError("tensor parallelism does not support an attention output bias")
+        return t  # q_norm, k_norm
+    if ".linear_attn." in name:
+        if proj in ("in_proj_qkv.weight", "conv1d.weight"):  # q | k | v channels
+            kd, vd = c.linear_key_dim, c.linear_value_dim
+            q, k, v = t.split((kd, kd, vd))
+            return torch.cat((_chunk(q, 0, n, r), _chunk(k, 0, n, r), _chunk(v, 0, n, r)))
+        if proj in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight") or name.endswith(("dt_bias", "A_log")):
+            return _chunk(t, 0, n, r)
+        if proj == "out_proj.weight":
+            return _chunk(t, 1, n, r)
+        return t  # the gated norm's weight (per value-head dim)
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):  # dense MLP, shared and per-expert
+        return _chunk(t, 0, n, r)
+    if name.endswith("down_proj.weight"):
+        return _chunk(t, 1, n, r)
+    if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]
+        return _gate_up_chunk(t, 1, n, r)
+    if name.endswith("experts.down_proj"):  # [E, H, I]
+        return _chunk(t, 2, n, r)
+    return t  # norms, the router, the shared expert's gate
+
+
+class TensorParallelGroup:
+    """The collectives of one tensor-parallel engine, over a torch.distributed process group."""
+
+    def __init__(self, shard: Shard, group=None):
+        self.shard, self.group = shard, group
+
+    def all_reduce(self, x: torch.Tensor, min: bool = False) -> torch.Tensor:
+        """The sum (or the minimum) of `x` over the ranks, in place."""
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.MIN if min else dist.ReduceOp.SUM, group=self.group)
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """The leader's (rank 0's) `x`, in place on every rank."""
+        import torch.distributed as dist
+
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
+    def embed(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Embeddings of `ids` from this rank's vocabulary rows, summed over the ranks."""
+        local = ids - self.shard.rank * rows.shape[0]
+        mine = (local >= 0) & (local < rows.shape[0])
+        out = F.embedding(local.clamp(0, rows.shape[0] - 1), rows).masked_fill_(~mine[:, None], 0)
+        return self.all_reduce(out)
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[T, V] logits from each rank's [T, vocab_rows] part."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(logits) for _ in range(self.shard.size)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[:, : self.shard.full.vocab_size]

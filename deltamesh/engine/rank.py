@@ -1,0 +1,87 @@
+"""What one rank of an engine holds on its device: the model (or its tensor-parallel shard), the KV and GDN
+state pools, the kernels and the model runner. The engine core builds rank 0's; each tensor-parallel follower
+process builds its own (engine/tp_workers.py) from the same settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltamesh.engine.cache import KVPagePool, StatePool
+from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.engine.parallel import TensorParallelGroup
+from deltamesh.engine.runner import ModelRunner
+from deltamesh.engine.weights import load_model
+from deltamesh.kernels import Kernels, ModelShapes, select_kernels
+from deltamesh.kernels.registry import parse_override
+
+
+@dataclass
+class Rank:
+    model_config: ModelConfig  # the full model's
+    device: torch.device
+    dtype: torch.dtype
+    state_pool: StatePool
+    checkpoint_pool: StatePool | None  # the prefix cache's GDN checkpoints
+    kv_pool: KVPagePool
+    kernels: Kernels
+    runner: ModelRunner
+
+
+def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device: torch.device,
+               tp: TensorParallelGroup | None = None) -> Rank:  # fmt: skip
+    dtype, state_dtype = config.torch_dtype(), config.torch_state_dtype()
+    model = load_model(mc, Path(config.model), device, dtype, config.load_format, config.seed, tp)
+    local = tp.shard.local if tp else mc
+
+    def state_pool(num_slots: int, name: str) -> StatePool:
+        pool = StatePool(
+            num_slots, len(local.linear_layers), local.conv_dim, local.linear_conv_kernel_dim,
+            local.linear_num_value_heads, local.linear_key_head_dim, local.linear_value_head_dim, dtype, state_dtype,
+            device,
+        )  # fmt: skip
+        pool.name = name
+        return pool
+
+    slots = state_pool(config.max_num_seqs, "slots")
+    # Allocated before the KV pool, which may size itself from the memory left.
+    checkpoints = state_pool(config.prefix_cache_checkpoints, "checkpoints") if config.prefix_cache else None
+    num_pages = _num_kv_pages(config, local, max_model_len, device, dtype)
+    if tp is not None:  # every rank holds the same pages: the fewest any rank has room for
+        count = torch.tensor([num_pages], device=device)
+        tp.all_reduce(count, min=True)
+        num_pages = int(count.item())
+    kv_pool = KVPagePool(
+        num_pages, config.page_size, len(local.full_layers), local.num_key_value_heads, local.head_dim, dtype, device
+    )
+    shapes = ModelShapes(
+        dtype, state_dtype, local.linear_num_key_heads, local.linear_num_value_heads, local.linear_key_head_dim,
+        local.linear_value_head_dim, local.num_attention_heads, local.num_key_value_heads, local.head_dim,
+        config.page_size,
+    )  # fmt: skip
+    override = config.kernel_backend
+    if tp is not None and tp.shard.expert_parallel and mc.num_experts:
+        # only the torch reference runs a rank's subset of the experts (the fused Triton MoE takes them all)
+        override = ",".join(f"{op}={name}" for op, name in (parse_override(override) | {"moe": "torch"}).items())
+    kernels = select_kernels(device, shapes, override)
+    runner = ModelRunner(model, kv_pool, slots, kernels, device)
+    return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner)
+
+
+def _num_kv_pages(c: EngineConfig, local: ModelConfig, max_model_len: int, device: torch.device,
+                  dtype: torch.dtype) -> int:  # fmt: skip
+    if c.num_kv_pages:
+        return c.num_kv_pages
+    per_page = 2 * max(len(local.full_layers), 1) * c.page_size * local.num_key_value_heads * local.head_dim
+    per_page *= torch.tensor([], dtype=dtype).element_size()
+    if c.kv_cache_memory_gb is not None:
+        budget = c.kv_cache_memory_gb * 2**30
+    elif device.type == "cuda":
+        budget = 0.85 * torch.cuda.mem_get_info(device)[0]
+    else:
+        budget = 2**30
+    wanted = c.max_num_seqs * -(-max_model_len // c.page_size)
+    return max(1, min(wanted, int(budget // per_page)))

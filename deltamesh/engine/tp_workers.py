@@ -1,0 +1,184 @@
+"""The ranks of a tensor-parallel engine beyond the first.
+
+The worker's own process is rank 0, the leader: it schedules, samples and talks to the mesh, exactly as a
+one-rank engine does. It starts one follower process per other rank (`python -m deltamesh.engine.tp_workers`),
+each of which builds its shard of the model and its pools (engine/rank.py) and then repeats what the leader
+sends: every step's host inputs (runner.HostStep) with the pool writes the leader made since the last step
+(zeroed or copied GDN slots), the CUDA graph capture, and the stop. Inside a step the ranks meet in the
+model's collectives (parallel.TensorParallelGroup). torch.distributed carries both: gloo on CPU, NCCL for the
+tensors on CUDA with a gloo group beside it for the messages.
+
+A follower that exits ends its leader's engine: the leader checks its followers before every step, and from
+then on ends every request with the reason (the worker's health turns NOT_SERVING).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import structlog
+import torch
+
+from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.engine.parallel import Shard, TensorParallelGroup
+
+log = structlog.get_logger("deltamesh.tp")
+
+# how long a rank waits for the others: to join, and in any one collective
+TIMEOUT = timedelta(seconds=300)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r of an engine on `device`: the same CPU, or the r-th GPU from the given one."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
+def join_group(config: EngineConfig, rank: int, init_method: str) -> tuple[TensorParallelGroup, object]:
+    """(the model's collectives, the gloo group the leader's messages travel on) of this rank."""
+    import torch.distributed as dist
+
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank_device(config.device, rank))
+    size = config.tensor_parallel_size
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=size, rank=rank,
+                            timeout=TIMEOUT)  # fmt: skip
+    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else dist.group.WORLD
+    full = ModelConfig.from_dir(config.model)
+    shard = Shard(size, rank, full, config.enable_expert_parallel)
+    return TensorParallelGroup(shard, dist.group.WORLD), control
+
+
+class Followers:
+    """The leader's side: starts ranks 1..N-1, sends them its steps, watches that they stay alive."""
+
+    def __init__(self, config: EngineConfig):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        init_method = f"tcp://127.0.0.1:{port}"
+        settings = json.dumps(dataclasses.asdict(config))
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "deltamesh.engine.tp_workers", "--rank", str(r), "--init",
+                              init_method, "--settings", settings])  # fmt: skip
+            for r in range(1, config.tensor_parallel_size)
+        ]
+        self._closing = False
+        try:
+            self.group, self._control = join_group(config, 0, init_method)
+        except BaseException:
+            self._kill()
+            raise
+        self.pool_ops: list[tuple] = []  # the leader's pool writes since its last step (cache.StatePool.mirror)
+        log.info("tensor-parallel ranks joined", size=config.tensor_parallel_size, device=config.device)
+
+    def send_step(self, step) -> None:
+        ops, self.pool_ops[:] = list(self.pool_ops), []
+        self._send(("step", step, ops))
+
+    def capture_decode_graphs(self, max_batch: int, max_context: int) -> None:
+        self._send(("capture", max_batch, max_context))
+
+    def _send(self, message: tuple) -> None:
+        import torch.distributed as dist
+
+        if self.failure:
+            raise RuntimeError(self.failure)
+        dist.broadcast_object_list([message], src=0, group=self._control)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot step any more (a follower exited), or None. Asked before every step and after
+        a failed one (a collective with a dead rank fails at once on gloo; on NCCL it may wait for TIMEOUT)."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None and not self._closing:
+                return f"tensor-parallel rank {rank} exited (code {proc.returncode})"
+        return None
+
+    def failure_within(self, seconds: float) -> str | None:
+        """`failure`, waiting up to `seconds` for it: a collective can fail on a closed connection a moment
+        before the exited follower can be reaped."""
+        deadline = time.monotonic() + seconds
+        while not (reason := self.failure) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return reason
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self._closing:
+            return
+        failed = self.failure
+        self._closing = True
+        try:
+            if not failed:
+                dist.broadcast_object_list([("stop",)], src=0, group=self._control)
+        except Exception:  # a follower already gone: nothing left to tell
+            pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+
+
+def follow(config: EngineConfig, rank: int, init_method: str) -> None:
+    """A follower rank: build this rank's part of the engine, then repeat the leader's steps until it stops."""
+    import torch.distributed as dist
+
+    from deltamesh.engine.rank import build_rank
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    tp, control = join_group(config, rank, init_method)
+    mc = tp.shard.full
+    device = torch.device(rank_device(config.device, rank))
+    me = build_rank(config, mc, config.resolved_max_model_len(mc.max_position_embeddings), device, tp)
+    pools = {"slots": me.state_pool, "checkpoints": me.checkpoint_pool}
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        kind, *args = message[0]
+        if kind == "stop":
+            break
+        if kind == "capture":
+            me.runner.capture_decode_graphs(*args)
+            continue
+        step, ops = args
+        for op, name, *where in ops:
+            if op == "zero":
+                pools[name].zero(*where)
+            else:
+                dst, src_name, src = where
+                pools[name].copy_slot(dst, pools[src_name], src)
+        me.runner.run(step)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="a follower rank of a tensor-parallel deltamesh engine")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--init", required=True, help="torch.distributed init method of the leader")
+    p.add_argument("--settings", required=True, help="the leader's EngineConfig, as JSON")
+    args = p.parse_args()
+    follow(EngineConfig(**json.loads(args.settings)), args.rank, args.init)
+
+
+if __name__ == "__main__":
+    main()

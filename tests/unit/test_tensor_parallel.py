@@ -1,0 +1,151 @@
+"""Tensor parallelism on CPU (gloo, one process per rank): an engine split over 2 or 4 ranks gives the one-rank
+engine's greedy output token for token and its logprobs within 1e-4 (fp32), for the three families, on
+checkpoints written by transformers; and the rules that split the weights."""
+
+import json
+
+import pytest
+import torch
+
+from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.engine import Engine
+from deltamesh.engine.parallel import ParallelConfigError, Shard, shard_config, shard_tensor
+from hf_checkpoints import BUILDERS, VOCAB, randomize
+
+pytestmark = pytest.mark.parallel
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+
+
+def engine(path, tp: int, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), page_size=8, max_num_seqs=4, max_num_batched_tokens=48,
+                               tensor_parallel_size=tp, torch_threads=1, **kw))  # fmt: skip
+
+
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 37, 61)]
+
+
+def run(path, tp: int, **kw):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    with engine(path, tp, **kw) as e:
+        return e.generate(prompts(), params)
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want):
+        assert g.error is None and g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert abs(a.logprob - b.logprob) <= 1e-4
+            assert all(abs(x[1] - y[1]) <= 1e-4 for x, y in zip(a.top, b.top))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_match_one(hf_checkpoints, family):
+    path = hf_checkpoints[family]
+    assert_same(run(path, 2), run(path, 1))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_expert_parallel_ranks_match_one(hf_checkpoints, family):
+    """Two ranks, each with half the routed experts whole (the shared expert and the rest split by columns)."""
+    path = hf_checkpoints[family]
+    with engine(path, 2, enable_expert_parallel=True) as e:
+        assert e.core.model.layers[1].mlp.w13.shape[0] == 3  # of 6 experts
+        assert e.core.kernels.chosen["moe"] == "torch"
+        got = e.generate(prompts(), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3))
+    assert_same(got, run(path, 1))
+
+
+def _checkpoint_for_four_ranks(tmp_path, family):
+    """Head counts that four ranks split non-trivially: 2 KV heads for 4 query heads (each KV head replicated
+    on two ranks), 4 GDN key heads with 2 value heads each."""
+    import hf_checkpoints as hc
+
+    common = dict(hc._COMMON, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                  linear_value_head_dim=8)  # fmt: skip
+    moe = dict(hc._MOE, moe_intermediate_size=32, shared_expert_intermediate_size=24)
+    if family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**common, **moe, rope_parameters=hc._MROPE))
+    else:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**common, **moe, intermediate_size=64, decoder_sparse_step=1,
+                                                     mlp_only_layers=[0, 2], rope_parameters=hc._ROPE))  # fmt: skip
+    torch.manual_seed(3)
+    randomize(model.eval(), 3)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_four_ranks_with_replicated_kv_heads_match_one(tmp_path, family):
+    path = _checkpoint_for_four_ranks(tmp_path, family)
+    want = run(path, 1)
+    assert_same(run(path, 4), want)
+    assert_same(run(path, 2, enable_expert_parallel=True), want)  # 3 of 6 experts per rank
+
+
+def test_prefix_cache_state_copies_reach_every_rank(hf_checkpoints):
+    """The prefix cache restores GDN state by copying slots outside model steps: the followers repeat those
+    copies (a second round of the same prompts starts from cached state on every rank)."""
+    path = hf_checkpoints["qwen3_5"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with engine(path, 2, prefix_cache=True) as e:
+        first = e.generate(prompts(), params)
+        again = e.generate(prompts(), params)
+        assert e.core.stats.prefix_cache_hits >= 2
+    with engine(path, 1) as e:
+        want = e.generate(prompts(), params)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again] == [c.token_ids for c in want]
+
+
+def test_a_model_that_cannot_be_split_is_refused_before_any_rank_starts(hf_checkpoints):
+    cfg = ModelConfig.from_dir(hf_checkpoints["qwen3_5_moe"])
+    with pytest.raises(ParallelConfigError, match="linear_num_key_heads=2"):
+        shard_config(cfg, 4)
+    with pytest.raises(ParallelConfigError, match="cannot split this model into 3"):
+        Engine(EngineConfig(model=str(hf_checkpoints["qwen3_5_moe"]), tensor_parallel_size=3))
+
+
+def test_rank_dying_fails_requests_with_the_reason(hf_checkpoints):
+    path = hf_checkpoints["qwen3_5"]
+    with engine(path, 2) as e:
+        e.core.followers.procs[0].kill()
+        e.core.followers.procs[0].wait()
+        done = e.generate(prompts()[:1], SamplingParams(max_tokens=4, temperature=0))
+        assert done[0].error and "rank 1 exited" in done[0].error
+        assert e.core.failure
+
+
+def test_shards_put_back_together_give_the_full_tensors(hf_checkpoints):
+    """Per-rank slices of every split rule, concatenated along their split, are the checkpoint's tensors."""
+    from safetensors.torch import load_file
+
+    path = hf_checkpoints["qwen3_5_moe"]
+    cfg = ModelConfig.from_dir(path)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    full, parts = tensors[name], [shard_tensor(name, tensors[name], Shard(2, r, cfg)) for r in range(2)]
+    kd = cfg.linear_key_dim
+    split = [p.split((kd // 2, kd // 2, cfg.linear_value_dim // 2)) for p in parts]
+    assert torch.equal(torch.cat([torch.cat([s[i] for s in split]) for i in range(3)]), full)
+    # the fused expert layout some checkpoints use splits as the per-expert tensors transformers wrote
+    layer, experts = "model.layers.3.mlp.experts", range(cfg.num_experts)
+    for r in range(2):
+        shard = Shard(2, r, cfg)
+        per_expert = lambda proj: [shard_tensor(f"{layer}.{e}.{proj}.weight", tensors[f"{layer}.{e}.{proj}.weight"],  # noqa: E731
+                                                shard) for e in experts]  # fmt: skip
+        fused = torch.stack([torch.cat((tensors[f"{layer}.{e}.gate_proj.weight"], tensors[f"{layer}.{e}.up_proj.weight"]))
+                             for e in experts])  # fmt: skip
+        want = torch.stack([torch.cat(gu) for gu in zip(per_expert("gate_proj"), per_expert("up_proj"))])
+        assert torch.equal(shard_tensor(f"{layer}.gate_up_proj", fused, shard), want)
+        down = torch.stack([tensors[f"{layer}.{e}.down_proj.weight"] for e in experts])
+        assert torch.equal(shard_tensor(f"{layer}.down_proj", down, shard), torch.stack(per_expert("down_proj")))
+    name = "lm_head.weight"
+    assert torch.equal(torch.cat([shard_tensor(name, tensors[name], Shard(3, r, cfg)) for r in range(3)])[:VOCAB],
+                       tensors[name])  # fmt: skip
+    assert json.loads(cfg.to_json())["num_key_value_heads"] == 2
