@@ -101,7 +101,7 @@ class EngineCore:
         # tensor parallelism: this process is rank 0, the followers are processes of their own (tp_workers.py)
         # a model that cannot be split fails here, before any rank starts
         shard_config(mc, config.tensor_parallel_size, config.enable_expert_parallel)
-        self.followers = Followers(config) if config.tensor_parallel_size > 1 else None
+        self.followers = Followers(config, mc) if config.tensor_parallel_size > 1 else None
         tp = self.followers.group if self.followers else None
         rank = build_rank(config, mc, self.max_model_len, self.device, tp)
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner

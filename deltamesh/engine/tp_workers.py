@@ -44,7 +44,7 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def join_group(config: EngineConfig, rank: int, init_method: str) -> tuple[TensorParallelGroup, object]:
+def join_group(config: EngineConfig, full: ModelConfig, rank: int, init_method: str) -> tuple[TensorParallelGroup, object]:
     """(the model's collectives, the gloo group the leader's messages travel on) of this rank."""
     import torch.distributed as dist
 
@@ -55,7 +55,6 @@ def join_group(config: EngineConfig, rank: int, init_method: str) -> tuple[Tenso
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=size, rank=rank,
                             timeout=TIMEOUT)  # fmt: skip
     control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else dist.group.WORLD
-    full = ModelConfig.from_dir(config.model)
     shard = Shard(size, rank, full, config.enable_expert_parallel)
     return TensorParallelGroup(shard, dist.group.WORLD), control
 
@@ -63,7 +62,7 @@ def join_group(config: EngineConfig, rank: int, init_method: str) -> tuple[Tenso
 class Followers:
     """The leader's side: starts ranks 1..N-1, sends them its steps, watches that they stay alive."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -76,7 +75,7 @@ class Followers:
         ]
         self._closing = False
         try:
-            self.group, self._control = join_group(config, 0, init_method)
+            self.group, self._control = join_group(config, model_config, 0, init_method)
         except BaseException:
             self._kill()
             raise
@@ -146,8 +145,8 @@ def follow(config: EngineConfig, rank: int, init_method: str) -> None:
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    tp, control = join_group(config, rank, init_method)
-    mc = tp.shard.full
+    mc = ModelConfig.from_dir(config.model)
+    tp, control = join_group(config, mc, rank, init_method)
     device = torch.device(rank_device(config.device, rank))
     me = build_rank(config, mc, config.resolved_max_model_len(mc.max_position_embeddings), device, tp)
     pools = {"slots": me.state_pool, "checkpoints": me.checkpoint_pool}

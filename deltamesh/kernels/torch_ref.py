@@ -299,15 +299,16 @@ def _routed(x, router_logits, w13, w2, top_k: int, norm_topk: bool, first_expert
     weights = weights.to(x.dtype).flatten()
     # (token, choice) pairs by their expert among this rank's, then each used expert runs once on its tokens
     flat = experts.flatten() - first_expert
-    pairs = torch.arange(flat.numel(), device=flat.device)
+    mine = None
     if w13.shape[0] != router_logits.shape[-1]:  # expert parallel: the pairs of this rank's experts
-        mine = (flat >= 0) & (flat < w13.shape[0])
         if x.is_cuda:  # no host sync (CUDA graphs): the other pairs stay, weighted 0, on a clamped expert
-            weights, flat = weights * mine, flat.clamp(0, w13.shape[0] - 1)
+            weights = weights * ((flat >= 0) & (flat < w13.shape[0]))
+            flat = flat.clamp(0, w13.shape[0] - 1)
         else:
-            flat, pairs = flat[mine], pairs[mine]
+            mine = ((flat >= 0) & (flat < w13.shape[0])).nonzero().squeeze(1)
+            flat = flat[mine]
     order = torch.argsort(flat, stable=True)
-    flat, pairs = flat[order], pairs[order]
+    pairs = order if mine is None else mine[order]
     token_of, pair_weights = pairs // top_k, weights[pairs]
     if x.is_cuda and x.dtype == torch.bfloat16:
         return _grouped_experts(x, flat, token_of, pair_weights, w13, w2)
@@ -325,7 +326,8 @@ def _routed(x, router_logits, w13, w2, top_k: int, norm_topk: bool, first_expert
 
 
 def _grouped_experts(x, flat, token_of, pair_weights, w13, w2) -> torch.Tensor:
-    """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation; `flat` sorted by expert."""
+    """All experts in two grouped GEMMs (CUDA, bf16), no host synchronisation; `token_of` and `pair_weights`
+    in expert order."""
     counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
     offsets = torch.cumsum(counts, 0).to(torch.int32)
