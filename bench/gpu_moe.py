@@ -101,6 +101,22 @@ def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
     return rows
 
 
+PAIR_SWEEP = [(n, n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (2, 4)]
+
+
+def pair_sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
+    """The pair-wise path's time per tile (rows per program of gate_up and of down, BLOCK_K, warps), up to
+    DECODE_MAX_TOKENS * 4 tokens (where it could take over from the aligned path)."""
+    rows = []
+    for t in [t for t in tokens if t <= triton_moe.DECODE_MAX_TOKENS * 4]:
+        args = layer_args(layer, t)
+        for cfg in map(lambda c: triton_moe.PairConfig(*c), PAIR_SWEEP):
+            rows.append({"bench": "pair_sweep", "tokens": t, "config": "/".join(map(str, cfg)),
+                         "ms": graph_ms(lambda cfg=cfg: triton_moe._moe_pairs(*args, pair_config=cfg)),
+                         "chosen": cfg == triton_moe.PAIR_CONFIG})  # fmt: skip
+    return rows
+
+
 def routing_rows(layer: SparseMoE, batches: list[int]) -> list[dict]:
     """Distinct experts touched and the busiest expert's share of the (token, choice) pairs, for batches of
     random hidden states through a dummy-initialised router."""
@@ -230,7 +246,11 @@ def main() -> None:
     if args.sweep:
         sweep = sweep_rows(layer, args.op_tokens)
         print_table(sweep, ["tokens", "config", "ms", "chosen"])
-        rows += sweep
+        pair_sweep = pair_sweep_rows(layer, args.op_tokens)
+        for t in sorted({r["tokens"] for r in pair_sweep}):  # the five fastest tiles per batch
+            print_table(sorted((r for r in pair_sweep if r["tokens"] == t), key=lambda r: r["ms"])[:5],
+                        ["tokens", "config", "ms", "chosen"])  # fmt: skip
+        rows += sweep + pair_sweep
     del layer
     if not args.skip_steps:
         core = core_for(args.model, max(args.batches), max(args.context, args.prefill), cuda_graphs=False)

@@ -258,6 +258,17 @@ class GemmConfig(NamedTuple):
     num_stages: int = 3
 
 
+class PairConfig(NamedTuple):
+    """The pair-wise path's tiles: output rows per program of each kernel, the K step, warps per program."""
+    gate_up_block_n: int = 4
+    down_block_n: int = 4
+    block_k: int = 512
+    num_warps: int = 2
+
+
+PAIR_CONFIG = PairConfig()
+
+
 def gemm_config(num_pairs: int) -> GemmConfig:
     """Small row blocks while pairs are few (decode: an expert gets a handful of rows, padding them to 64 would
     waste the GEMM), larger ones for prefill; the best of `bench/gpu_moe.py --sweep` (bench/RESULTS.md)."""
@@ -283,7 +294,8 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     return _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config)
 
 
-def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate) -> torch.Tensor:
+def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate,
+               pair_config: PairConfig = PAIR_CONFIG) -> torch.Tensor:  # fmt: skip
     T, H = x.shape
     E, two_i, _ = w13.shape
     I, IS = two_i // 2, shared_w13.shape[0] // 2  # noqa: E741
@@ -293,15 +305,15 @@ def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w
     weights = torch.empty(P, dtype=torch.float32, device=dev)
     inter = torch.empty(P, max(I, IS), dtype=x.dtype, device=dev)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    block_n, block_k = 16, 256
-    _gate_up_silu_pairs[(P, triton.cdiv(max(I, IS), block_n))](
+    gate_up_n, down_n, block_k, warps = pair_config
+    _gate_up_silu_pairs[(P, triton.cdiv(max(I, IS), gate_up_n))](
         x, router_logits, shared_gate, w13, shared_w13, inter, ids, weights, H, I, IS, x.stride(0),
         router_logits.stride(0), shared_gate.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(0), E,
-        triton.next_power_of_2(E), top_k, norm_topk, block_n, block_k,
+        triton.next_power_of_2(E), top_k, norm_topk, gate_up_n, block_k, num_warps=warps,
     )  # fmt: skip
-    _down_combine[(T, triton.cdiv(H, block_n))](
+    _down_combine[(T, triton.cdiv(H, down_n))](
         inter, w2, shared_w2, ids, weights, out, H, I, IS, w2.stride(0), w2.stride(1), shared_w2.stride(0), top_k,
-        block_n, block_k,
+        down_n, block_k, num_warps=warps,
     )  # fmt: skip
     return out
 
