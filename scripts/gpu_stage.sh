@@ -9,7 +9,7 @@
 #            after an idle gap (as the raw copy's two rows), pulls into changing pages, a decode loop beside them,
 #            a prefill loop in the holder beside them (fidelity: stage f or q)
 #   stage f: disaggregated vs monolithic greedy fidelity on the two GPUs (+ the bf16 batch-invariance control)
-#   stage q: the fp32 fidelity check alone (token-exact), with the decode worker's pull log lines
+#   stage q: the fp32 fidelity check alone (token-exact), with the decode worker's pull log lines (one GPU or two)
 #   stage h: the GPU's idle time between decode steps, async scheduling on and off (35B-A3B and 9B shapes)
 #   stage s: colocated serving of the 35B-A3B shape at concurrency 1 and 16, async scheduling on, then off
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
