@@ -69,6 +69,8 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    # The weight block (rows, cols) of an FP8 block-scaled checkpoint (engine/quantization.py); None: unquantized
+    fp8_block: tuple[int, int] | None = None
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -147,6 +149,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
+        quant = raw.get("quantization_config") or text.get("quantization_config")
         return cls(
             family=family,
             vocab_size=int(text["vocab_size"]),
@@ -180,4 +183,27 @@ class ModelConfig:
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype).replace("torch.", ""),
+            fp8_block=_fp8_block(quant) if quant else None,
         )
+
+
+def _fp8_block(quant: dict) -> tuple[int, int]:
+    """The weight block of a `quantization_config` this engine serves: FP8 e4m3 weights with one float scale per
+    block and activations quantized at run time, as Qwen and DeepSeek publish them. Anything else is refused
+    here, before any weight is read."""
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"quantization_config: quant_method {method!r} is not supported (only block-scaled 'fp8')")
+    problems = []
+    if quant.get("fmt", "e4m3") != "e4m3":
+        problems.append(f"fmt {quant.get('fmt')!r} (only e4m3)")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        problems.append(f"activation_scheme {quant.get('activation_scheme')!r} (only dynamic)")
+    if quant.get("scale_fmt", "float") != "float":
+        problems.append(f"scale_fmt {quant.get('scale_fmt')!r} (only float)")
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        problems.append(f"weight_block_size {block!r} (per-tensor FP8 is not supported: two positive ints needed)")
+    if problems:
+        raise ConfigError("quantization_config (fp8) not supported: " + "; ".join(problems))
+    return block[0], block[1]

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models import MODEL_CLASSES, HybridLM
 from deltamesh.engine.parallel import TensorParallelGroup, shard_tensor
+from deltamesh.engine.quantization import dequantized
 
 log = structlog.get_logger("deltamesh.weights")
 
@@ -72,7 +73,8 @@ def canonical_name(name: str) -> str | None:
 
 
 def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
-    load_tensors(model, iter_checkpoint(model_dir))
+    served = ((name, t) for name, t in iter_checkpoint(model_dir) if canonical_name(name) is not None)
+    load_tensors(model, dequantized(served, model.cfg.fp8_block))
 
 
 def load_tensors(model: HybridLM, named_tensors) -> None:
