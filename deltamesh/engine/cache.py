@@ -68,6 +68,7 @@ class KVPagePool:
         self._free[0] = False  # the scratch page
         self._refs = np.zeros(num_pages + 1, dtype=np.int32)  # holders of each page (requests, the prefix cache)
         self._lock = threading.Lock()
+        self.mirror: list | None = None  # tensor parallelism: writes outside model steps, as StatePool.mirror
 
     # -- views -------------------------------------------------------------------------------------
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +78,12 @@ class KVPagePool:
     @property
     def page_bytes(self) -> int:
         return self.data[0].numel() * self.data.element_size()
+
+    def copy_page(self, dst: int, src: int) -> None:
+        """Page `dst` := page `src`, every layer (queued on the current stream)."""
+        self.data[dst].copy_(self.data[src], non_blocking=True)
+        if self.mirror is not None:
+            self.mirror.append(("copy_page", "kv", dst, src))
 
     def regions(self, pages: list[int]) -> list[Region]:
         flat = self.data.flatten(1)

@@ -108,7 +108,7 @@ class EngineCore:
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
         if self.followers:
             self.runner.followers = self.followers
-            for pool in filter(None, (self.state_pool, self.checkpoint_pool)):
+            for pool in filter(None, (self.state_pool, self.checkpoint_pool, self.kv_pool)):
                 pool.mirror = self.followers.pool_ops
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs,
                                    config.resolved_max_num_batched_tokens())  # fmt: skip
@@ -355,6 +355,8 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: FinishReason, out: RequestOutput | None = None, error: str | None = None):
         self.scheduler.remove(req)
+        if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.prefix_cache.register_finished(req)  # the next turn of a conversation starts from here
         self.scheduler.free(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.requests.pop(req.request_id, None)

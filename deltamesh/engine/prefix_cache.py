@@ -13,6 +13,11 @@ computes and samples from at least one token) and, optionally, every `checkpoint
 ends prefill chunks exactly there (`next_stop`). Copies are queued on the engine's stream right after the step
 that reached the boundary, so stream order makes them exact under async scheduling.
 
+A finished request leaves its whole sequence (prompt and reply) behind, so that a conversation's next turn,
+whose prompt repeats it, computes only its new message: its full pages join the chain, and what lies past the
+last full page becomes a tail: those tokens, a copy of their partial page and a checkpoint of the state after
+them. A request that starts from a tail copies the tail's page into a page of its own and goes on writing there.
+
 Eviction is LRU over blocks only the cache holds (a page some request still uses frees nothing); evicting a
 block drops its descendants too, since they can no longer be reached. Checkpoints live in their own small
 StatePool and are evicted LRU when it is full. Every structure is guarded by one lock: a decode worker reserves
@@ -37,6 +42,20 @@ def block_key(parent: int | None, tokens) -> int:
 
 
 @dataclass
+class _Tail:
+    """The last tokens of a finished sequence past its last full page (fewer than a page)."""
+
+    tokens: tuple[int, ...]
+    page: int  # a copy of their partial page, the cache's own
+    checkpoint: int  # slot in the checkpoint pool: the state after them
+    depth: int  # full pages before it
+    last_use: int = 0
+
+
+TailKey = tuple[int | None, tuple[int, ...]]  # (key of the full block before it, its tokens)
+
+
+@dataclass
 class _Block:
     parent: int | None  # the previous block's key; None for a prompt's first block
     tokens: tuple[int, ...]
@@ -44,6 +63,7 @@ class _Block:
     depth: int
     last_use: int = 0
     children: set[int] = field(default_factory=set)
+    tails: set[TailKey] = field(default_factory=set)
     checkpoint: int | None = None  # slot in the checkpoint pool
 
 
@@ -62,14 +82,16 @@ class PrefixCache:
         self.max_pages = kv_pool.num_pages if max_pages is None else max_pages
         self.checkpoint_interval = checkpoint_interval
         self._blocks: dict[int, _Block] = {}
-        self._checkpointed: OrderedDict[int, None] = OrderedDict()  # keys with a checkpoint, least recent first
+        self._tails: dict[TailKey, _Tail] = {}
+        # block keys with a checkpoint and tail keys, least recently used first
+        self._checkpointed: OrderedDict[int | TailKey, None] = OrderedDict()
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
 
     # ---- accounting ------------------------------------------------------------------------------------
     @property
     def num_pages(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) + len(self._tails)
 
     @property
     def num_checkpoints(self) -> int:
@@ -78,7 +100,8 @@ class PrefixCache:
     def reclaimable(self) -> int:
         """Pages that eviction can return to the pool: those only the cache holds."""
         with self._lock:
-            return sum(self.kv_pool.refs(b.page) == 1 for b in self._blocks.values())
+            entries = itertools.chain(self._blocks.values(), self._tails.values())
+            return sum(self.kv_pool.refs(e.page) == 1 for e in entries)
 
     # ---- positions ---------------------------------------------------------------------------------------
     def _last_boundary(self, req: Request) -> int:
@@ -102,23 +125,38 @@ class PrefixCache:
         step = (self.checkpoint_interval or 0) * self.kv_pool.page_size
         return pos == last or (step > 0 and pos % step == 0)
 
+    def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
+        ps = self.kv_pool.page_size
+        return tuple(req.ids_between(i * ps, (i + 1) * ps))
+
     def _keys(self, req: Request, n: int) -> list[int]:
-        """The chain keys of the request's first n prompt blocks (computed once per request)."""
-        keys, ps = req.block_keys, self.kv_pool.page_size
+        """The chain keys of the request's first n blocks (prompt, then reply; computed once per request)."""
+        keys = req.block_keys
         while len(keys) < n:
-            i = len(keys)
-            keys.append(block_key(keys[-1] if keys else None, req.prompt_ids[i * ps : (i + 1) * ps]))
+            keys.append(block_key(keys[-1] if keys else None, self._tokens(req, len(keys))))
         return keys[:n]
 
     def _block(self, req: Request, i: int) -> _Block | None:
-        """The cached block i of the request's prompt, if the cache holds exactly those tokens after that prefix
+        """The cached block i of the request's tokens, if the cache holds exactly those tokens after that prefix
         (a hash collision reads as a miss)."""
-        keys, ps = req.block_keys, self.kv_pool.page_size
+        keys = req.block_keys
         b = self._blocks.get(keys[i])
         parent = keys[i - 1] if i else None
-        if b is None or b.parent != parent or b.tokens != tuple(req.prompt_ids[i * ps : (i + 1) * ps]):
+        if b is None or b.parent != parent or b.tokens != self._tokens(req, i):
             return None
         return b
+
+    def _tail(self, req: Request, depth: int, limit: int) -> _Tail | None:
+        """The longest cached tail after the request's first `depth` full blocks that ends at or before
+        token `limit`."""
+        ps = self.kv_pool.page_size
+        parent = req.block_keys[depth - 1] if depth else None
+        ahead = req.ids_between(depth * ps, min(limit, (depth + 1) * ps - 1))
+        for n in range(len(ahead), 0, -1):
+            tail = self._tails.get((parent, tuple(ahead[:n])))
+            if tail is not None:
+                return tail
+        return None
 
     def _touch(self, keys: list[int]) -> None:
         now = next(self._clock)
@@ -127,33 +165,55 @@ class PrefixCache:
                 self._blocks[k].last_use = now
 
     # ---- admission -----------------------------------------------------------------------------------------
-    def acquire(self, req: Request) -> list[int]:
-        """The pages of the longest cached prefix of the prompt that ends at a checkpoint, with a reference
-        taken on each (the caller frees them like any of its pages). Nothing else changes until `restore`."""
-        n = self._last_boundary(req) // self.kv_pool.page_size
+    def acquire(self, req: Request) -> tuple[list[int], _Tail | None]:
+        """The pages of the longest cached prefix of the prompt that ends at a checkpoint (a checkpointed
+        block, or a tail after the blocks), with a reference taken on each page and on the tail's page (the
+        caller frees the pages like any of its own, and hands the tail to `restore` or `release`). Nothing else
+        changes until `restore`."""
+        ps, limit = self.kv_pool.page_size, len(req.prompt_ids) - 1  # at least one prompt token is computed
+        n = limit // ps
         with self._lock:
             keys = self._keys(req, n)
-            best = 0
-            for i in range(n):
-                b = self._block(req, i)
-                if b is None:
-                    break
-                if b.checkpoint is not None:
-                    best = i + 1
+            best, best_tail = 0, self._tail(req, 0, limit)
+            depth = 0
+            while depth < n and self._block(req, depth) is not None:
+                depth += 1
+                if self._blocks[keys[depth - 1]].checkpoint is not None:
+                    best, best_tail = depth, None
+                tail = self._tail(req, depth, limit)
+                if tail is not None:
+                    best, best_tail = depth, tail
+            if best_tail is not None and best_tail.depth * ps + len(best_tail.tokens) <= best * ps:
+                best_tail = None
+            if best_tail is not None:
+                best = best_tail.depth
             pages = [self._blocks[k].page for k in keys[:best]]
-            self.kv_pool.share(pages)
-            return pages
+            self.kv_pool.share(pages + ([best_tail.page] if best_tail else []))
+            return pages, best_tail
 
-    def restore(self, req: Request, num_pages: int) -> None:
-        """Start `req` (slot allocated, `num_pages` cached pages acquired) from the checkpoint at their end."""
+    def release(self, tail: _Tail | None) -> None:
+        """Give back the reference `acquire` took on a tail that was not restored."""
+        if tail is not None:
+            self.kv_pool.free([tail.page])
+
+    def restore(self, req: Request, num_pages: int, tail: _Tail | None = None) -> None:
+        """Start `req` (slot and pages allocated, the first `num_pages` of them acquired) from the checkpoint
+        at their end, or after `tail`, whose page is copied into the request's next page."""
+        ps = self.kv_pool.page_size
         with self._lock:
-            key = req.block_keys[num_pages - 1]
-            src = self._blocks[key].checkpoint
+            if tail is None:
+                key = req.block_keys[num_pages - 1]
+                src = self._blocks[key].checkpoint
+            else:
+                key, src = (req.block_keys[num_pages - 1] if num_pages else None, tail.tokens), tail.checkpoint
+                self.kv_pool.copy_page(req.pages[num_pages], tail.page)
+                tail.last_use = next(self._clock)
             self.state_pool.copy_slot(req.slot, self.checkpoints, src)
             self._checkpointed.move_to_end(key)
             self._touch(req.block_keys[:num_pages][::-1])
+        self.release(tail)
         req.num_registered_pages = num_pages
-        req.num_computed = num_pages * self.kv_pool.page_size
+        req.num_computed = num_pages * ps + (len(tail.tokens) if tail else 0)
         self.stats.prefix_cache_hits += 1
         self.stats.prefix_cache_hit_tokens += req.num_computed
 
@@ -176,20 +236,26 @@ class PrefixCache:
                 if key in self._blocks:
                     self._drop(key)
 
-    def _eviction_order(self, only_unshared: bool) -> list[int]:
-        """Keys, those only the cache holds first, then least recently used first; among blocks used together,
-        the deepest (the chain's tail) first."""
+    def _eviction_order(self, only_unshared: bool) -> list[int | TailKey]:
+        """Block and tail keys, those only the cache holds first, then least recently used first; among entries
+        used together, the deepest first (tails before their blocks)."""
         order = []
-        for k, b in self._blocks.items():
-            shared = self.kv_pool.refs(b.page) > 1
+        entries = itertools.chain(self._blocks.items(), self._tails.items())
+        for k, e in entries:
+            shared = self.kv_pool.refs(e.page) > 1
             if not (only_unshared and shared):
-                order.append(((shared, b.last_use, -b.depth), k))
-        return [k for _, k in sorted(order)]
+                order.append(((shared, e.last_use, -e.depth, isinstance(k, int)), k))
+        return [k for *_, k in sorted(order, key=lambda o: o[0])]
 
-    def _drop(self, key: int, evicted: bool = True) -> None:
+    def _drop(self, key: int | TailKey, evicted: bool = True) -> None:
+        if not isinstance(key, int):
+            self._drop_tail(key, evicted)
+            return
         b = self._blocks.pop(key)
         for child in list(b.children):
             self._drop(child, evicted)
+        for tail in list(b.tails):
+            self._drop_tail(tail, evicted)
         if b.parent is not None and b.parent in self._blocks:
             self._blocks[b.parent].children.discard(key)
         if b.checkpoint is not None:
@@ -197,11 +263,22 @@ class PrefixCache:
             self.stats.checkpoints_evicted += evicted
         self.kv_pool.free([b.page])
 
+    def _drop_tail(self, key: TailKey, evicted: bool) -> None:
+        tail = self._tails.pop(key)
+        if key[0] in self._blocks:
+            self._blocks[key[0]].tails.discard(key)
+        self.checkpoints.free(tail.checkpoint)
+        del self._checkpointed[key]
+        self.stats.checkpoints_evicted += evicted
+        self.kv_pool.free([tail.page])
+
     def clear(self) -> None:
         """Drop everything the cache holds."""
         with self._lock:
             for key in [k for k, b in self._blocks.items() if b.parent is None]:
                 self._drop(key, evicted=False)
+            for key in list(self._tails):
+                self._drop_tail(key, evicted=False)
 
     # ---- filling (stepping thread, right after a prefill chunk is launched) ------------------------------------
     def register(self, req: Request) -> None:
@@ -220,8 +297,55 @@ class PrefixCache:
                 self._save_checkpoint(keys[pos // ps - 1], req.slot)
             self._touch(keys[::-1])
 
+    def register_finished(self, req: Request) -> None:
+        """Cache a finished request's whole computed sequence (stepping thread, before its pages and slot are
+        freed): its full pages, and a tail of the tokens past them, or a checkpoint when there are none."""
+        ps = self.kv_pool.page_size
+        end = min(req.num_computed, len(req.prompt_ids) + len(req.output_ids))  # the state holds these tokens
+        full = end // ps
+        if req.slot is None or end <= 0:
+            return
+        with self._lock:
+            keys = self._keys(req, full)
+            for i in range(req.num_registered_pages, full):
+                if not self._insert(req, i):
+                    return
+            req.num_registered_pages = full
+            self._touch(keys[::-1])
+            if end % ps == 0:
+                self._save_checkpoint(keys[-1], req.slot)
+            else:
+                self._save_tail((keys[-1] if full else None, tuple(req.ids_between(full * ps, end))), req, full)
+
+    def _save_tail(self, key: TailKey, req: Request, depth: int) -> None:
+        if key in self._tails:
+            self._tails[key].last_use = next(self._clock)
+            self._checkpointed.move_to_end(key)
+            return
+        if self.num_pages >= self.max_pages:
+            own = set(req.block_keys[:depth])
+            victims = [k for k in self._eviction_order(only_unshared=False) if k not in own]
+            if not victims:
+                return
+            self._drop(victims[0])
+        try:
+            [page] = self.kv_pool.alloc(1)
+        except PoolExhausted:
+            return
+        if key[0] is not None and key[0] not in self._blocks:  # the budget's eviction took its parent
+            self.kv_pool.free([page])
+            return
+        self.kv_pool.copy_page(page, req.pages[depth])
+        slot = self._checkpoint_slot()
+        self.checkpoints.copy_slot(slot, self.state_pool, req.slot)
+        self._tails[key] = _Tail(key[1], page, slot, depth, next(self._clock))
+        if key[0] is not None:
+            self._blocks[key[0]].tails.add(key)
+        self._checkpointed[key] = None
+        self.stats.checkpoints_saved += 1
+
     def _insert(self, req: Request, i: int) -> bool:
-        """Cache block i of the request's prompt (its page, unless the block is cached already). False when
+        """Cache block i of the request's tokens (its page, unless the block is cached already). False when
         it cannot be: its parent is not cached, or the budget is spent on pages in use."""
         key, parent = req.block_keys[i], (req.block_keys[i - 1] if i else None)
         if key in self._blocks:
@@ -234,10 +358,9 @@ class PrefixCache:
             if not victims:
                 return False
             self._drop(victims[0])
-        ps = self.kv_pool.page_size
         page = req.pages[i]
         self.kv_pool.share([page])
-        self._blocks[key] = _Block(parent, tuple(req.prompt_ids[i * ps : (i + 1) * ps]), page, i)
+        self._blocks[key] = _Block(parent, self._tokens(req, i), page, i)
         if parent is not None:
             self._blocks[parent].children.add(key)
         return True
@@ -247,15 +370,22 @@ class PrefixCache:
         if block.checkpoint is not None:
             self._checkpointed.move_to_end(key)
             return
-        if self.checkpoints.num_free == 0:
-            oldest = next(iter(self._checkpointed))
-            self._free_checkpoint(oldest, self._blocks[oldest])
-            self.stats.checkpoints_evicted += 1
-        dst = self.checkpoints.alloc(zeroed=False)
+        dst = self._checkpoint_slot()
         self.checkpoints.copy_slot(dst, self.state_pool, slot)
         block.checkpoint = dst
         self._checkpointed[key] = None
         self.stats.checkpoints_saved += 1
+
+    def _checkpoint_slot(self) -> int:
+        """A free checkpoint slot, evicting the least recently used checkpoint (or tail) when all are taken."""
+        if self.checkpoints.num_free == 0:
+            oldest = next(iter(self._checkpointed))
+            if isinstance(oldest, int):
+                self._free_checkpoint(oldest, self._blocks[oldest])
+                self.stats.checkpoints_evicted += 1
+            else:
+                self._drop_tail(oldest, evicted=True)
+        return self.checkpoints.alloc(zeroed=False)
 
     def _free_checkpoint(self, key: int, block: _Block) -> None:
         self.checkpoints.free(block.checkpoint)

@@ -104,18 +104,20 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         cache = self.prefix_cache
-        cached = cache.acquire(req) if cache is not None else []
+        cached, tail = cache.acquire(req) if cache is not None else ([], None)
         need = self.kv_pool.pages_for(req.num_tokens) - len(cached)
         free = self.kv_pool.num_free
         if cache is not None and free < need:  # walking the cache's blocks only when the pool is short
             free += cache.reclaimable()
         if self.state_pool.num_free == 0 or free < need:
             self.kv_pool.free(cached)
+            if cache is not None:
+                cache.release(tail)
             return False
-        req.slot = self.state_pool.alloc(zeroed=not cached)
-        if cached:
-            cache.restore(req, len(cached))
+        req.slot = self.state_pool.alloc(zeroed=not (cached or tail))
         req.pages = cached + self.alloc_pages(need)
+        if cached or tail:
+            cache.restore(req, len(cached), tail)
         req.status = Status.RUNNING
         return True
 

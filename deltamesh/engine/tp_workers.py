@@ -163,6 +163,8 @@ def follow(config: EngineConfig, rank: int, init_method: str) -> None:
         for op, name, *where in ops:
             if op == "zero":
                 pools[name].zero(*where)
+            elif op == "copy_page":
+                me.kv_pool.copy_page(*where)
             else:
                 dst, src_name, src = where
                 pools[name].copy_slot(dst, pools[src_name], src)

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from deltamesh.engine import DEFAULT_MODEL, SamplingParams
+from deltamesh.engine import DEFAULT_MODEL, EngineConfig, SamplingParams
 from harness import start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -239,3 +239,36 @@ def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, 
     with mesh.client() as grpc_client, pytest.raises(InvalidRequest) as e:
         grpc_client.generate("x", max_tokens=2, **{field: value})
     assert str(shared.value) in str(e.value), (str(shared.value), str(e.value))
+
+
+@pytest.mark.parametrize("layout", ["colocated", "1P+1D"])
+def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, reference_engine, layout):
+    """Each turn re-sends the whole conversation. With --prefix-cache the answers are the monolithic engine's
+    (no cache); a colocated worker computes only each turn's new message (the previous prompt and reply come
+    from its cache); under 1P+1D the prefill worker reuses the previous turns' prompts (the replies were decoded
+    on the other worker, so it computes them)."""
+    counts = dict(prefill=0, decode=0, colocated=1) if layout == "colocated" else {}
+    m = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], http=True, **counts)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{m.http_port}/v1", api_key="unused", max_retries=0)
+        messages, prompts, replies = [], [], []
+        for question in ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]:
+            messages.append({"role": "user", "content": question})
+            ids = reference_engine.tokenizer.encode_chat(messages)
+            ref = reference_engine.generate(ids, SamplingParams(max_tokens=24, temperature=0))[0]
+            res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=24, temperature=0)
+            assert res.choices[0].message.content == ref.text
+            messages.append({"role": "assistant", "content": ref.text})
+            prompts.append(len(ids))
+            replies.append(len(ref.token_ids))
+        [worker] = m.workers("colocated" if layout == "colocated" else "prefill")
+        hit = worker.load().prefix_cache_hit_tokens
+        if layout == "colocated":  # every earlier prompt and reply, but for the last reply token at most
+            assert hit >= sum(p + r - 1 for p, r in zip(prompts[:-1], replies[:-1]))
+        else:  # the previous prompts, up to their last page boundary
+            page = EngineConfig(model=str(DEFAULT_MODEL)).page_size
+            assert hit >= sum((p - 1) // page * page for p in prompts[:-1])
+            assert hit < sum(p + r - 1 for p, r in zip(prompts[:-1], replies[:-1]))
+        assert m.wait_idle() == {}
+    finally:
+        m.stop()

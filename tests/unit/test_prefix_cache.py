@@ -85,7 +85,8 @@ def model_dir(request, hf_checkpoints):
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_full_hit(model_dir, params):
     engine = compare(model_dir, [[P], [P]], params, expect_hit_tokens=28)
-    assert engine.stats.prefix_cache_hits == 1 and engine.stats.checkpoints_saved == 1
+    # the prompt's checkpoint at 28, and the first request's whole sequence when it ended (the second's is the same)
+    assert engine.stats.prefix_cache_hits == 1 and engine.stats.checkpoints_saved == 2
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -109,6 +110,41 @@ def test_concurrent_requests_sharing_a_prefix(model_dir, params):
     # checkpoints every 2 pages: the shared 30 tokens have one at 24, each whole prompt one at 32
     engine = compare(model_dir, [together, after, [after[0]], [after[1]]], params, state_checkpoint_interval=2)
     assert engine.stats.prefix_cache_hits >= 5  # the third of `together`, admitted a step later, may hit too
+
+
+def conversation(engine: EngineCore, turns: list[list[int]], params) -> list[list[int]]:
+    """Each turn's prompt is the whole conversation so far (prompts and replies) plus the turn's new message."""
+    history, replies = [], []
+    for t, message in enumerate(turns):
+        history = history + message
+        [reply] = run_waves(engine, [[history]], params).values()
+        replies.append(reply)
+        history = history + reply
+    return replies
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_next_turn_of_a_conversation_starts_after_the_previous_reply(model_dir, params):
+    # the first turn's sequence ends on a page boundary (7 + 5 computed = 12: a checkpoint), the later ones inside
+    # a page (21, 33: tails)
+    turns = [tokens(7, 80), tokens(3, 81), tokens(6, 82), tokens(9, 83)]
+    ref = conversation(core(model_dir, False), turns, params)
+    engine = core(model_dir, True)
+    assert conversation(engine, turns, params) == ref
+    # each later turn starts where the turn before it stopped computing: its prompt and all but its last reply token
+    expected = sum(sum(map(len, turns[:t])) + t * (params.max_tokens - 1) + (t - 1) for t in range(1, len(turns)))
+    assert engine.stats.prefix_cache_hits == len(turns) - 1
+    assert engine.stats.prefix_cache_hit_tokens == expected
+    assert_cached_baseline(engine)
+
+
+def test_conversations_under_a_small_budget_evict_their_tails(model_dir):
+    chats = [[tokens(10, 90 + i), tokens(5, 95 + i)] for i in range(4)]
+    ref = [conversation(core(model_dir, False), c, GREEDY) for c in chats]
+    engine = core(model_dir, True, prefix_cache_pages=10, prefix_cache_checkpoints=2)
+    assert [conversation(engine, c, GREEDY) for c in chats] == ref
+    assert engine.stats.checkpoints_evicted > 0 and engine.stats.prefix_cache_hits >= 1
+    assert_cached_baseline(engine)
 
 
 def test_eviction_under_a_small_budget(model_dir):

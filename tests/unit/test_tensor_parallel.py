@@ -90,17 +90,27 @@ def test_four_ranks_with_replicated_kv_heads_match_one(tmp_path, family):
 
 
 def test_prefix_cache_state_copies_reach_every_rank(hf_checkpoints):
-    """The prefix cache restores GDN state by copying slots outside model steps: the followers repeat those
-    copies (a second round of the same prompts starts from cached state on every rank)."""
+    """The prefix cache restores GDN state by copying slots (and a conversation's partial last page) outside
+    model steps: the followers repeat those copies (a second round of the same prompts starts from cached state
+    on every rank, and so does each conversation's next turn, from the end of its reply)."""
     path = hf_checkpoints["qwen3_5"]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+
+    def next_turns(replies):
+        return [p + c.token_ids + [7, 8, 9] for p, c in zip(prompts(), replies)]
+
     with engine(path, 2, prefix_cache=True) as e:
         first = e.generate(prompts(), params)
         again = e.generate(prompts(), params)
         assert e.core.stats.prefix_cache_hits >= 2
+        e.generate([[3] * 4, [4] * 4, [5] * 4], params)  # one page each: overwrite the pages the replies ended in
+        follow_up = e.generate(next_turns(first), params)
+        assert e.core.stats.prefix_cache_hits >= 2 + len(first)
     with engine(path, 1) as e:
         want = e.generate(prompts(), params)
+        want_follow_up = e.generate(next_turns(want), params)
     assert [c.token_ids for c in first] == [c.token_ids for c in again] == [c.token_ids for c in want]
+    assert_same(follow_up, want_follow_up)
 
 
 def test_a_model_that_cannot_be_split_is_refused_before_any_rank_starts(hf_checkpoints):
