@@ -241,14 +241,17 @@ def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, 
     assert str(shared.value) in str(e.value), (str(shared.value), str(e.value))
 
 
-@pytest.mark.parametrize("layout", ["colocated", "1P+1D"])
+@pytest.mark.parametrize("layout", ["colocated", "1P+1D", "1P+1D direct"])
 def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, reference_engine, layout):
     """Each turn re-sends the whole conversation. With --prefix-cache the answers are the monolithic engine's
-    (no cache); a colocated worker computes only each turn's new message (the previous prompt and reply come
-    from its cache); under 1P+1D the prefill worker reuses the previous turns' prompts (the replies were decoded
-    on the other worker, so it computes them)."""
+    (no cache). A colocated worker computes only each turn's new message (the previous prompt and reply come
+    from its cache). Under 1P+1D the prefill worker reuses the previous turns' prompts (the replies were decoded
+    on the other worker, so it computes them); with the router's P/D decider (--pd-direct-max-tokens) the later
+    turns skip the prefill worker and go to the decode worker that holds the conversation."""
     counts = dict(prefill=0, decode=0, colocated=1) if layout == "colocated" else {}
-    m = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], http=True, **counts)
+    router_args = ["--pd-direct-max-tokens", "64"] if layout.endswith("direct") else []
+    m = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], router_args=router_args, http=True,
+                   **counts)  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{m.http_port}/v1", api_key="unused", max_retries=0)
         messages, prompts, replies = [], [], []
@@ -261,14 +264,16 @@ def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, refe
             messages.append({"role": "assistant", "content": ref.text})
             prompts.append(len(ids))
             replies.append(len(ref.token_ids))
-        [worker] = m.workers("colocated" if layout == "colocated" else "prefill")
-        hit = worker.load().prefix_cache_hit_tokens
-        if layout == "colocated":  # every earlier prompt and reply, but for the last reply token at most
-            assert hit >= sum(p + r - 1 for p, r in zip(prompts[:-1], replies[:-1]))
-        else:  # the previous prompts, up to their last page boundary
+        earlier = sum(p + r - 1 for p, r in zip(prompts[:-1], replies[:-1]))  # all but each last reply token
+        hits = {role: [w.load().prefix_cache_hit_tokens for w in m.workers(role)] for role in ("prefill", "decode")}
+        if layout == "colocated":
+            [worker] = m.workers("colocated")
+            assert worker.load().prefix_cache_hit_tokens >= earlier
+        elif layout == "1P+1D":  # the previous prompts, up to their last page boundary
             page = EngineConfig(model=str(DEFAULT_MODEL)).page_size
-            assert hit >= sum((p - 1) // page * page for p in prompts[:-1])
-            assert hit < sum(p + r - 1 for p, r in zip(prompts[:-1], replies[:-1]))
+            assert sum((p - 1) // page * page for p in prompts[:-1]) <= hits["prefill"][0] < earlier
+        else:
+            assert hits["prefill"] == [0] and hits["decode"][0] >= earlier
         assert m.wait_idle() == {}
     finally:
         m.stop()

@@ -42,3 +42,23 @@ def test_cache_aware_forgets_the_oldest_blocks_beyond_its_budget():
         policy.pick([went], list(range(1000 + 40 * i, 1040 + 40 * i)))  # 50 newer blocks sent to the same worker
     went.inflight = 1
     assert policy.pick([a, b], old) is not went  # forgotten: the least loaded
+
+
+def test_pd_decider_sends_a_conversations_next_turn_to_the_decode_worker_that_holds_it():
+    from deltamesh.services.router.pd_decider import PdDecider
+
+    a, b = handle("a"), handle("b")
+    a.load.prefix_cache = b.load.prefix_cache = True
+    pd = PdDecider(max_suffix=10, block=4)
+    turn_1 = list(range(100, 140))
+    reply = list(range(300, 312))
+    pd.finished("b", turn_1 + reply)
+    assert pd.direct([a, b], turn_1 + reply + [1, 2, 3, 4, 5]) is b  # 5 new tokens (+ none unmatched)
+    assert pd.direct([a, b], turn_1 + reply + list(range(20))) is None  # 20 new tokens: through prefill
+    assert pd.direct([a, b], list(range(500, 540))) is None  # nothing held anywhere
+    assert pd.direct([a], turn_1 + reply + [1]) is None  # the holder is not among the healthy workers
+    b.load.prefix_cache = False  # restarted without --prefix-cache: it holds nothing
+    assert pd.direct([a, b], turn_1 + reply + [1]) is None
+    b.load.prefix_cache = True
+    pd.forget("b")  # it failed: its cache is gone
+    assert pd.direct([a, b], turn_1 + reply + [1]) is None

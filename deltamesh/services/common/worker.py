@@ -85,6 +85,7 @@ class Worker:
             state_slots_total=l["state_slots_total"], reservations=self.reservations,
             healthy=self.engine.core.failure is None,
             kv_pages_cached=l["kv_pages_cached"], prefix_cache_hit_tokens=l["prefix_cache_hit_tokens"],
+            prefix_cache=self.engine.core.prefix_cache is not None,
         )  # fmt: skip
 
     async def register_forever(self, stop: asyncio.Event, role: Role) -> None:

@@ -23,6 +23,7 @@ from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
 from deltamesh.engine import SamplingParams
 from deltamesh.services.common.convert import sampling_to_proto
 from deltamesh.services.router import metrics
+from deltamesh.services.router.pd_decider import PdDecider
 from deltamesh.services.router.policies import Policy
 from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
 
@@ -38,6 +39,7 @@ class MeshError(Exception):
 @dataclass
 class _Inflight:
     call: object = None  # the worker call in progress
+    worker: WorkerHandle | None = None  # the decode (or colocated) worker that streams its tokens
     aborted: bool = False
 
     def abort(self) -> None:
@@ -65,10 +67,10 @@ def _own_task_cancelled() -> bool:
 
 class Mesh:
     def __init__(self, registry: WorkerRegistry, policy: Policy, prefill_retries: int = 2, timeout_s: float = 600.0,
-                 ready_timeout_s: float = 10.0):  # fmt: skip
+                 ready_timeout_s: float = 10.0, pd: PdDecider | None = None):  # fmt: skip
         """`ready_timeout_s`: how long a request waits for the mesh to have workers (just started, or all
-        restarting) before it fails as UNAVAILABLE."""
-        self.registry, self.policy = registry, policy
+        restarting) before it fails as UNAVAILABLE. `pd`: which requests skip the prefill worker (None: none)."""
+        self.registry, self.policy, self.pd = registry, policy, pd
         self.ready_timeout_s = ready_timeout_s
         self.prefill_retries, self.timeout_s = prefill_retries, timeout_s
         self._inflight: dict[str, _Inflight] = {}
@@ -139,6 +141,12 @@ class Mesh:
                 async for delta in self._decode(req, "colocated", inflight):
                     yield delta
                 return
+            direct = self.pd.direct(self.registry.healthy("decode"), prompt_ids) if self.pd else None
+            if direct is not None:  # the decode worker holds the conversation: it prefills the new message itself
+                req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop)
+                async for delta in self._remembered(self._decode(req, "decode", inflight, direct), prompt_ids, inflight):
+                    yield delta
+                return
             # the lease's token is ours from the start: a request that goes away while its prefill answer is on the
             # wire can still end the lease it will never see
             prefill_req = prefill_pb2.PrefillRequest(
@@ -157,7 +165,8 @@ class Mesh:
                 req = decode_pb2.DecodeRequest(
                     request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
                 )
-                async for delta in self._decode(req, "decode", inflight):
+                deltas = self._remembered(self._decode(req, "decode", inflight), prompt_ids, inflight, first.first)
+                async for delta in deltas:
                     yield delta
             finally:  # never let the lease outlive the request (a no-op once decode pulled the state)
                 if first.HasField("lease"):
@@ -199,10 +208,26 @@ class Mesh:
                 w.inflight -= 1
                 inflight.call = None
 
-    async def _decode(self, req: decode_pb2.DecodeRequest, role: str, inflight: _Inflight):
+    async def _remembered(self, deltas, prompt_ids: list[int], inflight: _Inflight, first=None):
+        """`deltas`, and once they end normally, the whole sequence handed to the P/D decider as held by the
+        decode worker that streamed them. `first`: the prefill worker's first token, already streamed."""
+        if self.pd is None:
+            async for delta in deltas:
+                yield delta
+            return
+        tokens = list(first.token_ids) if first is not None else []
+        async for delta in deltas:
+            tokens += delta.token_ids
+            if delta.finished and delta.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
+                self.pd.finished(inflight.worker.address, prompt_ids + tokens)
+            yield delta
+
+    async def _decode(self, req: decode_pb2.DecodeRequest, role: str, inflight: _Inflight,
+                      first_choice: WorkerHandle | None = None):  # fmt: skip
         tried: set[str] = set()
         while True:
-            w = self._pick(role, tried, req.prompt_token_ids)
+            w = first_choice if first_choice is not None and not tried else self._pick(role, tried, req.prompt_token_ids)
+            inflight.worker = w
             w.inflight += 1
             call = inflight.call = w.stub.Decode(req, metadata=self.registry.call_metadata(req.request_id),
                                                  timeout=self.timeout_s)  # fmt: skip
@@ -222,6 +247,8 @@ class Mesh:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
                     self.registry.mark_failed(w, "decode call unavailable")
+                    if self.pd is not None:
+                        self.pd.forget(w.address)
                     tried.add(w.address)
                     if not streamed and len(tried) <= 1:
                         metrics.RETRIES.labels(role).inc()

@@ -21,6 +21,9 @@ GENERATION_TOKENS = Counter("deltamesh_router_generation_tokens", "Output tokens
 RETRIES = Counter("deltamesh_router_retries", "Requests re-sent to another worker", ["leg"])
 ROUTING_DECISIONS = Counter("deltamesh_router_cache_aware_decisions",
                             "cache_aware policy: sent where the prompt's prefix went before (cache) or by load", ["choice"])
+PD_DECISIONS = Counter("deltamesh_router_pd_decisions",
+                       "--pd-direct-max-tokens: sent straight to the decode worker holding the conversation (direct) "
+                       "or through a prefill worker", ["path"])  # fmt: skip
 
 
 class RequestTimer:
