@@ -61,10 +61,16 @@ class EngineConfig:
     prefix_cache: bool = _setting(False, "Reuse the KV pages and GDN state of prompt prefixes computed before "
                                          "(exact: same tokens as without it)")  # fmt: skip
     prefix_cache_pages: int | None = _setting(None, "Most KV pages the prefix cache keeps (default: every free page)")
-    prefix_cache_checkpoints: int = _setting(8, "GDN state checkpoints the prefix cache keeps (each the size of "
-                                                "one request's state)")  # fmt: skip
+    prefix_cache_checkpoints: int | None = _setting(None, "GDN state checkpoints the prefix cache keeps (each the "
+                                                          "size of one request's state; default: twice "
+                                                          "--max-num-seqs)")  # fmt: skip
     state_checkpoint_interval: int | None = _setting(None, "Also checkpoint GDN state every this many KV pages of "
                                                            "a prompt (default: only at its end)")  # fmt: skip
+
+    def resolved_prefix_cache_checkpoints(self) -> int:
+        """A prompt's checkpoint and a finished conversation's for every request that can run at once: a
+        conversation whose state was evicted computes its whole history again."""
+        return self.prefix_cache_checkpoints or 2 * self.max_num_seqs
 
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
@@ -100,7 +106,9 @@ class EngineConfig:
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
-        if self.prefix_cache_checkpoints < 1 or (self.prefix_cache_pages or 0) < 0:
+        if (self.prefix_cache_checkpoints is not None and self.prefix_cache_checkpoints < 1) or (
+            self.prefix_cache_pages or 0
+        ) < 0:
             raise ValueError("prefix_cache_checkpoints must be >= 1 and prefix_cache_pages >= 0")
         if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be >= 1 pages")

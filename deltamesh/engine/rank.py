@@ -48,7 +48,7 @@ def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device
 
     slots = state_pool(config.max_num_seqs, "slots")
     # Allocated before the KV pool, which may size itself from the memory left.
-    checkpoints = state_pool(config.prefix_cache_checkpoints, "checkpoints") if config.prefix_cache else None
+    checkpoints = state_pool(config.resolved_prefix_cache_checkpoints(), "checkpoints") if config.prefix_cache else None
     num_pages = _num_kv_pages(config, local, max_model_len, device, dtype)
     if tp is not None:  # every rank holds the same pages: the fewest any rank has room for
         count = torch.tensor([num_pages], device=device)
