@@ -1,7 +1,8 @@
 """Multi-turn chat serving with and without the prefix cache. `--users` conversations run at once, each of
 `--turns` turns; a turn sends the whole conversation so far (a `--system-len`-token system prompt shared by all
 users, then every earlier message and reply) plus a new `--message-len`-token message, and gets a
-`--reply-len`-token reply. The script starts `deltamesh serve` once per setting (prefix cache off, on; colocated
+`--reply-len`-token reply; each message opens with the chat template's message token where the model has one.
+`--stagger-ms` spreads the users' first turns. The script starts `deltamesh serve` once per setting (prefix cache off, on; colocated
 or 1P+1D), drives it through the gRPC SDK with token-id prompts and prints, per turn, the median and p90 TTFT
 and the prompt tokens the workers computed against those they took from the cache, next to the ideal (every
 token a worker has computed before, for this conversation or the shared system prompt).
@@ -29,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, ROOT, free_port, print_table, stop_group, write_result  # noqa: E402
 from bench.disagg_sweep import wait_ready  # noqa: E402
 from deltamesh.engine import DEFAULT_MODEL  # noqa: E402
+from deltamesh.engine.prefix_cache import TURN_START  # noqa: E402
+from deltamesh.engine.tokenizer import Tokenizer  # noqa: E402
 
 
 def serve(args, cache: bool, log: Path) -> tuple[subprocess.Popen, str, list[str]]:
@@ -60,11 +63,19 @@ def worker_counters(urls: list[str]) -> dict[str, float]:
     return total
 
 
+def message(rng: np.random.Generator, args, n: int) -> list[int]:
+    """n random tokens, opened by the chat template's message token when the model has one (so the workers
+    see the message boundaries they checkpoint, as in a chat prompt)."""
+    opener = [args.opener] if args.opener is not None else []
+    return opener + rng.integers(10, args.vocab, n - len(opener)).tolist()
+
+
 async def conversation(client, user: int, args, system: list[int], ttft: list[list[float]], barrier) -> None:
     rng = np.random.default_rng(1000 + user)
     history = list(system)
+    await asyncio.sleep(user * args.stagger_ms / 1e3)
     for turn in range(args.turns):
-        history += rng.integers(10, args.vocab, args.message_len).tolist()
+        history += message(rng, args, args.message_len)
         start, first, reply = time.perf_counter(), None, []
         async with client.stream(history, max_tokens=args.reply_len, temperature=0, ignore_eos=True) as stream:
             async for delta in stream:
@@ -80,7 +91,7 @@ async def drive(address: str, args, urls: list[str]) -> list[dict]:
     """Every user's conversation; the users move from turn to turn together, so each turn's counters are its own."""
     from deltamesh.client import AsyncClient
 
-    system = np.random.default_rng(0).integers(10, args.vocab, args.system_len).tolist()
+    system = message(np.random.default_rng(0), args, args.system_len)
     ttft: list[list[float]] = [[] for _ in range(args.turns)]
     counters = [worker_counters(urls)]
     arrived = [0] * args.turns
@@ -128,6 +139,7 @@ def main() -> None:
     p.add_argument("--message-len", type=int, default=32)
     p.add_argument("--reply-len", type=int, default=32)
     p.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: the model's)")
+    p.add_argument("--stagger-ms", type=float, default=0.0, help="user u starts its first turn u x this late")
     p.add_argument("--serve-flag", action="append", default=[], help="extra flag for `deltamesh serve` (repeatable)")
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--out", default=str(RESULTS / "multi_turn.json"))
@@ -136,6 +148,7 @@ def main() -> None:
         from deltamesh.engine.config import ModelConfig
 
         args.vocab = ModelConfig.from_dir(args.model).vocab_size
+    args.opener = Tokenizer(args.model).token_id(TURN_START) if (Path(args.model) / "tokenizer.json").is_file() else None
     rows = []
     for cache in (False, True):
         proc, address, urls = serve(args, cache, Path(args.log_dir) / f"multi-turn-cache-{'on' if cache else 'off'}.log")

@@ -32,7 +32,7 @@ from deltamesh.engine.cache import PoolExhausted, Region, pool_views
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import shard_config
-from deltamesh.engine.prefix_cache import PrefixCache
+from deltamesh.engine.prefix_cache import TURN_START, PrefixCache
 from deltamesh.engine.rank import build_rank
 from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
@@ -133,9 +133,10 @@ class EngineCore:
                 self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         # Made after the warm-up, whose repeated prompts must run (and compile) every step shape in full.
         if self.checkpoint_pool is not None:
+            turn_start = self.tokenizer.token_id(TURN_START) if self.tokenizer else None
             self.prefix_cache = PrefixCache(
                 self.kv_pool, self.state_pool, self.checkpoint_pool, self.stats, config.prefix_cache_pages,
-                config.state_checkpoint_interval,
+                config.state_checkpoint_interval, turn_start,
             )  # fmt: skip
             self.scheduler.prefix_cache = self.prefix_cache
         log.info(

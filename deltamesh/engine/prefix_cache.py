@@ -9,8 +9,9 @@ the pages of the longest such chain, copies the checkpoint into its own slot and
 first uncached token is at a page boundary, on a page of its own, so no request ever writes a shared page.
 
 Which positions get checkpoints: the last page boundary of the prompt before its last token (a request always
-computes and samples from at least one token) and, optionally, every `checkpoint_interval` pages; the scheduler
-ends prefill chunks exactly there (`next_stop`). Copies are queued on the engine's stream right after the step
+computes and samples from at least one token), the end of a chat prompt's first message (the system prompt other
+users' conversations share: a tail there, see below) and, optionally, every `checkpoint_interval` pages; the
+scheduler ends prefill chunks exactly there (`next_stop`). Copies are queued on the engine's stream right after the step
 that reached the boundary, so stream order makes them exact under async scheduling.
 
 A finished request leaves its whole sequence (prompt and reply) behind, so that a conversation's next turn,
@@ -53,6 +54,7 @@ class _Tail:
 
 
 TailKey = tuple[int | None, tuple[int, ...]]  # (key of the full block before it, its tokens)
+TURN_START = "<|im_start|>"  # the token that opens every message of the chat template (Qwen's)
 
 
 @dataclass
@@ -76,8 +78,11 @@ class PrefixCache:
         stats,
         max_pages: int | None = None,
         checkpoint_interval: int | None = None,
+        turn_start: int | None = None,
     ):
+        """`turn_start`: the id of the token that opens each chat message (None: no turn checkpoints)."""
         self.kv_pool, self.state_pool, self.checkpoints = kv_pool, state_pool, checkpoints
+        self.turn_start = turn_start
         self.stats = stats  # EngineStats: prefix_cache_hits, prefix_cache_hit_tokens, checkpoints_saved/_evicted
         self.max_pages = kv_pool.num_pages if max_pages is None else max_pages
         self.checkpoint_interval = checkpoint_interval
@@ -108,22 +113,36 @@ class PrefixCache:
         ps = self.kv_pool.page_size
         return (len(req.prompt_ids) - 1) // ps * ps
 
+    def _turn_end(self, req: Request) -> int:
+        """Where the prompt's first chat message ends (its second message's opening token), if before its last
+        token; else 0."""
+        prompt = req.prompt_ids
+        if self.turn_start is None or not prompt or prompt[0] != self.turn_start:
+            return 0
+        try:
+            end = prompt.index(self.turn_start, 1)
+        except ValueError:
+            return 0
+        return end if end < len(prompt) - 1 else 0
+
     def next_stop(self, req: Request) -> int | None:
         """The next token position at which the request's prefill must end a chunk (to checkpoint its state)."""
         last = self._last_boundary(req)
-        if req.num_computed >= last:
-            return None
-        if self.checkpoint_interval:
+        stops = [last] if req.num_computed < last else []
+        if req.num_computed < req.turn_end:
+            stops.append(req.turn_end)
+        if self.checkpoint_interval and req.num_computed < last:
             step = self.checkpoint_interval * self.kv_pool.page_size
-            return min(last, (req.num_computed // step + 1) * step)
-        return last
+            stops.append((req.num_computed // step + 1) * step)
+        return min(stops, default=None)
 
     def _is_checkpoint(self, req: Request, pos: int) -> bool:
-        last = self._last_boundary(req)
+        """A checkpoint at a page boundary (the turn end elsewhere is a tail: `register`)."""
+        last, ps = self._last_boundary(req), self.kv_pool.page_size
         if pos <= 0 or pos > last:
             return False
-        step = (self.checkpoint_interval or 0) * self.kv_pool.page_size
-        return pos == last or (step > 0 and pos % step == 0)
+        step = (self.checkpoint_interval or 0) * ps
+        return pos == last or (step > 0 and pos % step == 0) or (pos == req.turn_end and pos % ps == 0)
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         ps = self.kv_pool.page_size
@@ -172,6 +191,7 @@ class PrefixCache:
         changes until `restore`."""
         ps, limit = self.kv_pool.page_size, len(req.prompt_ids) - 1  # at least one prompt token is computed
         n = limit // ps
+        req.turn_end = self._turn_end(req)
         with self._lock:
             keys = self._keys(req, n)
             best, best_tail = 0, self._tail(req, 0, limit)
@@ -295,6 +315,8 @@ class PrefixCache:
             pos = req.num_computed
             if self._is_checkpoint(req, pos) and self._block(req, pos // ps - 1) is not None:
                 self._save_checkpoint(keys[pos // ps - 1], req.slot)
+            elif pos == req.turn_end and (full == 0 or self._block(req, full - 1) is not None):
+                self._save_tail((keys[-1] if full else None, tuple(req.ids_between(full * ps, pos))), req, full)
             self._touch(keys[::-1])
 
     def register_finished(self, req: Request) -> None:

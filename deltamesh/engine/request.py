@@ -84,6 +84,7 @@ class Request:
     # of its prompt pages the cache has been offered since the request was (re)admitted.
     block_keys: list[int] = field(default_factory=list)
     num_registered_pages: int = 0
+    turn_end: int = 0  # where the prompt's first chat message ends (a checkpoint position there), 0: nowhere
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

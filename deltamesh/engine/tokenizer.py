@@ -53,6 +53,10 @@ class Tokenizer:
         spells one character per byte, so no token decodes to more)."""
         return max(len(token) for token in self._tok.get_vocab(with_added_tokens=True))
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token spelled as the vocabulary spells it (e.g. a special token), or None."""
+        return self._tok.token_to_id(token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.encode_batch([text], add_special_tokens)[0]
 

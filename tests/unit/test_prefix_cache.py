@@ -193,3 +193,23 @@ def test_held_states_may_share_pages_and_release_to_the_baseline(hf_checkpoints)
     assert len(shared) == 7 and engine.held_regions("h1")
     assert engine.release_held("h0") and engine.release_held("h1")
     assert_cached_baseline(engine)
+
+
+def test_a_new_users_chat_reuses_the_shared_system_prompt():
+    """Chat prompts checkpoint the end of their first message (a tail: mid-page), so another user's
+    conversation with the same system prompt starts there."""
+    from deltamesh.engine import DEFAULT_MODEL
+    from deltamesh.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(DEFAULT_MODEL)
+    system = {"role": "system", "content": "You are a careful assistant who answers in short sentences. " * 4}
+    prompts = [tok.encode_chat([system, {"role": "user", "content": q}]) for q in ("What is a list?", "Hi!", "Why?")]
+    turn_end = prompts[0].index(prompts[0][0], 1)  # where the second message opens
+    assert turn_end % 16 and all(p[:turn_end] == prompts[0][:turn_end] for p in prompts)
+    waves = [[p] for p in prompts]
+    kw = dict(page_size=16, max_num_seqs=4, num_kv_pages=64)
+    ref = run_waves(EngineCore(EngineConfig(model=str(DEFAULT_MODEL), **kw)), waves, GREEDY)
+    engine = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), prefix_cache=True, **kw))
+    assert run_waves(engine, waves, GREEDY) == ref
+    assert engine.stats.prefix_cache_hit_tokens == 2 * turn_end
+    assert_cached_baseline(engine)
