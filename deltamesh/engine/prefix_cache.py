@@ -9,7 +9,8 @@ the pages of the longest such chain, copies the checkpoint into its own slot and
 first uncached token is at a page boundary, on a page of its own, so no request ever writes a shared page.
 
 Which positions get checkpoints: the last page boundary of the prompt before its last token (a request always
-computes and samples from at least one token), the end of a chat prompt's first message (the system prompt other
+computes and samples from at least one token; not for a chat prompt that finishes on this worker, whose finished
+sequence serves its next turn), the end of a chat prompt's first message (the system prompt other
 users' conversations share: a tail there, see below) and, optionally, every `checkpoint_interval` pages; the
 scheduler ends prefill chunks exactly there (`next_stop`). Copies are queued on the engine's stream right after the step
 that reached the boundary, so stream order makes them exact under async scheduling.
@@ -125,10 +126,17 @@ class PrefixCache:
             return 0
         return end if end < len(prompt) - 1 else 0
 
+    def _prompt_end(self, req: Request) -> int:
+        """The prompt's own checkpoint position (its last page boundary), or 0 for a chat prompt this worker
+        finishes: its next turn starts from the whole finished sequence (a tail), so stopping the prefill there
+        would cost a step for nothing. A held prompt (prefill worker) never finishes here: it keeps the stop."""
+        return 0 if req.turn_end and not req.hold_state else self._last_boundary(req)
+
     def next_stop(self, req: Request) -> int | None:
         """The next token position at which the request's prefill must end a chunk (to checkpoint its state)."""
         last = self._last_boundary(req)
-        stops = [last] if req.num_computed < last else []
+        end = self._prompt_end(req)
+        stops = [end] if req.num_computed < end else []
         if req.num_computed < req.turn_end:
             stops.append(req.turn_end)
         if self.checkpoint_interval and req.num_computed < last:
@@ -142,7 +150,7 @@ class PrefixCache:
         if pos <= 0 or pos > last:
             return False
         step = (self.checkpoint_interval or 0) * ps
-        return pos == last or (step > 0 and pos % step == 0) or (pos == req.turn_end and pos % ps == 0)
+        return pos == self._prompt_end(req) or (step > 0 and pos % step == 0) or (pos == req.turn_end and pos % ps == 0)
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         ps = self.kv_pool.page_size

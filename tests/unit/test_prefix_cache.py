@@ -208,8 +208,11 @@ def test_a_new_users_chat_reuses_the_shared_system_prompt():
     assert turn_end % 16 and all(p[:turn_end] == prompts[0][:turn_end] for p in prompts)
     waves = [[p] for p in prompts]
     kw = dict(page_size=16, max_num_seqs=4, num_kv_pages=64)
-    ref = run_waves(EngineCore(EngineConfig(model=str(DEFAULT_MODEL), **kw)), waves, GREEDY)
+    plain = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), **kw))
+    ref = run_waves(plain, waves, GREEDY)
     engine = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), prefix_cache=True, **kw))
     assert run_waves(engine, waves, GREEDY) == ref
     assert engine.stats.prefix_cache_hit_tokens == 2 * turn_end
+    # one stop in all: the first prompt's at the turn end (chat prompts finishing here skip their last boundary)
+    assert engine.stats.steps == plain.stats.steps + 1
     assert_cached_baseline(engine)
