@@ -101,6 +101,18 @@ def _gate_up_chunk(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Ten
     return torch.cat((_chunk(gate, dim, size, rank), _chunk(up, dim, size, rank)), dim)
 
 
+def reads_tensor(name: str, shard: Shard) -> bool:
+    """Whether this rank needs checkpoint tensor `name` at all (any naming, scales included): under expert
+    parallelism a per-expert tensor of an expert another rank holds is not even read from disk."""
+    if not shard.expert_parallel or ".mlp.experts." not in name:
+        return True
+    index = name.split(".mlp.experts.")[1].split(".")[0]
+    if not index.isdigit():
+        return True
+    first, count = shard.experts()
+    return first <= int(index) < first + count
+
+
 def shard_tensor(name: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | None:
     """This rank's part of checkpoint tensor `name` (canonical name, Qwen3.5 layout) of the full model; None for
     a routed expert another rank holds."""

@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import structlog
 import torch
@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models import MODEL_CLASSES, HybridLM
-from deltamesh.engine.parallel import TensorParallelGroup, shard_tensor
+from deltamesh.engine.parallel import TensorParallelGroup, reads_tensor, shard_tensor
 from deltamesh.engine.quantization import dequantized
 
 log = structlog.get_logger("deltamesh.weights")
@@ -53,14 +53,17 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(model_dir: Path, wanted: Callable[[str], bool] = lambda name: True,
+                    ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """(name, tensor) of every tensor `wanted` names; the others are not read."""
     files = checkpoint_files(model_dir)
     # a progress bar over the shards of a real checkpoint, on a terminal only (logs stay JSON lines)
     shown = len(files) > 1 and sys.stderr.isatty()
     for path in tqdm(files, desc="loading checkpoint shards", unit="shard", disable=not shown):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 def canonical_name(name: str) -> str | None:
@@ -73,8 +76,10 @@ def canonical_name(name: str) -> str | None:
 
 
 def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
-    served = ((name, t) for name, t in iter_checkpoint(model_dir) if canonical_name(name) is not None)
-    load_tensors(model, dequantized(served, model.cfg.fp8_block))
+    def wanted(name: str) -> bool:
+        return canonical_name(name) is not None and (model.tp is None or reads_tensor(name, model.tp.shard))
+
+    load_tensors(model, dequantized(iter_checkpoint(model_dir, wanted), model.cfg.fp8_block))
 
 
 def load_tensors(model: HybridLM, named_tensors) -> None:

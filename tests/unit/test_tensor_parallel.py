@@ -159,3 +159,29 @@ def test_shards_put_back_together_give_the_full_tensors(hf_checkpoints):
     assert torch.equal(torch.cat([shard_tensor(name, tensors[name], Shard(3, r, cfg)) for r in range(3)])[:VOCAB],
                        tensors[name])  # fmt: skip
     assert json.loads(cfg.to_json())["num_key_value_heads"] == 2
+
+
+def test_an_expert_parallel_rank_reads_only_its_own_experts(hf_checkpoints, tmp_path):
+    """Per-expert tensors (and their FP8 scales) of experts another rank holds are never read from disk."""
+    from deltamesh.engine.parallel import reads_tensor
+    from deltamesh.engine.weights import iter_checkpoint
+    from scripts.write_fp8_checkpoint import write_fp8_checkpoint
+
+    path = write_fp8_checkpoint(hf_checkpoints["qwen3_5_moe"], tmp_path / "fp8", (8, 8))
+    cfg = ModelConfig.from_dir(path)
+    everything = [n for n, _ in iter_checkpoint(path)]
+    for rank in range(2):
+        shard = Shard(2, rank, cfg, expert_parallel=True)
+        read = [n for n, _ in iter_checkpoint(path, lambda n: reads_tensor(n, shard))]
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".mlp.experts." in n}
+        assert experts == set(range(3 * rank, 3 * rank + 3))
+        assert any(n.endswith("experts.0.gate_proj.weight_scale_inv") for n in read) == (rank == 0)
+        assert set(everything) - set(read) == {n for n in everything if ".mlp.experts." in n} - set(read)
+    assert all(reads_tensor(n, Shard(2, 1, cfg)) for n in everything)  # tensor parallel alone reads everything
+
+
+def test_an_fp8_checkpoint_over_two_expert_parallel_ranks_matches_one(hf_checkpoints, tmp_path):
+    from scripts.write_fp8_checkpoint import write_fp8_checkpoint
+
+    path = write_fp8_checkpoint(hf_checkpoints["qwen3_next"], tmp_path / "fp8", (8, 8))
+    assert_same(run(path, 2, enable_expert_parallel=True), run(path, 1))
