@@ -145,12 +145,12 @@ class PrefixCache:
         return min(stops, default=None)
 
     def _is_checkpoint(self, req: Request, pos: int) -> bool:
-        """A checkpoint at a page boundary (the turn end elsewhere is a tail: `register`)."""
-        last, ps = self._last_boundary(req), self.kv_pool.page_size
+        """Whether the prompt's state after `pos` tokens is to be kept."""
+        last = self._last_boundary(req)
         if pos <= 0 or pos > last:
-            return False
-        step = (self.checkpoint_interval or 0) * ps
-        return pos == self._prompt_end(req) or (step > 0 and pos % step == 0) or (pos == req.turn_end and pos % ps == 0)
+            return pos == req.turn_end and pos > 0
+        step = (self.checkpoint_interval or 0) * self.kv_pool.page_size
+        return pos in (self._prompt_end(req), req.turn_end) or (step > 0 and pos % step == 0)
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         ps = self.kv_pool.page_size
@@ -312,40 +312,44 @@ class PrefixCache:
     def register(self, req: Request) -> None:
         """Cache the request's newly computed full prompt pages, and checkpoint its state if its prefill
         has just stopped at a checkpoint position."""
-        ps = self.kv_pool.page_size
-        full = min(req.num_computed, len(req.prompt_ids)) // ps
+        pos = req.num_computed
         with self._lock:
-            keys = self._keys(req, full)
-            for i in range(req.num_registered_pages, full):
-                if not self._insert(req, i):
-                    break
-            req.num_registered_pages = full
-            pos = req.num_computed
-            if self._is_checkpoint(req, pos) and self._block(req, pos // ps - 1) is not None:
-                self._save_checkpoint(keys[pos // ps - 1], req.slot)
-            elif pos == req.turn_end and (full == 0 or self._block(req, full - 1) is not None):
-                self._save_tail((keys[-1] if full else None, tuple(req.ids_between(full * ps, pos))), req, full)
-            self._touch(keys[::-1])
+            keys = self._insert_pages(req, min(pos, len(req.prompt_ids)) // self.kv_pool.page_size)
+            if keys is not None and self._is_checkpoint(req, pos):
+                self._save_state(req, pos, keys)
 
     def register_finished(self, req: Request) -> None:
         """Cache a finished request's whole computed sequence (stepping thread, before its pages and slot are
-        freed): its full pages, and a tail of the tokens past them, or a checkpoint when there are none."""
-        ps = self.kv_pool.page_size
+        freed): its full pages, and the state after them (a tail of the tokens past the last one)."""
         end = min(req.num_computed, len(req.prompt_ids) + len(req.output_ids))  # the state holds these tokens
-        full = end // ps
         if req.slot is None or end <= 0:
             return
         with self._lock:
-            keys = self._keys(req, full)
-            for i in range(req.num_registered_pages, full):
-                if not self._insert(req, i):
-                    return
-            req.num_registered_pages = full
-            self._touch(keys[::-1])
-            if end % ps == 0:
-                self._save_checkpoint(keys[-1], req.slot)
-            else:
-                self._save_tail((keys[-1] if full else None, tuple(req.ids_between(full * ps, end))), req, full)
+            keys = self._insert_pages(req, end // self.kv_pool.page_size)
+            if keys is not None:
+                self._save_state(req, end, keys)
+
+    def _insert_pages(self, req: Request, full: int) -> list[int] | None:
+        """Cache the request's first `full` pages (those not offered yet); their keys, or None when the chain
+        breaks (the budget is spent on pages in use)."""
+        keys = self._keys(req, full)
+        for i in range(req.num_registered_pages, full):
+            if not self._insert(req, i):
+                req.num_registered_pages = i
+                return None
+        req.num_registered_pages = full
+        self._touch(keys[::-1])
+        return keys
+
+    def _save_state(self, req: Request, pos: int, keys: list[int]) -> None:
+        """Keep the request's state after its first `pos` tokens (`keys`: its full blocks): a checkpoint on the
+        block ending there, or a tail past the last full block."""
+        full = pos // self.kv_pool.page_size
+        if pos == full * self.kv_pool.page_size:
+            self._save_checkpoint(keys[full - 1], req.slot)
+        else:
+            tokens = tuple(req.ids_between(full * self.kv_pool.page_size, pos))
+            self._save_tail((keys[full - 1] if full else None, tokens), req, full)
 
     def _save_tail(self, key: TailKey, req: Request, depth: int) -> None:
         if key in self._tails:

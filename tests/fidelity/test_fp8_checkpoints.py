@@ -8,7 +8,7 @@ import torch
 from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.engine import Engine
-from fidelity.test_transformers_fidelity import FAMILIES, engine_logits, hf_logits, prompt
+from fidelity.test_transformers_fidelity import FAMILIES, engine_logits, family, hf_logits, prompt  # noqa: F401
 from hf_checkpoints import load_hf
 from scripts.write_fp8_checkpoint import write_fp8_checkpoint
 
@@ -20,11 +20,6 @@ BLOCK = (8, 8)  # every quantized dim of the tiny models is a multiple of 8: a g
 def fp8_checkpoints(hf_checkpoints, tmp_path_factory):
     base = tmp_path_factory.mktemp("fp8")
     return {fam: write_fp8_checkpoint(hf_checkpoints[fam], base / fam, BLOCK) for fam in FAMILIES}
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
-    return request.param
 
 
 @pytest.fixture(scope="module")

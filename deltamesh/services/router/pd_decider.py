@@ -4,62 +4,42 @@ only its new message left to compute there. When some decode worker holds all bu
 a prompt, the request goes to it directly (it prefills the rest itself, as a colocated worker does) instead of
 through a prefill worker that would recompute the previous reply and move the whole state.
 
-What each decode worker holds is remembered the way its cache names it: hash chains of `block`-token blocks of
-the sequences it finished, the `max_blocks` most recent per worker. The worker's cache may have evicted a
-sequence since; it then computes the whole prompt, still exactly."""
+What each decode worker holds is remembered the way its cache names it (policies.SentBlocks, over the sequences
+it finished). The worker's cache may have evicted a sequence since; it then computes the whole prompt, still
+exactly."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Sequence
 
-from deltamesh.engine.prefix_cache import block_key
 from deltamesh.services.router import metrics
+from deltamesh.services.router.policies import SentBlocks
 from deltamesh.services.router.registry import WorkerHandle
 
 
 class PdDecider:
     def __init__(self, max_suffix: int, block: int = 16, max_blocks: int = 1 << 18):
-        self.max_suffix, self.block, self.max_blocks = max_suffix, block, max_blocks
-        self._held: dict[str, OrderedDict[int, None]] = {}
+        self.max_suffix = max_suffix
+        self.held = SentBlocks(block, max_blocks)  # the sequences each decode worker finished
 
     def direct(self, decode_workers: list[WorkerHandle], prompt_ids: Sequence[int]) -> WorkerHandle | None:
         """The decode worker to send this prompt to directly, or None (through a prefill worker)."""
-        keys = self._keys(prompt_ids)
+        keys = self.held.keys(prompt_ids)
         best, matched = None, 0
         for w in decode_workers:
             if w.load is None or not w.load.prefix_cache:  # it keeps nothing: it would compute the whole prompt
                 continue
-            n = self._matched(w.address, keys)
+            n = self.held.matched(w.address, keys)
             if n > matched:
                 best, matched = w, n
-        go = best is not None and len(prompt_ids) - matched * self.block <= self.max_suffix
+        go = best is not None and len(prompt_ids) - matched * self.held.block <= self.max_suffix
         metrics.PD_DECISIONS.labels("direct" if go else "prefill").inc()
         return best if go else None
 
     def finished(self, address: str, sequence: Sequence[int]) -> None:
         """A request's prompt and reply, finished on decode worker `address`."""
-        held = self._held.setdefault(address, OrderedDict())
-        for k in self._keys(sequence):
-            held[k] = None
-            held.move_to_end(k)
-        while len(held) > self.max_blocks:
-            held.popitem(last=False)
+        self.held.remember(address, self.held.keys(sequence))
 
     def forget(self, address: str) -> None:
         """A worker that failed lost its cache."""
-        self._held.pop(address, None)
-
-    def _keys(self, ids: Sequence[int]) -> list[int]:
-        keys, parent = [], None
-        for i in range(len(ids) // self.block):
-            parent = block_key(parent, ids[i * self.block : (i + 1) * self.block])
-            keys.append(parent)
-        return keys
-
-    def _matched(self, address: str, keys: list[int]) -> int:
-        held = self._held.get(address, {})
-        n = 0
-        while n < len(keys) and keys[n] in held:
-            n += 1
-        return n
+        self.held.forget(address)

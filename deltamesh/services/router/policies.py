@@ -39,50 +39,62 @@ def _load_score(w: WorkerHandle):
     return (w.inflight + queued, kv, w.address)
 
 
-class CacheAware:
-    """The worker that was sent the longest prefix of this prompt (so its prefix cache likely holds it), unless
-    that worker is busier than the least loaded one by more than `balance` requests or the match is short; else
-    the least loaded. What each worker was sent is remembered as a chain of hashes of `block`-token blocks (the
-    way a worker's cache names them), the `max_blocks` most recent per worker."""
+class SentBlocks:
+    """What the router has sent each worker, remembered the way a worker's prefix cache names it: hash chains of
+    `block`-token blocks, the `max_blocks` most recent per worker."""
 
-    def __init__(self, block: int = 16, min_match: float = 0.5, balance: int = 8, max_blocks: int = 1 << 18):
-        self.block, self.min_match, self.balance, self.max_blocks = block, min_match, balance, max_blocks
+    def __init__(self, block: int = 16, max_blocks: int = 1 << 18):
+        self.block, self.max_blocks = block, max_blocks
         self._sent: dict[str, OrderedDict[int, None]] = {}
 
-    def pick(self, candidates: list[WorkerHandle], prompt_ids: Sequence[int] = ()) -> WorkerHandle:
-        keys = self._keys(prompt_ids)
-        least = min(candidates, key=_load_score)
-        matched = {w.address: self._matched(w.address, keys) for w in candidates}
-        best = max(candidates, key=lambda w: (matched[w.address], -_load_score(w)[0]))
-        busier = _load_score(best)[0] - _load_score(least)[0]
-        longest = matched[best.address]
-        use_cache = longest > 0 and longest >= self.min_match * len(keys) and busier <= self.balance
-        chosen = best if use_cache else least
-        metrics.ROUTING_DECISIONS.labels("cache" if use_cache else "load").inc()
-        self._remember(chosen.address, keys)
-        return chosen
-
-    def _keys(self, prompt_ids: Sequence[int]) -> list[int]:
+    def keys(self, ids: Sequence[int]) -> list[int]:
         keys, parent = [], None
-        for i in range(len(prompt_ids) // self.block):
-            parent = block_key(parent, prompt_ids[i * self.block : (i + 1) * self.block])
+        for i in range(len(ids) // self.block):
+            parent = block_key(parent, ids[i * self.block : (i + 1) * self.block])
             keys.append(parent)
         return keys
 
-    def _matched(self, address: str, keys: list[int]) -> int:
+    def matched(self, address: str, keys: list[int]) -> int:
+        """How many of `keys`, from the first, went to the worker at `address`."""
         sent = self._sent.get(address, {})
         n = 0
         while n < len(keys) and keys[n] in sent:
             n += 1
         return n
 
-    def _remember(self, address: str, keys: list[int]) -> None:
+    def remember(self, address: str, keys: list[int]) -> None:
         sent = self._sent.setdefault(address, OrderedDict())
         for k in keys:
             sent[k] = None
             sent.move_to_end(k)
         while len(sent) > self.max_blocks:
             sent.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        self._sent.pop(address, None)
+
+
+class CacheAware:
+    """The worker that was sent the longest prefix of this prompt (so its prefix cache likely holds it), unless
+    that worker is busier than the least loaded one by more than `balance` requests or the match is short; else
+    the least loaded."""
+
+    def __init__(self, block: int = 16, min_match: float = 0.5, balance: int = 8, max_blocks: int = 1 << 18):
+        self.min_match, self.balance = min_match, balance
+        self.sent = SentBlocks(block, max_blocks)
+
+    def pick(self, candidates: list[WorkerHandle], prompt_ids: Sequence[int] = ()) -> WorkerHandle:
+        keys = self.sent.keys(prompt_ids)
+        least = min(candidates, key=_load_score)
+        matched = {w.address: self.sent.matched(w.address, keys) for w in candidates}
+        best = max(candidates, key=lambda w: (matched[w.address], -_load_score(w)[0]))
+        busier = _load_score(best)[0] - _load_score(least)[0]
+        longest = matched[best.address]
+        use_cache = longest > 0 and longest >= self.min_match * len(keys) and busier <= self.balance
+        chosen = best if use_cache else least
+        metrics.ROUTING_DECISIONS.labels("cache" if use_cache else "load").inc()
+        self.sent.remember(chosen.address, keys)
+        return chosen
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}
