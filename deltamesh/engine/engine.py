@@ -95,6 +95,11 @@ class Engine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.core.requests
 
+    def cached_tokens(self, prompt_ids: list[int]) -> int:
+        """How many tokens of this prompt the prefix cache would serve now (0 without a cache); any thread."""
+        cache = self.core.prefix_cache
+        return cache.cached_tokens(prompt_ids) if cache is not None else 0
+
     # ---- state hand-off (disaggregation): what the services use, with the layout the engine owns ---------------
     @functools.cached_property
     def compat_hash(self) -> str:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
 from deltamesh.engine.request import Request
+from deltamesh.engine.sampling import SamplingParams
 
 
 def block_key(parent: int | None, tokens) -> int:
@@ -197,27 +198,35 @@ class PrefixCache:
         block, or a tail after the blocks), with a reference taken on each page and on the tail's page (the
         caller frees the pages like any of its own, and hands the tail to `restore` or `release`). Nothing else
         changes until `restore`."""
-        ps, limit = self.kv_pool.page_size, len(req.prompt_ids) - 1  # at least one prompt token is computed
-        n = limit // ps
         req.turn_end = self._turn_end(req)
         with self._lock:
-            keys = self._keys(req, n)
-            best, best_tail = 0, self._tail(req, 0, limit)
-            depth = 0
-            while depth < n and self._block(req, depth) is not None:
-                depth += 1
-                if self._blocks[keys[depth - 1]].checkpoint is not None:
-                    best, best_tail = depth, None
-                tail = self._tail(req, depth, limit)
-                if tail is not None:
-                    best, best_tail = depth, tail
-            if best_tail is not None and best_tail.depth * ps + len(best_tail.tokens) <= best * ps:
-                best_tail = None
-            if best_tail is not None:
-                best = best_tail.depth
-            pages = [self._blocks[k].page for k in keys[:best]]
-            self.kv_pool.share(pages + ([best_tail.page] if best_tail else []))
-            return pages, best_tail
+            best, tail = self._longest(req)
+            pages = [self._blocks[k].page for k in req.block_keys[:best]]
+            self.kv_pool.share(pages + ([tail.page] if tail else []))
+            return pages, tail
+
+    def cached_tokens(self, prompt_ids: list[int]) -> int:
+        """How many tokens of this prompt a request would take from the cache now (any thread)."""
+        req = Request("", prompt_ids, SamplingParams(), None)
+        with self._lock:
+            best, tail = self._longest(req)
+        return best * self.kv_pool.page_size + (len(tail.tokens) if tail else 0)
+
+    def _longest(self, req: Request) -> tuple[int, _Tail | None]:
+        """(full blocks, tail after them) of the longest cached prefix of the prompt that ends at a checkpoint."""
+        ps, limit = self.kv_pool.page_size, len(req.prompt_ids) - 1  # at least one prompt token is computed
+        n = limit // ps
+        keys = self._keys(req, n)
+        best, best_tail = 0, self._tail(req, 0, limit)
+        depth = 0
+        while depth < n and self._block(req, depth) is not None:
+            depth += 1
+            if self._blocks[keys[depth - 1]].checkpoint is not None:
+                best, best_tail = depth, None
+            tail = self._tail(req, depth, limit)
+            if tail is not None:
+                best, best_tail = depth, tail
+        return best, best_tail
 
     def release(self, tail: _Tail | None) -> None:
         """Give back the reference `acquire` took on a tail that was not restored."""

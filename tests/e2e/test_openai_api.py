@@ -277,3 +277,29 @@ def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, refe
         assert m.wait_idle() == {}
     finally:
         m.stop()
+
+
+def test_a_decode_worker_that_lost_the_conversation_refuses_and_prefill_serves_it(tmp_path, reference_engine):
+    """The P/D decider sends turn 2 to the decode worker that finished turn 1, but that worker's cache keeps
+    almost nothing (--prefix-cache-pages 1): it refuses rather than prefill the whole prompt itself, and the
+    request goes through the prefill worker, with the same answer."""
+    m = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], http=True,
+                   role_args={"decode": ["--prefix-cache-pages", "1"]},
+                   router_args=["--pd-direct-max-tokens", "64"])  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{m.http_port}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "system", "content": "You answer questions about Python in short sentences. " * 8}]
+        for question in ["What is a list?", "And a tuple?"]:
+            messages.append({"role": "user", "content": question})
+            ids = reference_engine.tokenizer.encode_chat(messages)
+            ref = reference_engine.generate(ids, SamplingParams(max_tokens=24, temperature=0))[0]
+            res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=24, temperature=0)
+            assert res.choices[0].message.content == ref.text
+            messages.append({"role": "assistant", "content": ref.text})
+        metrics = httpx.get(f"http://127.0.0.1:{m.http_port}/metrics").text
+        assert 'deltamesh_router_pd_decisions_total{path="refused"} 1.0' in metrics
+        [prefill] = m.workers("prefill")
+        assert prefill.load().prefix_cache_hit_tokens > 0  # turn 2 was prefilled there, from turn 1's prompt
+        assert m.wait_idle() == {}
+    finally:
+        m.stop()

@@ -32,6 +32,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             reservation = await self._receive_state(request, context)
             first = request.source.first_token_id
             submit = lambda r, sink: self.engine.submit_transferred(r, first, reservation, sink)  # noqa: E731
+        elif request.max_uncached_tokens:
+            uncached = len(req.prompt_ids) - self.engine.cached_tokens(req.prompt_ids)
+            if uncached > request.max_uncached_tokens:  # not held here (evicted): a prefill worker's job
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{uncached} prompt tokens are not in this "
+                                    f"worker's prefix cache (at most {request.max_uncached_tokens} asked)")  # fmt: skip
         async for out in self.engine.stream(req, submit):
             if out.new_token_ids:
                 now = time.monotonic()

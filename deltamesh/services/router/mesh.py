@@ -36,6 +36,10 @@ class MeshError(Exception):
         self.code, self.message = code, message
 
 
+class _NotHeld(Exception):
+    """A decode worker refused a direct request: its prefix cache does not hold the conversation (any more)."""
+
+
 @dataclass
 class _Inflight:
     call: object = None  # the worker call in progress
@@ -143,10 +147,15 @@ class Mesh:
                 return
             direct = self.pd.direct(self.registry.healthy("decode"), prompt_ids) if self.pd else None
             if direct is not None:  # the decode worker holds the conversation: it prefills the new message itself
-                req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop)
-                async for delta in self._remembered(self._decode(req, "decode", inflight, direct), prompt_ids, inflight):
-                    yield delta
-                return
+                req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
+                                               stop=stop, max_uncached_tokens=self.pd.max_suffix)  # fmt: skip
+                try:
+                    async for delta in self._remembered(self._decode(req, "decode", inflight, direct), prompt_ids,
+                                                        inflight):  # fmt: skip
+                        yield delta
+                    return
+                except _NotHeld:  # its cache no longer holds the conversation: through a prefill worker after all
+                    self.pd.refused(direct.address)
             # the lease's token is ours from the start: a request that goes away while its prefill answer is on the
             # wire can still end the lease it will never see
             prefill_req = prefill_pb2.PrefillRequest(
@@ -254,6 +263,8 @@ class Mesh:
                         metrics.RETRIES.labels(role).inc()
                         log.warning("retrying decode on another worker", failed=w.address)
                         continue
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and req.max_uncached_tokens and not streamed:
+                    raise _NotHeld() from None
                 if tried and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # the failed worker may have pulled (used up) the lease before dying: a worker fault
                     raise MeshError(grpc.StatusCode.UNAVAILABLE, f"decode worker failed and the retry could not "

@@ -5,8 +5,9 @@ a prompt, the request goes to it directly (it prefills the rest itself, as a col
 through a prefill worker that would recompute the previous reply and move the whole state.
 
 What each decode worker holds is remembered the way its cache names it (policies.SentBlocks, over the sequences
-it finished). The worker's cache may have evicted a sequence since; it then computes the whole prompt, still
-exactly."""
+it finished). The worker's cache may have evicted a sequence since: it then refuses the request (more than
+`max_suffix` tokens uncached), which goes through a prefill worker after all, so a decode worker never prefills
+a long prompt."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class PdDecider:
     def finished(self, address: str, sequence: Sequence[int]) -> None:
         """A request's prompt and reply, finished on decode worker `address`."""
         self.held.remember(address, self.held.keys(sequence))
+
+    def refused(self, address: str) -> None:
+        """The worker did not hold a conversation it was thought to: counted; the request goes through prefill."""
+        metrics.PD_DECISIONS.labels("refused").inc()
 
     def forget(self, address: str) -> None:
         """A worker that failed lost its cache."""
