@@ -43,9 +43,13 @@ def quantized_name(name: str, tensor: torch.Tensor) -> bool:
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """One output shard per input shard (same names, one in memory at a time), an index when there are
+    several, config.json with the quantization_config, and the other files copied."""
     dst.mkdir(parents=True, exist_ok=True)
-    tensors, kept_modules = {}, []
-    for path in sorted(src.glob("*.safetensors")):
+    kept_modules, weight_map = [], {}
+    shards = sorted(src.glob("*.safetensors"))
+    for path in shards:
+        tensors = {}
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
@@ -55,7 +59,11 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 12
                     tensors[name] = t.contiguous()
                     if name.endswith(".weight") and t.dim() == 2:
                         kept_modules.append(name[: -len(".weight")])
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(dst / path.name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, path.name)
+    if len(shards) > 1:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(block), "modules_to_not_convert": kept_modules}  # fmt: skip

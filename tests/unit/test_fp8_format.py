@@ -80,3 +80,18 @@ def test_engine_refuses_an_unsupported_checkpoint_before_reading_weights(tmp_pat
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="activation_scheme 'static'"):
         EngineCore(EngineConfig(model=str(fp8)))
+
+
+def test_a_sharded_checkpoint_stays_sharded_and_loads(tmp_path, hf_checkpoints):
+    from hf_checkpoints import load_hf
+
+    src = tmp_path / "sharded"
+    load_hf(hf_checkpoints["qwen3_5_moe"]).save_pretrained(src, max_shard_size="200KB")
+    fp8 = write_fp8_checkpoint(src, tmp_path / "fp8", (8, 8))
+    shards = sorted(p.name for p in fp8.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in src.glob("*.safetensors")) and len(shards) > 1
+    index = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] in shards
+    single = write_fp8_checkpoint(hf_checkpoints["qwen3_5_moe"], tmp_path / "single", (8, 8))
+    a, b = EngineCore(EngineConfig(model=str(fp8))), EngineCore(EngineConfig(model=str(single)))
+    assert torch.equal(a.model.layers[1].mlp.w13, b.model.layers[1].mlp.w13)  # the same weights either way
