@@ -4,26 +4,26 @@ A prompt is cut into page-sized token blocks; block i is named by a hash chain, 
 token ids)), so a key names the whole prefix up to the end of its block. The cache keeps, per key, one full KV
 page (it holds a reference on it, see KVPagePool.share) and, at some keys, a checkpoint: a copy of a GDN state
 slot taken when a request's prefill stopped exactly at the end of that block. GDN state cannot be rebuilt from
-KV, so a cached prefix is usable only up to a key that has a checkpoint: a new request takes a reference on
-the pages of the longest such chain, copies the checkpoint into its own slot and computes only the rest. Its
-first uncached token is at a page boundary, on a page of its own, so no request ever writes a shared page.
+KV, so a cached prefix is usable only up to a point that has a checkpoint: a new request takes a reference on
+the pages of the longest such chain, copies the checkpoint into its own slot and computes only the rest.
 
-Which positions get checkpoints: the last page boundary of the prompt before its last token (a request always
+A point inside a page is a tail: its tokens past the last full block, a copy of their partial page (the cache's
+own) and the state after them. A request that starts from a tail copies that page into a page of its own and
+goes on writing there, so no request ever writes a page the cache holds. A finished request leaves its whole
+sequence (prompt and reply) this way, full pages and a tail, so that a conversation's next turn, whose prompt
+repeats it, computes only its new message.
+
+Which prompt positions get checkpoints: the last page boundary before the prompt's last token (a request always
 computes and samples from at least one token; not for a chat prompt that finishes on this worker, whose finished
-sequence serves its next turn), the end of a chat prompt's first message (the system prompt other
-users' conversations share: a tail there, see below) and, optionally, every `checkpoint_interval` pages; the
-scheduler ends prefill chunks exactly there (`next_stop`). Copies are queued on the engine's stream right after the step
-that reached the boundary, so stream order makes them exact under async scheduling.
+sequence serves its next turn), the end of a chat prompt's first message (the system prompt other users'
+conversations share; a tail there) and, optionally, every `checkpoint_interval` pages; the scheduler ends
+prefill chunks exactly there (`next_stop`). Copies are queued on the engine's stream right after the step that
+reached the position, so stream order makes them exact under async scheduling.
 
-A finished request leaves its whole sequence (prompt and reply) behind, so that a conversation's next turn,
-whose prompt repeats it, computes only its new message: its full pages join the chain, and what lies past the
-last full page becomes a tail: those tokens, a copy of their partial page and a checkpoint of the state after
-them. A request that starts from a tail copies the tail's page into a page of its own and goes on writing there.
-
-Eviction is LRU over blocks only the cache holds (a page some request still uses frees nothing); evicting a
-block drops its descendants too, since they can no longer be reached. Checkpoints live in their own small
-StatePool and are evicted LRU when it is full. Every structure is guarded by one lock: a decode worker reserves
-pages (which may evict) from other threads.
+Eviction is LRU over blocks and tails only the cache holds (a page some request still uses frees nothing);
+evicting a block drops its descendants and tails too, since they can no longer be reached. Checkpoints live in
+their own StatePool and are evicted LRU when it is full. Every structure is guarded by one lock: a decode worker
+reserves pages (which may evict) from other threads.
 """
 
 from __future__ import annotations
@@ -140,9 +140,10 @@ class PrefixCache:
         stops = [end] if req.num_computed < end else []
         if req.num_computed < req.turn_end:
             stops.append(req.turn_end)
-        if self.checkpoint_interval and req.num_computed < last:
+        if self.checkpoint_interval:
             step = self.checkpoint_interval * self.kv_pool.page_size
-            stops.append((req.num_computed // step + 1) * step)
+            if (at := (req.num_computed // step + 1) * step) <= last:
+                stops.append(at)
         return min(stops, default=None)
 
     def _is_checkpoint(self, req: Request, pos: int) -> bool:

@@ -155,7 +155,7 @@ class Mesh:
                         yield delta
                     return
                 except _NotHeld:  # its cache no longer holds the conversation: through a prefill worker after all
-                    self.pd.refused(direct.address)
+                    self.pd.refused()
             # the lease's token is ours from the start: a request that goes away while its prefill answer is on the
             # wire can still end the lease it will never see
             prefill_req = prefill_pb2.PrefillRequest(

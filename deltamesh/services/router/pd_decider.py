@@ -41,8 +41,9 @@ class PdDecider:
         """A request's prompt and reply, finished on decode worker `address`."""
         self.held.remember(address, self.held.keys(sequence))
 
-    def refused(self, address: str) -> None:
-        """The worker did not hold a conversation it was thought to: counted; the request goes through prefill."""
+    def refused(self) -> None:
+        """A decode worker did not hold a conversation it was thought to: counted; the request goes through
+        prefill (and the decode worker it lands on holds the conversation again once it finishes)."""
         metrics.PD_DECISIONS.labels("refused").inc()
 
     def forget(self, address: str) -> None:
