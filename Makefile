@@ -7,7 +7,7 @@ PROTO_SRC := protos
 PROTO_OUT := sdk/src
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak \
+.PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak bench-multi-turn bench-multi-turn-gpu \
 	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity bench-peers bench-host-gap \
 	bench-parallel clean help
 
@@ -95,6 +95,14 @@ bench-host-gap:  # GPU: idle time between decode steps, async scheduling on and 
 bench-parallel:  # 2+ GPUs: the 35B-A3B shape on one rank and tensor-parallel over two
 	python bench/parallel.py --device cuda --model bench/configs/qwen3.5-35b-a3b --load-format dummy --tp 1,2 \
 		--batch 16 --prompt 8192 --decode-tokens 128 --out bench/results/parallel_gpu.json
+
+bench-multi-turn:  # chats with the prefix cache off and on: CPU (default model), then the H200 shape of RESULTS
+	$(PYTHON) bench/multi_turn.py --users 12 --turns 3 --out bench/results/multi_turn_cpu_colocated.json
+
+bench-multi-turn-gpu:
+	python bench/multi_turn.py --device cuda --dtype bfloat16 --load-format dummy --model bench/configs/qwen3.5-9b \
+		--system-len 6144 --message-len 200 --reply-len 128 --users 8 --turns 3 --vocab 30000 \
+		--out bench/results/multi_turn_gpu.json
 
 bench-gpu-fidelity:
 	python bench/gpu_fidelity.py --out bench/results/gpu_fidelity.json
