@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from deltamesh.client.cli import generate
+from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.options import Option, hand_over, handed_settings, options, settings_from, with_options
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
@@ -225,7 +226,7 @@ def serve(**values) -> None:
     router, roles, gpus = _plan(values, secret)
     specs, metrics_urls = _children(values, secret, router, roles, gpus)
     where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
-    print(f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}", file=sys.stderr, flush=True)
+    write_line(sys.stderr, f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}")
     announce_when_ready(f"{host}:{router.control_port}", secret, Counter(roles), router.tls, where)
     code = Supervisor(specs).run()
     if code:

@@ -11,6 +11,7 @@ from collections import Counter
 
 import grpc
 
+from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.tls import TlsSettings, channel_credentials
 
 
@@ -30,7 +31,7 @@ def announce_when_ready(control: str, secret: str, roles: Counter, tls: TlsSetti
                 healthy = Counter()
             if all(healthy[role] >= n for role, n in roles.items()):
                 counts = " + ".join(f"{n} {role}" for role, n in roles.items())
-                print(f"deltamesh: mesh ready ({counts}): {where}", file=sys.stderr, flush=True)
+                write_line(sys.stderr, f"deltamesh: mesh ready ({counts}): {where}")
                 return
             time.sleep(0.5)
 

@@ -15,6 +15,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from deltamesh.services.common.logs import write_line
+
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_S = 60.0  # up this long: the next crash starts the back-off from the beginning again
@@ -46,7 +48,7 @@ class Child:
 
 
 def log(message: str) -> None:
-    print(f"deltamesh: {message}", file=sys.stderr, flush=True)
+    write_line(sys.stderr, f"deltamesh: {message}")
 
 
 def describe_exit(returncode: int) -> str:

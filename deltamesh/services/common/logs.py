@@ -41,3 +41,11 @@ def request_id_from(context, fallback: str = "") -> str:
         if key == REQUEST_ID_KEY:
             return value
     return fallback
+
+
+def write_line(stream, text: str) -> None:
+    """`text` and its newline in one write, then flushed: the processes of a mesh share their output streams,
+    and print (the text and the newline written apart when the stream is unbuffered) lets another process's
+    line land between them."""
+    stream.write(text + "\n")
+    stream.flush()

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import sys
 from pathlib import Path
 from typing import Callable, Coroutine
 
 import grpc
+
 import structlog
 
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
 from deltamesh.engine import Engine, RequestError
 from deltamesh.services.common.auth import mesh_interceptor, mesh_metadata
 from deltamesh.services.common.convert import sampling_from_proto
-from deltamesh.services.common.logs import bind_request, request_id_from
+from deltamesh.services.common.logs import bind_request, request_id_from, write_line
 from deltamesh.services.common.server import CHANNEL_OPTIONS
 from deltamesh.services.common.settings import WorkerSettings
 from deltamesh.services.common.tls import aio_channel
@@ -168,7 +170,7 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
              compat_hash=worker.compat_hash)  # fmt: skip
     tasks = [asyncio.create_task(c) for c in [worker.register_forever(stop, role), worker.stop_on_engine_failure(stop),
                                               *role.background(stop)]]  # fmt: skip
-    print(f"DELTAMESH_READY {settings.role} {server.address}", flush=True)
+    write_line(sys.stdout, f"DELTAMESH_READY {settings.role} {server.address}")
     await stop.wait()
     log.info("worker stopping")
     await server.stop(grace_s=2.0)

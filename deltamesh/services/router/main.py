@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import structlog
 
 from deltamesh.v1 import control_pb2, control_pb2_grpc, router_pb2, router_pb2_grpc
 from deltamesh.services.common.auth import api_key_interceptor, mesh_interceptor
+from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.server import GrpcServer
 from deltamesh.services.common.settings import RouterSettings
 from deltamesh.services.router.control import ControlServicer
@@ -55,7 +57,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         tasks.append(http_task)
     log.info("router serving", grpc=server.address, control=control.address, http=settings.http_port,
              model=frontend.model_id, policy=settings.policy)  # fmt: skip
-    print(f"DELTAMESH_READY router {server.address}", flush=True)
+    write_line(sys.stdout, f"DELTAMESH_READY router {server.address}")
     await stop.wait()
     if http is not None:
         http.should_exit = True
