@@ -90,6 +90,9 @@ class RouterSettings(BaseModel):
     http_port: int | None = Field(8000, description="OpenAI-compatible REST port (0: off)")
     model: str = _engine_setting("model")  # checkpoint directory: tokenizer, chat template, model id
     max_model_len: int | None = _engine_setting("max_model_len")
+    # the workers' KV page size: the block the cache_aware policy and the P/D decider name prefixes by, as the
+    # workers' prefix caches do
+    page_size: int = _engine_setting("page_size")
     # static worker addresses
     prefill: list[str] = Field(default_factory=list, description="Static prefill worker address (repeatable)")
     decode: list[str] = Field(default_factory=list, description="Static decode worker address (repeatable)")

@@ -18,7 +18,7 @@ from deltamesh.services.router.gateway import Gateway, start_gateway
 from deltamesh.services.router.mesh import Mesh
 from deltamesh.services.router.metrics import register_worker_gauge
 from deltamesh.services.router.pd_decider import PdDecider
-from deltamesh.services.router.policies import POLICIES
+from deltamesh.services.router.policies import make_policy
 from deltamesh.services.router.registry import WorkerRegistry
 from deltamesh.services.router.servicer import RouterServicer
 
@@ -33,9 +33,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         for address in getattr(settings, role):
             registry.add(address, role, static=True)
     register_worker_gauge(registry)
-    pd = PdDecider(settings.pd_direct_max_tokens) if settings.pd_direct_max_tokens else None
-    mesh = Mesh(registry, POLICIES[settings.policy](), settings.prefill_retries, settings.request_timeout_s,
-                settings.ready_timeout_s, pd)  # fmt: skip
+    pd = PdDecider(settings.pd_direct_max_tokens, settings.page_size) if settings.pd_direct_max_tokens else None
+    policy = make_policy(settings.policy, settings.page_size)
+    mesh = Mesh(registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd)
     # Two listeners: the client API (the API key, when set) and the control plane (the mesh secret)
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
     client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh), name)]

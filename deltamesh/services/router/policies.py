@@ -98,3 +98,8 @@ class CacheAware:
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}
+
+
+def make_policy(name: str, page_size: int) -> Policy:
+    """The policy `name`; cache_aware names prefixes in blocks of the workers' KV page size, as their caches do."""
+    return CacheAware(block=page_size) if name == "cache_aware" else POLICIES[name]()
