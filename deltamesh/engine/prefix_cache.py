@@ -271,7 +271,7 @@ class PrefixCache:
             for key in self._eviction_order(only_unshared=True):
                 if self.kv_pool.num_free >= goal:
                     return
-                if key in self._blocks:
+                if key in self._blocks or key in self._tails:  # not dropped already with an evicted parent
                     self._drop(key)
 
     def _eviction_order(self, only_unshared: bool) -> list[int | TailKey]:
@@ -366,12 +366,8 @@ class PrefixCache:
             self._tails[key].last_use = next(self._clock)
             self._checkpointed.move_to_end(key)
             return
-        if self.num_pages >= self.max_pages:
-            own = set(req.block_keys[:depth])
-            victims = [k for k in self._eviction_order(only_unshared=False) if k not in own]
-            if not victims:
-                return
-            self._drop(victims[0])
+        if not self._make_room(req.block_keys[:depth]):
+            return
         try:
             [page] = self.kv_pool.alloc(1)
         except PoolExhausted:
@@ -396,18 +392,25 @@ class PrefixCache:
             return self._block(req, i) is not None
         if parent is not None and self._block(req, i - 1) is None:
             return False
-        if len(self._blocks) >= self.max_pages:
-            own = set(req.block_keys[:i])
-            victims = [k for k in self._eviction_order(only_unshared=False) if k not in own]
-            if not victims:
-                return False
-            self._drop(victims[0])
+        if not self._make_room(req.block_keys[:i]):
+            return False
         page = req.pages[i]
         self.kv_pool.share([page])
         self._blocks[key] = _Block(parent, self._tokens(req, i), page, i)
         if parent is not None:
             self._blocks[parent].children.add(key)
         return True
+
+    def _make_room(self, own: list[int]) -> bool:
+        """Room for one more page within the budget (blocks and tails both hold one), dropping the least
+        recently used entry but the chain `own` being cached; False if only that chain is left."""
+        if self.num_pages < self.max_pages:
+            return True
+        keep = set(own)
+        victims = [k for k in self._eviction_order(only_unshared=False) if k not in keep]
+        if victims:
+            self._drop(victims[0])
+        return bool(victims)
 
     def _save_checkpoint(self, key: int, slot: int) -> None:
         block = self._blocks[key]

@@ -216,3 +216,15 @@ def test_a_new_users_chat_reuses_the_shared_system_prompt():
     # one stop in all: the first prompt's at the turn end (chat prompts finishing here skip their last boundary)
     assert engine.stats.steps == plain.stats.steps + 1
     assert_cached_baseline(engine)
+
+
+def test_memory_pressure_evicts_tails_of_short_sequences_too(hf_checkpoints):
+    """A sequence shorter than a page leaves only a tail (no block above it): allocation must be able to take
+    its page back like any cached page."""
+    engine = core(hf_checkpoints["qwen3_5"], True, num_kv_pages=16)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    run_waves(engine, [[tokens(2, 100 + i)] for i in range(4)], params)  # 2 + 1 tokens: tails of 2 tokens
+    assert engine.prefix_cache.num_pages == 4 == engine.prefix_cache.reclaimable()
+    reservation = engine.reserve(16 * PAGE)  # the whole pool
+    assert engine.prefix_cache.num_pages == 0
+    engine.cancel_reservation(reservation)
