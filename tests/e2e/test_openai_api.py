@@ -241,6 +241,22 @@ def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, 
     assert str(shared.value) in str(e.value), (str(shared.value), str(e.value))
 
 
+def chat_like_the_reference(mesh, reference_engine, messages: list[dict], questions: list[str]) -> list[tuple[int, int]]:
+    """Ask each question in turn through the mesh's REST gateway, the whole conversation every time; each answer
+    must be the monolithic engine's. Returns (prompt tokens, reply tokens) per turn."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="unused", max_retries=0)
+    turns = []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        ids = reference_engine.tokenizer.encode_chat(messages)
+        ref = reference_engine.generate(ids, SamplingParams(max_tokens=24, temperature=0))[0]
+        res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=24, temperature=0)
+        assert res.choices[0].message.content == ref.text
+        messages.append({"role": "assistant", "content": ref.text})
+        turns.append((len(ids), len(ref.token_ids)))
+    return turns
+
+
 @pytest.mark.parametrize("layout", ["colocated", "1P+1D", "1P+1D direct"])
 def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, reference_engine, layout):
     """Each turn re-sends the whole conversation. With --prefix-cache the answers are the monolithic engine's
@@ -253,17 +269,8 @@ def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, refe
     m = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], router_args=router_args, http=True,
                    **counts)  # fmt: skip
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{m.http_port}/v1", api_key="unused", max_retries=0)
-        messages, prompts, replies = [], [], []
-        for question in ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]:
-            messages.append({"role": "user", "content": question})
-            ids = reference_engine.tokenizer.encode_chat(messages)
-            ref = reference_engine.generate(ids, SamplingParams(max_tokens=24, temperature=0))[0]
-            res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=24, temperature=0)
-            assert res.choices[0].message.content == ref.text
-            messages.append({"role": "assistant", "content": ref.text})
-            prompts.append(len(ids))
-            replies.append(len(ref.token_ids))
+        questions = ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]
+        prompts, replies = zip(*chat_like_the_reference(m, reference_engine, [], questions))
         earlier = sum(p + r - 1 for p, r in zip(prompts[:-1], replies[:-1]))  # all but each last reply token
         hits = {role: [w.load().prefix_cache_hit_tokens for w in m.workers(role)] for role in ("prefill", "decode")}
         if layout == "colocated":
@@ -287,15 +294,8 @@ def test_a_decode_worker_that_lost_the_conversation_refuses_and_prefill_serves_i
                    role_args={"decode": ["--prefix-cache-pages", "1"]},
                    router_args=["--pd-direct-max-tokens", "64"])  # fmt: skip
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{m.http_port}/v1", api_key="unused", max_retries=0)
-        messages = [{"role": "system", "content": "You answer questions about Python in short sentences. " * 8}]
-        for question in ["What is a list?", "And a tuple?"]:
-            messages.append({"role": "user", "content": question})
-            ids = reference_engine.tokenizer.encode_chat(messages)
-            ref = reference_engine.generate(ids, SamplingParams(max_tokens=24, temperature=0))[0]
-            res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=24, temperature=0)
-            assert res.choices[0].message.content == ref.text
-            messages.append({"role": "assistant", "content": ref.text})
+        system = {"role": "system", "content": "You answer questions about Python in short sentences. " * 8}
+        chat_like_the_reference(m, reference_engine, [system], ["What is a list?", "And a tuple?"])
         metrics = httpx.get(f"http://127.0.0.1:{m.http_port}/metrics").text
         assert 'deltamesh_router_pd_decisions_total{path="refused"} 1.0' in metrics
         [prefill] = m.workers("prefill")

@@ -5,10 +5,16 @@ transformers gives for the same FP8 checkpoint (transformers dequantizes it on C
 import pytest
 import torch
 
-from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine import EngineConfig
 from deltamesh.engine.core import EngineCore
-from deltamesh.engine.engine import Engine
-from fidelity.test_transformers_fidelity import FAMILIES, engine_logits, family, hf_logits, prompt  # noqa: F401
+from fidelity.test_transformers_fidelity import (  # noqa: F401  (family: the fixture)
+    FAMILIES,
+    assert_greedy_generation_matches,
+    engine_logits,
+    family,
+    hf_logits,
+    prompt,
+)
 from hf_checkpoints import load_hf
 from scripts.write_fp8_checkpoint import write_fp8_checkpoint
 
@@ -49,8 +55,4 @@ def test_logits_equal_transformers_on_the_same_fp8_checkpoint(fp8_checkpoints, f
 
 
 def test_greedy_generation_equals_transformers(fp8_checkpoints, family, hf_fp8):
-    ids = prompt(33, seed=6)
-    with Engine(EngineConfig(model=str(fp8_checkpoints[family]), page_size=8)) as eng:
-        [res] = eng.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    ref = hf_fp8.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    assert res.token_ids == ref[0, len(ids) :].tolist()
+    assert_greedy_generation_matches(fp8_checkpoints[family], hf_fp8, prompt(33, seed=6), 24)

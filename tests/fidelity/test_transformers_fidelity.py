@@ -80,12 +80,16 @@ def test_chunked_prefill_equals_unchunked(core, chunk):
     assert (engine_logits(core, ids, split(150, chunk)) - whole).abs().max() <= 1e-4
 
 
-def test_greedy_generation_matches_transformers(hf_checkpoints, family, hf_model):
-    ids = prompt(41, seed=3)
-    with Engine(EngineConfig(model=str(hf_checkpoints[family]), page_size=8)) as eng:
-        [res] = eng.generate(ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+def assert_greedy_generation_matches(checkpoint, hf_model, ids: list[int], n: int) -> None:
+    """The engine on `checkpoint` and transformers' `hf_model` generate the same n greedy tokens after `ids`."""
+    with Engine(EngineConfig(model=str(checkpoint), page_size=8)) as eng:
+        [res] = eng.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     assert res.token_ids == ref[0, len(ids):].tolist()
+
+
+def test_greedy_generation_matches_transformers(hf_checkpoints, family, hf_model):
+    assert_greedy_generation_matches(hf_checkpoints[family], hf_model, prompt(41, seed=3), 32)
 
 
 def test_continuous_batch_equals_each_request_alone(core, hf_model):

@@ -174,7 +174,9 @@ class Mesh:
                 req = decode_pb2.DecodeRequest(
                     request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
                 )
-                deltas = self._remembered(self._decode(req, "decode", inflight), prompt_ids, inflight, first.first)
+                deltas = self._decode(req, "decode", inflight)
+                if self.pd is not None:
+                    deltas = self._remembered(deltas, prompt_ids, inflight, first.first)
                 async for delta in deltas:
                     yield delta
             finally:  # never let the lease outlive the request (a no-op once decode pulled the state)
@@ -220,10 +222,6 @@ class Mesh:
     async def _remembered(self, deltas, prompt_ids: list[int], inflight: _Inflight, first=None):
         """`deltas`, and once they end normally, the whole sequence handed to the P/D decider as held by the
         decode worker that streamed them. `first`: the prefill worker's first token, already streamed."""
-        if self.pd is None:
-            async for delta in deltas:
-                yield delta
-            return
         tokens = list(first.token_ids) if first is not None else []
         async for delta in deltas:
             tokens += delta.token_ids
