@@ -11,6 +11,9 @@ reference (grouped GEMMs), alone and in whole decode steps, against an honest ro
   touches (counted from each layer's router output), KV and GDN state.
 - `prefill` rows: one prompt of `--prefill` tokens with each implementation.
 
+`--quantization fp8`: the same with FP8 experts and projections (dummy weights quantized in 128x128 blocks), the
+fused Triton experts only (the torch reference dequantizes every expert at every call).
+
     python bench/gpu_moe.py --out bench/results/gpu_moe.json
 """
 
@@ -38,9 +41,10 @@ from bench.gpu_common import (  # noqa: E402
     time_ms,
 )
 from deltamesh.engine.config import ModelConfig  # noqa: E402
-from deltamesh.engine.models.layers import SparseMoE  # noqa: E402
+from deltamesh.engine.models.layers import SparseMoE, linear_weight  # noqa: E402
 from deltamesh.engine.weights import init_dummy  # noqa: E402
 from deltamesh.kernels import torch_ref, triton_moe  # noqa: E402
+from deltamesh.kernels.fp8 import Fp8Weight  # noqa: E402
 
 IMPLS = {"torch": torch_ref.moe, "triton": triton_moe.moe}
 
@@ -55,28 +59,41 @@ def layer_inputs(layer: SparseMoE, tokens: int):
 def layer_args(layer: SparseMoE, tokens: int) -> tuple:
     """kernels.moe's arguments for `tokens` random hidden states."""
     x, logits, gate = layer_inputs(layer, tokens)
-    return x, logits, layer.w13, layer.w2, layer.top_k, layer.norm_topk, layer.shared.gate_up, layer.shared.down, gate
+    return (x, logits, linear_weight(layer, "w13"), linear_weight(layer, "w2"), layer.top_k, layer.norm_topk,
+            linear_weight(layer.shared, "gate_up"), linear_weight(layer.shared, "down"), gate)  # fmt: skip
 
 
-def op_rows(layer: SparseMoE, tokens: list[int], bandwidth: float) -> list[dict]:
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def expert_bytes(w13, w2) -> int:
+    """Bytes of one expert's weights (with its block scales when FP8)."""
+    if isinstance(w13, Fp8Weight):
+        return nbytes(w13.weight[0], w13.scale[0], w2.weight[0], w2.scale[0])
+    return nbytes(w13[0], w2[0])
+
+
+def op_rows(layer: SparseMoE, tokens: list[int], bandwidth: float, impls_: dict) -> list[dict]:
     """The whole layer (routed and shared experts) per implementation; up to 32 tokens also both Triton paths
     forced (pairs: every pair reads its expert; aligned: pairs grouped by expert), which sets DECODE_MAX_TOKENS."""
     rows = []
-    expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
-    shared_bytes = (layer.shared.gate_up.numel() + layer.shared.down.numel()) * layer.w13.element_size()
+    per_expert = expert_bytes(linear_weight(layer, "w13"), linear_weight(layer, "w2"))
+    shared_bytes = nbytes(*(p for n, p in layer.shared.named_parameters()))
     for t in tokens:
         args = layer_args(layer, t)
         x, logits = args[0], args[1]
         touched = torch.topk(logits.float(), layer.top_k, dim=-1).indices.unique().numel()
-        floor_ms = (touched * expert_bytes + shared_bytes + 2 * x.numel() * x.element_size()) / bandwidth * 1e3
+        floor_ms = (touched * per_expert + shared_bytes + 2 * x.numel() * x.element_size()) / bandwidth * 1e3
         row = {"bench": "op", "tokens": t, "experts_touched": touched, "floor_ms": floor_ms}
-        impls = dict(IMPLS)
+        impls = dict(impls_)
         if t <= 32:
             impls["pairs"] = triton_moe._moe_pairs
             impls["aligned"] = lambda *a: triton_moe.moe(*a, config=triton_moe.gemm_config(t * layer.top_k))
         for name, impl in impls.items():
             row[f"{name}_ms"] = graph_ms(lambda: impl(*args)) if t <= 256 else gpu_ms(lambda: impl(*args))
-        row["speedup"] = row["torch_ms"] / row["triton_ms"]
+        if "torch_ms" in row:
+            row["speedup"] = row["torch_ms"] / row["triton_ms"]
         row["triton_of_floor"] = floor_ms / row["triton_ms"]
         rows.append(row)
     return rows
@@ -132,9 +149,15 @@ def routing_rows(layer: SparseMoE, batches: list[int]) -> list[dict]:
     return rows
 
 
-def dummy_layer(model_dir: str) -> SparseMoE:
+def dummy_layer(model_dir: str, fp8: bool) -> SparseMoE:
     """One MoE layer of the model, with the dummy loader's weights."""
-    layer = SparseMoE(ModelConfig.from_dir(model_dir)).to(device="cuda", dtype=torch.bfloat16)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            layer = SparseMoE(ModelConfig.from_dir(model_dir), fp8)
+    finally:
+        torch.set_default_dtype(prev)
     init_dummy(layer, seed=0)
     return layer
 
@@ -151,9 +174,9 @@ def touched_expert_bytes(core, items) -> tuple[int, int]:
     impl, layers = r.kernels.moe, []
 
     def counting(x, logits, w13, w2, top_k, norm_topk, *shared, **kw):
-        per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        per_expert = expert_bytes(w13, w2)
         used = torch.topk(logits.float(), top_k, dim=-1).indices.unique().numel()
-        layers.append((w13.shape[0] * per_expert, used * per_expert))
+        layers.append((logits.shape[1] * per_expert, used * per_expert))
         return impl(x, logits, w13, w2, top_k, norm_topk, *shared, **kw)
 
     r.kernels.moe = counting
@@ -166,14 +189,14 @@ def touched_expert_bytes(core, items) -> tuple[int, int]:
     return sum(t for t, _ in layers), sum(u for _, u in layers)
 
 
-def decode_rows(core, batches: list[int], context: int, bandwidth: float) -> list[dict]:
+def decode_rows(core, batches: list[int], context: int, bandwidth: float, impls: dict) -> list[dict]:
     rows = []
     for batch in batches:
         items = decode_items(core, batch, context)
         parts = step_bytes(core, batch, context)
         all_experts, touched = touched_expert_bytes(core, items)
         honest = parts["weights"] - all_experts + touched + parts["kv"] + parts["state"]
-        for name, impl in IMPLS.items():
+        for name, impl in impls.items():
             core.runner.kernels.moe = impl
             core.runner.capture_decode_graphs(max(batches), context + 64)
             inputs = core.runner.prepare(items)
@@ -202,9 +225,9 @@ def print_step_kernels(core, batches: list[int], context: int) -> None:
             core.scheduler.free(it.request)
 
 
-def prefill_rows(core, tokens: int, profile: bool) -> list[dict]:
+def prefill_rows(core, tokens: int, profile: bool, impls: dict) -> list[dict]:
     rows = []
-    for name, impl in IMPLS.items():
+    for name, impl in impls.items():
         core.runner.kernels.moe = impl
         items = prefill_items(core, 1, tokens)
         row = {"bench": "prefill", "moe": name, "tokens": tokens,
@@ -232,12 +255,16 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print where the prefill's GPU time goes")
     p.add_argument("--step-kernels", action="store_true",
                    help="print every kernel of one eager decode step (fused MoE) at each batch, with its calls")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="fp8: FP8 experts and projections (dummy weights quantized in blocks)")
     p.add_argument("--out", default=str(RESULTS / "gpu_moe.json"))
     args = p.parse_args()
+    fp8 = args.quantization == "fp8"
+    impls = {"triton": IMPLS["triton"]} if fp8 else IMPLS
     bandwidth = hbm_bandwidth()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
-    layer = dummy_layer(args.model)
-    rows = op_rows(layer, args.op_tokens, bandwidth)
+    layer = dummy_layer(args.model, fp8)
+    rows = op_rows(layer, args.op_tokens, bandwidth, impls)
     print_table(rows, ["tokens", "experts_touched", "floor_ms", "torch_ms", "triton_ms", "pairs_ms", "aligned_ms",
                        "speedup", "triton_of_floor"])  # fmt: skip
     routing = routing_rows(layer, [1, 16, 64, 256, 8192])
@@ -253,16 +280,18 @@ def main() -> None:
         rows += sweep + pair_sweep
     del layer
     if not args.skip_steps:
-        core = core_for(args.model, max(args.batches), max(args.context, args.prefill), cuda_graphs=False)
+        core = core_for(args.model, max(args.batches), max(args.context, args.prefill), cuda_graphs=False,
+                        quantization=args.quantization)  # fmt: skip
         if args.step_kernels:
             print_step_kernels(core, args.batches, args.context)
-        steps = decode_rows(core, args.batches, args.context, bandwidth)
+        steps = decode_rows(core, args.batches, args.context, bandwidth, impls)
         print_table(steps, ["moe", "batch", "graph_gpu_ms", "step_ms", "launches", "experts_touched_share",
                             "roofline_ms", "of_roofline", "all_experts_roofline_ms"])  # fmt: skip
-        prefill = prefill_rows(core, args.prefill, args.profile)
+        prefill = prefill_rows(core, args.prefill, args.profile, impls)
         print_table(prefill, ["moe", "tokens", "ms"])
         rows += steps + prefill
-    write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "rows": rows}, machine_info())
+    write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "quantization": args.quantization, "rows": rows},
+                 machine_info())  # fmt: skip
 
 
 if __name__ == "__main__":

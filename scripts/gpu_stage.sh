@@ -12,9 +12,12 @@
 #   stage q: the fp32 fidelity check alone (token-exact), with the decode worker's pull log lines (one GPU or two)
 #   stage h: the GPU's idle time between decode steps, async scheduling on and off (35B-A3B and 9B shapes)
 #   stage s: colocated serving of the 35B-A3B shape at concurrency 1 and 16, async scheduling on, then off
+#   stage p: FP8 weights: the GPU FP8 tests, the FP8 projections against bf16 (with their tile sweep)
+#   stage m: FP8 weights: whole 35B-A3B MoE steps and MoE layers, FP8 then bf16
+#   stage 8: FP8 weights: colocated serving of the 35B-A3B shape at concurrency 1, 16 and 64
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h or s}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m or 8}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -84,5 +87,18 @@ s)
   sweep=(python bench/disagg_sweep.py --setups colocated --model bench/configs/qwen3.5-35b-a3b --concurrency 1,16 --waves 2)
   TAIL=12 run serve_async 290 "${sweep[@]}" --out "$OUT/serve_async.json"
   TAIL=12 run serve_sync 290 "${sweep[@]}" --serve-flag=--no-async-scheduling --out "$OUT/serve_sync.json"
+  ;;
+p)
+  TAIL=15 run gpu_fp8_tests 240 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fp8.py -rfE
+  TAIL=90 run gpu_fp8 300 python bench/gpu_fp8.py --sweep --out "$OUT/gpu_fp8.json"
+  ;;
+m)
+  steps=(python bench/gpu_moe.py --op-tokens 1,4,16,64,256,8192 --batches 1,4,16,64 --context 2048 --prefill 2048)
+  TAIL=30 run moe_fp8 280 "${steps[@]}" --quantization fp8 --out "$OUT/gpu_moe_fp8.json"
+  TAIL=30 run moe_bf16 280 "${steps[@]}" --out "$OUT/gpu_moe_bf16.json"
+  ;;
+8)
+  TAIL=14 run serve_fp8 580 python bench/disagg_sweep.py --setups colocated --model bench/configs/qwen3.5-35b-a3b \
+    --concurrency 1,16,64 --waves 2 --serve-flag=--quantization=fp8 --out "$OUT/serve_fp8.json"
   ;;
 esac

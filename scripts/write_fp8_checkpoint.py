@@ -18,24 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-E4M3_MAX = 448.0
+from deltamesh.kernels.fp8 import quantize_blocks
+
 # Substrings of the module names Qwen's FP8 releases leave unquantized.
 KEPT = ("embed_tokens", "lm_head", "norm", "conv1d", "in_proj_a.", "in_proj_b.", "in_proj_ba.", "mlp.gate.",
         "shared_expert_gate", "visual", "mtp")  # fmt: skip
-
-
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 weight, float32 scales of shape [ceil(rows/bm), ceil(cols/bn)]) of a 2-D weight."""
-    rows, cols = weight.shape
-    bm, bn = block
-    grid = (-(-rows // bm), -(-cols // bn))
-    padded = torch.zeros(grid[0] * bm, grid[1] * bn, dtype=torch.float32)
-    padded[:rows, :cols] = weight.float()
-    tiles = padded.view(grid[0], bm, grid[1], bn)
-    scales = tiles.abs().amax(dim=(1, 3)) / E4M3_MAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = (tiles / scales[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(grid[0] * bm, grid[1] * bn)[:rows, :cols].contiguous(), scales
 
 
 def quantized_name(name: str, tensor: torch.Tensor) -> bool:
@@ -54,7 +41,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 12
             for name in f.keys():
                 t = f.get_tensor(name)
                 if quantized_name(name, t):
-                    tensors[name], tensors[name + "_scale_inv"] = quantize(t, block)
+                    tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t, block)
                 else:
                     tensors[name] = t.contiguous()
                     if name.endswith(".weight") and t.dim() == 2:

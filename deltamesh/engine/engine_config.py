@@ -31,6 +31,9 @@ class EngineConfig:
     device: str = _setting("cpu", "cpu | cuda | cuda:N")
     dtype: str = _setting("auto", "auto | float32 | bfloat16")  # auto = float32 on CPU, bfloat16 on CUDA
     state_dtype: str = _setting("float32", "GDN recurrent state dtype: float32 | bfloat16")
+    # weights.fp8_weights says what each choice does where
+    quantization: str = _setting("auto", "auto (an FP8 checkpoint's weights stay FP8 on the GPU) | fp8 (FP8 "
+                                         "weights; a bf16 checkpoint quantized on load) | none (dequantize)")  # fmt: skip
     page_size: int = _setting(16, "KV page size in tokens")
     # None: sized from kv_cache_memory_gb
     num_kv_pages: int | None = _setting(None, "KV pages per worker (default: sized from memory)")
@@ -104,6 +107,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
+        if self.quantization not in ("auto", "fp8", "none"):
+            raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if (self.prefix_cache_checkpoints is not None and self.prefix_cache_checkpoints < 1) or (

@@ -3,12 +3,12 @@ and `X.weight_scale_inv` holds one float per (block rows x block cols) tile, cov
 tiles cut short; the real weight is the FP8 value times its tile's scale. Layers left in the model dtype (the
 embedding, the LM head, norms, the GDN conv and gates, the routers) are stored as they are.
 
-The loader dequantizes while it reads, so every path of the engine (CPU, GPU, tensor parallel) serves such a
-checkpoint with the weights in the configured dtype."""
+The loader dequantizes while it reads (the CPU engine, fp32 models, tensor-parallel ranks) or, where the GPU
+kernels take FP8 weights (weights.fp8_weights), keeps the quantized layers' values and scales as they are."""
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -33,17 +33,19 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
 
 
 def dequantized(named_tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None,
-                ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """(name, tensor) pairs with every FP8 weight replaced by its float32 value. A weight and its scales may come
-    in either order (different shards, even): each waits for the other. `block` None: the checkpoint must hold
-    no FP8 tensor at all."""
+                keep: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """(name, tensor) pairs with every FP8 weight replaced by its float32 value, but those whose weight name
+    `keep` names: their values and scales pass as they are. A weight and its scales may come in either order
+    (different shards, even): each waits for the other. `block` None: the checkpoint must hold no FP8 tensor."""
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
         if name.endswith(SCALE_SUFFIX) or tensor.dtype in FP8_DTYPES:
             if block is None:
                 raise QuantizationError(f"{name}: an FP8 checkpoint tensor, but config.json has no quantization_config")
-            if name.endswith(SCALE_SUFFIX):
+            if keep(name.removesuffix(SCALE_SUFFIX)):
+                yield name, tensor
+            elif name.endswith(SCALE_SUFFIX):
                 name = name[: -len(SCALE_SUFFIX)]
                 scales[name] = tensor
             else:

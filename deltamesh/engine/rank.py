@@ -14,7 +14,7 @@ from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.engine.runner import ModelRunner
-from deltamesh.engine.weights import load_model
+from deltamesh.engine.weights import fp8_weights, load_model
 from deltamesh.kernels import Kernels, ModelShapes, select_kernels
 from deltamesh.kernels.registry import parse_override
 
@@ -34,7 +34,8 @@ class Rank:
 def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device: torch.device,
                tp: TensorParallelGroup | None = None) -> Rank:  # fmt: skip
     dtype, state_dtype = config.torch_dtype(), config.torch_state_dtype()
-    model = load_model(mc, Path(config.model), device, dtype, config.load_format, config.seed, tp)
+    model = load_model(mc, Path(config.model), device, dtype, config.load_format, config.seed, tp,
+                       fp8_weights(mc, device, dtype, tp, config.quantization))  # fmt: skip
     local = tp.shard.local if tp else mc
 
     def state_pool(num_slots: int, name: str) -> StatePool:

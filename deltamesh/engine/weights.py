@@ -1,5 +1,7 @@
 """Build a model and fill its weights: from a Hugging Face checkpoint directory, or seeded random
-weights at the real shapes (`load_format="dummy"`)."""
+weights at the real shapes (`load_format="dummy"`). A model whose config carries an FP8 quantization_config
+keeps its quantized layers in FP8 where the kernels take them (`fp8_weights`; elsewhere they are dequantized on
+load); dummy FP8 weights are random values quantized in blocks as the checkpoints are."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from tqdm import tqdm
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models import MODEL_CLASSES, HybridLM
 from deltamesh.engine.parallel import TensorParallelGroup, reads_tensor, shard_tensor
-from deltamesh.engine.quantization import dequantized
+from deltamesh.engine.quantization import SCALE_SUFFIX, dequantized
+from deltamesh.kernels.fp8 import BLOCK, quantize_blocks
 
 log = structlog.get_logger("deltamesh.weights")
 
@@ -31,12 +34,12 @@ class WeightError(ValueError):
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                tp: TensorParallelGroup | None = None) -> HybridLM:  # fmt: skip
+                tp: TensorParallelGroup | None = None, fp8: bool = False) -> HybridLM:  # fmt: skip
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = MODEL_CLASSES[cfg.family](cfg, device, tp)
+            model = MODEL_CLASSES[cfg.family](cfg, device, tp, fp8)
         finally:
             torch.set_default_dtype(prev)
     return model.eval()
@@ -75,11 +78,52 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
+def fp8_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallelGroup | None,
+                quantization: str = "auto") -> bool:  # fmt: skip
+    """Whether the MoE experts hold FP8 values and block scales (the kernels compute as kernels/fp8.py says) or
+    the model dtype; other projections are always in the model dtype (models/layers.py says why). "none": never
+    (an FP8 checkpoint is dequantized on load). "fp8": always, an FP8 checkpoint's values kept, a bf16 one's
+    quantized on load; refused where the model does not allow it. "auto": an FP8 checkpoint on the GPU in
+    bf16/fp16, where the model allows; elsewhere dequantized."""
+    if quantization == "none":
+        return False
+    why_not = _fp8_layout_unsupported(cfg, tp)
+    if quantization == "fp8":
+        if why_not:
+            raise WeightError(f"quantization fp8: {why_not}")
+        return True
+    if cfg.fp8_block is None:
+        return False
+    if device.type != "cuda":
+        why_not = "the CPU engine computes with the dequantized weights (--quantization fp8 keeps them)"
+    elif dtype not in (torch.bfloat16, torch.float16):
+        why_not = why_not or f"a {dtype} model computes with the dequantized weights"
+    log.info("FP8 checkpoint", fp8_weights=why_not is None, dequantized_because=why_not)
+    return why_not is None
+
+
+def _fp8_layout_unsupported(cfg: ModelConfig, tp: TensorParallelGroup | None) -> str | None:
+    if tp is not None:
+        return "tensor- and expert-parallel ranks slice dequantized weights"
+    if not cfg.num_experts:
+        return "FP8 weights are kept for MoE experts, and this model has none"
+    if cfg.fp8_block not in (None, (BLOCK, BLOCK)):
+        return f"the FP8 kernels take {BLOCK}x{BLOCK} weight blocks, not {cfg.fp8_block}"
+    sizes = {"hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}  # fmt: skip
+    odd = [f"{name} {size}" for name, size in sizes.items() if size % BLOCK]
+    if odd:
+        return f"the FP8 kernels need experts in whole {BLOCK}-row blocks, not {', '.join(odd)}"
+    return None
+
+
 def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
     def wanted(name: str) -> bool:
         return canonical_name(name) is not None and (model.tp is None or reads_tensor(name, model.tp.shard))
 
-    load_tensors(model, dequantized(iter_checkpoint(model_dir, wanted), model.cfg.fp8_block))
+    fp8_names = {name for name, slot in model.weight_slots().items() if slot.param.dtype == torch.float8_e4m3fn}
+    keep = lambda name: canonical_name(name) in fp8_names  # noqa: E731
+    load_tensors(model, dequantized(iter_checkpoint(model_dir, wanted), model.cfg.fp8_block, keep))
 
 
 def load_tensors(model: HybridLM, named_tensors) -> None:
@@ -106,8 +150,11 @@ def load_tensors(model: HybridLM, named_tensors) -> None:
                 target = slot.target()
                 if tuple(target.shape) != tuple(part.shape):
                     raise WeightError(f"{part_name}: checkpoint shape {tuple(part.shape)}, model expects {tuple(target.shape)}")
-                target.copy_(part.to(target.device))
-                covered[id(slot.param)] = covered.get(id(slot.param), 0) + part.numel()
+                if target.dtype == torch.float8_e4m3fn and part.dtype != target.dtype:
+                    # a layer the checkpoint left unquantized, in an FP8 weight: quantized as the others are
+                    part, scales = quantize_blocks(part)
+                    _fill(slots[part_name + SCALE_SUFFIX], scales, covered)
+                _fill(slot, part, covered)
     if unexpected:
         raise WeightError(f"checkpoint has tensors this model does not use: {unexpected[:8]}")
     missing = [pid for pid, p in params.items() if covered.get(pid, 0) < p.numel()]
@@ -116,13 +163,24 @@ def load_tensors(model: HybridLM, named_tensors) -> None:
         raise WeightError(f"checkpoint lacks weights for: {names[:8]}{' ...' if len(names) > 8 else ''}")
 
 
+def _fill(slot, part: torch.Tensor, covered: dict[int, int]) -> None:
+    slot.target().copy_(part.to(slot.param.device))
+    covered[id(slot.param)] = covered.get(id(slot.param), 0) + part.numel()
+
+
 def init_dummy(model: HybridLM, seed: int) -> None:
-    """Seeded random weights with sensible scales, generated on the model's device."""
+    """Seeded random weights with sensible scales, generated on the model's device; FP8 weights are such
+    values quantized in blocks, with their scales."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
+        for name, p in params.items():
+            if name.endswith("_scale"):
+                continue  # filled with its FP8 weight
+            if p.dtype == torch.float8_e4m3fn:
+                _fill_fp8_dummy(p, params[name + "_scale"], gen)
+            elif name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape, device=device).uniform_(1.0, 16.0, generator=gen).log())
             elif name.endswith("dt_bias") or name.endswith("mixer.norm.weight"):
                 p.fill_(1.0)  # GDN gated norm multiplies by w directly
@@ -133,6 +191,15 @@ def init_dummy(model: HybridLM, seed: int) -> None:
                 p.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=gen)
 
 
+def _fill_fp8_dummy(weight: torch.Tensor, scale: torch.Tensor, gen: torch.Generator) -> None:
+    """Random values with the bf16 dummy's spread, quantized in blocks; an expert at a time bounds the float copy."""
+    for w, s in zip(weight, scale) if weight.dim() == 3 else [(weight, scale)]:
+        values = torch.empty(w.shape, device=w.device).normal_(0.0, 1.0 / math.sqrt(w.shape[-1]), generator=gen)
+        q, scales = quantize_blocks(values)
+        w.copy_(q)
+        s.copy_(scales)
+
+
 def load_model(
     cfg: ModelConfig,
     model_dir: Path | None,
@@ -141,9 +208,11 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TensorParallelGroup | None = None,
+    fp8: bool = False,
 ) -> HybridLM:
+    """`fp8`: the linear layers in FP8 (`fp8_weights` decides)."""
     started = time.monotonic()
-    model = build_model(cfg, device, dtype, tp)
+    model = build_model(cfg, device, dtype, tp, fp8)
     if load_format == "dummy":
         init_dummy(model, seed + (tp.shard.rank if tp else 0))
     elif load_format in ("auto", "safetensors"):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from deltamesh.kernels.batch import StepBatch
+from deltamesh.kernels.fp8 import Fp8Weight, dequantize
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,14 +280,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        norm_topk: bool, shared_w13: torch.Tensor, shared_w2: torch.Tensor, shared_gate: torch.Tensor,
-        first_expert: int = 0) -> torch.Tensor:  # fmt: skip
+def _dense(w, dtype: torch.dtype) -> torch.Tensor:
+    """A plain weight as it is; an Fp8Weight dequantized (the weight its FP8 values stand for)."""
+    return dequantize(w, dtype) if isinstance(w, Fp8Weight) else w
+
+
+def moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int, norm_topk: bool, shared_w13, shared_w2,
+        shared_gate: torch.Tensor, first_expert: int = 0) -> torch.Tensor:  # fmt: skip
     """A MoE layer's output from its router logits: softmax router, top_k experts per token (renormalised when
     `norm_topk`); expert e maps x to silu_mul(x w13[e]^T) w2[e]^T; outputs weighted and summed per token, plus
     the shared expert silu_mul(x shared_w13^T) shared_w2^T weighted by sigmoid(shared_gate). Under expert
     parallelism w13 and w2 hold experts [first_expert, first_expert + len(w13)) only, and only their pairs
-    count (the ranks' outputs are summed)."""
+    count (the ranks' outputs are summed). Fp8Weights are dequantized first."""
+    w13, w2, shared_w13, shared_w2 = (_dense(w, x.dtype) for w in (w13, w2, shared_w13, shared_w2))
     shared = F.linear(silu_mul(F.linear(x, shared_w13)), shared_w2)
     return _routed(x, router_logits, w13, w2, top_k, norm_topk, first_expert) + torch.sigmoid(shared_gate) * shared
 

@@ -1,6 +1,6 @@
 """The Triton backend (CUDA): paged decode attention (triton_attention) and the fused kernels
 (triton_fused: norms, activations, conv1d update, attention inputs and output gate) that keep a
-decode step's small ops to one kernel each, and the fused MoE experts (triton_moe)."""
+decode step's small ops to one kernel each, and the fused MoE experts (triton_moe; FP8 experts too)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,11 @@ More tokens: six kernels, the pairs grouped by expert into blocks of BLOCK_M row
 
 Rows within a block are computed independently, so a pair's result does not depend on where the atomic rank
 put it: the output is deterministic.
+
+FP8 weights (`kernels.fp8.Fp8Weight`, all four or none): the same kernels read the e4m3 experts and their block
+scales and compute as kernels/fp8.py says, the activations (x, then the SwiGLU output) quantized per token and
+group of 128 as they are loaded. The aligned path multiplies e4m3 tiles on the tensor cores (one K step per
+scale group); the pair-wise path folds each group's two scales into the activation vector.
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deltamesh.kernels import triton_fused
+from deltamesh.kernels import triton_fp8, triton_fused
+from deltamesh.kernels.fp8 import BLOCK, Fp8Weight
 
 # Up to this many tokens the pair-wise path runs (see the module docstring); from bench/gpu_moe.py's op rows.
 DECODE_MAX_TOKENS = 4
@@ -106,13 +111,22 @@ def _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _gate_up_silu(x, w13, inter, block_expert, starts, counts, sorted_pairs, H, I, stride_x, stride_we, stride_wn,
-                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _quantized_rows(a):
+    """(e4m3 values, per-row scales) of an activation tile [rows, GROUP] (kernels/fp8.py)."""
+    scale = tl.maximum(tl.max(tl.abs(a), 1), 1e-10) / 448.0
+    return (a / scale[:, None]).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _gate_up_silu(x, w13, w13_s, inter, block_expert, starts, counts, sorted_pairs, H, I, stride_x, stride_we,
+                  stride_wn, stride_se, stride_sn, TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
     tokens = pairs // TOP_K
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < I
     kk = tl.arange(0, BLOCK_K)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -125,20 +139,28 @@ def _gate_up_silu(x, w13, inter, block_expert, starts, counts, sorted_pairs, H, 
         w_mask = (k[:, None] < H) & n_ok[None, :]
         wg = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w + (n[None, :] + I) * stride_wn + k[:, None], mask=w_mask, other=0.0)
-        gate = tl.dot(a, wg, gate)
-        up = tl.dot(a, wu, up)
+        if FP8:  # BLOCK_K is the scale group; BLOCK_N divides it, and so does I
+            a_q, a_s = _quantized_rows(a.to(tl.float32))
+            s = w13_s + e.to(tl.int64) * stride_se + k0 // BLOCK_K
+            gate += tl.dot(a_q, wg) * (a_s[:, None] * tl.load(s + (n0 // BLOCK_K) * stride_sn))
+            up += tl.dot(a_q, wu) * (a_s[:, None] * tl.load(s + ((n0 + I) // BLOCK_K) * stride_sn))
+        else:
+            gate = tl.dot(a, wg, gate)
+            up = tl.dot(a, wu, up)
     h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(inter + rows[:, None].to(tl.int64) * I + n[None, :], h.to(inter.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])  # fmt: skip
 
 
 @triton.jit
-def _down(inter, w2, out, weights, block_expert, starts, counts, sorted_pairs, H, I, stride_we, stride_wn,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _down(inter, w2, w2_s, out, weights, block_expert, starts, counts, sorted_pairs, H, I, stride_we, stride_wn,
+          stride_se, stride_sn, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):  # fmt: skip
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < H
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -148,7 +170,12 @@ def _down(inter, w2, out, weights, block_expert, starts, counts, sorted_pairs, H
         a = tl.load(inter + rows[:, None].to(tl.int64) * I + k[None, :], mask=valid[:, None] & (k[None, :] < I),
                     other=0.0)  # fmt: skip
         b = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=(k[:, None] < I) & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        if FP8:
+            a_q, a_s = _quantized_rows(a.to(tl.float32))
+            w_s = tl.load(w2_s + e.to(tl.int64) * stride_se + (n0 // BLOCK_K) * stride_sn + k0 // BLOCK_K)
+            acc += tl.dot(a_q, b) * (a_s[:, None] * w_s)
+        else:
+            acc = tl.dot(a, b, acc)
     acc = acc * tl.load(weights + pairs, mask=valid, other=0.0)[:, None]
     tl.store(out + pairs[:, None].to(tl.int64) * H + n[None, :], acc.to(out.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])  # fmt: skip
@@ -191,17 +218,29 @@ def _choice(logits, t, j, stride_l, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_
 
 
 @triton.jit
-def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, inter, ids, weights, H, I, IS, stride_x, stride_l,
-                        stride_g, stride_we, stride_wn, stride_swn, E: tl.constexpr, BLOCK_E: tl.constexpr,
-                        TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _quantized_vector(a, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """An activation vector [BLOCK_K] as its FP8 values times their group's scale (kernels/fp8.py), in float32."""
+    g = tl.reshape(a, (BLOCK_K // GROUP, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(g), 1), 1e-10) / 448.0
+    q = (g / scale[:, None]).to(tl.float8e4nv).to(tl.float32) * scale[:, None]
+    return tl.reshape(q, (BLOCK_K,))
+
+
+@triton.jit
+def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, w13_s, sw13_s, inter, ids, weights, H, I, IS, stride_x,
+                        stride_l, stride_g, stride_we, stride_wn, stride_swn, stride_se, stride_sn, stride_ssn,
+                        E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr,
+                        FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     pair = tl.program_id(0)  # token * (TOP_K + 1) + choice; choice TOP_K is the shared expert
     t, j = pair // (TOP_K + 1), pair % (TOP_K + 1)
     if j < TOP_K:
         e, weight = _choice(logits, t, j, stride_l, E, BLOCK_E, TOP_K, NORM)
         w, stride_n, width = w13 + e.to(tl.int64) * stride_we, stride_wn, I
+        s, s_stride_n = w13_s + e.to(tl.int64) * stride_se, stride_sn
     else:
         e, weight = -1, tl.sigmoid(tl.load(shared_gate + t * stride_g).to(tl.float32))
         w, stride_n, width = sw13, stride_swn, IS
+        s, s_stride_n = sw13_s, stride_ssn
     n0 = tl.program_id(1) * BLOCK_N
     if n0 == 0:
         tl.store(ids + pair, e)
@@ -216,20 +255,28 @@ def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, inter, ids, weights, 
     for k0 in range(0, H, BLOCK_K):
         k = k0 + kk
         k_ok = k < H
-        a = tl.load(x + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        a = tl.load(x + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        a_gate, a_up = a, a
+        if FP8:  # the weight's scales (BLOCK_N rows share theirs) folded into the activations
+            a = _quantized_vector(a, BLOCK_K, GROUP)
+            a_gate = a * tl.load(s + (n0 // GROUP) * s_stride_n + k // GROUP, mask=k_ok, other=0.0)
+            a_up = a * tl.load(s + ((n0 + width) // GROUP) * s_stride_n + k // GROUP, mask=k_ok, other=0.0)
         mask = n_ok[:, None] & k_ok[None, :]
-        gate += tl.load(w + n[:, None] * stride_n + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
-        up += tl.load(w + (n[:, None] + width) * stride_n + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+        gate += tl.load(w + n[:, None] * stride_n + k[None, :], mask=mask, other=0.0).to(tl.float32) * a_gate[None, :]
+        w_up = tl.load(w + (n[:, None] + width) * stride_n + k[None, :], mask=mask, other=0.0)
+        up += w_up.to(tl.float32) * a_up[None, :]
     g = tl.sum(gate, 1)
     h = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
     tl.store(inter + pair.to(tl.int64) * tl.maximum(I, IS) + n, h.to(inter.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _down_combine(inter, w2, sw2, ids, weights, out, H, I, IS, stride_we, stride_wn, stride_swn,
-                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _down_combine(inter, w2, sw2, w2_s, sw2_s, ids, weights, out, H, I, IS, stride_we, stride_wn, stride_swn,
+                  stride_se, stride_sn, stride_ssn, TOP_K: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < H
     kk = tl.arange(0, BLOCK_K)
     row_len = tl.maximum(I, IS)
@@ -238,15 +285,20 @@ def _down_combine(inter, w2, sw2, ids, weights, out, H, I, IS, stride_we, stride
         pair = t * (TOP_K + 1) + j
         weight = tl.load(weights + pair)
         if j < TOP_K:
-            w, stride_n, width = w2 + tl.load(ids + pair).to(tl.int64) * stride_we, stride_wn, I
+            e = tl.load(ids + pair).to(tl.int64)
+            w, stride_n, width = w2 + e * stride_we, stride_wn, I
+            s = w2_s + e * stride_se + (n0 // GROUP) * stride_sn
         else:
             w, stride_n, width = sw2, stride_swn, IS
+            s = sw2_s + (n0 // GROUP) * stride_ssn
         for k0 in range(0, width, BLOCK_K):
             k = k0 + kk
             k_ok = k < width
-            a = tl.load(inter + pair.to(tl.int64) * row_len + k, mask=k_ok, other=0.0).to(tl.float32) * weight
+            a = tl.load(inter + pair.to(tl.int64) * row_len + k, mask=k_ok, other=0.0).to(tl.float32)
+            if FP8:
+                a = _quantized_vector(a, BLOCK_K, GROUP) * tl.load(s + k // GROUP, mask=k_ok, other=0.0)
             b = tl.load(w + n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += b.to(tl.float32) * a[None, :]
+            acc += b.to(tl.float32) * (a * weight)[None, :]
     tl.store(out + t * H + n, tl.sum(acc, 1).to(out.dtype.element_ty), mask=n_ok)
 
 
@@ -279,26 +331,33 @@ def gemm_config(num_pairs: int) -> GemmConfig:
     return GemmConfig(128, 128, 64, num_warps=8)
 
 
-def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        norm_topk: bool, shared_w13: torch.Tensor, shared_w2: torch.Tensor, shared_gate: torch.Tensor,
-        first_expert: int = 0, config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
+def _parts(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(values, scales, is FP8) of a weight; a plain weight stands in for its own scales, which are never read."""
+    return (w.weight, w.scale, True) if isinstance(w, Fp8Weight) else (w, w, False)
+
+
+def moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int, norm_topk: bool, shared_w13, shared_w2,
+        shared_gate: torch.Tensor, first_expert: int = 0, config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
     """deltamesh.kernels.torch_ref.moe: the MoE layer's output [T, H] for x [T, H] (rows contiguous; the logits
-    and the shared expert's gate [T, 1] may be row-strided views). `config` forces the aligned path's blocks.
+    and the shared expert's gate [T, 1] may be row-strided views). The four weights are all plain or all
+    `Fp8Weight`s (then computed as kernels/fp8.py says). `config` forces the aligned path's blocks.
     Every expert must be local: under expert parallelism the engine runs the torch reference (rank.py)."""
     assert x.stride(1) == 1 and router_logits.stride(1) == 1
-    if first_expert or w13.shape[0] != router_logits.shape[1]:
+    if first_expert or _parts(w13)[0].shape[0] != router_logits.shape[1]:
         raise ValueError("the fused Triton MoE runs all of a layer's experts; expert parallelism needs moe=torch")
     if config is None and x.shape[0] <= DECODE_MAX_TOKENS:
         return _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate)
-    shared = F.linear(triton_fused.silu_mul(F.linear(x, shared_w13)), shared_w2)
+    shared = triton_fp8.linear(triton_fused.silu_mul(triton_fp8.linear(x, shared_w13)), shared_w2)
     return _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config)
 
 
 def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate,
                pair_config: PairConfig = PAIR_CONFIG) -> torch.Tensor:  # fmt: skip
+    (w13, w13_s, fp8), (w2, w2_s, _) = _parts(w13), _parts(w2)
+    (sw13, sw13_s, _), (sw2, sw2_s, _) = _parts(shared_w13), _parts(shared_w2)
     T, H = x.shape
     E, two_i, _ = w13.shape
-    I, IS = two_i // 2, shared_w13.shape[0] // 2  # noqa: E741
+    I, IS = two_i // 2, sw13.shape[0] // 2  # noqa: E741
     P = T * (top_k + 1)
     dev = x.device
     ids = torch.empty(P, dtype=torch.int32, device=dev)
@@ -307,24 +366,28 @@ def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
     gate_up_n, down_n, block_k, warps = pair_config
     _gate_up_silu_pairs[(P, triton.cdiv(max(I, IS), gate_up_n))](
-        x, router_logits, shared_gate, w13, shared_w13, inter, ids, weights, H, I, IS, x.stride(0),
-        router_logits.stride(0), shared_gate.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(0), E,
-        triton.next_power_of_2(E), top_k, norm_topk, gate_up_n, block_k, num_warps=warps,
+        x, router_logits, shared_gate, w13, sw13, w13_s, sw13_s, inter, ids, weights, H, I, IS, x.stride(0),
+        router_logits.stride(0), shared_gate.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
+        w13_s.stride(0), w13_s.stride(1), sw13_s.stride(0), E, triton.next_power_of_2(E), top_k, norm_topk, fp8,
+        BLOCK, gate_up_n, block_k, num_warps=warps,
     )  # fmt: skip
     _down_combine[(T, triton.cdiv(H, down_n))](
-        inter, w2, shared_w2, ids, weights, out, H, I, IS, w2.stride(0), w2.stride(1), shared_w2.stride(0), top_k,
-        down_n, block_k, num_warps=warps,
+        inter, w2, sw2, w2_s, sw2_s, ids, weights, out, H, I, IS, w2.stride(0), w2.stride(1), sw2.stride(0),
+        w2_s.stride(0), w2_s.stride(1), sw2_s.stride(0), top_k, fp8, BLOCK, down_n, block_k, num_warps=warps,
     )  # fmt: skip
     return out
 
 
 def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config) -> torch.Tensor:
+    (w13, w13_s, fp8), (w2, w2_s, _) = _parts(w13), _parts(w2)
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741
     P = T * top_k
     dev = x.device
     cfg = config or gemm_config(P)
+    if fp8:  # one K step per scale group
+        cfg = cfg._replace(block_k=BLOCK)
     BLOCK_M, BLOCK_N, BLOCK_K = cfg.block_m, cfg.block_n, cfg.block_k
     tuning = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     BLOCK_E = triton.next_power_of_2(E)
@@ -346,12 +409,12 @@ def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gat
     _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64)
     _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256)
     _gate_up_silu[(max_blocks, triton.cdiv(I, BLOCK_N))](
-        x, w13, inter, block_expert, starts, counts, sorted_pairs, H, I, x.stride(0), w13.stride(0), w13.stride(1),
-        top_k, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
+        x, w13, w13_s, inter, block_expert, starts, counts, sorted_pairs, H, I, x.stride(0), w13.stride(0),
+        w13.stride(1), w13_s.stride(0), w13_s.stride(1), top_k, fp8, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
     )  # fmt: skip
     _down[(max_blocks, triton.cdiv(H, BLOCK_N))](
-        inter, w2, pairs_out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0), w2.stride(1),
-        BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
+        inter, w2, w2_s, pairs_out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0),
+        w2.stride(1), w2_s.stride(0), w2_s.stride(1), fp8, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
     )  # fmt: skip
     _combine[(T, triton.cdiv(H, 1024))](pairs_out, shared, shared_gate, out, H, shared.stride(0), shared_gate.stride(0),
                                          top_k, 1024)  # fmt: skip

@@ -10,7 +10,8 @@ from deltamesh.engine.config import ConfigError, ModelConfig
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.quantization import QuantizationError, dequantize, dequantized
-from scripts.write_fp8_checkpoint import quantize, write_fp8_checkpoint
+from deltamesh.kernels.fp8 import quantize_blocks as quantize
+from scripts.write_fp8_checkpoint import write_fp8_checkpoint
 from test_config_and_loading import QWEN35_9B_TEXT
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

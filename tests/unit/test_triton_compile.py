@@ -1,6 +1,6 @@
 """Triton kernels compiled for the H200 (sm_90) on a machine without a GPU: Triton's front end, LLVM and ptxas
 run on the CPU, so a kernel that would not compile for the GPU fails here, in CI. The pair-wise MoE kernels,
-bf16 as a decode step runs them."""
+bf16 and FP8 as a decode step runs them, and the FP8 tensor-core kernels."""
 
 import pytest
 
@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deltamesh.kernels import triton_moe  # noqa: E402
+from deltamesh.kernels import triton_fp8, triton_moe  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -20,19 +20,45 @@ def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, ob
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=SM90)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("norm", [True, False])
-def test_pairwise_moe_kernels_compile_for_sm90(norm):
-    ints = dict.fromkeys(("H", "I", "IS", "stride_we", "stride_wn", "stride_swn"), "i32")
+def test_pairwise_moe_kernels_compile_for_sm90(norm, fp8):
+    w = "*fp8e4nv" if fp8 else "*bf16"
+    ints = dict.fromkeys(("H", "I", "IS", "stride_we", "stride_wn", "stride_swn", "stride_se", "stride_sn",
+                          "stride_ssn"), "i32")  # fmt: skip
+    scales = {"w13_s": "*fp32", "sw13_s": "*fp32"}
     gate_up = compile_for_sm90(
         triton_moe._gate_up_silu_pairs,
-        {"x": "*bf16", "logits": "*bf16", "shared_gate": "*bf16", "w13": "*bf16", "sw13": "*bf16", "inter": "*bf16",
-         "ids": "*i32", "weights": "*fp32"} | ints | {"stride_x": "i32", "stride_l": "i32", "stride_g": "i32"},
-        {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": norm, "BLOCK_N": 16, "BLOCK_K": 256},
+        {"x": "*bf16", "logits": "*bf16", "shared_gate": "*bf16", "w13": w, "sw13": w, "inter": "*bf16",
+         "ids": "*i32", "weights": "*fp32"} | scales | ints | {"stride_x": "i32", "stride_l": "i32", "stride_g": "i32"},
+        {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": norm, "FP8": fp8, "GROUP": 128, "BLOCK_N": 4, "BLOCK_K": 512},
     )  # fmt: skip
     down = compile_for_sm90(
         triton_moe._down_combine,
-        {"inter": "*bf16", "w2": "*bf16", "sw2": "*bf16", "ids": "*i32", "weights": "*fp32", "out": "*bf16"} | ints,
-        {"TOP_K": 8, "BLOCK_N": 16, "BLOCK_K": 256},
+        {"inter": "*bf16", "w2": w, "sw2": w, "w2_s": "*fp32", "sw2_s": "*fp32", "ids": "*i32", "weights": "*fp32",
+         "out": "*bf16"} | ints,
+        {"TOP_K": 8, "FP8": fp8, "GROUP": 128, "BLOCK_N": 4, "BLOCK_K": 512},
     )  # fmt: skip
     for k in (gate_up, down):
+        assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
+
+
+def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
+    """The e4m3 tensor-core paths: the aligned MoE GEMMs and the FP8 linear layer (the MoE's shared expert)."""
+    ints = dict.fromkeys(("H", "I", "stride_we", "stride_wn", "stride_se", "stride_sn"), "i32")
+    rows = {"block_expert": "*i32", "starts": "*i32", "counts": "*i32", "sorted_pairs": "*i32"}
+    gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+    kernels = [
+        compile_for_sm90(triton_moe._gate_up_silu,
+                         {"x": "*bf16", "w13": "*fp8e4nv", "w13_s": "*fp32", "inter": "*bf16", "stride_x": "i32"}
+                         | rows | ints, {"TOP_K": 8, "FP8": True} | gemm),
+        compile_for_sm90(triton_moe._down,
+                         {"inter": "*bf16", "w2": "*fp8e4nv", "w2_s": "*fp32", "out": "*bf16", "weights": "*fp32"}
+                         | rows | ints, {"FP8": True} | gemm),
+        compile_for_sm90(triton_fp8._fp8_matmul,
+                         {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16", "out": "*bf16"}
+                         | dict.fromkeys(("M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"), "i32"),
+                         {"HAS_BIAS": False, "FP8_DOT": True, "GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 64}),
+    ]  # fmt: skip
+    for k in kernels:
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]

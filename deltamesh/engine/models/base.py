@@ -14,8 +14,10 @@ from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.config import FULL_ATTENTION, ModelConfig
 from deltamesh.engine.models.layers import GatedAttention, GatedDeltaNet, RMSNorm, Rotary, WeightSlot, _param
 from deltamesh.engine.parallel import TensorParallelGroup
+from deltamesh.engine.quantization import SCALE_SUFFIX
 from deltamesh.kernels import Kernels
 from deltamesh.kernels.batch import StepBatch
+from deltamesh.kernels.fp8 import BLOCK
 
 
 class DecoderLayer(nn.Module):
@@ -40,11 +42,13 @@ class DecoderLayer(nn.Module):
 class HybridLM(nn.Module, ABC):
     """Embedding, interleaved GDN / gated-attention layers, final norm, LM head. With a tensor-parallel group,
     this rank's part of them (deltamesh/engine/parallel.py): `cfg` stays the full model's config, the layers are
-    built from the shard's."""
+    built from the shard's. `fp8`: the MoE experts keep an FP8 checkpoint's values and block scales
+    (models/layers.py)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TensorParallelGroup | None = None):
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TensorParallelGroup | None = None,
+                 fp8: bool = False):  # fmt: skip
         super().__init__()
-        self.cfg, self.tp = cfg, tp
+        self.cfg, self.tp, self.fp8 = cfg, tp, fp8
         local = tp.shard.local if tp else cfg
         vocab_rows = tp.shard.vocab_rows if tp else cfg.vocab_size
         self.embed = _param(vocab_rows, cfg.hidden_size)
@@ -65,7 +69,7 @@ class HybridLM(nn.Module, ABC):
     # -- family hooks --------------------------------------------------------------------------------
     @abstractmethod
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        """The feed-forward block of decoder layer `layer`."""
+        """The feed-forward block of decoder layer `layer` (FP8 experts when `self.fp8`)."""
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """Turn one checkpoint tensor into the (name, tensor) pairs `weight_slots` knows."""
@@ -78,7 +82,27 @@ class HybridLM(nn.Module, ABC):
             slots["lm_head.weight"] = WeightSlot(self.lm_head)
         for i, layer in enumerate(self.layers):
             slots |= layer.weight_slots(f"model.layers.{i}")
-        return slots
+        return slots | self._scale_slots(slots)
+
+    def _scale_slots(self, slots: dict[str, WeightSlot]) -> dict[str, WeightSlot]:
+        """`<name>_scale_inv` for every checkpoint weight that lands in an FP8 weight: the same rows of its
+        scales, counted in blocks."""
+        scale_of = {}
+        for module in self.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if name.endswith("_scale"):
+                    scale_of[id(getattr(module, name[: -len("_scale")]))] = p
+        out = {}
+        for name, slot in slots.items():
+            scale = scale_of.get(id(slot.param))
+            if scale is None:
+                continue
+            start = stop = None
+            if slot.start is not None:
+                assert slot.start % BLOCK == 0 and slot.dim == 0, (name, slot.start)  # blocks never straddle parts
+                start, stop = slot.start // BLOCK, -(-slot.stop // BLOCK)
+            out[name + SCALE_SUFFIX] = WeightSlot(scale, start, stop, slot.dim, slot.index)
+        return out
 
     # -- forward -----------------------------------------------------------------------------------------
     def forward(

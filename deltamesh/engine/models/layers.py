@@ -3,6 +3,11 @@
 Everything runs on a flat batch of tokens ([T, hidden]) described by a `kernels.batch.StepBatch`.
 Projections that read the same input are fused into one weight at load time (see `WeightSlot`): the
 checkpoint's tensor names map onto row ranges of the fused weights.
+
+With `fp8`, a MoE layer's experts (routed and shared) keep an FP8 checkpoint's e4m3 values, with `<name>_scale`
+(one float per 128 x 128 block) beside each (`linear_weight` hands both to the kernels as an `Fp8Weight`). The
+other projections are dequantized on load: cuBLAS in bf16 is faster than either FP8 GEMM measured for them
+(bench/RESULTS.md, "FP8 weights").
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.config import ModelConfig
 from deltamesh.kernels import Kernels
 from deltamesh.kernels.batch import StepBatch
+from deltamesh.kernels.fp8 import BLOCK, Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,23 @@ class WeightSlot:
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _linear_param(module: nn.Module, name: str, *shape: int, fp8: bool = False) -> None:
+    """module.<name>: a linear weight [..., out, in]; with fp8, e4m3 values and module.<name>_scale beside it."""
+    setattr(module, name, nn.Parameter(torch.empty(*shape, dtype=torch.float8_e4m3fn if fp8 else None),
+                                       requires_grad=False))  # fmt: skip
+    if fp8:
+        *lead, rows, cols = shape
+        scales = torch.empty(*lead, -(-rows // BLOCK), -(-cols // BLOCK), dtype=torch.float32)
+        setattr(module, name + "_scale", nn.Parameter(scales, requires_grad=False))
+
+
+def linear_weight(module: nn.Module, name: str):
+    """module.<name> as the kernels take it: the tensor, or an Fp8Weight when it has block scales."""
+    scale = getattr(module, name + "_scale", None)
+    weight = getattr(module, name)
+    return weight if scale is None else Fp8Weight(weight, scale)
 
 
 def _fused_slots(param: torch.Tensor, names_and_rows: list[tuple[str, int]], dim: int = 0) -> dict[str, WeightSlot]:
@@ -208,13 +231,14 @@ class GatedDeltaNet(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused; FP8 weights only as a MoE layer's shared expert
+    (the fused MoE kernels compute it)."""
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, fp8: bool = False):
         super().__init__()
         self.inter = inter
-        self.gate_up = _param(2 * inter, hidden)
-        self.down = _param(hidden, inter)
+        _linear_param(self, "gate_up", 2 * inter, hidden, fp8=fp8)
+        _linear_param(self, "down", hidden, inter, fp8=fp8)
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         slots = _fused_slots(self.gate_up, [(f"{prefix}.gate_proj.weight", self.inter), (f"{prefix}.up_proj.weight", self.inter)])
@@ -229,16 +253,16 @@ class SparseMoE(nn.Module):
     """Top-k routed experts (softmax router, optional renormalisation) plus a sigmoid-gated shared expert, all in
     one kernels.moe call (so a backend can fuse the shared expert with the routed ones)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fp8: bool = False):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k, self.inter, self.norm_topk = e, cfg.num_experts_per_tok, i, cfg.norm_topk_prob
         # expert parallelism: this rank's experts [first_expert, first_expert + local)
         self.first_expert, local = cfg.local_experts or (0, e)
         self.gates = _param(e + 1, h)  # the router's rows, then the shared expert's gate: one GEMM for both
-        self.w13 = _param(local, 2 * i, h)  # per expert: gate rows then up rows
-        self.w2 = _param(local, h, i)
-        self.shared = MLP(h, cfg.shared_expert_intermediate_size)
+        _linear_param(self, "w13", local, 2 * i, h, fp8=fp8)  # per expert: gate rows then up rows
+        _linear_param(self, "w2", local, h, i, fp8=fp8)
+        self.shared = MLP(h, cfg.shared_expert_intermediate_size, fp8)
 
     @property
     def router(self) -> torch.Tensor:
@@ -262,5 +286,6 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         logits = F.linear(x, self.gates)
         e = self.num_experts
-        return kernels.moe(x, logits[:, :e], self.w13, self.w2, self.top_k, self.norm_topk, self.shared.gate_up,
-                           self.shared.down, logits[:, e:], first_expert=self.first_expert)  # fmt: skip
+        return kernels.moe(x, logits[:, :e], linear_weight(self, "w13"), linear_weight(self, "w2"), self.top_k,
+                           self.norm_topk, linear_weight(self.shared, "gate_up"), linear_weight(self.shared, "down"),
+                           logits[:, e:], first_expert=self.first_expert)  # fmt: skip

@@ -9,4 +9,4 @@ from deltamesh.engine.models.layers import SparseMoE
 
 class Qwen3_5MoeForCausalLM(HybridLM):
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return SparseMoE(cfg)
+        return SparseMoE(cfg, self.fp8)

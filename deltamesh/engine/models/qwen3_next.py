@@ -15,7 +15,7 @@ from deltamesh.engine.models.layers import MLP, SparseMoE
 class Qwen3NextForCausalLM(HybridLM):
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         if cfg.moe_layers[layer]:
-            return SparseMoE(cfg)
+            return SparseMoE(cfg, self.fp8)
         return MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

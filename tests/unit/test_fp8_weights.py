@@ -1,0 +1,85 @@
+"""FP8 weights kept as FP8 (`--quantization`): the MoE experts hold an FP8 checkpoint's e4m3 values and block
+scales exactly as written (the other projections are dequantized), a bf16 checkpoint's experts are quantized on
+load into the same format, and the torch reference (which dequantizes them) gives exactly the dequantized
+model's output. The GPU kernels' arithmetic is checked in
+tests/gpu/test_gpu_fp8.py."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deltamesh.engine import Engine, EngineConfig
+from deltamesh.engine.core import EngineCore
+from deltamesh.engine.sampling import SamplingParams
+from deltamesh.engine.weights import WeightError
+from deltamesh.kernels.fp8 import Fp8Weight, dequantize
+from fidelity.test_transformers_fidelity import engine_logits, prompt
+from hf_checkpoints import write_checkpoint
+from scripts.write_fp8_checkpoint import write_fp8_checkpoint
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    return write_checkpoint("qwen3_5_moe_fp8_shapes", tmp_path_factory.mktemp("aligned"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(bf16_dir, tmp_path_factory):
+    return write_fp8_checkpoint(bf16_dir, tmp_path_factory.mktemp("aligned_fp8"))
+
+
+def core(model_dir, quantization, **kw):
+    return EngineCore(EngineConfig(model=str(model_dir), page_size=8, max_num_seqs=2, quantization=quantization, **kw))
+
+
+def test_the_checkpoints_values_and_scales_are_kept_as_written(fp8_dir):
+    model = core(fp8_dir, "fp8").model
+    gdn, moe = model.layers[0].mixer, model.layers[0].mlp
+    with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
+        get = lambda name: f.get_tensor(f"model.layers.0.{name}")  # noqa: E731
+        up = get("mlp.experts.2.up_proj.weight")
+        assert torch.equal(moe.w13[2, 128:].view(torch.uint8), up.view(torch.uint8))
+        assert torch.equal(moe.w13_scale[2, 1:], get("mlp.experts.2.up_proj.weight_scale_inv"))
+        down = get("mlp.shared_expert.down_proj.weight")
+        assert torch.equal(moe.shared.down.view(torch.uint8), down.view(torch.uint8))
+        z = Fp8Weight(get("linear_attn.in_proj_z.weight"), get("linear_attn.in_proj_z.weight_scale_inv"))
+        assert torch.equal(gdn.in_proj[gdn.conv_dim : gdn.conv_dim + gdn.value_dim], dequantize(z))  # dequantized
+    assert model.lm_head.dtype == gdn.in_proj.dtype == torch.float32
+
+
+def test_fp8_weights_compute_exactly_what_the_dequantized_model_computes(fp8_dir):
+    kept, dequantized = core(fp8_dir, "fp8"), core(fp8_dir, "none")
+    assert dequantized.model.layers[1].mlp.w2.dtype == torch.float32
+    ids = prompt(40, seed=2)
+    assert torch.equal(engine_logits(kept, ids, [24, 16]), engine_logits(dequantized, ids, [24, 16]))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = []
+    for quantization in ("fp8", "none"):
+        with Engine(EngineConfig(model=str(fp8_dir), page_size=8, quantization=quantization)) as eng:
+            outs.append(eng.generate(ids, params)[0].token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
+def test_a_bf16_checkpoints_experts_are_quantized_on_load_as_the_fp8_writer_does(bf16_dir, fp8_dir):
+    online = dict(core(bf16_dir, "fp8").model.named_parameters())
+    written = dict(core(fp8_dir, "fp8").model.named_parameters())
+    fp8 = [name for name, p in online.items() if p.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == 2 * 4  # w13, w2, the shared expert's two: two layers
+    for name in fp8:
+        assert torch.equal(online[name].view(torch.uint8), written[name].view(torch.uint8)), name
+        assert torch.equal(online[name + "_scale"], written[name + "_scale"]), name
+
+
+def test_dummy_fp8_weights_are_quantized_random_weights(bf16_dir):
+    moe = core(bf16_dir, "fp8", load_format="dummy").model.layers[1].mlp
+    w = dequantize(Fp8Weight(moe.w13, moe.w13_scale))
+    assert moe.w13_scale.min() > 0 and 0.05 < w.std() * 128**0.5 < 20  # a spread like the bf16 dummy's
+
+
+def test_fp8_weights_are_refused_where_the_layout_cannot_hold_them(hf_checkpoints):
+    with pytest.raises(WeightError, match="whole 128-row blocks, not hidden_size 64, moe_intermediate_size 48"):
+        core(hf_checkpoints["qwen3_5_moe"], "fp8")
+    with pytest.raises(WeightError, match="kept for MoE experts, and this model has none"):
+        core(hf_checkpoints["qwen3_5"], "fp8")
+    with pytest.raises(ValueError, match="quantization must be auto, fp8 or none"):
+        core(hf_checkpoints["qwen3_5"], "int4")

@@ -1,0 +1,81 @@
+"""The FP8 Triton kernels (the linear layer of the shared expert, both fused MoE paths) run through Triton's CPU
+interpreter against the arithmetic kernels/fp8.py spells out in torch, so CI checks their indexing, masks and
+scales without a GPU. float32 activations: the interpreter's dots read bfloat16 operands as raw integers
+(tests/gpu checks bf16)."""
+
+import json
+
+import pytest
+from test_triton_kernels_interpreted import run_interpreted
+
+pytest.importorskip("triton")
+
+PRELUDE = """
+    import json
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+    from deltamesh.kernels import torch_ref, triton_fp8, triton_moe
+    from deltamesh.kernels.fp8 import Fp8Weight, dequantize, quantize_blocks, reference_linear, reference_moe
+    torch.manual_seed(0)
+    errors = {}
+
+    # The interpreter rounds float32 -> e4m3 its own way; GPUs (and torch) round to nearest even.
+    interpreted_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def to_e4m3_rne(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            q = torch.from_numpy(np.asarray(src.data)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(q, tl.float8e4nv)
+        return interpreted_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = to_e4m3_rne
+
+    def fp8(*shape):
+        return Fp8Weight(*quantize_blocks(torch.randn(*shape) / shape[-1] ** 0.5))
+
+    def rel(got, ref):
+        return float((got - ref).abs().max() / ref.abs().max())
+"""
+
+
+def check(body: str) -> None:
+    errors = json.loads(run_interpreted(PRELUDE + body + "\n    print(json.dumps(errors))").splitlines()[-1])
+    assert errors
+    bad = {case: (e, tol) for case, (e, tol) in errors.items() if not e < tol}
+    assert not bad, bad
+
+
+def test_fp8_linear_matches_its_arithmetic():
+    """Few and many tokens, a last block of rows and a last group of columns cut short, a bias."""
+    check("""
+    for tokens in (3, 40):
+        w, bias = fp8(320, 300), torch.randn(320)
+        x = torch.randn(tokens, 300) * torch.logspace(-2, 1, 300)  # groups of very different magnitudes
+        got = triton_fp8.linear(x, w, bias)
+        errors[f"linear T={tokens}"] = (rel(got, reference_linear(x, w, bias)), 1e-5)
+        errors[f"linear T={tokens} vs unquantized"] = (rel(got, x @ dequantize(w).T + bias), 0.1)
+    """)
+
+
+def test_fp8_moe_matches_its_arithmetic():
+    """Both paths, against the same routing with every expert computed by reference_linear (activations
+    quantized before gate/up and before down) and against the dequantized experts without that quantization."""
+    check("""
+    hidden, inter, experts = 256, 128, 6
+    for tokens, top_k, norm, shared_inter, config in ((1, 2, True, 128, None), (3, 2, False, 256, None),
+                                                      (20, 2, True, 128, triton_moe.GemmConfig(16, 64, 128)),
+                                                      (40, 3, True, 256, None)):
+        w13, w2 = fp8(experts, 2 * inter, hidden), fp8(experts, hidden, inter)
+        sw13, sw2 = fp8(2 * shared_inter, hidden), fp8(hidden, shared_inter)
+        x = torch.randn(tokens, hidden)
+        gates = torch.randn(tokens, experts + 1)
+        logits, gate = gates[:, :experts], gates[:, experts:]
+        got = triton_moe.moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate, config=config)
+        path = "aligned" if config or tokens > triton_moe.DECODE_MAX_TOKENS else "pairs"
+        case = f"{path} T={tokens} k={top_k} shared={shared_inter}"
+        errors[case] = (rel(got, reference_moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate)), 1e-3)
+        unquantized = torch_ref.moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate)
+        errors[case + " vs unquantized"] = (rel(got, unquantized), 0.1)
+    """)
