@@ -116,11 +116,13 @@ class Engine:
         check_layouts(self.core.model_config, tensor_parallel_size, self.tensor_parallel_size)
 
     def held_buffers(self, request_id: str) -> list[torch.Tensor]:
-        """A held request's state (KeyError if not held) as 1-D byte views of the pools, in hand-off order."""
+        """A held request's state (KeyError if not held) as 1-D byte views of the pools (of a tensor-parallel
+        engine: of the leader's one-rank copy), in hand-off order."""
         return [r.tensor for r in self.core.held_regions(request_id)]
 
     def pool_buffers(self) -> list[torch.Tensor]:
-        """Each pool's whole memory as a 1-D byte view: what a holder lets peers read."""
+        """Each pool's whole memory as a 1-D byte view (of a tensor-parallel engine: its one-rank copy's, made
+        now): what a holder lets peers read."""
         return self.core.pool_views()
 
     def release_held(self, request_id: str) -> bool:

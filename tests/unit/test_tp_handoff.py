@@ -14,24 +14,9 @@ from deltamesh.engine.core import EngineCore
 from deltamesh.engine.handoff import LayoutMismatch, check_layouts
 from deltamesh.engine.parallel import Shard, shard_tensor
 from deltamesh.engine.state_shards import RequestState, merge, split
-from hf_checkpoints import VOCAB, randomize
+from hf_checkpoints import VOCAB, write_replicated_kv_checkpoint
 
 pytestmark = pytest.mark.parallel
-
-
-def one_kv_head_checkpoint(out):
-    """Qwen3.5 dense with one KV head for four query heads: two ranks each hold a copy of it (replicated), and
-    2 GDN key heads with 2 value heads each, so that q, k and v conv channels split unevenly."""
-    import hf_checkpoints as hc
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    cfg = Qwen3_5TextConfig(**{**hc._COMMON, "num_key_value_heads": 1}, intermediate_size=96,
-                            rope_parameters=hc._MROPE, tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(5)
-    model = Qwen3_5ForCausalLM(cfg).eval()
-    randomize(model, 5)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def labelled_state(cfg: ModelConfig, pages: int = 2, layers: int = 2) -> RequestState:
@@ -48,7 +33,7 @@ def labelled_state(cfg: ModelConfig, pages: int = 2, layers: int = 2) -> Request
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_each_rank_holds_the_state_its_weights_compute_and_the_parts_merge_back(tmp_path, ranks):
-    cfg = ModelConfig.from_dir(one_kv_head_checkpoint(tmp_path))
+    cfg = ModelConfig.from_dir(write_replicated_kv_checkpoint(tmp_path))
     if ranks == 4:  # 2 KV heads over 4 ranks, 4 GDN key heads: each head splits in two, KV heads replicated
         cfg = replace(cfg, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8)
     whole = labelled_state(cfg)
@@ -152,7 +137,7 @@ def one_rank_tokens(path) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_state_held_on_one_layout_continues_on_another_as_the_one_rank_engine(hf_checkpoints, tmp_path, family):
-    path = one_kv_head_checkpoint(tmp_path) if family == "qwen3_5" else hf_checkpoints[family]
+    path = write_replicated_kv_checkpoint(tmp_path) if family == "qwen3_5" else hf_checkpoints[family]
     want = one_rank_tokens(path)
     ep = {"enable_expert_parallel": True} if family != "qwen3_5" else {}
     first, held = held_states(path, 2, **ep)
