@@ -99,3 +99,17 @@ def load_hf(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def write_replicated_kv_checkpoint(out: Path, seed: int = 5) -> Path:
+    """Qwen3.5 dense with one KV head for four query heads, so that two tensor-parallel ranks each hold a copy of
+    it (replicated); 2 GDN key heads with 2 value heads each, so that q, k and v conv channels split unevenly."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(**{**_COMMON, "num_key_value_heads": 1}, intermediate_size=96, rope_parameters=_MROPE,
+                            tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(cfg).eval()
+    randomize(model, seed)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

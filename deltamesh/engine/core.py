@@ -10,6 +10,9 @@ Disaggregation hooks:
   and GDN slot stay allocated ("held") until `release_held`; `held_regions` names the bytes to ship.
 - decode side: `reserve` allocates a slot and pages for an incoming state and names the bytes to receive
   into; `submit_transferred` then starts decoding from the first token not yet consumed.
+- tensor parallel: the bytes named are the state in the one-rank layout, in the leader's copy of it
+  (tp_handoff.py): gathered from the ranks when a state is held, scattered to them before an arrived request's
+  first step.
 
 With `prefix_cache` on, prompt prefills fill a PrefixCache (shared KV pages + GDN checkpoints) that later
 admissions start from; a held state's pages may be shared with it (the transfer only reads them).
@@ -38,6 +41,7 @@ from deltamesh.engine.request import FinishReason, Request, RequestError, Reques
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
 from deltamesh.engine.scheduler import ScheduledItem, Scheduler
 from deltamesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from deltamesh.engine.tp_handoff import TensorParallelHandoff
 from deltamesh.engine.tp_workers import Followers
 
 log = structlog.get_logger("deltamesh.engine")
@@ -106,6 +110,7 @@ class EngineCore:
         rank = build_rank(config, mc, self.max_model_len, self.device, tp)
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
+        self.handoff = TensorParallelHandoff(self.followers, self.kv_pool, self.state_pool) if self.followers else None
         if self.followers:
             self.runner.followers = self.followers
             for pool in filter(None, (self.state_pool, self.checkpoint_pool, self.kv_pool)):
@@ -236,8 +241,23 @@ class EngineCore:
                 self._sinks[arg.request_id] = sink
                 if kind == "add":
                     self.scheduler.add(arg)
-                else:
+                elif (failed := self._place_arrived(arg)) is None:
                     self.scheduler.add_running(arg)
+                else:
+                    outputs.append(failed)
+
+    def _place_arrived(self, req: Request) -> RequestOutput | None:
+        """Tensor parallel: each rank takes its part of an arrived state before the request's first step. When a
+        rank could not, the request ends (its space freed): its last output."""
+        if self.handoff is None:
+            return None
+        try:
+            self.handoff.scatter(req.pages, req.slot)
+            return None
+        except Exception as e:
+            log.exception("scattering an arrived state to the ranks failed", request_id=req.request_id)
+            return self._finish(req, FinishReason.ERROR, error=f"tensor-parallel ranks could not take the arrived "
+                                                               f"state: {e}")  # fmt: skip
 
     def _abort(self, request_id: str) -> list[RequestOutput]:
         if self.release_held(request_id):
@@ -347,6 +367,14 @@ class EngineCore:
 
     def _hold(self, req: Request, out: RequestOutput) -> None:
         """Prefill-only request: done here, state kept for a decode worker to pull."""
+        if self.handoff is not None:
+            try:
+                self.handoff.gather(req.pages, req.slot)
+            except Exception as e:
+                log.exception("gathering a held state from the ranks failed", request_id=req.request_id)
+                self._finish(req, FinishReason.ERROR, out=out, error=f"tensor-parallel ranks could not hand over "
+                                                                     f"the state: {e}")  # fmt: skip
+                return
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         del self.requests[req.request_id]
@@ -387,10 +415,16 @@ class EngineCore:
         req = self.held_request(request_id)
         if req is None:
             raise KeyError(request_id)
-        return self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
+        return self._regions(req.pages, req.slot)
+
+    def _regions(self, pages: list[int], slot: int) -> list[Region]:
+        """Where a request's state leaves or arrives: the pools, or the one-rank copy of a tensor-parallel engine."""
+        if self.handoff is not None:
+            return self.handoff.regions(pages, slot)
+        return self.kv_pool.regions(pages) + self.state_pool.regions(slot)
 
     def pool_views(self) -> list[torch.Tensor]:
-        return pool_views(self.kv_pool, self.state_pool)
+        return self.handoff.views() if self.handoff is not None else pool_views(self.kv_pool, self.state_pool)
 
     def release_held(self, request_id: str) -> bool:
         with self._held_lock:
@@ -415,7 +449,7 @@ class EngineCore:
         except PoolExhausted:
             self.state_pool.free(slot)
             raise
-        regions = self.kv_pool.regions(pages) + self.state_pool.regions(slot)
+        regions = self._regions(pages, slot)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()

@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from deltamesh.engine.core import EngineCore, Reservation
-from deltamesh.engine.handoff import compat_hash
+from deltamesh.engine.handoff import check_layouts, compat_hash
 from deltamesh.engine.request import RequestError
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.request import FinishReason, Request, RequestOutput
@@ -106,12 +106,23 @@ class Engine:
         """Equal on two engines exactly when one's held state can be pulled into the other's pools."""
         return compat_hash(self.core)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.core.config.tensor_parallel_size
+
+    def check_sender_layout(self, tensor_parallel_size: int) -> None:
+        """Raise handoff.LayoutMismatch unless state computed on `tensor_parallel_size` ranks (of a worker with
+        this engine's compat hash) can be split onto this engine's ranks."""
+        check_layouts(self.core.model_config, tensor_parallel_size, self.tensor_parallel_size)
+
     def held_buffers(self, request_id: str) -> list[torch.Tensor]:
-        """A held request's state (KeyError if not held) as 1-D byte views of the pools, in hand-off order."""
+        """A held request's state (KeyError if not held) as 1-D byte views of the pools (of a tensor-parallel
+        engine: of the leader's one-rank copy), in hand-off order."""
         return [r.tensor for r in self.core.held_regions(request_id)]
 
     def pool_buffers(self) -> list[torch.Tensor]:
-        """Each pool's whole memory as a 1-D byte view: what a holder lets peers read."""
+        """Each pool's whole memory as a 1-D byte view (of a tensor-parallel engine: its one-rank copy's, made
+        now): what a holder lets peers read."""
         return self.core.pool_views()
 
     def release_held(self, request_id: str) -> bool:

@@ -1,6 +1,12 @@
 """What two engines must agree on to hand a request's state from one to the other: the byte layout of held state
-(its version) and the compatibility hash over everything that shapes those bytes (model, dtypes, pool layouts,
-page size, parallelism). The engine owns both: a change to the pools' layout bumps the version here."""
+(its version), the compatibility hash over everything that shapes those bytes (model, dtypes, pool layouts, page
+size), and whether the sender's tensor-parallel layout can be mapped onto the receiver's. The engine owns all
+three: a change to the pools' layout bumps the version here.
+
+State travels in the layout of a one-rank engine whatever the ranks of either side (engine/tp_handoff.py), so
+the ranks are not in the hash: any two layouts that each hold the model map onto each other. A layout that
+cannot hold the model (a rank count that does not divide its heads) is refused by `check_layouts`.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,18 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
+from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.parallel import ParallelConfigError, shard_config
+
 if TYPE_CHECKING:
     from deltamesh.engine.core import EngineCore
 
 # Bump when the byte layout of held state changes.
-STATE_LAYOUT_VERSION = "kv:page-major[page,layer,kv,slot,head,dim]/gdn:slot-major[slot,layer,...]/v1"
+STATE_LAYOUT_VERSION = "kv:page-major[page,layer,kv,slot,head,dim]/gdn:slot-major[slot,layer,...]/one-rank/v2"
+
+
+class LayoutMismatch(ValueError):
+    """A sender's state layout that cannot be mapped onto this engine's."""
 
 
 def compat_hash(core: "EngineCore") -> str:
@@ -24,8 +37,19 @@ def compat_hash(core: "EngineCore") -> str:
             "state_dtype": cfg.state_dtype,
             "page_size": cfg.page_size,
             "layout": STATE_LAYOUT_VERSION,
-            "tensor_parallel": 1,
         },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def check_layouts(model: ModelConfig, sender_ranks: int, receiver_ranks: int) -> None:
+    """Raise LayoutMismatch unless state computed on `sender_ranks` tensor-parallel ranks can be split onto
+    `receiver_ranks`: both must be layouts that hold this model (its heads divide among the ranks)."""
+    for side, ranks in (("sender", sender_ranks), ("receiver", receiver_ranks)):
+        if ranks < 1:
+            raise LayoutMismatch(f"the {side}'s tensor-parallel size {ranks} is not a layout")
+        try:
+            shard_config(model, ranks)
+        except ParallelConfigError as e:
+            raise LayoutMismatch(f"the {side}'s layout does not fit this model: {e}") from None

@@ -4,9 +4,11 @@ The worker's own process is rank 0, the leader: it schedules, samples and talks 
 one-rank engine does. It starts one follower process per other rank (`python -m deltamesh.engine.tp_workers`),
 each of which builds its shard of the model and its pools (engine/rank.py) and then repeats what the leader
 sends: every step's host inputs (runner.HostStep) with the pool writes the leader made since the last step
-(zeroed or copied GDN slots), the CUDA graph capture, and the stop. Inside a step the ranks meet in the
-model's collectives (parallel.TensorParallelGroup). torch.distributed carries both: gloo on CPU, NCCL for the
-tensors on CUDA with a gloo group beside it for the messages.
+(zeroed or copied GDN slots), the CUDA graph capture, the stop, and a hand-off's exchange of one request's state
+with the leader (engine/tp_handoff.py: its part of a held state gathered, its part of an arrived state
+scattered). Inside a step, and in a hand-off, the ranks meet in collectives over the engine's group
+(parallel.TensorParallelGroup). torch.distributed carries both: gloo on CPU, NCCL for the tensors on CUDA with
+a gloo group beside it for the messages.
 
 A follower that exits ends its leader's engine: the leader checks its followers before every step, and from
 then on ends every request with the reason (the worker's health turns NOT_SERVING).
@@ -89,6 +91,14 @@ class Followers:
     def capture_decode_graphs(self, max_batch: int, max_context: int) -> None:
         self._send(("capture", max_batch, max_context))
 
+    def send_gather(self, pages: list[int], slot: int) -> None:
+        """The followers send their parts of this request's state to the leader next (tp_handoff.gather_parts)."""
+        self._send(("gather", pages, slot))
+
+    def send_scatter(self, pages: list[int], slot: int) -> None:
+        """The followers take their parts of this request's state from the leader next (tp_handoff.scatter_parts)."""
+        self._send(("scatter", pages, slot))
+
     def _send(self, message: tuple) -> None:
         import torch.distributed as dist
 
@@ -142,6 +152,7 @@ def follow(config: EngineConfig, rank: int, init_method: str) -> None:
     import torch.distributed as dist
 
     from deltamesh.engine.rank import build_rank
+    from deltamesh.engine.tp_handoff import gather_parts, rank_state, scatter_parts, store_rank_state
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -158,6 +169,14 @@ def follow(config: EngineConfig, rank: int, init_method: str) -> None:
             break
         if kind == "capture":
             me.runner.capture_decode_graphs(*args)
+            continue
+        if kind in ("gather", "scatter"):
+            pages, slot = args
+            mine = rank_state(me.kv_pool, me.state_pool, pages, slot)
+            if kind == "gather":
+                gather_parts(tp, mine)
+            else:
+                store_rank_state(me.kv_pool, me.state_pool, pages, slot, scatter_parts(tp, mine, None))
             continue
         step, ops = args
         for op, name, *where in ops:

@@ -70,15 +70,6 @@ def _transport_known(name: str) -> None:
                                  param_hint="--transport")  # fmt: skip
 
 
-def _handoff_supported(role: str, tensor_parallel_size: int) -> None:
-    if role != "colocated" and tensor_parallel_size > 1:
-        raise typer.BadParameter(
-            f"a {role} worker hands request state to or from other workers, which is not yet done rank by rank; "
-            "--tensor-parallel-size above 1 is for colocated workers (`deltamesh colocated`, `deltamesh serve "
-            "--colocated`)", param_hint="--tensor-parallel-size",
-        )  # fmt: skip
-
-
 def _mesh_secret(secret_file: str | None, create: bool = False):
     from deltamesh.services.common.auth import MissingSecret, load_mesh_secret
 
@@ -106,7 +97,6 @@ def _worker_command(role: str):
         _ports_free(role, settings.host, {"--port": settings.port, "--metrics-port": settings.metrics_port})
         _transport_known(settings.transport)
         _check_tls(settings.tls)
-        _handoff_supported(role, settings.engine.tensor_parallel_size)
         if role == "prefill":
             from deltamesh.services.prefill.main import serve
         else:

@@ -12,6 +12,7 @@ import structlog
 
 from deltamesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from deltamesh.engine import PoolExhausted
+from deltamesh.engine.handoff import LayoutMismatch
 from deltamesh.services.common import metrics
 from deltamesh.services.common.convert import delta_from_output
 from deltamesh.services.common.worker import Worker, engine_request
@@ -54,6 +55,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"incompatible state layout: prefill {layout.compat_hash}, decode {self.worker.compat_hash}",
             )
+        try:  # the regions are in the one-rank layout; the sender's ranks must be a layout of this model
+            self.engine.check_sender_layout(layout.tensor_parallel_size or 1)
+        except LayoutMismatch as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible state layout: {e}")
         if layout.num_tokens != len(request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "state token count does not match the prompt")
         if not src.lease.token:

@@ -66,8 +66,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         response.lease.CopyFrom(prefill_pb2.Lease(lease_id=rid, token=lease.token,
                                                   expires_unix_ms=lease.expires_unix_ms()))  # fmt: skip
         response.transport.CopyFrom(self.holder.offer(lease))
-        response.layout.CopyFrom(prefill_pb2.StateLayout(compat_hash=self.worker.compat_hash, num_tokens=num_tokens,
-                                                         region_bytes=[b.numel() for b in buffers]))  # fmt: skip
+        response.layout.CopyFrom(prefill_pb2.StateLayout(
+            compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[b.numel() for b in buffers],
+            tensor_parallel_size=self.engine.tensor_parallel_size,
+        ))  # fmt: skip
 
     def transport_descriptor(self) -> common_pb2.TransportDescriptor:
         """How decode workers reach this worker's pools (made readable now, once), for them to set up their
