@@ -1,13 +1,12 @@
-"""FP8 linear layers on one GPU: the Triton block-scaled kernel (kernels/triton_fp8.py) against the bf16 layer
-(cuBLAS) and cuBLAS's own block-scaled FP8 GEMM (`torch.nn.functional.scaled_mm`, activations quantized
-beforehand and not timed), for every projection of a model's shape, replayed from CUDA graphs.
+"""Linear layers with FP8 weights on one GPU (kernels/triton_fp8.py) against the bf16 layer (cuBLAS), for every
+projection of a model's shape, replayed from CUDA graphs.
 
-- `op` rows: per projection and token count, the times and the FP8 floor (the bytes it must read and write at
-  the measured HBM copy rate; few tokens are bound by them).
-- `step` rows: the sum over one forward pass's projections (every layer, LM head excluded) at each token
-  count, bf16 against FP8: what FP8 weights save a decode step outside the experts (bench/gpu_moe.py
-  --quantization fp8 times whole steps).
-- `sweep` rows (`--sweep`): the kernel's time per tile (fp8.Fp8Config), which sets `fp8_config`.
+- `op` rows: per projection and token count: bf16 cuBLAS, the GEMV kernel with bf16 and with FP8 weights, and the
+  FP8 layer as the engine runs it (the GEMV up to GEMV_MAX_TOKENS, then activation quantization + cuBLAS's
+  block-scaled FP8 GEMM); the FP8 and bf16 floors (bytes read and written at the measured HBM copy rate).
+- `step` rows: the sum over one forward pass's projections (every layer, LM head excluded) at each token count.
+- `sweep` rows (`--sweep`): the GEMV's time per tile (triton_fp8.GemvConfig), bf16 and FP8 weights, which sets
+  GEMV_CONFIG.
 
     python bench/gpu_fp8.py --out bench/results/gpu_fp8.json
 """
@@ -27,7 +26,7 @@ from bench.common import CONFIGS, RESULTS, ints, print_table, write_result  # no
 from bench.gpu_common import graph_ms, hbm_bandwidth, machine_info  # noqa: E402
 from deltamesh.engine.config import FULL_ATTENTION, ModelConfig  # noqa: E402
 from deltamesh.kernels import triton_fp8  # noqa: E402
-from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, quantize_activations, quantize_blocks  # noqa: E402
+from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, quantize_blocks  # noqa: E402
 
 
 def projections(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
@@ -51,25 +50,6 @@ def projections(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
     return rows
 
 
-def cublas_fp8(x: torch.Tensor, w: Fp8Weight):
-    """A callable running cuBLAS's block-scaled FP8 GEMM on x's pre-quantized values, or why there is none."""
-    try:
-        from torch.nn.functional import ScalingType, scaled_mm
-
-        q, s = quantize_activations(x)
-        scale_a = s.t().contiguous().t()  # per (token, group): cuBLAS reads them token-major
-        scale_b = w.scale.t()
-
-        def run():
-            return scaled_mm(q, w.weight.t(), scale_a, ScalingType.BlockWise1x128, scale_b,
-                             ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)  # fmt: skip
-
-        run()
-        return run
-    except Exception as e:  # noqa: BLE001 - any refusal is the answer
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-
-
 def op_rows(cfg: ModelConfig, tokens: list[int], bandwidth: float) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -78,17 +58,16 @@ def op_rows(cfg: ModelConfig, tokens: list[int], bandwidth: float) -> list[dict]
         wq = Fp8Weight(*quantize_blocks(w))
         for t in tokens:
             x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
-            floor = (n * k + wq.scale.numel() * 4 + 2 * t * (k + n)) / bandwidth * 1e3
+            io = 2 * t * (k + n)
             row = {"bench": "op", "projection": name, "n": n, "k": k, "per_pass": count, "tokens": t,
                    "bf16_ms": graph_ms(lambda: F.linear(x, w)), "fp8_ms": graph_ms(lambda: triton_fp8.linear(x, wq)),
-                   "fp8_floor_ms": floor}  # fmt: skip
-            cublas = cublas_fp8(x, wq)
-            if callable(cublas):
-                row["cublas_fp8_ms"] = graph_ms(cublas)
-            else:
-                row["cublas_fp8"] = cublas
+                   "bf16_floor_ms": (2 * n * k + io) / bandwidth * 1e3,
+                   "fp8_floor_ms": (n * k + wq.scale.numel() * 4 + io) / bandwidth * 1e3}  # fmt: skip
+            if t <= 16:
+                row["bf16_gemv_ms"] = graph_ms(lambda: triton_fp8.gemv(x, w))
+                row["fp8_gemv_ms"] = graph_ms(lambda: triton_fp8.gemv(x, wq))
             row["fp8_speedup"] = row["bf16_ms"] / row["fp8_ms"]
-            row["fp8_of_floor"] = floor / row["fp8_ms"]
+            row["fp8_of_floor"] = row["fp8_floor_ms"] / row["fp8_ms"]
             rows.append(row)
     return rows
 
@@ -97,7 +76,8 @@ def step_rows(ops: list[dict]) -> list[dict]:
     rows = []
     for t in sorted({r["tokens"] for r in ops}):
         mine = [r for r in ops if r["tokens"] == t]
-        total = {key: sum(r[key] * r["per_pass"] for r in mine) for key in ("bf16_ms", "fp8_ms", "fp8_floor_ms")}
+        keys = [key for key in ("bf16_ms", "bf16_gemv_ms", "bf16_floor_ms", "fp8_ms", "fp8_floor_ms") if key in mine[0]]
+        total = {key: sum(r[key] * r["per_pass"] for r in mine) for key in keys}
         rows.append({"bench": "step", "tokens": t, **total, "saved_ms": total["bf16_ms"] - total["fp8_ms"]})
     return rows
 
@@ -105,19 +85,17 @@ def step_rows(ops: list[dict]) -> list[dict]:
 def sweep_rows(cfg: ModelConfig, tokens: list[int]) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
+    grid = [(bn, bk, warps) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for warps in (2, 4, 8)]
     for name, n, k, _ in projections(cfg):
-        wq = Fp8Weight(*quantize_blocks(torch.randn(n, k, generator=g, device="cuda") / k**0.5))
-        for t in tokens:
-            x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
-            if t <= 16:  # bound by the weight read: tile widths, warps, stages, either dot
-                grid = [(16, bn, w, st, dot) for bn in (16, 32, 64, 128) for w in (2, 4) for st in (3, 5)
-                        for dot in (True, False)]  # fmt: skip
-            else:
-                grid = [(bm, bn, w, st, True) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (3, 4)]
-            for tile in map(lambda c: triton_fp8.Fp8Config(*c), grid):
-                rows.append({"bench": "sweep", "projection": name, "tokens": t, "config": "/".join(map(str, tile)),
-                             "ms": graph_ms(lambda c=tile: triton_fp8.linear(x, wq, None, c)),
-                             "chosen": tile == triton_fp8.fp8_config(t)})  # fmt: skip
+        w = torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for weights, label in ((w, "bf16"), (Fp8Weight(*quantize_blocks(w)), "fp8")):
+            for t in tokens:
+                x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
+                for tile in map(lambda c: triton_fp8.GemvConfig(*c), grid):
+                    rows.append({"bench": "sweep", "projection": name, "weights": label, "tokens": t,
+                                 "config": "/".join(map(str, tile)),
+                                 "ms": graph_ms(lambda c=tile: triton_fp8.gemv(x, weights, None, c)),
+                                 "chosen": tile == triton_fp8.GEMV_CONFIG})  # fmt: skip
     return rows
 
 
@@ -133,21 +111,19 @@ def main() -> None:
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     cfg = ModelConfig.from_dir(args.model)
     ops = op_rows(cfg, args.tokens, bandwidth)
-    print_table(ops, ["projection", "n", "k", "tokens", "bf16_ms", "fp8_ms", "cublas_fp8_ms", "fp8_floor_ms",
-                      "fp8_speedup", "fp8_of_floor"])  # fmt: skip
-    refusals = {r["cublas_fp8"] for r in ops if "cublas_fp8" in r}
-    if refusals:
-        print("cuBLAS block-scaled FP8:", "; ".join(sorted(refusals)))
+    print_table(ops, ["projection", "n", "k", "tokens", "bf16_ms", "bf16_gemv_ms", "bf16_floor_ms", "fp8_ms",
+                      "fp8_gemv_ms", "fp8_floor_ms", "fp8_speedup", "fp8_of_floor"])  # fmt: skip
     steps = step_rows(ops)
-    print_table(steps, ["tokens", "bf16_ms", "fp8_ms", "fp8_floor_ms", "saved_ms"])
+    print_table(steps, ["tokens", "bf16_ms", "bf16_gemv_ms", "bf16_floor_ms", "fp8_ms", "fp8_floor_ms", "saved_ms"])
     rows = ops + steps
     if args.sweep:
-        sweep = sweep_rows(cfg, [t for t in args.tokens if t <= 256])
-        for key in sorted({(r["projection"], r["tokens"]) for r in sweep}):
-            best = sorted((r for r in sweep if (r["projection"], r["tokens"]) == key), key=lambda r: r["ms"])
+        sweep = sweep_rows(cfg, [t for t in args.tokens if t <= triton_fp8.GEMV_MAX_TOKENS])
+        for key in sorted({(r["projection"], r["weights"], r["tokens"]) for r in sweep}):
+            best = sorted((r for r in sweep if (r["projection"], r["weights"], r["tokens"]) == key),
+                          key=lambda r: r["ms"])  # fmt: skip
             chosen = next(r for r in best if r["chosen"]) if any(r["chosen"] for r in best) else None
             print_table(best[:3] + ([chosen] if chosen and chosen not in best[:3] else []),
-                        ["projection", "tokens", "config", "ms", "chosen"])  # fmt: skip
+                        ["projection", "weights", "tokens", "config", "ms", "chosen"])  # fmt: skip
         rows += sweep
     write_result(args.out, {"model": args.model, "rows": rows}, machine_info())
     print("wrote", args.out)

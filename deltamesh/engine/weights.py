@@ -80,11 +80,10 @@ def canonical_name(name: str) -> str | None:
 
 def fp8_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallelGroup | None,
                 quantization: str = "auto") -> bool:  # fmt: skip
-    """Whether the MoE experts hold FP8 values and block scales (the kernels compute as kernels/fp8.py says) or
-    the model dtype; other projections are always in the model dtype (models/layers.py says why). "none": never
-    (an FP8 checkpoint is dequantized on load). "fp8": always, an FP8 checkpoint's values kept, a bf16 one's
-    quantized on load; refused where the model does not allow it. "auto": an FP8 checkpoint on the GPU in
-    bf16/fp16, where the model allows; elsewhere dequantized."""
+    """Whether the projections hold FP8 values and block scales (the kernels compute as kernels/fp8.py says) or
+    the model dtype. "none": never (an FP8 checkpoint is dequantized on load). "fp8": always, an FP8 checkpoint's
+    values kept, a bf16 one's quantized on load; refused where the model does not allow it. "auto": an FP8
+    checkpoint on the GPU in bf16/fp16, where the model allows; elsewhere dequantized."""
     if quantization == "none":
         return False
     why_not = _fp8_layout_unsupported(cfg, tp)
@@ -105,15 +104,17 @@ def fp8_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: 
 def _fp8_layout_unsupported(cfg: ModelConfig, tp: TensorParallelGroup | None) -> str | None:
     if tp is not None:
         return "tensor- and expert-parallel ranks slice dequantized weights"
-    if not cfg.num_experts:
-        return "FP8 weights are kept for MoE experts, and this model has none"
     if cfg.fp8_block not in (None, (BLOCK, BLOCK)):
         return f"the FP8 kernels take {BLOCK}x{BLOCK} weight blocks, not {cfg.fp8_block}"
-    sizes = {"hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+    if cfg.family == "qwen3_next":
+        return "Qwen3-Next regroups its fused GDN projections on load"
+    sizes = {"hidden_size": cfg.hidden_size, "head_dim": cfg.head_dim,
+             "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
+             "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
              "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}  # fmt: skip
-    odd = [f"{name} {size}" for name, size in sizes.items() if size % BLOCK]
+    odd = [f"{name} {size}" for name, size in sizes.items() if size and size % BLOCK]
     if odd:
-        return f"the FP8 kernels need experts in whole {BLOCK}-row blocks, not {', '.join(odd)}"
+        return f"the FP8 kernels need projections in whole {BLOCK}-row blocks, not {', '.join(odd)}"
     return None
 
 

@@ -18,7 +18,7 @@ import torch
 
 OPS = (
     "gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update", "attention_inputs", "paged_attention",
-    "sigmoid_gate", "rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "moe",
+    "sigmoid_gate", "rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "moe", "linear",
 )  # fmt: skip
 
 log = structlog.get_logger("deltamesh.kernels")
@@ -64,6 +64,7 @@ class Kernels:
     gated_rms_norm: Callable
     silu_mul: Callable
     moe: Callable
+    linear: Callable
     chosen: dict[str, str] = field(default_factory=dict)
 
 

@@ -285,6 +285,11 @@ def _dense(w, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(w, dtype) if isinstance(w, Fp8Weight) else w
 
 
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x w^T (+ bias); an Fp8Weight is dequantized first (the activations stay unquantized)."""
+    return F.linear(x, _dense(w, x.dtype), bias)
+
+
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int, norm_topk: bool, shared_w13, shared_w2,
         shared_gate: torch.Tensor, first_expert: int = 0) -> torch.Tensor:  # fmt: skip
     """A MoE layer's output from its router logits: softmax router, top_k experts per token (renormalised when

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from deltamesh.kernels import triton_fp8, triton_fused
+from deltamesh.kernels.triton_fp8 import quantized_rows, quantized_vector
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight
 
 # Up to this many tokens the pair-wise path runs (see the module docstring); from bench/gpu_moe.py's op rows.
@@ -111,13 +112,6 @@ def _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _quantized_rows(a):
-    """(e4m3 values, per-row scales) of an activation tile [rows, GROUP] (kernels/fp8.py)."""
-    scale = tl.maximum(tl.max(tl.abs(a), 1), 1e-10) / 448.0
-    return (a / scale[:, None]).to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _gate_up_silu(x, w13, w13_s, inter, block_expert, starts, counts, sorted_pairs, H, I, stride_x, stride_we,
                   stride_wn, stride_se, stride_sn, TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
@@ -140,7 +134,7 @@ def _gate_up_silu(x, w13, w13_s, inter, block_expert, starts, counts, sorted_pai
         wg = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w + (n[None, :] + I) * stride_wn + k[:, None], mask=w_mask, other=0.0)
         if FP8:  # BLOCK_K is the scale group; BLOCK_N divides it, and so does I
-            a_q, a_s = _quantized_rows(a.to(tl.float32))
+            a_q, a_s = quantized_rows(a.to(tl.float32))
             s = w13_s + e.to(tl.int64) * stride_se + k0 // BLOCK_K
             gate += tl.dot(a_q, wg) * (a_s[:, None] * tl.load(s + (n0 // BLOCK_K) * stride_sn))
             up += tl.dot(a_q, wu) * (a_s[:, None] * tl.load(s + ((n0 + I) // BLOCK_K) * stride_sn))
@@ -171,7 +165,7 @@ def _down(inter, w2, w2_s, out, weights, block_expert, starts, counts, sorted_pa
                     other=0.0)  # fmt: skip
         b = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=(k[:, None] < I) & n_ok[None, :], other=0.0)
         if FP8:
-            a_q, a_s = _quantized_rows(a.to(tl.float32))
+            a_q, a_s = quantized_rows(a.to(tl.float32))
             w_s = tl.load(w2_s + e.to(tl.int64) * stride_se + (n0 // BLOCK_K) * stride_sn + k0 // BLOCK_K)
             acc += tl.dot(a_q, b) * (a_s[:, None] * w_s)
         else:
@@ -218,15 +212,6 @@ def _choice(logits, t, j, stride_l, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_
 
 
 @triton.jit
-def _quantized_vector(a, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """An activation vector [BLOCK_K] as its FP8 values times their group's scale (kernels/fp8.py), in float32."""
-    g = tl.reshape(a, (BLOCK_K // GROUP, GROUP))
-    scale = tl.maximum(tl.max(tl.abs(g), 1), 1e-10) / 448.0
-    q = (g / scale[:, None]).to(tl.float8e4nv).to(tl.float32) * scale[:, None]
-    return tl.reshape(q, (BLOCK_K,))
-
-
-@triton.jit
 def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, w13_s, sw13_s, inter, ids, weights, H, I, IS, stride_x,
                         stride_l, stride_g, stride_we, stride_wn, stride_swn, stride_se, stride_sn, stride_ssn,
                         E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr,
@@ -258,7 +243,7 @@ def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, w13_s, sw13_s, inter,
         a = tl.load(x + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
         a_gate, a_up = a, a
         if FP8:  # the weight's scales (BLOCK_N rows share theirs) folded into the activations
-            a = _quantized_vector(a, BLOCK_K, GROUP)
+            a = quantized_vector(a, BLOCK_K, GROUP)
             a_gate = a * tl.load(s + (n0 // GROUP) * s_stride_n + k // GROUP, mask=k_ok, other=0.0)
             a_up = a * tl.load(s + ((n0 + width) // GROUP) * s_stride_n + k // GROUP, mask=k_ok, other=0.0)
         mask = n_ok[:, None] & k_ok[None, :]
@@ -296,7 +281,7 @@ def _down_combine(inter, w2, sw2, w2_s, sw2_s, ids, weights, out, H, I, IS, stri
             k_ok = k < width
             a = tl.load(inter + pair.to(tl.int64) * row_len + k, mask=k_ok, other=0.0).to(tl.float32)
             if FP8:
-                a = _quantized_vector(a, BLOCK_K, GROUP) * tl.load(s + k // GROUP, mask=k_ok, other=0.0)
+                a = quantized_vector(a, BLOCK_K, GROUP) * tl.load(s + k // GROUP, mask=k_ok, other=0.0)
             b = tl.load(w + n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += b.to(tl.float32) * (a * weight)[None, :]
     tl.store(out + t * H + n, tl.sum(acc, 1).to(out.dtype.element_ty), mask=n_ok)

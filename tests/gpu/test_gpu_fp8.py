@@ -1,4 +1,4 @@
-"""FP8 experts on the GPU: the Triton kernels against the arithmetic kernels/fp8.py spells out in torch (tight)
+"""FP8 weights on the GPU: the Triton kernels against the arithmetic kernels/fp8.py spells out in torch (tight)
 and against the dequantized weights without activation quantization (FP8's own tolerance), on the real
 Qwen3.5-35B-A3B shapes; then a whole engine with an FP8 checkpoint against the same checkpoint dequantized."""
 
@@ -22,20 +22,20 @@ def fp8_weight(g, *shape) -> Fp8Weight:
     return Fp8Weight(*quantize_blocks(torch.randn(*shape, generator=g, device=DEV) / shape[-1] ** 0.5))
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 16, 64, 300, 4096])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 16, 300, 4096])
 def test_fp8_linear_matches_its_arithmetic(tokens):
-    """The 35B-A3B model's projections (GDN in_proj, attention o_proj) and one with a bias and cut-short edges;
-    every tile choice of the few-token sizes, the e4m3 and the bf16 tensor-core dots."""
+    """The 35B-A3B model's projections (GDN in_proj, attention o_proj: cuBLAS's FP8 GEMM past GEMV_MAX_TOKENS) and
+    one with a bias and cut-short edges (the GEMV at every size); every GEMV tile of the sweep's grid."""
     g = torch.Generator(device=DEV).manual_seed(tokens)
     for n, k, with_bias in ((12288, 2048, False), (2048, 4096, False), (320, 300, True)):
         w = fp8_weight(g, n, k)
         x = torch.randn(tokens, k, generator=g, device=DEV).bfloat16()
         bias = torch.randn(n, generator=g, device=DEV).bfloat16() if with_bias else None
         ref = reference_linear(x, w, bias)
-        configs = [None] + ([triton_fp8.Fp8Config(16, bn, fp8_dot=dot) for bn in (16, 32, 64, 128)
-                             for dot in (True, False)] if tokens <= 16 else [])  # fmt: skip
-        for config in configs:
-            assert rel(triton_fp8.linear(x, w, bias, config), ref) < 1e-2, (n, k, config)
+        assert rel(triton_fp8.linear(x, w, bias), ref) < 1e-2, (n, k)
+        if tokens <= 4:
+            for tile in [triton_fp8.GemvConfig(bn, bk, 4) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)]:
+                assert rel(triton_fp8.gemv(x, w, bias, tile), ref) < 1e-2, (n, k, tile)
         unquantized = x.float() @ dequantize(w).T + (bias.float() if with_bias else 0)
         assert rel(triton_fp8.linear(x, w, bias), unquantized) < 0.1
 
@@ -73,7 +73,8 @@ def test_an_fp8_checkpoint_serves_close_to_its_dequantized_model(tmp_path):
     a, b = engine_logits(kept, ids, [32, 16]).float(), engine_logits(dequantized, ids, [32, 16]).float()
     print(f"FP8 against dequantized: logits {rel(a, b):.4f} apart, argmax agrees at "
           f"{(a.argmax(-1) == b.argmax(-1)).float().mean():.3f} of positions")
-    assert rel(a, b) < 0.15 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+    # W8A8 through every projection of a small random model (on the H200: 0.23 apart, argmax agrees at 0.85)
+    assert rel(a, b) < 0.3 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     firsts = []
     for quantization in ("auto", "none"):  # decode steps from CUDA graphs

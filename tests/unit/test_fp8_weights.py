@@ -1,6 +1,5 @@
-"""FP8 weights kept as FP8 (`--quantization`): the MoE experts hold an FP8 checkpoint's e4m3 values and block
-scales exactly as written (the other projections are dequantized), a bf16 checkpoint's experts are quantized on
-load into the same format, and the torch reference (which dequantizes them) gives exactly the dequantized
+"""FP8 weights kept as FP8 (`--quantization`): the projections hold an FP8 checkpoint's e4m3 values and block
+scales exactly as written, a bf16 checkpoint's are quantized on load into the same format, and the torch reference (which dequantizes them) gives exactly the dequantized
 model's output. The GPU kernels' arithmetic is checked in
 tests/gpu/test_gpu_fp8.py."""
 
@@ -42,14 +41,16 @@ def test_the_checkpoints_values_and_scales_are_kept_as_written(fp8_dir):
         assert torch.equal(moe.w13_scale[2, 1:], get("mlp.experts.2.up_proj.weight_scale_inv"))
         down = get("mlp.shared_expert.down_proj.weight")
         assert torch.equal(moe.shared.down.view(torch.uint8), down.view(torch.uint8))
-        z = Fp8Weight(get("linear_attn.in_proj_z.weight"), get("linear_attn.in_proj_z.weight_scale_inv"))
-        assert torch.equal(gdn.in_proj[gdn.conv_dim : gdn.conv_dim + gdn.value_dim], dequantize(z))  # dequantized
-    assert model.lm_head.dtype == gdn.in_proj.dtype == torch.float32
+        assert torch.equal(gdn.in_proj[: gdn.conv_dim].view(torch.uint8),
+                           get("linear_attn.in_proj_qkv.weight").view(torch.uint8))  # fmt: skip
+        assert torch.equal(gdn.in_proj_scale[gdn.conv_dim // 128 :], get("linear_attn.in_proj_z.weight_scale_inv"))
+        assert torch.equal(gdn.in_proj_ba[: gdn.hv], get("linear_attn.in_proj_b.weight"))  # the gates stay float
+    assert model.lm_head.dtype == torch.float32
 
 
 def test_fp8_weights_compute_exactly_what_the_dequantized_model_computes(fp8_dir):
     kept, dequantized = core(fp8_dir, "fp8"), core(fp8_dir, "none")
-    assert dequantized.model.layers[1].mlp.w2.dtype == torch.float32
+    assert dequantized.model.layers[1].mixer.qkv.dtype == torch.float32
     ids = prompt(40, seed=2)
     assert torch.equal(engine_logits(kept, ids, [24, 16]), engine_logits(dequantized, ids, [24, 16]))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -60,11 +61,11 @@ def test_fp8_weights_compute_exactly_what_the_dequantized_model_computes(fp8_dir
     assert outs[0] == outs[1] and len(outs[0]) == 12
 
 
-def test_a_bf16_checkpoints_experts_are_quantized_on_load_as_the_fp8_writer_does(bf16_dir, fp8_dir):
+def test_a_bf16_checkpoint_is_quantized_on_load_as_the_fp8_writer_does(bf16_dir, fp8_dir):
     online = dict(core(bf16_dir, "fp8").model.named_parameters())
     written = dict(core(fp8_dir, "fp8").model.named_parameters())
     fp8 = [name for name, p in online.items() if p.dtype == torch.float8_e4m3fn]
-    assert len(fp8) == 2 * 4  # w13, w2, the shared expert's two: two layers
+    assert len(fp8) == 2 * 4 + 2 + 2  # each layer's w13, w2 and shared expert; GDN in/out; attention qkv/o
     for name in fp8:
         assert torch.equal(online[name].view(torch.uint8), written[name].view(torch.uint8)), name
         assert torch.equal(online[name + "_scale"], written[name + "_scale"]), name
@@ -77,9 +78,9 @@ def test_dummy_fp8_weights_are_quantized_random_weights(bf16_dir):
 
 
 def test_fp8_weights_are_refused_where_the_layout_cannot_hold_them(hf_checkpoints):
-    with pytest.raises(WeightError, match="whole 128-row blocks, not hidden_size 64, moe_intermediate_size 48"):
-        core(hf_checkpoints["qwen3_5_moe"], "fp8")
-    with pytest.raises(WeightError, match="kept for MoE experts, and this model has none"):
+    with pytest.raises(WeightError, match="whole 128-row blocks, not hidden_size 64, head_dim 32"):
         core(hf_checkpoints["qwen3_5"], "fp8")
+    with pytest.raises(WeightError, match="Qwen3-Next regroups"):
+        core(hf_checkpoints["qwen3_next"], "fp8")
     with pytest.raises(ValueError, match="quantization must be auto, fp8 or none"):
         core(hf_checkpoints["qwen3_5"], "int4")

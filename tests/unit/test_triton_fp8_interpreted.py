@@ -1,4 +1,4 @@
-"""The FP8 Triton kernels (the linear layer of the shared expert, both fused MoE paths) run through Triton's CPU
+"""The FP8 Triton kernels (the GEMV and the activation quantization of linear layers, both fused MoE paths) run through Triton's CPU
 interpreter against the arithmetic kernels/fp8.py spells out in torch, so CI checks their indexing, masks and
 scales without a GPU. float32 activations: the interpreter's dots read bfloat16 operands as raw integers
 (tests/gpu checks bf16)."""
@@ -47,15 +47,30 @@ def check(body: str) -> None:
     assert not bad, bad
 
 
-def test_fp8_linear_matches_its_arithmetic():
-    """Few and many tokens, a last block of rows and a last group of columns cut short, a bias."""
+def test_fp8_gemv_and_activation_quantization_match_their_arithmetic():
+    """A last block of rows and a last group of columns cut short, a bias, FP8 and plain weights; the activation
+    quantization cuBLAS's FP8 GEMM takes (which needs a GPU) against fp8.quantize_activations."""
     check("""
-    for tokens in (3, 40):
+    from deltamesh.kernels.fp8 import quantize_activations
+    for tokens in (1, 3):
         w, bias = fp8(320, 300), torch.randn(320)
         x = torch.randn(tokens, 300) * torch.logspace(-2, 1, 300)  # groups of very different magnitudes
-        got = triton_fp8.linear(x, w, bias)
-        errors[f"linear T={tokens}"] = (rel(got, reference_linear(x, w, bias)), 1e-5)
-        errors[f"linear T={tokens} vs unquantized"] = (rel(got, x @ dequantize(w).T + bias), 0.1)
+        for tile in (triton_fp8.GEMV_CONFIG, triton_fp8.GemvConfig(4, 256, 2)):
+            got = triton_fp8.gemv(x, w, bias, tile)
+            errors[f"gemv T={tokens} {tile}"] = (rel(got, reference_linear(x, w, bias)), 1e-5)
+            errors[f"gemv T={tokens} {tile} vs unquantized"] = (rel(got, x @ dequantize(w).T + bias), 0.1)
+        plain = dequantize(w)
+        errors[f"gemv T={tokens} plain"] = (rel(triton_fp8.gemv(x, plain, bias), x @ plain.T + bias), 1e-5)
+    x = torch.randn(5, 300) * torch.logspace(-2, 1, 300)
+    q, scales = triton_fp8.quantize_activations(x)
+    q_ref, scales_ref = quantize_activations(x)
+    assert scales.stride() == (1, 5)  # token-fastest, as cuBLAS reads them
+    errors["quantized values"] = (float((q.float() - q_ref.float()).abs().max()), 1e-9)
+    errors["activation scales"] = (rel(scales, scales_ref), 1e-6)
+    q, scales = triton_fp8.quantize_activations(x, 16)  # padded to the rows cuBLAS takes
+    assert scales.shape == (16, 3) and scales.stride() == (1, 16)
+    errors["padding rows are zeros"] = (float(q[5:].float().abs().max()), 1e-9)
+    errors["padded values"] = (float((q[:5].float() - q_ref.float()).abs().max()), 1e-9)
     """)
 
 

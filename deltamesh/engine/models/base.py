@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
 class HybridLM(nn.Module, ABC):
     """Embedding, interleaved GDN / gated-attention layers, final norm, LM head. With a tensor-parallel group,
     this rank's part of them (deltamesh/engine/parallel.py): `cfg` stays the full model's config, the layers are
-    built from the shard's. `fp8`: the MoE experts keep an FP8 checkpoint's values and block scales
+    built from the shard's. `fp8`: the projections keep an FP8 checkpoint's values and block scales
     (models/layers.py)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, tp: TensorParallelGroup | None = None,
@@ -55,10 +55,10 @@ class HybridLM(nn.Module, ABC):
         layers, kv_layer, state_layer = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             if kind == FULL_ATTENTION:
-                mixer = GatedAttention(local, kv_layer)
+                mixer = GatedAttention(local, kv_layer, fp8)
                 kv_layer += 1
             else:
-                mixer = GatedDeltaNet(local, state_layer)
+                mixer = GatedDeltaNet(local, state_layer, fp8)
                 state_layer += 1
             layers.append(DecoderLayer(local, mixer, self.make_mlp(local, i)))
         self.layers = nn.ModuleList(layers)
@@ -69,7 +69,7 @@ class HybridLM(nn.Module, ABC):
     # -- family hooks --------------------------------------------------------------------------------
     @abstractmethod
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        """The feed-forward block of decoder layer `layer` (FP8 experts when `self.fp8`)."""
+        """The feed-forward block of decoder layer `layer` (FP8 projections when `self.fp8`)."""
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """Turn one checkpoint tensor into the (name, tensor) pairs `weight_slots` knows."""

@@ -4,10 +4,9 @@ Everything runs on a flat batch of tokens ([T, hidden]) described by a `kernels.
 Projections that read the same input are fused into one weight at load time (see `WeightSlot`): the
 checkpoint's tensor names map onto row ranges of the fused weights.
 
-With `fp8`, a MoE layer's experts (routed and shared) keep an FP8 checkpoint's e4m3 values, with `<name>_scale`
-(one float per 128 x 128 block) beside each (`linear_weight` hands both to the kernels as an `Fp8Weight`). The
-other projections are dequantized on load: cuBLAS in bf16 is faster than either FP8 GEMM measured for them
-(bench/RESULTS.md, "FP8 weights").
+With `fp8`, the projections an FP8 checkpoint quantizes keep its e4m3 values, with `<name>_scale` (one float per
+128 x 128 block) beside each (`linear_weight` hands both to the kernels as an `Fp8Weight`); the layers it keeps
+in full precision (GDN a/b gates, routers) stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -130,14 +129,14 @@ class Rotary:
 class GatedAttention(nn.Module):
     """Full softmax attention with an output gate (sigmoid), q/k RMSNorm, partial RoPE, GQA, paged KV."""
 
-    def __init__(self, cfg: ModelConfig, kv_layer: int):
+    def __init__(self, cfg: ModelConfig, kv_layer: int, fp8: bool = False):
         super().__init__()
         self.kv_layer = kv_layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_rows, kv_rows = 2 * self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv = _param(q_rows + 2 * kv_rows, cfg.hidden_size)
+        _linear_param(self, "qkv", q_rows + 2 * kv_rows, cfg.hidden_size, fp8=fp8)
         self.qkv_bias = _param(q_rows + 2 * kv_rows) if cfg.attention_bias else None
-        self.o_proj = _param(cfg.hidden_size, self.heads * self.head_dim)
+        _linear_param(self, "o_proj", cfg.hidden_size, self.heads * self.head_dim, fp8=fp8)
         self.o_bias = _param(cfg.hidden_size) if cfg.attention_bias else None
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -156,38 +155,46 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, batch: StepBatch, rope: tuple, kv_pool: KVPagePool, kernels: Kernels):
         t, d = x.shape[0], self.head_dim
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = kernels.linear(x, linear_weight(self, "qkv"), self.qkv_bias)
         k_cache, v_cache = kv_pool.layer(self.kv_layer)
         q = kernels.attention_inputs(qkv, self.heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope,
                                      k_cache, v_cache, batch.slot_mapping)  # fmt: skip
         attn = kernels.paged_attention(q, k_cache, v_cache, batch, d**-0.5)
         gate = qkv[:, : self.splits[0]].view(t, self.heads, 2 * d)[..., d:]
-        return F.linear(kernels.sigmoid_gate(attn, gate), self.o_proj, self.o_bias)
+        return kernels.linear(kernels.sigmoid_gate(attn, gate), linear_weight(self, "o_proj"), self.o_bias)
 
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention: depthwise causal conv1d over q|k|v, then the gated delta rule with
     g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), then a gated RMSNorm with silu(z)."""
 
-    def __init__(self, cfg: ModelConfig, state_layer: int):
+    def __init__(self, cfg: ModelConfig, state_layer: int, fp8: bool = False):
         super().__init__()
         self.state_layer = state_layer
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv_dim, self.value_dim = cfg.conv_dim, cfg.linear_value_dim
         self.splits = (self.conv_dim, self.value_dim, self.hv, self.hv)  # qkv | z | b | a
-        self.in_proj = _param(sum(self.splits), cfg.hidden_size)
+        if fp8:  # qkv | z in FP8; the b | a gates stay in the model dtype, as the checkpoints keep them
+            _linear_param(self, "in_proj", self.conv_dim + self.value_dim, cfg.hidden_size, fp8=True)
+            self.in_proj_ba = _param(2 * self.hv, cfg.hidden_size)
+        else:
+            self.in_proj, self.in_proj_ba = _param(sum(self.splits), cfg.hidden_size), None
         self.conv_weight = _param(self.conv_dim, cfg.linear_conv_kernel_dim)
         # gate parameters stay float32 whatever the model dtype (exact upcast; GPU kernels take them so)
         self.dt_bias = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = _param(cfg.hidden_size, self.value_dim)
+        _linear_param(self, "out_proj", cfg.hidden_size, self.value_dim, fp8=fp8)
         self.activation = cfg.hidden_act
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         names = [f"{prefix}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")]
-        slots = _fused_slots(self.in_proj, list(zip(names, self.splits)))
+        if self.in_proj_ba is None:
+            slots = _fused_slots(self.in_proj, list(zip(names, self.splits)))
+        else:
+            slots = _fused_slots(self.in_proj, list(zip(names[:2], self.splits[:2])))
+            slots |= _fused_slots(self.in_proj_ba, list(zip(names[2:], self.splits[2:])))
         slots[f"{prefix}.conv1d.weight"] = WeightSlot(self.conv_weight.view(self.conv_dim, 1, -1))
         slots[f"{prefix}.dt_bias"] = WeightSlot(self.dt_bias)
         slots[f"{prefix}.A_log"] = WeightSlot(self.A_log)
@@ -198,7 +205,11 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, batch: StepBatch, state_pool: StatePool, state_rows: torch.Tensor, kernels: Kernels):
         """state_rows: StatePool.layer_rows of the step's slots."""
         t, nd = x.shape[0], batch.num_decode
-        mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        if self.in_proj_ba is None:
+            mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        else:
+            mixed, z = kernels.linear(x, linear_weight(self, "in_proj")).split(self.splits[:2], dim=-1)
+            b, a = F.linear(x, self.in_proj_ba).split(self.splits[2:], dim=-1)
         idx = state_rows[self.state_layer]
         conv_pool, rec_pool = state_pool.conv_flat, state_pool.recurrent_flat
         prefill_lens = batch.query_lens[nd:]
@@ -226,13 +237,12 @@ class GatedDeltaNet(nn.Module):
             )
         core = torch.cat(core) if len(core) > 1 else core[0]
         out = self.norm(core, z.view(t, self.hv, self.dv), kernels).reshape(t, self.value_dim)
-        return F.linear(out, self.out_proj)
+        return kernels.linear(out, linear_weight(self, "out_proj"))
 
 
 # ---------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused; FP8 weights only as a MoE layer's shared expert
-    (the fused MoE kernels compute it)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
 
     def __init__(self, hidden: int, inter: int, fp8: bool = False):
         super().__init__()
@@ -246,7 +256,8 @@ class MLP(nn.Module):
         return slots
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        return F.linear(kernels.silu_mul(F.linear(x, self.gate_up)), self.down)
+        gate_up = kernels.linear(x, linear_weight(self, "gate_up"))
+        return kernels.linear(kernels.silu_mul(gate_up), linear_weight(self, "down"))
 
 
 class SparseMoE(nn.Module):

@@ -9,4 +9,4 @@ from deltamesh.engine.models.layers import MLP
 
 class Qwen3_5ForCausalLM(HybridLM):
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return MLP(cfg.hidden_size, cfg.intermediate_size)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, self.fp8)

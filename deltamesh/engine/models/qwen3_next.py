@@ -16,7 +16,7 @@ class Qwen3NextForCausalLM(HybridLM):
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         if cfg.moe_layers[layer]:
             return SparseMoE(cfg, self.fp8)
-        return MLP(cfg.hidden_size, cfg.intermediate_size)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, self.fp8)
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         prefix, _, leaf = name.rpartition(".in_proj_")
