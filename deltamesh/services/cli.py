@@ -70,6 +70,17 @@ def _transport_known(name: str) -> None:
                                  param_hint="--transport")  # fmt: skip
 
 
+def _handoff_fits(role: str, engine) -> None:
+    """A tensor-parallel prefill or decode worker's leader keeps a one-rank copy of the pools for the hand-off
+    (engine/tp_handoff.py), which the GPU memory sizing does not count yet: refused on CUDA before loading."""
+    if role != "colocated" and engine.tensor_parallel_size > 1 and engine.device.startswith("cuda"):
+        raise typer.BadParameter(
+            f"a {role} worker over several GPUs is not supported yet: the hand-off's one-rank copy of the pools "
+            "would not fit beside them (docs/notes/tensor-parallel-handoff.md); on CUDA, --tensor-parallel-size "
+            "above 1 is for colocated workers (on CPU every role takes it)", param_hint="--tensor-parallel-size",
+        )  # fmt: skip
+
+
 def _mesh_secret(secret_file: str | None, create: bool = False):
     from deltamesh.services.common.auth import MissingSecret, load_mesh_secret
 
@@ -97,6 +108,7 @@ def _worker_command(role: str):
         _ports_free(role, settings.host, {"--port": settings.port, "--metrics-port": settings.metrics_port})
         _transport_known(settings.transport)
         _check_tls(settings.tls)
+        _handoff_fits(role, settings.engine)
         if role == "prefill":
             from deltamesh.services.prefill.main import serve
         else:

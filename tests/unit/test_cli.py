@@ -52,6 +52,14 @@ def test_a_taken_port_is_named_at_once():
             assert time.monotonic() - started < 10  # the process's start-up; the model never loads
 
 
+def test_tensor_parallel_prefill_and_decode_workers_are_refused_on_cuda_before_loading():
+    for role in ("prefill", "decode"):
+        done = subprocess.run([sys.executable, "-m", "deltamesh.services.cli", role, "--tensor-parallel-size", "2",
+                               "--device", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={"DELTAMESH_MESH_SECRET": "s" * 32, "PATH": "/usr/bin:/bin"})  # fmt: skip
+        assert done.returncode == 2 and "colocated" in done.stderr and "tensor-parallel-size" in done.stderr
+
+
 def test_help_at_80_columns_names_every_option_in_full():
     done = subprocess.run([sys.executable, "-m", "deltamesh.services.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})  # fmt: skip

@@ -3,10 +3,8 @@ interpreter against the arithmetic kernels/fp8.py spells out in torch, so CI che
 scales without a GPU. float32 activations: the interpreter's dots read bfloat16 operands as raw integers
 (tests/gpu checks bf16)."""
 
-import json
-
 import pytest
-from test_triton_kernels_interpreted import run_interpreted
+from test_triton_kernels_interpreted import check_interpreted
 
 pytest.importorskip("triton")
 
@@ -41,10 +39,7 @@ PRELUDE = """
 
 
 def check(body: str) -> None:
-    errors = json.loads(run_interpreted(PRELUDE + body + "\n    print(json.dumps(errors))").splitlines()[-1])
-    assert errors
-    bad = {case: (e, tol) for case, (e, tol) in errors.items() if not e < tol}
-    assert not bad, bad
+    check_interpreted(PRELUDE, body)
 
 
 def test_fp8_gemv_and_activation_quantization_match_their_arithmetic():

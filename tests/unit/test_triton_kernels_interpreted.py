@@ -2,6 +2,7 @@
 the torch reference, so CI checks their logic without a GPU. Each check runs in a subprocess because the
 interpreter must be chosen before triton is imported."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,14 @@ def run_interpreted(code: str) -> str:
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def check_interpreted(prelude: str, body: str) -> None:
+    """Run `prelude + body` interpreted; the code fills `errors` {case: (error, tolerance)}, each must hold."""
+    errors = json.loads(run_interpreted(prelude + body + "\n    print(json.dumps(errors))").splitlines()[-1])
+    assert errors
+    bad = {case: (e, tol) for case, (e, tol) in errors.items() if not e < tol}
+    assert not bad, bad
 
 
 def test_paged_decode_attention_matches_reference():
