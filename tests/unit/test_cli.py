@@ -3,6 +3,7 @@ worker flags it passes on, and a taken port named at once instead of after the m
 behind the flags: every engine setting a flag, each flag filling its setting, `serve` handing its children their
 settings."""
 
+import json
 import os
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import typer
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.services import cli
 from deltamesh.services.cli import app
-from deltamesh.services.common.options import SETTINGS_ENV, handed_settings, settings_from
+from deltamesh.services.common.options import SETTINGS_ENV, SETTINGS_PARENT_ENV, handed_settings, settings_from
 from deltamesh.services.common.settings import RouterSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +61,17 @@ def test_tensor_parallel_prefill_and_decode_workers_are_refused_on_cuda_before_l
         assert done.returncode == 2 and "colocated" in done.stderr and "tensor-parallel-size" in done.stderr
 
 
+def test_settings_handed_to_another_process_are_ignored_with_a_warning():
+    """A copy of serve's hand-over left in a shell: a worker started by hand keeps its own flags."""
+    handed = json.dumps({"engine": {"tensor_parallel_size": 1, "device": "cpu"}})
+    done = subprocess.run([sys.executable, "-m", "deltamesh.services.cli", "prefill", "--tensor-parallel-size", "2",
+                           "--device", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"DELTAMESH_MESH_SECRET": "s" * 32, "PATH": "/usr/bin:/bin", SETTINGS_ENV: handed,
+                               SETTINGS_PARENT_ENV: "1"})  # fmt: skip
+    assert done.returncode == 2 and "tensor-parallel-size" in done.stderr  # its own flags, refused on CUDA
+    assert f"ignoring {SETTINGS_ENV}" in done.stderr
+
+
 def test_help_at_80_columns_names_every_option_in_full():
     done = subprocess.run([sys.executable, "-m", "deltamesh.services.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})  # fmt: skip
@@ -96,6 +108,9 @@ def test_serve_hands_each_child_its_settings_in_the_environment_and_never_a_secr
         handed = spec.env[SETTINGS_ENV]
         assert "s" * 32 not in handed and "k" * 20 not in handed and spec.env["DELTAMESH_MESH_SECRET"] == "s" * 32
     router_spec, prefill_spec, _ = specs
+    assert router_spec.env[SETTINGS_PARENT_ENV] == str(os.getpid())  # handed by this process, to its children
+    for spec in (router_spec, prefill_spec):  # read here as a child of this process reads them
+        spec.env[SETTINGS_PARENT_ENV] = str(os.getppid())
     monkeypatch.setattr(os, "environ", router_spec.env)  # the child's environment
     router = settings_from(RouterSettings, cli.ROUTER, params(["router"]), handed_settings(), mesh_secret="s" * 32)
     assert (router.grpc_port, router.http_port, router.max_model_len, router.policy) == (6000, None, 512, "round_robin")

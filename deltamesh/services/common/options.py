@@ -19,6 +19,7 @@ import functools
 import inspect
 import json
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ import typer
 from pydantic import BaseModel
 
 SETTINGS_ENV = "DELTAMESH_SETTINGS_JSON"
+# the pid of the `serve` that handed the settings: only its own children take them, so a copy of the variable
+# left in a shell never overrides the flags of a process started by hand
+SETTINGS_PARENT_ENV = "DELTAMESH_SETTINGS_PARENT"
 SECRETS = {"mesh_secret", "api_key"}  # never handed over in the settings: they travel in their own variables
 
 
@@ -106,13 +110,24 @@ def settings_from(model: type[BaseModel], opts: list[Option], values: dict, hand
 
 
 def hand_over(settings: BaseModel) -> dict[str, str]:
-    """The environment entry that gives a child process `settings`: the fields that were set, secrets left out."""
-    return {SETTINGS_ENV: settings.model_dump_json(exclude_unset=True, exclude=SECRETS)}
+    """The environment entries that give a child of this process `settings`: the fields that were set, secrets
+    left out, and who handed them."""
+    return {SETTINGS_ENV: settings.model_dump_json(exclude_unset=True, exclude=SECRETS),
+            SETTINGS_PARENT_ENV: str(os.getpid())}  # fmt: skip
 
 
 def handed_settings() -> dict:
-    """What `deltamesh serve` handed this process (empty when started by hand)."""
-    return json.loads(os.environ.get(SETTINGS_ENV) or "{}")
+    """What `deltamesh serve` handed this process: empty when started by hand, and when the variable was handed
+    to a child of another process (then ignored, with a warning)."""
+    handed = os.environ.get(SETTINGS_ENV)
+    if not handed:
+        return {}
+    if os.environ.get(SETTINGS_PARENT_ENV) != str(os.getppid()):
+        print(f"deltamesh: ignoring {SETTINGS_ENV}: it was handed to a child of `deltamesh serve` (pid "
+              f"{os.environ.get(SETTINGS_PARENT_ENV) or 'unknown'}), not to this process; its flags and "
+              "DELTAMESH_* variables apply", file=sys.stderr)  # fmt: skip
+        return {}
+    return json.loads(handed)
 
 
 def _lay_over(data: dict, top: dict) -> None:
