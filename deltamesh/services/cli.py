@@ -264,10 +264,19 @@ def _children(values: dict, secret: str, router: RouterSettings, roles: list[str
         worker = settings_from(WorkerSettings, WORKER, {**values, **own}, role=role, mesh_secret=secret)
         env = {**base_env, **hand_over(worker)}
         if worker.engine.device.startswith("cuda"):
-            env["CUDA_VISIBLE_DEVICES"] = gpu_ids[i % len(gpu_ids)]
+            env["CUDA_VISIBLE_DEVICES"] = _worker_gpus(gpu_ids, i, worker.engine.tensor_parallel_size)
         metrics_urls.append(f"{role} http://{host}:{worker.metrics_port}/metrics")
         specs.append(ChildSpec(f"{role}-{roles[:i].count(role)}", cli + [role], env))
     return specs, metrics_urls
+
+
+def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
+    """The GPUs of the `worker`-th worker: `ranks` consecutive ids of the list, workers taking turns around it
+    (with fewer GPUs than workers, workers share them; a worker's own ranks never do)."""
+    if ranks > len(gpu_ids):
+        raise typer.BadParameter(f"--tensor-parallel-size {ranks} needs {ranks} GPUs per worker; only "
+                                 f"{','.join(gpu_ids)} given", param_hint="--gpus / CUDA_VISIBLE_DEVICES")  # fmt: skip
+    return ",".join(gpu_ids[(worker * ranks + r) % len(gpu_ids)] for r in range(ranks))
 
 
 def main() -> None:

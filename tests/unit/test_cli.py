@@ -12,6 +12,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
 import typer
 
 from deltamesh.engine.engine_config import EngineConfig
@@ -70,6 +71,16 @@ def test_settings_handed_to_another_process_are_ignored_with_a_warning():
                                SETTINGS_PARENT_ENV: "1"})  # fmt: skip
     assert done.returncode == 2 and "tensor-parallel-size" in done.stderr  # its own flags, refused on CUDA
     assert f"ignoring {SETTINGS_ENV}" in done.stderr
+
+
+def test_serve_gives_each_tensor_parallel_worker_its_own_gpus():
+    values = params(["serve", "--device", "cuda", "--colocated", "--decode-workers", "2", "--tensor-parallel-size", "2",
+                     "--gpus", "0,1,2,3"])  # fmt: skip
+    specs, _ = cli._children(values, "s" * 32, *cli._plan(values, "s" * 32))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs[1:]] == ["0,1", "2,3"]
+    values = params(["serve", "--device", "cuda", "--colocated", "--tensor-parallel-size", "2", "--gpus", "0"])
+    with pytest.raises(typer.BadParameter, match="needs 2 GPUs per worker"):
+        cli._children(values, "s" * 32, *cli._plan(values, "s" * 32))
 
 
 def test_help_at_80_columns_names_every_option_in_full():
