@@ -16,7 +16,6 @@ from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.engine.runner import ModelRunner
 from deltamesh.engine.weights import fp8_weights, load_model
 from deltamesh.kernels import Kernels, ModelShapes, select_kernels
-from deltamesh.kernels.registry import parse_override
 
 
 @dataclass
@@ -63,11 +62,7 @@ def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device
         local.linear_value_head_dim, local.num_attention_heads, local.num_key_value_heads, local.head_dim,
         config.page_size,
     )  # fmt: skip
-    override = config.kernel_backend
-    if tp is not None and tp.shard.expert_parallel and mc.num_experts:
-        # only the torch reference runs a rank's subset of the experts (the fused Triton MoE takes them all)
-        override = ",".join(f"{op}={name}" for op, name in (parse_override(override) | {"moe": "torch"}).items())
-    kernels = select_kernels(device, shapes, override)
+    kernels = select_kernels(device, shapes, config.kernel_backend)
     runner = ModelRunner(model, kv_pool, slots, kernels, device)
     return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner)
 

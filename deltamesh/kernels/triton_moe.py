@@ -27,6 +27,9 @@ More tokens: six kernels, the pairs grouped by expert into blocks of BLOCK_M row
 Rows within a block are computed independently, so a pair's result does not depend on where the atomic rank
 put it: the output is deterministic.
 
+Expert parallelism: a rank holds experts [first, first + local) whole; a pair routed to another rank's expert is
+skipped (the ranks' outputs are summed by the engine), the shared expert is computed as the rank holds it.
+
 FP8 weights (`kernels.fp8.Fp8Weight`, all four or none): the same kernels read the e4m3 experts and their block
 scales and compute as kernels/fp8.py says, the activations (x, then the SwiGLU output) quantized per token and
 group of 128 as they are loaded. The aligned path multiplies e4m3 tiles on the tensor cores (one K step per
@@ -50,8 +53,9 @@ DECODE_MAX_TOKENS = 4
 
 
 @triton.jit
-def _route(logits, ids, weights, ranks, counts, stride_l, E: tl.constexpr, BLOCK_E: tl.constexpr,
+def _route(logits, ids, weights, ranks, counts, stride_l, first, local, E: tl.constexpr, BLOCK_E: tl.constexpr,
            TOP_K: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    """ids: the choice's expert among this rank's [first, first + local), -1 for another rank's."""
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
@@ -61,9 +65,10 @@ def _route(logits, ids, weights, ranks, counts, stride_l, E: tl.constexpr, BLOCK
     for j in tl.static_range(TOP_K):
         best = tl.max(p, 0)
         e = tl.min(tl.where(p == best, offs, BLOCK_E), 0)  # the first index of the largest, as torch.topk
-        tl.store(ids + t * TOP_K + j, e)
+        mine = (e >= first) & (e < first + local)
+        tl.store(ids + t * TOP_K + j, tl.where(mine, e - first, -1))
         tl.store(weights + t * TOP_K + j, best)
-        tl.store(ranks + t * TOP_K + j, tl.atomic_add(counts + e, 1))
+        tl.store(ranks + t * TOP_K + j, tl.atomic_add(counts + tl.where(mine, e - first, 0), tl.where(mine, 1, 0)))
         total += best
         p = tl.where(offs == e, -1.0, p)
     if NORM:
@@ -93,7 +98,8 @@ def _align(counts, starts, block_expert, max_blocks, E: tl.constexpr, BLOCK_E: t
 def _scatter(ids, ranks, starts, sorted_pairs, P, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = p < P
-    e = tl.load(ids + p, mask=mask, other=0)
+    e = tl.load(ids + p, mask=mask, other=-1)
+    mask &= e >= 0  # another rank's expert: not this rank's pair
     row = tl.load(starts + e, mask=mask, other=0) + tl.load(ranks + p, mask=mask, other=0)
     tl.store(sorted_pairs + row, p, mask=mask)
 
@@ -176,14 +182,15 @@ def _down(inter, w2, w2_s, out, weights, block_expert, starts, counts, sorted_pa
 
 
 @triton.jit
-def _combine(pairs_out, shared, gate, out, H, stride_s, stride_g, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum of the token's TOP_K pair rows + sigmoid(gate[t]) * shared[t]."""
+def _combine(pairs_out, ids, shared, gate, out, H, stride_s, stride_g, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum of the token's TOP_K pair rows (this rank's experts') + sigmoid(gate[t]) * shared[t]."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = h < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(pairs_out + (t * TOP_K + j) * H + h, mask=ok, other=0.0).to(tl.float32)
+        mine = tl.load(ids + t * TOP_K + j) >= 0  # else another rank's expert: its row was never written
+        acc += tl.load(pairs_out + (t * TOP_K + j) * H + h, mask=h < tl.where(mine, H, 0), other=0.0).to(tl.float32)
     g = tl.sigmoid(tl.load(gate + t * stride_g).to(tl.float32))
     acc += g * tl.load(shared + t * stride_s + h, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + t * H + h, acc.to(out.dtype.element_ty), mask=ok)
@@ -213,15 +220,18 @@ def _choice(logits, t, j, stride_l, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_
 
 @triton.jit
 def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, w13_s, sw13_s, inter, ids, weights, H, I, IS, stride_x,
-                        stride_l, stride_g, stride_we, stride_wn, stride_swn, stride_se, stride_sn, stride_ssn,
-                        E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr,
+                        stride_l, stride_g, stride_we, stride_wn, stride_swn, stride_se, stride_sn, stride_ssn, first,
+                        local, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr,
                         FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     pair = tl.program_id(0)  # token * (TOP_K + 1) + choice; choice TOP_K is the shared expert
     t, j = pair // (TOP_K + 1), pair % (TOP_K + 1)
-    if j < TOP_K:
+    if j < TOP_K:  # ids: the expert among this rank's [first, first + local), -2 for another rank's
         e, weight = _choice(logits, t, j, stride_l, E, BLOCK_E, TOP_K, NORM)
-        w, stride_n, width = w13 + e.to(tl.int64) * stride_we, stride_wn, I
-        s, s_stride_n = w13_s + e.to(tl.int64) * stride_se, stride_sn
+        e -= first
+        mine = (e >= 0) & (e < local)
+        e, weight = tl.where(mine, e, -2), tl.where(mine, weight, 0.0)
+        w, stride_n, width = w13 + tl.maximum(e, 0).to(tl.int64) * stride_we, stride_wn, tl.where(mine, I, 0)
+        s, s_stride_n = w13_s + tl.maximum(e, 0).to(tl.int64) * stride_se, stride_sn
     else:
         e, weight = -1, tl.sigmoid(tl.load(shared_gate + t * stride_g).to(tl.float32))
         w, stride_n, width = sw13, stride_swn, IS
@@ -269,10 +279,10 @@ def _down_combine(inter, w2, sw2, w2_s, sw2_s, ids, weights, out, H, I, IS, stri
     for j in tl.static_range(TOP_K + 1):
         pair = t * (TOP_K + 1) + j
         weight = tl.load(weights + pair)
-        if j < TOP_K:
+        if j < TOP_K:  # another rank's expert (id -2): nothing to add
             e = tl.load(ids + pair).to(tl.int64)
-            w, stride_n, width = w2 + e * stride_we, stride_wn, I
-            s = w2_s + e * stride_se + (n0 // GROUP) * stride_sn
+            w, stride_n, width = w2 + tl.maximum(e, 0) * stride_we, stride_wn, tl.where(e >= 0, I, 0)
+            s = w2_s + tl.maximum(e, 0) * stride_se + (n0 // GROUP) * stride_sn
         else:
             w, stride_n, width = sw2, stride_swn, IS
             s = sw2_s + (n0 // GROUP) * stride_ssn
@@ -325,23 +335,23 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int, norm_
         shared_gate: torch.Tensor, first_expert: int = 0, config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
     """deltamesh.kernels.torch_ref.moe: the MoE layer's output [T, H] for x [T, H] (rows contiguous; the logits
     and the shared expert's gate [T, 1] may be row-strided views). The four weights are all plain or all
-    `Fp8Weight`s (then computed as kernels/fp8.py says). `config` forces the aligned path's blocks.
-    Every expert must be local: under expert parallelism the engine runs the torch reference (rank.py)."""
+    `Fp8Weight`s (then computed as kernels/fp8.py says). `config` forces the aligned path's blocks. Under expert
+    parallelism w13 and w2 hold experts [first_expert, first_expert + len(w13)) and only their pairs count."""
     assert x.stride(1) == 1 and router_logits.stride(1) == 1
-    if first_expert or _parts(w13)[0].shape[0] != router_logits.shape[1]:
-        raise ValueError("the fused Triton MoE runs all of a layer's experts; expert parallelism needs moe=torch")
     if config is None and x.shape[0] <= DECODE_MAX_TOKENS:
-        return _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate)
+        return _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate,
+                          first_expert)  # fmt: skip
     shared = triton_fp8.linear(triton_fused.silu_mul(triton_fp8.linear(x, shared_w13)), shared_w2)
-    return _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config)
+    return _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config, first_expert)
 
 
-def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate,
+def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate, first_expert=0,
                pair_config: PairConfig = PAIR_CONFIG) -> torch.Tensor:  # fmt: skip
     (w13, w13_s, fp8), (w2, w2_s, _) = _parts(w13), _parts(w2)
     (sw13, sw13_s, _), (sw2, sw2_s, _) = _parts(shared_w13), _parts(shared_w2)
     T, H = x.shape
-    E, two_i, _ = w13.shape
+    local, two_i, _ = w13.shape
+    E = router_logits.shape[1]
     I, IS = two_i // 2, sw13.shape[0] // 2  # noqa: E741
     P = T * (top_k + 1)
     dev = x.device
@@ -353,7 +363,8 @@ def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w
     _gate_up_silu_pairs[(P, triton.cdiv(max(I, IS), gate_up_n))](
         x, router_logits, shared_gate, w13, sw13, w13_s, sw13_s, inter, ids, weights, H, I, IS, x.stride(0),
         router_logits.stride(0), shared_gate.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
-        w13_s.stride(0), w13_s.stride(1), sw13_s.stride(0), E, triton.next_power_of_2(E), top_k, norm_topk, fp8,
+        w13_s.stride(0), w13_s.stride(1), sw13_s.stride(0), first_expert, local, E, triton.next_power_of_2(E), top_k,
+        norm_topk, fp8,
         BLOCK, gate_up_n, block_k, num_warps=warps,
     )  # fmt: skip
     _down_combine[(T, triton.cdiv(H, down_n))](
@@ -363,10 +374,11 @@ def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w
     return out
 
 
-def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config) -> torch.Tensor:
+def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config,
+                 first_expert=0) -> torch.Tensor:  # fmt: skip
     (w13, w13_s, fp8), (w2, w2_s, _) = _parts(w13), _parts(w2)
     T, H = x.shape
-    E, two_i, _ = w13.shape
+    E, two_i, _ = w13.shape  # this rank's experts; the router's logits cover every expert
     I = two_i // 2  # noqa: E741
     P = T * top_k
     dev = x.device
@@ -390,7 +402,9 @@ def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gat
     pairs_out = torch.empty(P, H, dtype=x.dtype, device=dev)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
 
-    _route[(T,)](router_logits, ids, weights, ranks, counts, router_logits.stride(0), E, BLOCK_E, top_k, norm_topk)
+    E_all = router_logits.shape[1]
+    _route[(T,)](router_logits, ids, weights, ranks, counts, router_logits.stride(0), first_expert, E, E_all,
+                 triton.next_power_of_2(E_all), top_k, norm_topk)  # fmt: skip
     _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64)
     _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256)
     _gate_up_silu[(max_blocks, triton.cdiv(I, BLOCK_N))](
@@ -401,6 +415,6 @@ def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gat
         inter, w2, w2_s, pairs_out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0),
         w2.stride(1), w2_s.stride(0), w2_s.stride(1), fp8, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
     )  # fmt: skip
-    _combine[(T, triton.cdiv(H, 1024))](pairs_out, shared, shared_gate, out, H, shared.stride(0), shared_gate.stride(0),
-                                         top_k, 1024)  # fmt: skip
+    _combine[(T, triton.cdiv(H, 1024))](pairs_out, ids, shared, shared_gate, out, H, shared.stride(0),
+                                         shared_gate.stride(0), top_k, 1024)  # fmt: skip
     return out

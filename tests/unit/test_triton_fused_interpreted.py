@@ -161,7 +161,7 @@ def test_fused_moe_matches_reference():
     """Both fused MoE paths against the torch reference: the pair-wise path of few tokens (decode; a shared
     expert narrower or wider than the routed ones) and the aligned path (most experts unused and partly filled
     blocks; enough pairs for the larger blocks), top-k renormalised or not, an expert count that is not a power
-    of two. float32 only: the interpreter's dots read bfloat16 operands as raw integers; the bfloat16 kernels are
+    of two; each also as an expert-parallel rank holding three of the experts. float32 only: the interpreter's dots read bfloat16 operands as raw integers; the bfloat16 kernels are
     checked on the GPU (tests/gpu)."""
     check("""
     from deltamesh.kernels import triton_moe
@@ -182,4 +182,9 @@ def test_fused_moe_matches_reference():
         got = triton_moe.moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate, config=config)
         path = "aligned" if config or tokens > triton_moe.DECODE_MAX_TOKENS else "pairs"
         errors[f"{path} T={tokens} E={experts} k={top_k} shared={shared_inter}"] = (float((got - ref).abs().max()), 1e-4)
+        # expert parallel: a rank holding experts [2, 5) adds only the pairs routed to them
+        part = (slice(2, 5),)
+        ref = torch_ref.moe(x, logits, w13[part], w2[part], top_k, norm, sw13, sw2, gate, first_expert=2)
+        got = triton_moe.moe(x, logits, w13[part], w2[part], top_k, norm, sw13, sw2, gate, first_expert=2, config=config)
+        errors[f"{path} T={tokens} experts 2..4 of {experts}"] = (float((got - ref).abs().max()), 1e-4)
     """)
