@@ -56,14 +56,14 @@ def _qwen3_next():
 
 def _qwen3_5_moe_fp8_shapes():
     """Every projection in whole 128-row blocks, as the FP8 kernels need (real models are so; the others here
-    are too small): one attention and one GDN layer."""
+    are too small), also on each of two tensor-parallel ranks: one attention and one GDN layer."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     dims = dict(_COMMON, hidden_size=128, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_num_key_heads=1,
-                linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128)  # fmt: skip
-    cfg = Qwen3_5MoeTextConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                               shared_expert_intermediate_size=128,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128)  # fmt: skip
+    cfg = Qwen3_5MoeTextConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                               shared_expert_intermediate_size=256,
                                rope_parameters={**_MROPE, "mrope_section": [8, 4, 4]})  # fmt: skip
     return Qwen3_5MoeForCausalLM(cfg)
 

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.quantization import SCALE_SUFFIX
+from deltamesh.kernels.fp8 import BLOCK
 
 
 class ParallelConfigError(ValueError):
@@ -162,6 +164,18 @@ def shard_tensor(name: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | Non
     if name.endswith("experts.down_proj"):  # [E, H, I]
         return _chunk(t, 2, n, r)
     return t  # norms, the router, the shared expert's gate
+
+
+def shard_scales(name: str, scales: torch.Tensor, shard: Shard) -> torch.Tensor | None:
+    """This rank's block scales `name` (`<weight>_scale_inv`) of an FP8 weight kept in FP8: the weight's own rule
+    applied to the scales spread over the weight's elements, then one per block again. The rank's part of the
+    weight must be whole blocks (weights.fp8_weights checks)."""
+    weight = name.removesuffix(SCALE_SUFFIX)
+    if shard.size == 1 or (shard.expert_parallel and ".mlp.experts." in weight):  # whole experts: by index alone
+        return shard_tensor(weight, scales, shard)
+    spread = scales.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    part = shard_tensor(weight, spread, shard)
+    return None if part is None else part[..., ::BLOCK, ::BLOCK].contiguous()
 
 
 class TensorParallelGroup:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models import MODEL_CLASSES, HybridLM
-from deltamesh.engine.parallel import TensorParallelGroup, reads_tensor, shard_tensor
+from deltamesh.engine.parallel import TensorParallelGroup, reads_tensor, shard_scales, shard_tensor
 from deltamesh.engine.quantization import SCALE_SUFFIX, dequantized
 from deltamesh.kernels.fp8 import BLOCK, quantize_blocks
 
@@ -101,9 +101,9 @@ def fp8_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: 
     return why_not is None
 
 
-def _fp8_layout_unsupported(cfg: ModelConfig, tp: TensorParallelGroup | None) -> str | None:
-    if tp is not None:
-        return "tensor- and expert-parallel ranks slice dequantized weights"
+def _fp8_layout_unsupported(full: ModelConfig, tp: TensorParallelGroup | None) -> str | None:
+    """Why this rank's projections cannot hold FP8 blocks whole (None: they can)."""
+    cfg = tp.shard.local if tp else full
     if cfg.fp8_block not in (None, (BLOCK, BLOCK)):
         return f"the FP8 kernels take {BLOCK}x{BLOCK} weight blocks, not {cfg.fp8_block}"
     if cfg.family == "qwen3_next":
@@ -114,7 +114,8 @@ def _fp8_layout_unsupported(cfg: ModelConfig, tp: TensorParallelGroup | None) ->
              "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}  # fmt: skip
     odd = [f"{name} {size}" for name, size in sizes.items() if size and size % BLOCK]
     if odd:
-        return f"the FP8 kernels need projections in whole {BLOCK}-row blocks, not {', '.join(odd)}"
+        per_rank = f" per rank of {tp.shard.size}" if tp else ""
+        return f"the FP8 kernels need projections in whole {BLOCK}-row blocks, not {', '.join(odd)}{per_rank}"
     return None
 
 
@@ -141,7 +142,8 @@ def load_tensors(model: HybridLM, named_tensors) -> None:
                 continue
             for part_name, part in model.checkpoint_tensors(name, tensor):
                 if model.tp:
-                    part = shard_tensor(part_name, part, model.tp.shard)
+                    shard = shard_scales if part_name.endswith(SCALE_SUFFIX) else shard_tensor
+                    part = shard(part_name, part, model.tp.shard)
                     if part is None:  # an expert another rank holds
                         continue
                 slot = slots.get(part_name)

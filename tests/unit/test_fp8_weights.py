@@ -36,9 +36,9 @@ def test_the_checkpoints_values_and_scales_are_kept_as_written(fp8_dir):
     gdn, moe = model.layers[0].mixer, model.layers[0].mlp
     with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
         get = lambda name: f.get_tensor(f"model.layers.0.{name}")  # noqa: E731
-        up = get("mlp.experts.2.up_proj.weight")
-        assert torch.equal(moe.w13[2, 128:].view(torch.uint8), up.view(torch.uint8))
-        assert torch.equal(moe.w13_scale[2, 1:], get("mlp.experts.2.up_proj.weight_scale_inv"))
+        up, i = get("mlp.experts.2.up_proj.weight"), moe.inter
+        assert torch.equal(moe.w13[2, i:].view(torch.uint8), up.view(torch.uint8))
+        assert torch.equal(moe.w13_scale[2, i // 128 :], get("mlp.experts.2.up_proj.weight_scale_inv"))
         down = get("mlp.shared_expert.down_proj.weight")
         assert torch.equal(moe.shared.down.view(torch.uint8), down.view(torch.uint8))
         assert torch.equal(gdn.in_proj[: gdn.conv_dim].view(torch.uint8),
@@ -84,3 +84,20 @@ def test_fp8_weights_are_refused_where_the_layout_cannot_hold_them(hf_checkpoint
         core(hf_checkpoints["qwen3_next"], "fp8")
     with pytest.raises(ValueError, match="quantization must be auto, fp8 or none"):
         core(hf_checkpoints["qwen3_5"], "int4")
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fp8_weights_split_over_two_ranks_give_the_one_rank_engines_output(fp8_dir, expert_parallel):
+    """Each rank keeps its rows or columns of every FP8 weight with the matching block scales (whole experts
+    under expert parallelism)."""
+    from test_tensor_parallel import assert_same, engine, prompts, run
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    with engine(fp8_dir, 2, quantization="fp8", enable_expert_parallel=expert_parallel) as e:
+        mixer, moe = e.core.model.layers[0].mixer, e.core.model.layers[0].mlp
+        assert mixer.in_proj.dtype == moe.w13.dtype == torch.float8_e4m3fn
+        assert moe.w13.shape[0] == (2 if expert_parallel else 4) and mixer.out_proj_scale.shape == (1, 2)
+        got = e.generate(prompts(), params)
+    assert_same(got, run(fp8_dir, 1, quantization="fp8"))
+
