@@ -3,7 +3,8 @@ and `X.weight_scale_inv` holds one float per (block rows x block cols) tile, cov
 tiles cut short; the real weight is the FP8 value times its tile's scale. Layers left in the model dtype (the
 embedding, the LM head, norms, the GDN conv and gates, the routers) are stored as they are.
 
-The loader dequantizes while it reads (the CPU engine, fp32 models) or, where the GPU kernels take FP8 weights (weights.fp8_weights), keeps the quantized layers' values and scales as they are."""
+The loader dequantizes while it reads (the CPU engine, fp32 models) or, where the GPU kernels take FP8 weights
+(weights.fp8_weights), keeps the quantized layers' values and scales as they are."""
 
 from __future__ import annotations
 
