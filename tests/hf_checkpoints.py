@@ -68,7 +68,22 @@ def _qwen3_5_moe_fp8_shapes():
     return Qwen3_5MoeForCausalLM(cfg)
 
 
+def _qwen3_next_fp8_shapes():
+    """Qwen3-Next with every projection in whole 128-row blocks (its fused, head-grouped GDN projections too):
+    a dense layer with GDN, a MoE layer with attention."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    dims = dict(_COMMON, hidden_size=128, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128)  # fmt: skip
+    cfg = Qwen3NextConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                          shared_expert_intermediate_size=128, intermediate_size=256, decoder_sparse_step=1,
+                          mlp_only_layers=[0], rope_parameters=_ROPE)  # fmt: skip
+    return Qwen3NextForCausalLM(cfg)
+
+
 BUILDERS = {"qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_next": _qwen3_next}
+FP8_SHAPES = {"qwen3_5_moe_fp8_shapes": _qwen3_5_moe_fp8_shapes, "qwen3_next_fp8_shapes": _qwen3_next_fp8_shapes}
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -87,9 +102,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def write_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
-    """`family`: a key of BUILDERS, or "qwen3_5_moe_fp8_shapes"."""
+    """`family`: a key of BUILDERS or of FP8_SHAPES."""
     torch.manual_seed(seed)
-    model = (BUILDERS | {"qwen3_5_moe_fp8_shapes": _qwen3_5_moe_fp8_shapes})[family]().eval()
+    model = (BUILDERS | FP8_SHAPES)[family]().eval()
     randomize(model, seed)
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -106,8 +106,6 @@ def _fp8_layout_unsupported(full: ModelConfig, tp: TensorParallelGroup | None) -
     cfg = tp.shard.local if tp else full
     if cfg.fp8_block not in (None, (BLOCK, BLOCK)):
         return f"the FP8 kernels take {BLOCK}x{BLOCK} weight blocks, not {cfg.fp8_block}"
-    if cfg.family == "qwen3_next":
-        return "Qwen3-Next regroups its fused GDN projections on load"
     sizes = {"hidden_size": cfg.hidden_size, "head_dim": cfg.head_dim,
              "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
              "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,

@@ -77,10 +77,21 @@ def test_dummy_fp8_weights_are_quantized_random_weights(bf16_dir):
     assert moe.w13_scale.min() > 0 and 0.05 < w.std() * 128**0.5 < 20  # a spread like the bf16 dummy's
 
 
+def test_qwen3_next_regrouped_projections_keep_the_checkpoints_fp8_values(tmp_path):
+    """Qwen3-Next stores its GDN projections fused and grouped by key head; the engine's layout regroups them
+    (dequantized, regrouped, quantized again: whole blocks move, so each gets its values and scale back, up to
+    float32 rounding of the scale)."""
+    fp8 = write_fp8_checkpoint(write_checkpoint("qwen3_next_fp8_shapes", tmp_path / "bf16", seed=5), tmp_path / "fp8")
+    kept, dequantized = core(fp8, "fp8"), core(fp8, "none")
+    assert kept.model.layers[0].mixer.in_proj.dtype == torch.float8_e4m3fn
+    ids = prompt(40, seed=3)
+    assert (engine_logits(kept, ids, [24, 16]) - engine_logits(dequantized, ids, [24, 16])).abs().max() <= 1e-5
+
+
 def test_fp8_weights_are_refused_where_the_layout_cannot_hold_them(hf_checkpoints):
     with pytest.raises(WeightError, match="whole 128-row blocks, not hidden_size 64, head_dim 32"):
         core(hf_checkpoints["qwen3_5"], "fp8")
-    with pytest.raises(WeightError, match="Qwen3-Next regroups"):
+    with pytest.raises(WeightError, match="whole 128-row blocks"):
         core(hf_checkpoints["qwen3_next"], "fp8")
     with pytest.raises(ValueError, match="quantization must be auto, fp8 or none"):
         core(hf_checkpoints["qwen3_5"], "int4")
