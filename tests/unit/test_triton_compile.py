@@ -65,3 +65,21 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
     ]  # fmt: skip
     for k in kernels:
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
+
+
+def test_aligned_moe_routing_kernels_compile_for_sm90():
+    """Routing, scatter and combine of the aligned path, with the expert-parallel bounds."""
+    kernels = [
+        compile_for_sm90(triton_moe._route,
+                         {"logits": "*bf16", "ids": "*i32", "weights": "*fp32", "ranks": "*i32", "counts": "*i32",
+                          "stride_l": "i32", "first": "i32", "local": "i32"},
+                         {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": True}),
+        compile_for_sm90(triton_moe._scatter, {"ids": "*i32", "ranks": "*i32", "starts": "*i32",
+                                               "sorted_pairs": "*i32", "P": "i32"}, {"BLOCK": 256}),
+        compile_for_sm90(triton_moe._combine,
+                         {"pairs_out": "*bf16", "ids": "*i32", "shared": "*bf16", "gate": "*bf16", "out": "*bf16",
+                          "H": "i32", "stride_s": "i32", "stride_g": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024}),
+    ]  # fmt: skip
+    for k in kernels:
+        assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
+
