@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -244,3 +245,19 @@ def prefill_items(core, batch: int, chunk: int) -> list:
         req.pages = core.kv_pool.alloc(core.kv_pool.pages_for(chunk))
         items.append(ScheduledItem(req, chunk))
     return items
+
+
+def with_tokenizer(shape: Path, work: Path) -> Path:
+    """A model folder of the shape's config.json beside the default model's tokenizer files, for shapes kept as a
+    config alone (bench/configs): a server reads a tokenizer at start, random-token loads need only a vocabulary
+    and chat loads the template's special tokens."""
+    from deltamesh.engine.defaults import DEFAULT_MODEL
+
+    folder = work / f"with-tokenizer-{shape.name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shape / "config.json", folder / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (DEFAULT_MODEL / name).is_file():
+            shutil.copy(DEFAULT_MODEL / name, folder / name)
+    return folder
+

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, ROOT, free_port, print_table, stop_group, write_result  # noqa: E402
+from bench.common import RESULTS, ROOT, free_port, print_table, stop_group, with_tokenizer, write_result  # noqa: E402
 from bench.disagg_sweep import wait_ready  # noqa: E402
 from deltamesh.engine import DEFAULT_MODEL  # noqa: E402
 from deltamesh.engine.prefix_cache import TURN_START  # noqa: E402
@@ -148,7 +148,9 @@ def main() -> None:
         from deltamesh.engine.config import ModelConfig
 
         args.vocab = ModelConfig.from_dir(args.model).vocab_size
-    args.opener = Tokenizer(args.model).token_id(TURN_START) if (Path(args.model) / "tokenizer.json").is_file() else None
+    if not (Path(args.model) / "tokenizer.json").is_file():  # a shape from bench/configs: config.json alone
+        args.model = str(with_tokenizer(Path(args.model), Path(args.log_dir)))
+    args.opener = Tokenizer(args.model).token_id(TURN_START)
     rows = []
     for cache in (False, True):
         proc, address, urls = serve(args, cache, Path(args.log_dir) / f"multi-turn-cache-{'on' if cache else 'off'}.log")

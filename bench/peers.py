@@ -17,27 +17,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CONFIGS, RESULTS, ROOT, fmt, free_port, ints, stop_group, table, write_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    CONFIGS,
+    RESULTS,
+    ROOT,
+    fmt,
+    free_port,
+    ints,
+    stop_group,
+    table,
+    with_tokenizer,
+    write_result,
+)
 from bench.disagg_sweep import run_point, serve_command, wait_ready  # noqa: E402
-from deltamesh.engine.defaults import DEFAULT_MODEL  # noqa: E402
-
-
-def model_folder(shape: Path, work: Path) -> Path:
-    """The shape's config.json beside the default model's tokenizer files (vLLM reads a tokenizer at start)."""
-    folder = work / f"peers-{shape.name}"
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(shape / "config.json", folder / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (DEFAULT_MODEL / name).is_file():
-            shutil.copy(DEFAULT_MODEL / name, folder / name)
-    return folder
 
 
 def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen, str, str]:
@@ -66,7 +64,7 @@ def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen,
 
 def measure(engine: str, shape: Path, args) -> list[dict]:
     work = Path(args.log_dir)
-    folder = model_folder(shape, work)
+    folder = with_tokenizer(shape, work)
     log = work / f"peers-{engine}-{shape.name}.log"
     proc, base, ready = start(engine, folder, args, log)
     rows = []
