@@ -52,7 +52,8 @@ class PrefixOffers:
         except LeaseRefused as e:
             self.engine.unpin_prefix(pinned)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        # a caller that went away before the answer reached it still holds the token it chose: it can end the lease
+        # a caller that went away before the answer reached it never learns the lease's id: end the lease now
+        context.add_done_callback(lambda ctx: ctx.cancelled() and self.leases.release(lease_id))
         metrics.PREFIX_OFFERS.labels("offered").inc()
         log.info("prefix offered", lease_id=lease_id, tokens=pinned.num_tokens, bytes=lease.nbytes, ttl_s=ttl)
         return decode_pb2.OfferPrefixResponse(

@@ -201,7 +201,7 @@ class Mesh:
         """The reverse pull: the decode worker that holds the longest prefix of this prompt (a conversation it
         finished), asked to offer it to the prefill worker under a lease whose token is ours. None when no decode
         worker holds one, or it has nothing (evicted) or fails to answer: the prefill worker computes it all."""
-        holder, matched = self.pd.holder(self.registry.healthy("decode"), prompt_ids)
+        holder, _ = self.pd.holder(self.registry.healthy("decode"), prompt_ids)
         if holder is None:
             return None
         token = secrets.token_bytes(16)
