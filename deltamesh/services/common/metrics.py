@@ -59,7 +59,7 @@ class EngineCollector:
             ("prefix_cache_hit_tokens", stats.prefix_cache_hit_tokens, "Prompt tokens served from the prefix cache"),
             ("prefix_cache_checkpoints_saved", stats.checkpoints_saved, "GDN state checkpoints saved"),
             ("prefix_cache_checkpoints_evicted", stats.checkpoints_evicted, "GDN state checkpoints evicted"),
-            ("reverse_pull_tokens", stats.pulled_prefix_tokens, "Prompt tokens pulled from a decode worker, not computed"),
+            ("reverse_pull_tokens", stats.pulled_prefix_tokens, "Prompt tokens pulled from a decode worker"),
         ):
             c = CounterMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             c.add_metric([role], value)
