@@ -51,10 +51,12 @@ def serve(args, cache: bool, log: Path) -> tuple[subprocess.Popen, str, list[str
 
 
 def worker_counters(urls: list[str]) -> dict[str, float]:
-    """Prompt tokens the workers computed and took from the prefix cache, summed over workers."""
+    """Prompt tokens the workers computed and took from a prefix cache (their own, or a decode worker's through
+    the reverse pull), summed over workers."""
     total = {"computed": 0.0, "cached": 0.0}
     names = {"deltamesh_engine_prompt_tokens_total": "computed",
-             "deltamesh_engine_prefix_cache_hit_tokens_total": "cached"}  # fmt: skip
+             "deltamesh_engine_prefix_cache_hit_tokens_total": "cached",
+             "deltamesh_engine_reverse_pull_tokens_total": "cached"}  # fmt: skip
     for url in urls:
         for line in httpx.get(url, timeout=5).text.splitlines():
             name, _, value = line.partition("{")

@@ -10,6 +10,9 @@ Disaggregation hooks:
   and GDN slot stay allocated ("held") until `release_held`; `held_regions` names the bytes to ship.
 - decode side: `reserve` allocates a slot and pages for an incoming state and names the bytes to receive
   into; `submit_transferred` then starts decoding from the first token not yet consumed.
+- the reverse direction (a conversation's next turn on a prefill worker): the decode worker pins a cached
+  prefix (`pin_prefix`: its pages and checkpoint, read in place); the prefill worker reserves space, pulls it
+  and `submit_pulled` starts the prompt from there, computing only the rest.
 - tensor parallel: the bytes named are the state in the one-rank layout, in the leader's copy of it
   (tp_handoff.py): gathered from the ranks when a state is held, scattered to them before an arrived request's
   first step.
@@ -20,6 +23,7 @@ admissions start from; a held state's pages may be shared with it (the transfer 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import threading
@@ -66,6 +70,11 @@ class Reservation:
         if self.ready is not None:
             self.ready.synchronize()
 
+    async def wait_ready_async(self) -> None:
+        """`wait_ready` off the event loop's thread."""
+        if self.ready is not None:
+            await asyncio.to_thread(self.ready.synchronize)
+
 
 @dataclass
 class _InFlight:
@@ -85,6 +94,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0  # prompt tokens those admissions did not compute
     checkpoints_saved: int = 0
     checkpoints_evicted: int = 0
+    pulled_prefix_tokens: int = 0  # prompt tokens whose state was pulled from another worker, not computed
 
 
 class EngineCore:
@@ -221,6 +231,14 @@ class EngineCore:
             request.detokenizer.add(first_token)  # replays what the prefill worker already streamed
         self._commands.put(("add_running", request, sink))
 
+    def submit_pulled(self, request: Request, num_tokens: int, reservation: Reservation, sink: Sink) -> None:
+        """Start a prompt whose first `num_tokens` tokens' state arrived in `reservation` (pulled from another
+        worker's prefix cache): only the rest is computed. A preempted request starts over from nothing."""
+        request.num_computed = num_tokens
+        request.slot, request.pages = reservation.slot, reservation.pages
+        self.stats.pulled_prefix_tokens += num_tokens
+        self._commands.put(("add", request, sink))
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
 
@@ -236,6 +254,7 @@ class EngineCore:
             elif arg.request_id in self.requests or self.held_request(arg.request_id) is not None:
                 sink(RequestOutput(arg.request_id, [], "", finished=True, finish_reason=FinishReason.ERROR,
                                    error=f"duplicate request id {arg.request_id!r}"))  # fmt: skip
+                self.scheduler.free(arg)  # the state it arrived with, if any, is not used
             else:
                 self.requests[arg.request_id] = arg
                 self._sinks[arg.request_id] = sink

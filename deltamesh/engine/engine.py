@@ -14,6 +14,7 @@ import torch
 
 from deltamesh.engine.core import EngineCore, Reservation
 from deltamesh.engine.handoff import check_layouts, compat_hash
+from deltamesh.engine.prefix_cache import PinnedPrefix
 from deltamesh.engine.request import RequestError
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.request import FinishReason, Request, RequestOutput
@@ -85,6 +86,10 @@ class Engine:
         self.core.submit_transferred(request, first_token, reservation, sink)
         self._wake.set()
 
+    def submit_pulled(self, request: Request, num_tokens: int, reservation: Reservation, sink) -> None:
+        self.core.submit_pulled(request, num_tokens, reservation, sink)
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
         self._wake.set()
@@ -133,6 +138,24 @@ class Engine:
         """Pool space for an incoming state of `num_tokens` prompt tokens; raises PoolExhausted when full. Its
         `regions` are what a pull fills; then `submit_transferred`, or `cancel_reservation`."""
         return self.core.reserve(num_tokens)
+
+    def pin_prefix(self, prompt_ids: list[int]) -> tuple[PinnedPrefix, list[torch.Tensor]] | None:
+        """The longest cached prefix of this prompt that ends at a checkpoint, kept from eviction until
+        `unpin_prefix` (PrefixCache.pin), and its state as 1-D byte views in the order a reservation of its length
+        is filled (`reserve`): its pages, then the checkpoint. None without a hit, or on a tensor-parallel engine
+        (its pools are split across ranks; the one-rank copy holds only what is being handed off)."""
+        cache = self.core.prefix_cache
+        if cache is None or self.core.handoff is not None:
+            return None
+        pinned = cache.pin(prompt_ids)
+        return None if pinned is None else (pinned, [r.tensor for r in cache.regions(pinned)])
+
+    def synchronize(self) -> None:
+        """Block until every step and copy queued on the engine's stream so far has run (CUDA; blocking)."""
+        torch.cuda.default_stream(self.device).synchronize()
+
+    def unpin_prefix(self, pinned: PinnedPrefix) -> None:
+        self.core.prefix_cache.unpin(pinned)
 
     def cancel_reservation(self, reservation: Reservation) -> None:
         self.core.cancel_reservation(reservation)

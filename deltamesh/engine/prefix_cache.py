@@ -21,7 +21,9 @@ prefill chunks exactly there (`next_stop`). Copies are queued on the engine's st
 reached the position, so stream order makes them exact under async scheduling.
 
 Eviction is LRU over blocks and tails only the cache holds (a page some request still uses frees nothing);
-evicting a block drops its descendants and tails too, since they can no longer be reached. Checkpoints live in
+evicting a block drops its descendants and tails too, since they can no longer be reached. A pinned prefix
+(`pin`: offered to another worker, which reads its pages and checkpoint in place) is never evicted, nor are the
+blocks before it, until it is unpinned. Checkpoints live in
 their own StatePool and are evicted LRU when it is full. Every structure is guarded by one lock: a decode worker
 reserves pages (which may evict) from other threads.
 """
@@ -30,10 +32,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
+from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool
 from deltamesh.engine.request import Request
 from deltamesh.engine.sampling import SamplingParams
 
@@ -71,6 +73,17 @@ class _Block:
     checkpoint: int | None = None  # slot in the checkpoint pool
 
 
+@dataclass(frozen=True)
+class PinnedPrefix:
+    """A cached prefix kept from eviction while another worker reads it in place: its pages (the full blocks',
+    then the tail's, a reference held on each) and the checkpoint of the state after its `num_tokens` tokens."""
+
+    num_tokens: int
+    pages: tuple[int, ...]
+    checkpoint: int  # slot in the checkpoint pool
+    entries: tuple  # the block and tail keys pinned
+
+
 class PrefixCache:
     def __init__(
         self,
@@ -93,6 +106,7 @@ class PrefixCache:
         # block keys with a checkpoint and tail keys, least recently used first
         self._checkpointed: OrderedDict[int | TailKey, None] = OrderedDict()
         self._clock = itertools.count(1)
+        self._pinned: Counter = Counter()  # block and tail keys that eviction must leave (see `pin`)
         self._lock = threading.RLock()
 
     # ---- accounting ------------------------------------------------------------------------------------
@@ -115,7 +129,7 @@ class PrefixCache:
         ps = self.kv_pool.page_size
         return (len(req.prompt_ids) - 1) // ps * ps
 
-    def _turn_end(self, req: Request) -> int:
+    def turn_end(self, req: Request) -> int:
         """Where the prompt's first chat message ends (its second message's opening token), if before its last
         token; else 0."""
         prompt = req.prompt_ids
@@ -199,7 +213,7 @@ class PrefixCache:
         block, or a tail after the blocks), with a reference taken on each page and on the tail's page (the
         caller frees the pages like any of its own, and hands the tail to `restore` or `release`). Nothing else
         changes until `restore`."""
-        req.turn_end = self._turn_end(req)
+        req.turn_end = self.turn_end(req)
         with self._lock:
             best, tail = self._longest(req)
             pages = [self._blocks[k].page for k in req.block_keys[:best]]
@@ -228,6 +242,41 @@ class PrefixCache:
             if tail is not None:
                 best, best_tail = depth, tail
         return best, best_tail
+
+    # ---- offering a prefix to another worker (any thread) -----------------------------------------------------
+    def pin(self, prompt_ids: list[int]) -> PinnedPrefix | None:
+        """The longest cached prefix of this prompt that ends at a checkpoint (as an admission would take it),
+        kept from eviction until `unpin`; None when nothing is cached."""
+        req = Request("", list(prompt_ids), SamplingParams(), None)
+        with self._lock:
+            best, tail = self._longest(req)
+            if not best and tail is None:
+                return None
+            keys = req.block_keys[:best]
+            pages = [self._blocks[k].page for k in keys]
+            entries: list = list(keys)
+            if tail is not None:
+                pages.append(tail.page)
+                entries.append((keys[-1] if keys else None, tail.tokens))
+                checkpoint = tail.checkpoint
+            else:
+                checkpoint = self._blocks[keys[-1]].checkpoint
+            self.kv_pool.share(pages)
+            self._pinned.update(entries)
+            self._touch(keys[::-1])
+        num_tokens = best * self.kv_pool.page_size + (len(tail.tokens) if tail else 0)
+        return PinnedPrefix(num_tokens, tuple(pages), checkpoint, tuple(entries))
+
+    def regions(self, pinned: PinnedPrefix) -> list[Region]:
+        """Where a pinned prefix's state is, in the order a reservation of its length is filled (core.py
+        `reserve`): its pages, then the checkpoint (a slot the size of a state slot)."""
+        return self.kv_pool.regions(list(pinned.pages)) + self.checkpoints.regions(pinned.checkpoint)
+
+    def unpin(self, pinned: PinnedPrefix) -> None:
+        with self._lock:
+            self._pinned.subtract(pinned.entries)
+            self._pinned = +self._pinned  # drop the keys no pin holds any more
+            self.kv_pool.free(list(pinned.pages))
 
     def release(self, tail: _Tail | None) -> None:
         """Give back the reference `acquire` took on a tail that was not restored."""
@@ -276,10 +325,12 @@ class PrefixCache:
 
     def _eviction_order(self, only_unshared: bool) -> list[int | TailKey]:
         """Block and tail keys, those only the cache holds first, then least recently used first; among entries
-        used together, the deepest first (tails before their blocks)."""
+        used together, the deepest first (tails before their blocks). Pinned entries are left out."""
         order = []
         entries = itertools.chain(self._blocks.items(), self._tails.items())
         for k, e in entries:
+            if k in self._pinned:
+                continue
             shared = self.kv_pool.refs(e.page) > 1
             if not (only_unshared and shared):
                 order.append(((shared, e.last_use, -e.depth, isinstance(k, int)), k))
@@ -311,7 +362,7 @@ class PrefixCache:
         self.kv_pool.free([tail.page])
 
     def clear(self) -> None:
-        """Drop everything the cache holds."""
+        """Drop everything the cache holds, pinned prefixes too (so only once nothing reads them)."""
         with self._lock:
             for key in [k for k, b in self._blocks.items() if b.parent is None]:
                 self._drop(key, evicted=False)
@@ -375,8 +426,11 @@ class PrefixCache:
         if key[0] is not None and key[0] not in self._blocks:  # the budget's eviction took its parent
             self.kv_pool.free([page])
             return
-        self.kv_pool.copy_page(page, req.pages[depth])
         slot = self._checkpoint_slot()
+        if slot is None:
+            self.kv_pool.free([page])
+            return
+        self.kv_pool.copy_page(page, req.pages[depth])
         self.checkpoints.copy_slot(slot, self.state_pool, req.slot)
         self._tails[key] = _Tail(key[1], page, slot, depth, next(self._clock))
         if key[0] is not None:
@@ -418,15 +472,20 @@ class PrefixCache:
             self._checkpointed.move_to_end(key)
             return
         dst = self._checkpoint_slot()
+        if dst is None:
+            return
         self.checkpoints.copy_slot(dst, self.state_pool, slot)
         block.checkpoint = dst
         self._checkpointed[key] = None
         self.stats.checkpoints_saved += 1
 
-    def _checkpoint_slot(self) -> int:
-        """A free checkpoint slot, evicting the least recently used checkpoint (or tail) when all are taken."""
+    def _checkpoint_slot(self) -> int | None:
+        """A free checkpoint slot, evicting the least recently used checkpoint (or tail) when all are taken;
+        None when every one is pinned."""
         if self.checkpoints.num_free == 0:
-            oldest = next(iter(self._checkpointed))
+            oldest = next((k for k in self._checkpointed if k not in self._pinned), None)
+            if oldest is None:
+                return None
             if isinstance(oldest, int):
                 self._free_checkpoint(oldest, self._blocks[oldest])
                 self.stats.checkpoints_evicted += 1

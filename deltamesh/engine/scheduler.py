@@ -103,6 +103,8 @@ class Scheduler:
         return items
 
     def _admit(self, req: Request) -> bool:
+        if req.slot is not None:
+            return self._admit_placed(req)
         cache = self.prefix_cache
         cached, tail = cache.acquire(req) if cache is not None else ([], None)
         need = self.kv_pool.pages_for(req.num_tokens) - len(cached)
@@ -118,6 +120,19 @@ class Scheduler:
         req.pages = cached + self.alloc_pages(need)
         if cached or tail:
             cache.restore(req, len(cached), tail)
+        req.status = Status.RUNNING
+        return True
+
+    def _admit_placed(self, req: Request) -> bool:
+        """A request whose first `num_computed` tokens' state is already in its slot and pages (pulled from
+        another worker's prefix cache): pages for the rest of its prompt, then it goes on from there."""
+        need = self.kv_pool.pages_for(req.num_tokens) - len(req.pages)
+        free = self.kv_pool.num_free + (self.prefix_cache.reclaimable() if self.prefix_cache is not None else 0)
+        if free < need:
+            return False
+        req.pages += self.alloc_pages(need, after=req.pages[-1] if req.pages else None)
+        if self.prefix_cache is not None:
+            req.turn_end = self.prefix_cache.turn_end(req)
         req.status = Status.RUNNING
         return True
 

@@ -20,6 +20,10 @@ TRANSFER_SECONDS = Histogram("deltamesh_transfer_seconds", "Decode: duration of 
 TRANSFER_BUFFERS = Histogram("deltamesh_transfer_buffers", "Decode: reads (segments) per state pull",
                              buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64))  # fmt: skip
 TRANSFERS = Counter("deltamesh_transfers", "Decode: state pulls by outcome", ["outcome"])
+PREFIX_OFFERS = Counter("deltamesh_prefix_offers", "Decode: cached prefixes asked for by the router (offered | none)",
+                        ["outcome"])  # fmt: skip
+REVERSE_PULLS = Counter("deltamesh_reverse_pulls", "Prefill: prefixes pulled from a decode worker's prefix cache, "
+                        "by outcome (ok | failed: computed instead | skipped: own cache as long)", ["outcome"])
 
 
 class EngineCollector:
@@ -55,6 +59,7 @@ class EngineCollector:
             ("prefix_cache_hit_tokens", stats.prefix_cache_hit_tokens, "Prompt tokens served from the prefix cache"),
             ("prefix_cache_checkpoints_saved", stats.checkpoints_saved, "GDN state checkpoints saved"),
             ("prefix_cache_checkpoints_evicted", stats.checkpoints_evicted, "GDN state checkpoints evicted"),
+            ("reverse_pull_tokens", stats.pulled_prefix_tokens, "Prompt tokens pulled from a decode worker"),
         ):
             c = CounterMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             c.add_metric([role], value)

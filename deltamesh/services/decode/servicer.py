@@ -16,14 +16,26 @@ from deltamesh.engine.handoff import LayoutMismatch
 from deltamesh.services.common import metrics
 from deltamesh.services.common.convert import delta_from_output
 from deltamesh.services.common.worker import Worker, engine_request
+from deltamesh.services.decode.offers import PrefixOffers
 from deltamesh.transfer import DescriptorError, LeaseKey, StatePuller, TransferError
 
 log = structlog.get_logger("deltamesh.decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: Worker, puller: StatePuller):
-        self.worker, self.engine, self.puller = worker, worker.engine, puller
+    def __init__(self, worker: Worker, puller: StatePuller, offers: PrefixOffers | None = None):
+        """`offers`: how this worker offers cached prefixes to prefill workers (None: a colocated worker)."""
+        self.worker, self.engine, self.puller, self.offers = worker, worker.engine, puller, offers
+
+    async def OfferPrefix(self, request: decode_pb2.OfferPrefixRequest, context) -> decode_pb2.OfferPrefixResponse:
+        if self.offers is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a colocated worker offers no prefixes")
+        return await self.offers.offer(request, context)
+
+    async def ReleaseLease(self, request, context):
+        if self.offers is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a colocated worker holds no leases")
+        return await self.offers.release(request, context)
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
         req = await engine_request(self.engine, request, context)
@@ -121,4 +133,5 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.AbortResponse(found=found)
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
-        return common_pb2.GetLoadsResponse(workers=[self.worker.load()])
+        leases = len(self.offers.leases) if self.offers is not None else 0  # prefixes offered, not yet pulled
+        return common_pb2.GetLoadsResponse(workers=[self.worker.load(leases=leases)])

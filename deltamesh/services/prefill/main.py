@@ -7,17 +7,20 @@ import asyncio
 from deltamesh.v1 import prefill_pb2, prefill_pb2_grpc
 from deltamesh.services.common.settings import WorkerSettings
 from deltamesh.services.common.worker import Role, Worker, serve_worker
+from deltamesh.services.prefill.reverse_pull import ReversePuller
 from deltamesh.services.prefill.servicer import PrefillServicer, expire_leases
 from deltamesh.transfer import LeaseTable, Transport
 
 
 class PrefillRole(Role):
-    """Prefills prompts and holds their state under leases until a decode worker pulls it over the transport."""
+    """Prefills prompts and holds their state under leases until a decode worker pulls it over the transport; pulls
+    the conversation prefixes decode workers offer (the reverse direction) before computing the rest."""
 
     def __init__(self, worker: Worker, transport: Transport):
         self.leases = LeaseTable(capacity=worker.engine.num_state_slots)  # a lease holds a state slot
         self.holder = transport.holder(self.leases)
-        self.servicer = PrefillServicer(worker, self.leases, self.holder)
+        self.puller = transport.puller(settle_grace_s=worker.settings.transfer_timeout_s)
+        self.servicer = PrefillServicer(worker, self.leases, self.holder, ReversePuller(worker, self.puller))
 
     def services(self) -> list[tuple]:
         name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -28,8 +31,10 @@ class PrefillRole(Role):
 
     async def on_start(self) -> None:
         await self.holder.start()
+        await self.puller.start()
 
     async def on_stop(self) -> None:
+        await self.puller.close()
         await self.holder.stop()
 
     def background(self, stop: asyncio.Event) -> list:

@@ -14,14 +14,17 @@ from deltamesh.engine import FinishReason
 from deltamesh.services.common import metrics
 from deltamesh.services.common.convert import delta_from_output
 from deltamesh.services.common.worker import Worker, engine_request
+from deltamesh.services.prefill.reverse_pull import ReversePuller
 from deltamesh.transfer import MIN_TOKEN_BYTES, LeaseRefused, LeaseTable, StateHolder
 
 log = structlog.get_logger("deltamesh.prefill")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: Worker, leases: LeaseTable, holder: StateHolder):
+    def __init__(self, worker: Worker, leases: LeaseTable, holder: StateHolder, reverse: ReversePuller):
+        """`reverse`: pulls the prefixes decode workers offer (PrefillRequest.prefix)."""
         self.worker, self.engine, self.leases, self.holder = worker, worker.engine, leases, holder
+        self.reverse = reverse
         self._prefilling: dict[str, asyncio.Task] = {}  # request id -> its Prefill call's task (for Abort)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
@@ -35,7 +38,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         leased = False
         started = time.monotonic()
         try:
-            async for out in self.engine.stream(req):
+            submit = await self._pulled_prefix(request, req.prompt_ids)
+            async for out in self.engine.stream(req, submit):
                 first = out
             metrics.TTFT.observe(time.monotonic() - started)
             if first.finish_reason == FinishReason.ERROR:
@@ -54,6 +58,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 del self._prefilling[rid]
             if not leased and first is not None and first.finish_reason is None:
                 self.engine.release_held(rid)  # cancelled between holding and leasing
+
+    async def _pulled_prefix(self, request: prefill_pb2.PrefillRequest, prompt_ids: list[int]):
+        """How to submit the request: from the prefix a decode worker offered, once pulled here; None (the
+        usual submit, computing what this worker's own cache lacks) without an offer or when the pull fails."""
+        if not request.HasField("prefix"):
+            return None
+        pulled = await self.reverse.pull(request.prefix, prompt_ids)
+        if pulled is None:
+            return None
+        num_tokens, reservation = pulled
+        return lambda r, sink: self.engine.submit_pulled(r, num_tokens, reservation, sink)
 
     def _hold(self, response: prefill_pb2.PrefillResponse, rid: str, num_tokens: int, ttl_ms: int,
               token: bytes | None) -> None:  # fmt: skip

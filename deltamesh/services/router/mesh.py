@@ -162,7 +162,14 @@ class Mesh:
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop,
                 lease_token=secrets.token_bytes(16),
             )  # fmt: skip
-            first, pw = await self._prefill(prefill_req, inflight)
+            offer = await self._offer_prefix(prompt_ids) if self.pd is not None else None
+            if offer is not None:
+                prefill_req.prefix.CopyFrom(offer[1])
+            try:
+                first, pw = await self._prefill(prefill_req, inflight)
+            finally:  # a no-op once the prefill worker pulled it; else the decode worker's pages are free at once
+                if offer is not None:
+                    self._release_later(offer[0], offer[1].lease)
             try:
                 yield first.first
                 if first.first.finished:
@@ -189,6 +196,28 @@ class Mesh:
             yield common_pb2.TokenDelta(finished=True, finish_reason=common_pb2.FINISH_REASON_ABORT)
         finally:
             del self._inflight[request_id]
+
+    async def _offer_prefix(self, prompt_ids: list[int]) -> tuple[WorkerHandle, prefill_pb2.PrefixSource] | None:
+        """The reverse pull: the decode worker that holds the longest prefix of this prompt (a conversation it
+        finished), asked to offer it to the prefill worker under a lease whose token is ours. None when no decode
+        worker holds one, or it has nothing (evicted) or fails to answer: the prefill worker computes it all."""
+        holder, _ = self.pd.holder(self.registry.healthy("decode"), prompt_ids)
+        if holder is None:
+            return None
+        token = secrets.token_bytes(16)
+        ask = decode_pb2.OfferPrefixRequest(prompt_token_ids=prompt_ids, lease_token=token,
+                                            min_tokens=self.pd.held.block)  # fmt: skip
+        try:
+            offer = await holder.stub.OfferPrefix(ask, metadata=self.registry.call_metadata(), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            log.warning("prefix offer failed", worker=holder.address, code=e.code().name, details=e.details())
+            metrics.PD_DECISIONS.labels("offer_failed").inc()
+            return None
+        if not offer.HasField("lease"):
+            metrics.PD_DECISIONS.labels("offer_none").inc()
+            return None
+        metrics.PD_DECISIONS.labels("offered").inc()
+        return holder, prefill_pb2.PrefixSource(lease=offer.lease, layout=offer.layout, transport=offer.transport)
 
     async def _prefill(self, req: prefill_pb2.PrefillRequest, inflight: _Inflight):
         tried: set[str] = set()

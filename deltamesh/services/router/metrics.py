@@ -23,7 +23,9 @@ ROUTING_DECISIONS = Counter("deltamesh_router_cache_aware_decisions",
                             "cache_aware policy: sent where the prompt's prefix went before (cache) or by load", ["choice"])
 PD_DECISIONS = Counter("deltamesh_router_pd_decisions",
                        "--pd-direct-max-tokens: sent straight to the decode worker holding the conversation (direct) "
-                       "or through a prefill worker", ["path"])  # fmt: skip
+                       "or through a prefill worker (prefill; refused: the decode worker no longer held it); for the "
+                       "latter, the holder's prefix offered to the prefill worker (offered, offer_none, offer_failed)",
+                       ["path"])  # fmt: skip
 
 
 class RequestTimer:

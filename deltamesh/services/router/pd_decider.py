@@ -7,7 +7,11 @@ through a prefill worker that would recompute the previous reply and move the wh
 What each decode worker holds is remembered the way its cache names it (policies.SentBlocks, over the sequences
 it finished). The worker's cache may have evicted a sequence since: it then refuses the request (more than
 `max_suffix` tokens uncached), which goes through a prefill worker after all, so a decode worker never prefills
-a long prompt."""
+a long prompt.
+
+A request that goes through a prefill worker after all (its new message is longer than `max_suffix`) still need
+not recompute the conversation: `holder` names the decode worker that holds the longest prefix of it, which the
+mesh asks to offer that prefix to the prefill worker (the reverse pull, mesh.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,14 @@ class PdDecider:
 
     def direct(self, decode_workers: list[WorkerHandle], prompt_ids: Sequence[int]) -> WorkerHandle | None:
         """The decode worker to send this prompt to directly, or None (through a prefill worker)."""
+        best, matched = self.holder(decode_workers, prompt_ids)
+        go = best is not None and len(prompt_ids) - matched <= self.max_suffix
+        metrics.PD_DECISIONS.labels("direct" if go else "prefill").inc()
+        return best if go else None
+
+    def holder(self, decode_workers: list[WorkerHandle], prompt_ids: Sequence[int]) -> tuple[WorkerHandle | None, int]:
+        """The decode worker that finished the longest prefix of this prompt (with a prefix cache that keeps it),
+        and how many tokens of it (whole blocks); (None, 0) when none did."""
         keys = self.held.keys(prompt_ids)
         best, matched = None, 0
         for w in decode_workers:
@@ -33,9 +45,7 @@ class PdDecider:
             n = self.held.matched(w.address, keys)
             if n > matched:
                 best, matched = w, n
-        go = best is not None and len(prompt_ids) - matched * self.held.block <= self.max_suffix
-        metrics.PD_DECISIONS.labels("direct" if go else "prefill").inc()
-        return best if go else None
+        return best, matched * self.held.block
 
     def finished(self, address: str, sequence: Sequence[int]) -> None:
         """A request's prompt and reply, finished on decode worker `address`."""
