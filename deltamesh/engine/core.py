@@ -1,9 +1,8 @@
 """The engine core: model, pools, scheduler and sampler, stepped by one thread.
 
-Other threads talk to it through a command queue (`submit`, `abort`, ...), which the stepping thread drains
-at the start of every step; pool allocation is internally locked, so a decode worker can reserve space for
-an incoming transfer from any thread. Outputs go to one sink (callback) per request, called on the stepping
-thread.
+Other threads talk to it through a command queue (`submit`, `abort`, ...), which the stepping thread drains at
+the start of every step; pool allocation is internally locked, so a decode worker can reserve space for an
+incoming transfer from any thread. Outputs go to one sink (callback) per request, on the stepping thread.
 
 Disaggregation hooks:
 - prefill side: a request submitted with `hold_state=True` finishes after its first token, but its KV pages
