@@ -17,9 +17,13 @@ pytestmark = pytest.mark.parallel
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
+def engine_config(path, tp: int, **kw) -> EngineConfig:
+    return EngineConfig(model=str(path), page_size=8, max_num_seqs=4, max_num_batched_tokens=48,
+                        tensor_parallel_size=tp, torch_threads=1, **kw)  # fmt: skip
+
+
 def engine(path, tp: int, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(path), page_size=8, max_num_seqs=4, max_num_batched_tokens=48,
-                               tensor_parallel_size=tp, torch_threads=1, **kw))  # fmt: skip
+    return Engine(engine_config(path, tp, **kw))
 
 
 def prompts():

@@ -8,13 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine import SamplingParams
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.handoff import LayoutMismatch, check_layouts
 from deltamesh.engine.parallel import Shard, shard_tensor
 from deltamesh.engine.state_shards import RequestState, merge, split
-from hf_checkpoints import VOCAB, write_replicated_kv_checkpoint
+from hf_checkpoints import write_replicated_kv_checkpoint
+from test_tensor_parallel import engine_config, prompts
 
 pytestmark = pytest.mark.parallel
 
@@ -67,13 +68,7 @@ def test_a_sender_layout_that_cannot_hold_the_model_is_refused(hf_checkpoints):
 
 
 def core(path, tp: int, **kw) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(path), page_size=8, max_num_seqs=4, max_num_batched_tokens=48,
-                                   tensor_parallel_size=tp, torch_threads=1, **kw))  # fmt: skip
-
-
-def prompts():
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 37, 61)]
+    return EngineCore(engine_config(path, tp, **kw))
 
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
