@@ -12,6 +12,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from deltamesh.kernels.fp8 import dequantize_blocks
+
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -28,8 +30,7 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     if tuple(scale_inv.shape[-2:]) != grid or scale_inv.shape[:-2] != weight.shape[:-2]:
         raise QuantizationError(f"scales of shape {tuple(scale_inv.shape)} do not tile a weight of shape "
                                 f"{tuple(weight.shape)} in {bm}x{bn} blocks (expected {grid})")  # fmt: skip
-    scales = scale_inv.float().repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)
-    return weight.float() * scales[..., :cols]
+    return dequantize_blocks(weight, scale_inv, block)
 
 
 def dequantized(named_tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None,

@@ -121,15 +121,17 @@ def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
     def wanted(name: str) -> bool:
         return canonical_name(name) is not None and (model.tp is None or reads_tensor(name, model.tp.shard))
 
-    fp8_names = {name for name, slot in model.weight_slots().items() if slot.param.dtype == torch.float8_e4m3fn}
-    keep = lambda name: canonical_name(name) in fp8_names  # noqa: E731
-    load_tensors(model, dequantized(iter_checkpoint(model_dir, wanted), model.cfg.fp8_block, keep))
-
-
-def load_tensors(model: HybridLM, named_tensors) -> None:
-    """Fill every weight from (checkpoint name, tensor) pairs; names the missing and the unexpected. A
-    tensor-parallel rank keeps its own part of each tensor (parallel.shard_tensor)."""
     slots = model.weight_slots()
+    fp8_names = {name for name, slot in slots.items() if slot.param.dtype == torch.float8_e4m3fn}
+    keep = lambda name: canonical_name(name) in fp8_names  # noqa: E731
+    load_tensors(model, dequantized(iter_checkpoint(model_dir, wanted), model.cfg.fp8_block, keep), slots)
+
+
+def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None) -> None:
+    """Fill every weight from (checkpoint name, tensor) pairs; names the missing and the unexpected. A
+    tensor-parallel rank keeps its own part of each tensor (parallel.shard_tensor). `slots`: the model's
+    weight_slots, when the caller has them."""
+    slots = slots or model.weight_slots()
     covered: dict[int, int] = {}
     params = {id(s.param): s.param for s in slots.values()}
     unexpected = []

@@ -39,11 +39,18 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) ->
     return q.view(*lead, gr * bm, gc * bn)[..., :rows, :cols].contiguous(), scales
 
 
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK),
+                      ) -> torch.Tensor:  # fmt: skip
+    """float32 weight of e4m3 values [..., rows, cols] and their per-block scales (quantize_blocks' inverse)."""
+    rows, cols = weight.shape[-2:]
+    bm, bn = block
+    scales = scale.float().repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)
+    return weight.float() * scales[..., :cols]
+
+
 def dequantize(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight an Fp8Weight stands for."""
-    rows, cols = w.weight.shape[-2:]
-    scales = w.scale.repeat_interleave(BLOCK, dim=-2)[..., :rows, :].repeat_interleave(BLOCK, dim=-1)[..., :cols]
-    return (w.weight.float() * scales).to(dtype)
+    return dequantize_blocks(w.weight, w.scale).to(dtype)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

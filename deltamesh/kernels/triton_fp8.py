@@ -23,8 +23,8 @@ import triton.language as tl
 
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, reference_linear
 
-# Up to this many tokens `_gemv` runs: at one token it made the 35B-A3B decode step faster than cuBLAS did, at
-# four slower (its programs read the weight once per token); bench/RESULTS.md, "FP8 weights".
+# Up to this many tokens `_gemv` runs: its programs read the weight once per token, so past one token cuBLAS's
+# GEMM wins (bench/RESULTS.md, "FP8 weights").
 GEMV_MAX_TOKENS = 1
 
 

@@ -73,7 +73,7 @@ def test_an_fp8_checkpoint_serves_close_to_its_dequantized_model(tmp_path):
     a, b = engine_logits(kept, ids, [32, 16]).float(), engine_logits(dequantized, ids, [32, 16]).float()
     print(f"FP8 against dequantized: logits {rel(a, b):.4f} apart, argmax agrees at "
           f"{(a.argmax(-1) == b.argmax(-1)).float().mean():.3f} of positions")
-    # W8A8 through every projection of a small random model (on the H200: 0.23 apart, argmax agrees at 0.85)
+    # activations quantized at every projection of a small random model with a wide spread of weights
     assert rel(a, b) < 0.3 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     firsts = []
