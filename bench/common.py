@@ -10,12 +10,13 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from deltamesh.services.common.ports import free_port  # noqa: F401  (re-exported for the bench scripts)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "bench" / "configs"  # published model shapes, served with --load-format dummy
@@ -188,12 +189,6 @@ def _looks_numeric(s: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:

@@ -5,7 +5,6 @@ Every option can also come from a DELTAMESH_* environment variable (shown in --h
 from __future__ import annotations
 
 import os
-import random
 import secrets
 import socket
 import sys
@@ -17,6 +16,7 @@ import typer
 from deltamesh.client.cli import generate
 from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.options import Option, hand_over, handed_settings, options, settings_from, with_options
+from deltamesh.services.common.ports import free_port
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
 from deltamesh.services.ready_notice import announce_when_ready
@@ -191,29 +191,6 @@ def loads(
         print(MessageToJson(load, indent=None, always_print_fields_with_no_presence=True))
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _free_port(host: str) -> int:
-    """A free port below the ephemeral range. A worker keeps its ports across restarts, and a port from the
-    ephemeral range (bind to port 0) can be taken by any process's next outgoing connection or port-0 listener
-    (UCX's included) while its worker is starting or down; seen in practice as 'Address already in use'."""
-    low = _ephemeral_low()
-    for _ in range(100):
-        port = random.randrange(10000, low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free port on {host} below {low}")
-
-
 @app.command()
 @with_options(options(ServeSettings), SERVE_WORKER, SERVE_ROUTER, [SECRET_FILE])
 def serve(**values) -> None:
@@ -259,7 +236,7 @@ def _children(values: dict, secret: str, router: RouterSettings, roles: list[str
     host, metrics_urls = router.host, []
     for i, role in enumerate(roles):
         # fixed ports, chosen once: a restarted worker comes back at the address the router knows it by
-        own = {"port": _free_port(host), "router": f"{host}:{router.control_port}", "metrics_port": _free_port(host),
+        own = {"port": free_port(host), "router": f"{host}:{router.control_port}", "metrics_port": free_port(host),
                "torch_threads": max(1, (os.cpu_count() or 1) // len(roles)) if values["device"] == "cpu" else None}
         worker = settings_from(WorkerSettings, WORKER, {**values, **own}, role=role, mesh_secret=secret)
         env = {**base_env, **hand_over(worker)}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,10 @@ import grpc
 from deltamesh.client import Client
 from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from deltamesh.services.common.auth import MESH_SECRET_ENV, mesh_metadata
+from deltamesh.services.common.ports import free_port
 from deltamesh.services.router.control import read_loads
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
