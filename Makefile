@@ -92,8 +92,8 @@ bench-peers:  # GPU + vLLM staged in /tmp/vllm-site (../shared/notes/peers-on-h2
 bench-host-gap:  # GPU: idle time between decode steps, async scheduling on and off
 	$(PYTHON) bench/host_gap.py
 
-bench-parallel:  # 2+ GPUs: the 35B-A3B shape on one rank and tensor-parallel over two
-	python bench/parallel.py --device cuda --model bench/configs/qwen3.5-35b-a3b --load-format dummy --tp 1,2 \
+bench-parallel:  # 2+ GPUs: the 35B-A3B shape on one rank, tensor/expert parallel and data-parallel attention over two
+	python bench/parallel.py --device cuda --model bench/configs/qwen3.5-35b-a3b --load-format dummy --layouts 1,tp2,ep2,dep2 \
 		--batch 16 --prompt 8192 --decode-tokens 128 --out bench/results/parallel_gpu.json
 
 bench-multi-turn:  # chats with the prefix cache off and on: CPU (default model), then the H200 shape of RESULTS

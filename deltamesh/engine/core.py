@@ -34,7 +34,8 @@ from typing import Callable
 import structlog
 import torch
 
-from deltamesh.engine.cache import PoolExhausted, Region, pool_views
+from deltamesh.engine import data_parallel
+from deltamesh.engine.cache import Region, pool_views
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import shard_config
@@ -63,6 +64,7 @@ class Reservation:
     # this memory (a request that ended while its next step ran ahead): nothing may write the regions from
     # outside that stream (a UCX pull) before `wait_ready`.
     ready: torch.cuda.Event | None = None
+    rank: int = 0  # data-parallel attention: the rank whose pools these are
 
     def wait_ready(self) -> None:
         """Block (GIL released) until no launched step can still write this space."""
@@ -111,21 +113,28 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
         self.max_model_len = config.resolved_max_model_len(mc.max_position_embeddings)
 
-        # tensor parallelism: this process is rank 0, the followers are processes of their own (tp_workers.py)
-        # a model that cannot be split fails here, before any rank starts
-        shard_config(mc, config.tensor_parallel_size, config.enable_expert_parallel)
-        self.followers = Followers(config, mc) if config.tensor_parallel_size > 1 else None
+        # tensor parallelism and data-parallel attention: this process is rank 0, the followers are processes of
+        # their own (tp_workers.py); a model that cannot be split fails here, before any rank starts
+        self.data_parallel = config.data_parallel_size > 1
+        shard_config(mc, config.num_ranks, config.enable_expert_parallel, data_parallel=self.data_parallel)
+        self.followers = Followers(config, mc) if config.num_ranks > 1 else None
         tp = self.followers.group if self.followers else None
         rank = build_rank(config, mc, self.max_model_len, self.device, tp)
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
-        self.handoff = TensorParallelHandoff(self.followers, self.kv_pool, self.state_pool) if self.followers else None
-        if self.followers:
+        self.handoff = None
+        scheduler = lambda kv, states: Scheduler(kv, states, config.max_num_seqs,  # noqa: E731
+                                                 config.resolved_max_num_batched_tokens())  # fmt: skip
+        self.scheduler = scheduler(self.kv_pool, self.state_pool)
+        if self.data_parallel:  # rank r's pools: bookkeeping copies here, their writes sent to rank r
+            others = [data_parallel.bookkeeping_pools(self.kv_pool, self.state_pool, ops) for ops in self.followers.rank_ops[1:]]
+            self.scheduler = data_parallel.DataParallelScheduler([self.scheduler] + [scheduler(*pools) for pools in others])
+            self.handoff = data_parallel.DataParallelHandoff(self.followers, self.kv_pool, self.state_pool)
+        elif self.followers:
             self.runner.followers = self.followers
             for pool in filter(None, (self.state_pool, self.checkpoint_pool, self.kv_pool)):
                 pool.mirror = self.followers.pool_ops
-        self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs,
-                                   config.resolved_max_num_batched_tokens())  # fmt: skip
+            self.handoff = TensorParallelHandoff(self.followers, self.kv_pool, self.state_pool)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, Sink] = {}
@@ -139,7 +148,9 @@ class EngineCore:
         if self.device.type == "cuda":
             self._warm_up()
         if self.device.type == "cuda" and config.cuda_graphs:
-            if self.kernels.chosen["paged_attention"] == "torch":
+            if self.data_parallel:
+                log.warning("CUDA graphs off: data-parallel steps gather a varying number of tokens")
+            elif self.kernels.chosen["paged_attention"] == "torch":
                 log.warning("CUDA graphs off: the torch attention reference reads host lengths")
             else:
                 if self.followers:
@@ -225,7 +236,7 @@ class EngineCore:
         by the prefill worker and is the first input not yet consumed."""
         request.output_ids = [first_token]
         request.num_computed = len(request.prompt_ids)
-        request.slot, request.pages = reservation.slot, reservation.pages
+        request.slot, request.pages, request.dp_rank = reservation.slot, reservation.pages, reservation.rank
         if request.detokenizer is not None:
             request.detokenizer.add(first_token)  # replays what the prefill worker already streamed
         self._commands.put(("add_running", request, sink))
@@ -234,7 +245,7 @@ class EngineCore:
         """Start a prompt whose first `num_tokens` tokens' state arrived in `reservation` (pulled from another
         worker's prefix cache): only the rest is computed. A preempted request starts over from nothing."""
         request.num_computed = num_tokens
-        request.slot, request.pages = reservation.slot, reservation.pages
+        request.slot, request.pages, request.dp_rank = reservation.slot, reservation.pages, reservation.rank
         self.stats.pulled_prefix_tokens += num_tokens
         self._commands.put(("add", request, sink))
 
@@ -270,7 +281,7 @@ class EngineCore:
         if self.handoff is None:
             return None
         try:
-            self.handoff.scatter(req.pages, req.slot)
+            self.handoff.scatter(req.pages, req.slot, req.dp_rank)
             return None
         except Exception as e:
             log.exception("scattering an arrived state to the ranks failed", request_id=req.request_id)
@@ -329,8 +340,12 @@ class EngineCore:
             self.followers.close()
 
     def _launch(self, items: list[ScheduledItem], previous: _InFlight | None) -> _InFlight:
-        items.sort(key=lambda it: it.num_tokens != 1)  # decode-first, as kernels expect
-        logits = self.runner.execute(items, previous.sampled.tokens if previous is not None else None)
+        items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1))  # decode-first, as kernels expect
+        pending = previous.sampled.tokens if previous is not None else None
+        if self.data_parallel:
+            logits = data_parallel.execute(self.runner, self.followers, items, pending)
+        else:
+            logits = self.runner.execute(items, pending)
         sampling = [it.request for it in items if it.samples]
         for it in items:
             req = it.request
@@ -387,7 +402,7 @@ class EngineCore:
         """Prefill-only request: done here, state kept for a decode worker to pull."""
         if self.handoff is not None:
             try:
-                self.handoff.gather(req.pages, req.slot)
+                self.handoff.gather(req.pages, req.slot, req.dp_rank)
             except Exception as e:
                 log.exception("gathering a held state from the ranks failed", request_id=req.request_id)
                 self._finish(req, FinishReason.ERROR, out=out, error=f"tensor-parallel ranks could not hand over "
@@ -433,12 +448,12 @@ class EngineCore:
         req = self.held_request(request_id)
         if req is None:
             raise KeyError(request_id)
-        return self._regions(req.pages, req.slot)
+        return self._regions(req.pages, req.slot, req.dp_rank)
 
-    def _regions(self, pages: list[int], slot: int) -> list[Region]:
-        """Where a request's state leaves or arrives: the pools, or the one-rank copy of a tensor-parallel engine."""
+    def _regions(self, pages: list[int], slot: int, rank: int) -> list[Region]:
+        """Where a request's state leaves or arrives: the pools, or the hand-off copy of a parallel engine."""
         if self.handoff is not None:
-            return self.handoff.regions(pages, slot)
+            return self.handoff.regions(pages, slot, rank)
         return self.kv_pool.regions(pages) + self.state_pool.regions(slot)
 
     def pool_views(self) -> list[torch.Tensor]:
@@ -461,22 +476,15 @@ class EngineCore:
         """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free.
         Nothing is written to them here: the pull fills every byte, from UCX's own CUDA stream, and a zeroing
         kernel queued on the engine's stream could land after it and wipe the pulled state."""
-        slot = self.state_pool.alloc(zeroed=False)
-        try:
-            pages = self.scheduler.alloc_pages(self.kv_pool.pages_for(num_tokens))
-        except PoolExhausted:
-            self.state_pool.free(slot)
-            raise
-        regions = self._regions(pages, slot)
+        rank, slot, pages = self.scheduler.reserve(num_tokens)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.default_stream(self.device))
-        return Reservation(slot, pages, regions, ready)
+        return Reservation(slot, pages, self._regions(pages, slot, rank), ready, rank)
 
     def cancel_reservation(self, reservation: Reservation) -> None:
-        self.kv_pool.free(reservation.pages)
-        self.state_pool.free(reservation.slot)
+        self.scheduler.cancel(reservation.rank, reservation.slot, reservation.pages)
 
     # ---- observability ----------------------------------------------------------------------------------------
     def loads(self) -> dict:
@@ -486,11 +494,11 @@ class EngineCore:
             "waiting": len(self.scheduler.waiting),
             "held": self.num_held,
             # pages requests hold; pages only the prefix cache holds are free on demand, so they count apart
-            "kv_pages_used": self.kv_pool.num_used - cached_only,
+            "kv_pages_used": self.scheduler.kv_pool.num_used - cached_only,
             "kv_pages_cached": cached_only,
-            "kv_pages_total": self.kv_pool.num_pages,
-            "state_slots_used": self.state_pool.num_used,
-            "state_slots_total": self.state_pool.num_slots,
+            "kv_pages_total": self.scheduler.kv_pool.num_pages,
+            "state_slots_used": self.scheduler.state_pool.num_used,
+            "state_slots_total": self.scheduler.state_pool.num_slots,
             "prefix_cache_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,
             "prefix_cache_checkpoints": self.prefix_cache.num_checkpoints if self.prefix_cache is not None else 0,
             "prefix_cache_hits": self.stats.prefix_cache_hits,

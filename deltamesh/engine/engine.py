@@ -178,7 +178,7 @@ class Engine:
 
     @property
     def num_state_slots(self) -> int:
-        return self.core.state_pool.num_slots
+        return self.core.scheduler.state_pool.num_slots
 
     # ---- blocking API -------------------------------------------------------------------------------------
     def generate(

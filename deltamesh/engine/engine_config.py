@@ -51,8 +51,13 @@ class EngineConfig:
     # one engine over this many ranks (processes; GPUs on CUDA), each holding 1/N of the heads and columns
     tensor_parallel_size: int = _setting(1, "Ranks (GPUs on CUDA) one worker's model is split over by heads "
                                             "and columns")  # fmt: skip
-    enable_expert_parallel: bool = _setting(False, "With --tensor-parallel-size N: split the routed experts whole "
-                                                   "among the ranks (not each expert's columns)")  # fmt: skip
+    enable_expert_parallel: bool = _setting(False, "With --tensor-parallel-size or --data-parallel-size N: split "
+                                                   "the routed experts whole among the ranks (not each expert's "
+                                                   "columns)")  # fmt: skip
+    # data-parallel attention (engine/data_parallel.py): N ranks, each with its own requests and a whole copy of
+    # everything but the MoE layers, whose experts the ranks share
+    data_parallel_size: int = _setting(1, "Ranks (GPUs on CUDA) that each run their own requests through "
+                                          "attention and GDN and share the MoE layers' experts")  # fmt: skip
     seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
     cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")
@@ -74,6 +79,11 @@ class EngineConfig:
         """A prompt's checkpoint and a finished conversation's for every request that can run at once: a
         conversation whose state was evicted computes its whole history again."""
         return self.prefix_cache_checkpoints or 2 * self.max_num_seqs
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes (GPUs on CUDA) one engine runs on."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
@@ -103,6 +113,13 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("data_parallel_size and tensor_parallel_size cannot both be above 1 (data-parallel "
+                             "attention runs one rank per request)")
+        if self.data_parallel_size > 1 and self.prefix_cache:
+            raise ValueError("the prefix cache does not work with data_parallel_size > 1 yet")
         if self.max_num_seqs < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.state_dtype not in ("float32", "bfloat16"):

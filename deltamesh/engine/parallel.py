@@ -8,6 +8,10 @@ rank; each rank adds the pairs routed to its own experts); the shared expert sta
 completes. The embedding and LM head are split by vocabulary rows (padded to a multiple of N): a token's
 embedding row lives on one rank (the others add zeros), and the logits are gathered.
 
+With data-parallel attention (`Shard.data_parallel`, engine/data_parallel.py) each rank holds everything but the
+MoE layers whole and runs its own requests; only the MoE layers are split as above (experts whole with expert
+parallelism, else by columns; the shared expert by columns), and they run on every rank's tokens gathered.
+
 Qwen3.5 has 2 KV heads: with N above that, each KV head is replicated on the N / 2 ranks whose query heads use
 it (N must then be a multiple of the KV heads). GDN value heads follow their key head (value head j reads key
 head j // (HV / HK)), so a rank's key heads and value heads are contiguous ranges of the same fraction.
@@ -32,16 +36,18 @@ class ParallelConfigError(ValueError):
 @dataclass(frozen=True)
 class Shard:
     """Rank `rank` of `size`, and the model config each rank holds; with `expert_parallel`, the routed experts
-    are split whole among the ranks instead of by intermediate columns."""
+    are split whole among the ranks instead of by intermediate columns; with `data_parallel`, only the MoE
+    layers are split."""
 
     size: int
     rank: int
     full: ModelConfig
     expert_parallel: bool = False
+    data_parallel: bool = False
 
     @property
     def local(self) -> ModelConfig:
-        return shard_config(self.full, self.size, self.expert_parallel, self.rank)
+        return shard_config(self.full, self.size, self.expert_parallel, self.rank, self.data_parallel)
 
     def experts(self) -> tuple[int, int]:
         """(first, count) of the routed experts this rank holds."""
@@ -53,17 +59,20 @@ class Shard:
     @property
     def vocab_rows(self) -> int:
         """Rows of the embedding and LM head on each rank (the last rank's tail is padding)."""
-        return -(-self.full.vocab_size // self.size)
+        return self.full.vocab_size if self.data_parallel else -(-self.full.vocab_size // self.size)
 
     def kv_heads(self) -> tuple[int, int]:
         """(first, count) of the KV heads this rank holds."""
         kv, n = self.full.num_key_value_heads, self.size
+        if self.data_parallel:
+            return 0, kv
         if kv >= n:
             return self.rank * (kv // n), kv // n
         return self.rank // (n // kv), 1
 
 
-def shard_config(cfg: ModelConfig, size: int, expert_parallel: bool = False, rank: int = 0) -> ModelConfig:
+def shard_config(cfg: ModelConfig, size: int, expert_parallel: bool = False, rank: int = 0,
+                 data_parallel: bool = False) -> ModelConfig:  # fmt: skip
     """The config of the model rank `rank` of `size` holds; ParallelConfigError when the model cannot be split so."""
     if size == 1:
         return cfg
@@ -76,6 +85,9 @@ def shard_config(cfg: ModelConfig, size: int, expert_parallel: bool = False, ran
         "moe_intermediate_size": cfg.moe_intermediate_size,
         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
     }
+    if data_parallel:  # only the MoE layers are split
+        needs = {k: needs[k] for k in ("moe_intermediate_size", "shared_expert_intermediate_size")}
+        kv = size  # KV heads stay whole
     experts = {}
     if expert_parallel:  # whole experts per rank; the shared expert still split by columns
         del needs["moe_intermediate_size"]
@@ -87,9 +99,11 @@ def shard_config(cfg: ModelConfig, size: int, expert_parallel: bool = False, ran
     if kv % size and size % kv:
         bad.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {size})")
     if bad:
-        raise ParallelConfigError(f"cannot split this model into {size} tensor-parallel ranks: {', '.join(bad)} "
+        kind = "data-parallel" if data_parallel else "tensor-parallel"
+        raise ParallelConfigError(f"cannot split this model into {size} {kind} ranks: {', '.join(bad)} "
                                   f"not divisible by {size}")  # fmt: skip
-    return replace(cfg, num_key_value_heads=max(kv // size, 1), **{k: v // size for k, v in needs.items()}, **experts)
+    heads = {} if data_parallel else {"num_key_value_heads": max(kv // size, 1)}
+    return replace(cfg, **heads, **{k: v // size for k, v in needs.items()}, **experts)
 
 
 def _chunk(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
@@ -119,7 +133,7 @@ def shard_tensor(name: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | Non
     """This rank's part of checkpoint tensor `name` (canonical name, Qwen3.5 layout) of the full model; None for
     a routed expert another rank holds."""
     n, r, c = shard.size, shard.rank, shard.full
-    if n == 1:
+    if n == 1 or (shard.data_parallel and not _in_moe_layer(name)):
         return t
     if shard.expert_parallel and ".mlp.experts." in name:
         first, count = shard.experts()
@@ -164,6 +178,11 @@ def shard_tensor(name: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | Non
     if name.endswith("experts.down_proj"):  # [E, H, I]
         return _chunk(t, 2, n, r)
     return t  # norms, the router, the shared expert's gate
+
+
+def _in_moe_layer(name: str) -> bool:
+    """A tensor of a MoE layer's routed or shared experts (not the router or the shared expert's gate)."""
+    return ".mlp.experts." in name or ".mlp.shared_expert." in name
 
 
 def shard_scales(name: str, scales: torch.Tensor, shard: Shard) -> torch.Tensor | None:

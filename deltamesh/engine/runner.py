@@ -33,7 +33,7 @@ class HostStep:
 class ModelRunner:
     def __init__(self, model: HybridLM, kv_pool: KVPagePool, state_pool: StatePool, kernels: Kernels, device: torch.device):
         self.model, self.kv_pool, self.state_pool, self.kernels, self.device = model, kv_pool, state_pool, kernels, device
-        self.tp = model.tp  # the tensor-parallel group, or None
+        self.tp = model.tp  # the tensor-parallel group, or None (also under data-parallel attention)
         self.followers = None  # on a tensor-parallel leader: tp_workers.Followers, sent every step
         self.graphs = None  # DecodeGraphs once captured
         self._page_rows: dict[str, tuple[list[int], np.ndarray]] = {}  # request id -> (pages list, as array)
@@ -159,6 +159,12 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send_step(step)
         return self.run(step, pending_tokens)
+
+    @torch.inference_mode()
+    def idle(self) -> torch.Tensor:
+        """A data-parallel rank's step when it has no requests in it: its part in the other ranks' MoE layers."""
+        self.model.idle(self.kernels)
+        return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32, device=self.device)
 
     @torch.inference_mode()
     def run(self, step: HostStep, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:

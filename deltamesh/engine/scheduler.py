@@ -58,6 +58,21 @@ class Scheduler:
             return self.prefix_cache.alloc(n, after)
         return self.kv_pool.alloc(n, after)
 
+    def reserve(self, num_tokens: int) -> tuple[int, int, list[int]]:
+        """(rank, slot, pages) for an arriving `num_tokens` state, nothing written to them (any thread); raises
+        PoolExhausted when they are not free. This scheduler's pools are rank 0's."""
+        slot = self.state_pool.alloc(zeroed=False)
+        try:
+            return 0, slot, self.alloc_pages(self.kv_pool.pages_for(num_tokens))
+        except PoolExhausted:
+            self.state_pool.free(slot)
+            raise
+
+    def cancel(self, rank: int, slot: int, pages: list[int]) -> None:
+        """Give back a `reserve`'s space."""
+        self.kv_pool.free(pages)
+        self.state_pool.free(slot)
+
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens of `req` to run this step: its rest, within the budget, ending at its next checkpoint."""
         n = min(req.remaining, budget)

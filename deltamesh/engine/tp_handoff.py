@@ -104,14 +104,15 @@ class TensorParallelHandoff:
                 self._pools = OneRankPools(self.tp.shard.full, self.kv_pool, self.state_pool)
             return self._pools
 
-    def gather(self, pages: list[int], slot: int) -> None:
-        """The ranks' parts of a held request's state, merged into the one-rank pools (stepping thread)."""
+    def gather(self, pages: list[int], slot: int, rank: int = 0) -> None:
+        """The ranks' parts of a held request's state, merged into the one-rank pools (stepping thread). Every
+        rank holds a part of every request (`rank` is data_parallel.DataParallelHandoff's)."""
         self.followers.send_gather(pages, slot)
         parts = gather_parts(self.tp, rank_state(self.kv_pool, self.state_pool, pages, slot))
         self.pools.write(pages, slot, merge(parts, self.tp.shard.full, self.tp.shard.expert_parallel))
         self._synchronize()
 
-    def scatter(self, pages: list[int], slot: int) -> None:
+    def scatter(self, pages: list[int], slot: int, rank: int = 0) -> None:
         """An arrived state, from the one-rank pools into each rank's pools (stepping thread)."""
         whole = self.pools.read(pages, slot)
         shard = self.tp.shard
@@ -120,7 +121,7 @@ class TensorParallelHandoff:
         mine = scatter_parts(self.tp, parts[0], parts)
         store_rank_state(self.kv_pool, self.state_pool, pages, slot, mine)
 
-    def regions(self, pages: list[int], slot: int) -> list[Region]:
+    def regions(self, pages: list[int], slot: int, rank: int = 0) -> list[Region]:
         return self.pools.regions(pages, slot)
 
     def views(self) -> list[torch.Tensor]:

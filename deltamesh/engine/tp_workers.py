@@ -50,15 +50,17 @@ def join_group(config: EngineConfig, full: ModelConfig, rank: int, init_method: 
     """(the model's collectives, the gloo group the leader's messages travel on) of this rank."""
     import torch.distributed as dist
 
+    from deltamesh.engine.data_parallel import DataParallelGroup
+
     cuda = config.device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank_device(config.device, rank))
-    size = config.tensor_parallel_size
+    size, data_parallel = config.num_ranks, config.data_parallel_size > 1
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=size, rank=rank,
                             timeout=TIMEOUT)  # fmt: skip
     control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else dist.group.WORLD
-    shard = Shard(size, rank, full, config.enable_expert_parallel)
-    return TensorParallelGroup(shard, dist.group.WORLD), control
+    shard = Shard(size, rank, full, config.enable_expert_parallel, data_parallel)
+    return (DataParallelGroup if data_parallel else TensorParallelGroup)(shard, dist.group.WORLD), control
 
 
 class Followers:
@@ -73,7 +75,7 @@ class Followers:
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "deltamesh.engine.tp_workers", "--rank", str(r), "--init",
                               init_method, "--settings", settings])  # fmt: skip
-            for r in range(1, config.tensor_parallel_size)
+            for r in range(1, config.num_ranks)
         ]
         self._closing = False
         try:
@@ -82,11 +84,26 @@ class Followers:
             self._kill()
             raise
         self.pool_ops: list[tuple] = []  # the leader's pool writes since its last step (cache.StatePool.mirror)
-        log.info("tensor-parallel ranks joined", size=config.tensor_parallel_size, device=config.device)
+        # data parallel: each follower's own pool writes, made in the leader's bookkeeping copy of its pools
+        self.rank_ops: list[list[tuple]] = [[] for _ in range(config.num_ranks)]
+        log.info("parallel ranks joined", ranks=config.num_ranks, data_parallel=config.data_parallel_size > 1,
+                 device=config.device)  # fmt: skip
 
     def send_step(self, step) -> None:
         ops, self.pool_ops[:] = list(self.pool_ops), []
         self._send(("step", step, ops))
+
+    def send_data_parallel_step(self, steps: list, pending_count: int) -> None:
+        """Every rank's own step inputs (data_parallel.run_rank), with its pool writes since its last step."""
+        ops = [list(mine) for mine in self.rank_ops]
+        for mine in self.rank_ops:
+            mine.clear()
+        self._send(("dp_step", steps, ops, pending_count))
+
+    def send_point_to_point(self, direction: str, rank: int, pages: list[int], slot: int) -> None:
+        """Data parallel: rank `rank` sends ("send") its state of a request to the leader next, or receives
+        ("recv") one from it (data_parallel.follow_point_to_point)."""
+        self._send(("p2p", direction, rank, pages, slot))
 
     def capture_decode_graphs(self, max_batch: int, max_context: int) -> None:
         self._send(("capture", max_batch, max_context))
@@ -151,6 +168,7 @@ def follow(config: EngineConfig, rank: int, init_method: str) -> None:
     """A follower rank: build this rank's part of the engine, then repeat the leader's steps until it stops."""
     import torch.distributed as dist
 
+    from deltamesh.engine.data_parallel import follow_point_to_point, run_rank
     from deltamesh.engine.rank import build_rank
     from deltamesh.engine.tp_handoff import gather_parts, rank_state, scatter_parts, store_rank_state
 
@@ -178,17 +196,30 @@ def follow(config: EngineConfig, rank: int, init_method: str) -> None:
             else:
                 store_rank_state(me.kv_pool, me.state_pool, pages, slot, scatter_parts(tp, mine, None))
             continue
+        if kind == "p2p":
+            follow_point_to_point(tp, me.kv_pool, me.state_pool, *args)
+            continue
+        if kind == "dp_step":
+            steps, ops, pending_count = args
+            _repeat(ops[rank], me, pools)
+            run_rank(me.runner, tp, steps, rank, pending_count)
+            continue
         step, ops = args
-        for op, name, *where in ops:
-            if op == "zero":
-                pools[name].zero(*where)
-            elif op == "copy_page":
-                me.kv_pool.copy_page(*where)
-            else:
-                dst, src_name, src = where
-                pools[name].copy_slot(dst, pools[src_name], src)
+        _repeat(ops, me, pools)
         me.runner.run(step)
     dist.destroy_process_group()
+
+
+def _repeat(ops: list[tuple], me, pools: dict) -> None:
+    """The leader's writes to this rank's pools since the last step."""
+    for op, name, *where in ops:
+        if op == "zero":
+            pools[name].zero(*where)
+        elif op == "copy_page":
+            me.kv_pool.copy_page(*where)
+        else:
+            dst, src_name, src = where
+            pools[name].copy_slot(dst, pools[src_name], src)
 
 
 def main() -> None:

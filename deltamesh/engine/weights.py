@@ -119,7 +119,7 @@ def _fp8_layout_unsupported(full: ModelConfig, tp: TensorParallelGroup | None) -
 
 def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
     def wanted(name: str) -> bool:
-        return canonical_name(name) is not None and (model.tp is None or reads_tensor(name, model.tp.shard))
+        return canonical_name(name) is not None and (model.group is None or reads_tensor(name, model.group.shard))
 
     slots = model.weight_slots()
     fp8_names = {name for name, slot in slots.items() if slot.param.dtype == torch.float8_e4m3fn}
@@ -141,9 +141,9 @@ def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None) -> N
             if name is None:
                 continue
             for part_name, part in model.checkpoint_tensors(name, tensor):
-                if model.tp:
+                if model.group:
                     shard = shard_scales if part_name.endswith(SCALE_SUFFIX) else shard_tensor
-                    part = shard(part_name, part, model.tp.shard)
+                    part = shard(part_name, part, model.group.shard)
                     if part is None:  # an expert another rank holds
                         continue
                 slot = slots.get(part_name)
@@ -217,7 +217,8 @@ def load_model(
     started = time.monotonic()
     model = build_model(cfg, device, dtype, tp, fp8)
     if load_format == "dummy":
-        init_dummy(model, seed + (tp.shard.rank if tp else 0))
+        # data-parallel ranks hold the same weights outside their MoE layers: the same seed
+        init_dummy(model, seed + (tp.shard.rank if tp and not tp.shard.data_parallel else 0))
     elif load_format in ("auto", "safetensors"):
         if model_dir is None:
             raise WeightError("a model directory is needed unless load_format='dummy'")

@@ -71,13 +71,15 @@ def _transport_known(name: str) -> None:
 
 
 def _handoff_fits(role: str, engine) -> None:
-    """A tensor-parallel prefill or decode worker's leader keeps a one-rank copy of the pools for the hand-off
-    (engine/tp_handoff.py), which the GPU memory sizing does not count yet: refused on CUDA before loading."""
-    if role != "colocated" and engine.tensor_parallel_size > 1 and engine.device.startswith("cuda"):
+    """A parallel prefill or decode worker's leader keeps a copy of the pools for the hand-off
+    (engine/tp_handoff.py, engine/data_parallel.py), which the GPU memory sizing does not count yet: refused on
+    CUDA before loading."""
+    if role != "colocated" and engine.num_ranks > 1 and engine.device.startswith("cuda"):
         raise typer.BadParameter(
-            f"a {role} worker over several GPUs is not supported yet: the hand-off's one-rank copy of the pools "
-            "would not fit beside them (docs/notes/tensor-parallel-handoff.md); on CUDA, --tensor-parallel-size "
-            "above 1 is for colocated workers (on CPU every role takes it)", param_hint="--tensor-parallel-size",
+            f"a {role} worker over several GPUs is not supported yet: the hand-off's copy of the pools would not "
+            "fit beside them (docs/notes/tensor-parallel-handoff.md); on CUDA, --tensor-parallel-size and "
+            "--data-parallel-size above 1 are for colocated workers (on CPU every role takes them)",
+            param_hint="--tensor-parallel-size / --data-parallel-size",
         )  # fmt: skip
 
 
@@ -241,7 +243,7 @@ def _children(values: dict, secret: str, router: RouterSettings, roles: list[str
         worker = settings_from(WorkerSettings, WORKER, {**values, **own}, role=role, mesh_secret=secret)
         env = {**base_env, **hand_over(worker)}
         if worker.engine.device.startswith("cuda"):
-            env["CUDA_VISIBLE_DEVICES"] = _worker_gpus(gpu_ids, i, worker.engine.tensor_parallel_size)
+            env["CUDA_VISIBLE_DEVICES"] = _worker_gpus(gpu_ids, i, worker.engine.num_ranks)
         metrics_urls.append(f"{role} http://{host}:{worker.metrics_port}/metrics")
         specs.append(ChildSpec(f"{role}-{roles[:i].count(role)}", cli + [role], env))
     return specs, metrics_urls
@@ -251,7 +253,8 @@ def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
     """The GPUs of the `worker`-th worker: `ranks` consecutive ids of the list, workers taking turns around it
     (with fewer GPUs than workers, workers share them; a worker's own ranks never do)."""
     if ranks > len(gpu_ids):
-        raise typer.BadParameter(f"--tensor-parallel-size {ranks} needs {ranks} GPUs per worker; only "
+        raise typer.BadParameter(f"a worker of {ranks} ranks (--tensor-parallel-size x --data-parallel-size) needs "
+                                 f"{ranks} GPUs; only "
                                  f"{','.join(gpu_ids)} given", param_hint="--gpus / CUDA_VISIBLE_DEVICES")  # fmt: skip
     return ",".join(gpu_ids[(worker * ranks + r) % len(gpu_ids)] for r in range(ranks))
 

@@ -104,3 +104,29 @@ def test_a_sender_layout_that_cannot_hold_the_model_is_refused_before_any_byte_m
         assert mesh.wait_idle() == {}
     finally:
         mesh.stop()
+
+
+def test_the_recipes_decode_layout_takes_states_from_a_tensor_parallel_prefill_worker(hf_checkpoints, tmp_path):
+    """Decode with data-parallel attention and expert parallelism (each rank its own requests, the experts split
+    whole) fed by a two-rank tensor-parallel prefill worker; a data-parallel prefill worker feeding a one-rank
+    decode worker and the data-parallel one. Greedy tokens as the one-rank engine's (Qwen3-Next, fp32)."""
+    model = hf_checkpoints["qwen3_next"]
+    want = one_rank_tokens(model)
+    dep = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+    mesh = start_mesh(str(model), tmp_path, prefill=0, decode=0, worker_args=WORKER_ARGS)
+    try:
+        tp_prefill = mesh.start_worker("prefill", ["--tensor-parallel-size", "2"])
+        dp_prefill = mesh.start_worker("prefill", dep)
+        dp_decode = mesh.start_worker("decode", dep)
+        one_rank_decode = mesh.start_worker("decode")
+        mesh.wait_ready()
+        for name, p, d in (("tp2->dep2", tp_prefill, dp_decode), ("dep2->1", dp_prefill, one_rank_decode),
+                           ("dep2->dep2", dp_prefill, dp_decode)):  # fmt: skip
+            for i, prompt in enumerate(PROMPTS):
+                first = prefill(p, f"{name}-{i}", prompt)
+                got = list(first.first.token_ids) + decode(d, f"{name}-{i}", prompt, first)
+                assert got == want[i], f"{name}, prompt {i}"
+        assert dp_decode.load().state_slots_total == 2 * 4  # both ranks' slots
+        assert mesh.wait_idle() == {}
+    finally:
+        mesh.stop()

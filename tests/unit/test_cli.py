@@ -78,8 +78,11 @@ def test_serve_gives_each_tensor_parallel_worker_its_own_gpus():
                      "--gpus", "0,1,2,3"])  # fmt: skip
     specs, _ = cli._children(values, "s" * 32, *cli._plan(values, "s" * 32))
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs[1:]] == ["0,1", "2,3"]
+    values = params(["serve", "--device", "cuda", "--colocated", "--data-parallel-size", "2", "--gpus", "0,1,2,3"])
+    specs, _ = cli._children(values, "s" * 32, *cli._plan(values, "s" * 32))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs[1:]] == ["0,1"]
     values = params(["serve", "--device", "cuda", "--colocated", "--tensor-parallel-size", "2", "--gpus", "0"])
-    with pytest.raises(typer.BadParameter, match="needs 2 GPUs per worker"):
+    with pytest.raises(typer.BadParameter, match="of 2 ranks .* needs 2 GPUs"):
         cli._children(values, "s" * 32, *cli._plan(values, "s" * 32))
 
 

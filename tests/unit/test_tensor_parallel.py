@@ -37,12 +37,12 @@ def run(path, tp: int, **kw):
         return e.generate(prompts(), params)
 
 
-def assert_same(got, want):
+def assert_same(got, want, tol: float = 1e-4):
     for g, w in zip(got, want):
         assert g.error is None and g.token_ids == w.token_ids
         for a, b in zip(g.logprobs, w.logprobs):
-            assert abs(a.logprob - b.logprob) <= 1e-4
-            assert all(abs(x[1] - y[1]) <= 1e-4 for x, y in zip(a.top, b.top))
+            assert abs(a.logprob - b.logprob) <= tol
+            assert all(abs(x[1] - y[1]) <= tol for x, y in zip(a.top, b.top))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -12,7 +12,7 @@ from torch import nn
 
 from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.config import FULL_ATTENTION, ModelConfig
-from deltamesh.engine.models.layers import GatedAttention, GatedDeltaNet, RMSNorm, Rotary, WeightSlot, _param
+from deltamesh.engine.models.layers import GatedAttention, GatedDeltaNet, RMSNorm, Rotary, SparseMoE, WeightSlot, _param
 from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.engine.quantization import SCALE_SUFFIX
 from deltamesh.kernels import Kernels
@@ -40,15 +40,18 @@ class DecoderLayer(nn.Module):
 
 
 class HybridLM(nn.Module, ABC):
-    """Embedding, interleaved GDN / gated-attention layers, final norm, LM head. With a tensor-parallel group,
-    this rank's part of them (deltamesh/engine/parallel.py): `cfg` stays the full model's config, the layers are
-    built from the shard's. `fp8`: the projections keep an FP8 checkpoint's values and block scales
+    """Embedding, interleaved GDN / gated-attention layers, final norm, LM head. With a parallel group, this
+    rank's part of them (deltamesh/engine/parallel.py): `cfg` stays the full model's config, the layers are
+    built from the shard's. A data-parallel group (engine/data_parallel.py) splits only the MoE layers, which
+    run on every rank's tokens. `fp8`: the projections keep an FP8 checkpoint's values and block scales
     (models/layers.py)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, tp: TensorParallelGroup | None = None,
                  fp8: bool = False):  # fmt: skip
         super().__init__()
-        self.cfg, self.tp, self.fp8 = cfg, tp, fp8
+        self.cfg, self.group, self.fp8 = cfg, tp, fp8  # group: how the loader shards the weights
+        data_parallel = tp is not None and tp.shard.data_parallel
+        self.tp, self.dp = (None, tp) if data_parallel else (tp, None)
         local = tp.shard.local if tp else cfg
         vocab_rows = tp.shard.vocab_rows if tp else cfg.vocab_size
         self.embed = _param(vocab_rows, cfg.hidden_size)
@@ -65,6 +68,7 @@ class HybridLM(nn.Module, ABC):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         self.rotary = Rotary(cfg, device)
+        self.moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
     # -- family hooks --------------------------------------------------------------------------------
     @abstractmethod
@@ -114,7 +118,9 @@ class HybridLM(nn.Module, ABC):
         kernels: Kernels,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
-        tp = self.tp
+        tp, dp = self.tp, self.dp
+        if dp and self.moe_layers:
+            dp.begin_step(input_ids.shape[0], input_ids.device)
         residual = tp.embed(input_ids, self.embed) if tp else F.embedding(input_ids, self.embed)
         rope = self.rotary.cos_sin(batch.positions, residual.dtype)
         state_rows = state_pool.layer_rows(batch.state_slots)
@@ -132,10 +138,23 @@ class HybridLM(nn.Module, ABC):
             if tp:  # each rank's heads gave a partial sum of the output projection
                 h = tp.all_reduce(h)
             x, residual = kernels.add_rms_norm(h, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps)
-            h = layer.mlp(x, kernels)
+            if dp and isinstance(layer.mlp, SparseMoE):  # on every rank's tokens
+                h = dp.moe(layer.mlp, x, kernels)
+            else:
+                h = layer.mlp(x, kernels)
             if tp:  # likewise each rank's intermediate columns
                 h = tp.all_reduce(h)
         return kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
+
+    def idle(self, kernels: Kernels) -> None:
+        """A data-parallel rank with no tokens in a step: its part of each MoE layer for the other ranks' tokens."""
+        if not self.moe_layers:
+            return
+        device = self.embed.device
+        self.dp.begin_step(0, device)
+        nothing = torch.empty((0, self.cfg.hidden_size), dtype=self.embed.dtype, device=device)
+        for moe in self.moe_layers:
+            self.dp.moe(moe, nothing, kernels)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.lm_head)

@@ -1,0 +1,285 @@
+"""Data-parallel attention: one engine over N ranks, each running its own requests.
+
+Each rank holds the model whole except its MoE layers (parallel.py, `Shard.data_parallel`) and pools of its
+own, and runs embedding, attention, GDN and the LM head for its own requests only. A MoE layer runs on every
+rank's tokens: the ranks gather their tokens, each applies its part of the experts (whole experts with expert
+parallelism, else their columns) to all of them, the partial sums are added up across the ranks and each rank
+keeps its own rows. This is the decode layout of the disaggregated recipe (expert parallel + data-parallel
+attention): KV and GDN state, which grow with the requests, are not replicated, and each expert's weights are
+read once per step for the tokens of all ranks.
+
+The leader (rank 0) schedules for every rank: one Scheduler per rank over that rank's pools (its own, and for
+each follower a bookkeeping copy on the meta device whose writes go to that rank with its next step). A request
+stays on the rank that admitted it. Every step the leader sends each rank its own inputs (engine/tp_workers.py),
+and samples all ranks' tokens from their logits gathered. A rank without requests in a step still takes part
+in its MoE layers' collectives (`HybridLM.idle`). The tokens a step samples go to every rank before the next
+step (async scheduling takes the next inputs from them on the device).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool, pool_views
+from deltamesh.engine.parallel import TensorParallelGroup
+from deltamesh.engine.request import Request
+from deltamesh.engine.scheduler import ScheduledItem, Scheduler
+from deltamesh.engine.state_shards import RequestState
+from deltamesh.engine.tp_handoff import rank_state, store_rank_state
+
+
+class DataParallelGroup(TensorParallelGroup):
+    """The collectives of a data-parallel engine (over all its ranks)."""
+
+    counts: list[int] = []  # tokens of each rank in the current step
+
+    def begin_step(self, num_tokens: int, device: torch.device) -> None:
+        """Every rank tells the others how many tokens it runs in this step (once per step, before any MoE layer)."""
+        import torch.distributed as dist
+
+        mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.shard.size)]
+        dist.all_gather(every, mine, group=self.group)
+        self.counts = torch.cat(every).tolist()
+
+    def moe(self, mlp, x: torch.Tensor, kernels) -> torch.Tensor:
+        """A MoE layer over every rank's tokens; this rank's rows of its output."""
+        import torch.distributed as dist
+
+        counts, rank = self.counts, self.shard.rank
+        padded = x.new_zeros((max(counts), x.shape[1]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded, group=self.group)
+        out = self.all_reduce(mlp(torch.cat([p[:n] for p, n in zip(parts, counts)]), kernels))
+        start = sum(counts[:rank])
+        return out[start : start + counts[rank]]
+
+    def gather_logits(self, logits: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """The leader gets every rank's logits [counts[r], V], in rank order (the others None)."""
+        import torch.distributed as dist
+
+        leader = self.shard.rank == 0
+        if max(counts) == 0:
+            return logits if leader else None
+        padded = logits.new_zeros((max(counts), logits.shape[1]))
+        padded[: logits.shape[0]] = logits
+        parts = [torch.empty_like(padded) for _ in counts] if leader else None
+        dist.gather(padded, parts, dst=0, group=self.group)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)]) if leader else None
+
+    def share_tokens(self, tokens: torch.Tensor | None, count: int, device: torch.device) -> torch.Tensor:
+        """The leader's last sampled tokens (`count` of them), on every rank."""
+        if tokens is None:
+            tokens = torch.empty(count, dtype=torch.int64, device=device)
+        return self.broadcast(tokens)
+
+
+def run_rank(runner, group: DataParallelGroup, steps: list, rank: int, pending_count: int,
+             pending_tokens: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+    """One rank's part of a data-parallel step: `steps` holds every rank's runner.HostStep (None: no requests),
+    `pending_count` the number of tokens the previous step sampled when some step takes inputs from them. The
+    leader gets every rank's logits, in rank order."""
+    if pending_count:
+        pending_tokens = group.share_tokens(pending_tokens, pending_count, runner.device)
+    step = steps[rank]
+    logits = runner.run(step, pending_tokens) if step is not None else runner.idle()
+    return group.gather_logits(logits, [len(s.sample_rows) if s is not None else 0 for s in steps])
+
+
+def execute(runner, followers, items: list[ScheduledItem], pending_tokens: torch.Tensor | None) -> torch.Tensor:
+    """The leader's step: every rank's items (ordered by rank) to its rank, the logits of all of them back."""
+    by_rank: list[list[ScheduledItem]] = [[] for _ in range(followers.group.shard.size)]
+    for it in items:
+        by_rank[it.request.dp_rank].append(it)
+    steps = [runner.host_step(mine) if mine else None for mine in by_rank]
+    pending = pending_tokens.numel() if any(s is not None and s.has_pending for s in steps) else 0
+    followers.send_data_parallel_step(steps, pending)
+    return run_rank(runner, followers.group, steps, 0, pending, pending_tokens)
+
+
+class _Totals:
+    """The sums of the ranks' pools' counters (what the worker reports as its load)."""
+
+    def __init__(self, pools: list):
+        self.pools = pools
+
+    def __getattr__(self, name: str) -> int:
+        if name not in ("num_used", "num_free", "num_pages", "num_slots"):
+            raise AttributeError(name)
+        return sum(getattr(p, name) for p in self.pools)
+
+
+class DataParallelScheduler:
+    """One Scheduler per rank behind the Scheduler's interface. A new request (or an arriving state) goes to the
+    rank with the fewest requests (slots in use and waiting), ties taken in turn; it runs there until it ends (a
+    preempted one waits there)."""
+
+    prefix_cache = None  # the prefix cache is not per rank yet (EngineConfig.validate refuses it)
+
+    def __init__(self, schedulers: list[Scheduler]):
+        self.ranks = schedulers
+        self.kv_pool = _Totals([s.kv_pool for s in schedulers])
+        self.state_pool = _Totals([s.state_pool for s in schedulers])
+        self._lock = threading.Lock()  # reservations come from other threads
+        self._next = 0  # where the next tie goes
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for s in self.ranks for r in s.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for s in self.ranks for r in s.waiting]
+
+    @property
+    def has_work(self) -> bool:
+        return any(s.has_work for s in self.ranks)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.ranks)
+
+    def _pick(self, candidates: list[int]) -> int:
+        load = {r: self.ranks[r].state_pool.num_used + len(self.ranks[r].waiting) for r in candidates}
+        lowest, n = min(load.values()), len(self.ranks)
+        rank = next(r for i in range(n) if load.get(r := (self._next + i) % n) == lowest)
+        self._next = rank + 1
+        return rank
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            request.dp_rank = self._pick(list(range(len(self.ranks))))
+        self.ranks[request.dp_rank].add(request)
+
+    def add_running(self, request: Request) -> None:
+        self.ranks[request.dp_rank].add_running(request)
+
+    def schedule(self) -> list[ScheduledItem]:
+        """Every rank's items, rank by rank (each rank under its own token budget)."""
+        return [it for s in self.ranks for it in s.schedule()]
+
+    def remove(self, req: Request) -> None:
+        self.ranks[req.dp_rank].remove(req)
+
+    def free(self, req: Request) -> None:
+        self.ranks[req.dp_rank].free(req)
+
+    def reserve(self, num_tokens: int) -> tuple[int, int, list[int]]:
+        """Space on the least loaded rank that has it."""
+        with self._lock:
+            pages = self.ranks[0].kv_pool.pages_for(num_tokens)
+            fits = [r for r, s in enumerate(self.ranks) if s.state_pool.num_free and s.kv_pool.num_free >= pages]
+            if not fits:
+                raise PoolExhausted(f"no rank has a free GDN state slot and {pages} free KV pages")
+            rank = self._pick(fits)
+            _, slot, pages = self.ranks[rank].reserve(num_tokens)
+            return rank, slot, pages
+
+    def cancel(self, rank: int, slot: int, pages: list[int]) -> None:
+        self.ranks[rank].cancel(0, slot, pages)
+
+
+def bookkeeping_pools(kv: KVPagePool, states: StatePool, ops: list) -> tuple[KVPagePool, StatePool]:
+    """Pools shaped as `kv` and `states` on the meta device (no memory): the leader's allocator of a follower's
+    pools. Their writes (a slot zeroed for a new request) are recorded in `ops` for that rank to repeat."""
+    meta = torch.device("meta")
+    kv_copy = KVPagePool(kv.num_pages, kv.page_size, kv.num_layers, kv.data.shape[4], kv.data.shape[5], kv.data.dtype,
+                         meta)  # fmt: skip
+    s = states
+    state_copy = StatePool(s.num_slots, s.num_layers, s.conv.shape[2], s.conv.shape[3] + 1, s.recurrent.shape[2],
+                           s.recurrent.shape[4], s.recurrent.shape[3], s.conv.dtype, s.recurrent.dtype, meta)  # fmt: skip
+    state_copy.name, state_copy.mirror = "slots", ops
+    return kv_copy, state_copy
+
+
+class DataParallelHandoff:
+    """The leader's side of hand-offs: a held or arriving request's state, whichever rank holds it, in one place
+    that the transport reads or writes. That place is a one-rank pool with room for every rank's pages and slots
+    (rank r's page p is row r * (pages + 1) + p there), made on the first hand-off; the state moves between it
+    and the rank point to point."""
+
+    def __init__(self, followers, kv_pool: KVPagePool, state_pool: StatePool):
+        self.followers, self.kv_pool, self.state_pool = followers, kv_pool, state_pool
+        self.size = followers.group.shard.size
+        self._pools: tuple[KVPagePool, StatePool] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pools(self) -> tuple[KVPagePool, StatePool]:
+        with self._lock:
+            if self._pools is None:
+                kv, s, n = self.kv_pool, self.state_pool, self.size
+                self._pools = (
+                    KVPagePool(n * (kv.num_pages + 1) - 1, kv.page_size, kv.num_layers, kv.data.shape[4],
+                               kv.data.shape[5], kv.data.dtype, kv.data.device),
+                    StatePool(n * (s.num_slots + 1) - 1, s.num_layers, s.conv.shape[2], s.conv.shape[3] + 1,
+                              s.recurrent.shape[2], s.recurrent.shape[4], s.recurrent.shape[3], s.conv.dtype,
+                              s.recurrent.dtype, s.conv.device),
+                )  # fmt: skip
+            return self._pools
+
+    def _place(self, pages: list[int], slot: int, rank: int) -> tuple[list[int], int]:
+        """Where rank `rank`'s pages and slot are in the hand-off pools."""
+        page_base, slot_base = rank * (self.kv_pool.num_pages + 1), rank * (self.state_pool.num_slots + 1)
+        return [page_base + p for p in pages], slot_base + slot
+
+    def gather(self, pages: list[int], slot: int, rank: int = 0) -> None:
+        """A held request's state, from its rank into the hand-off pools (stepping thread)."""
+        import torch.distributed as dist
+
+        if rank == 0:
+            state = rank_state(self.kv_pool, self.state_pool, pages, slot)
+        else:
+            self.followers.send_point_to_point("send", rank, pages, slot)
+            state = _empty_state(self.kv_pool, self.state_pool, len(pages))
+            for t in state.tensors():
+                dist.recv(t, src=rank, group=self.followers.group.group)
+        store_rank_state(*self.pools, *self._place(pages, slot, rank), state)
+        if self.kv_pool.data.is_cuda:  # the transport reads the pools from outside the engine's stream
+            torch.cuda.current_stream(self.kv_pool.data.device).synchronize()
+
+    def scatter(self, pages: list[int], slot: int, rank: int = 0) -> None:
+        """An arrived state, from the hand-off pools into its rank's pools (stepping thread)."""
+        import torch.distributed as dist
+
+        state = rank_state(*self.pools, *self._place(pages, slot, rank))
+        if rank == 0:
+            store_rank_state(self.kv_pool, self.state_pool, pages, slot, state)
+            return
+        self.followers.send_point_to_point("recv", rank, pages, slot)
+        for t in state.tensors():
+            dist.send(t.contiguous(), dst=rank, group=self.followers.group.group)
+
+    def regions(self, pages: list[int], slot: int, rank: int = 0) -> list[Region]:
+        kv, states = self.pools
+        pages, slot = self._place(pages, slot, rank)
+        return kv.regions(pages) + states.regions(slot)
+
+    def views(self) -> list[torch.Tensor]:
+        return pool_views(*self.pools)
+
+
+def _empty_state(kv: KVPagePool, states: StatePool, num_pages: int) -> RequestState:
+    return RequestState(kv.data.new_empty((num_pages, *kv.data.shape[1:])), torch.empty_like(states.conv[0]),
+                        torch.empty_like(states.recurrent[0]))  # fmt: skip
+
+
+def follow_point_to_point(group: DataParallelGroup, kv: KVPagePool, states: StatePool, direction: str,
+                          rank: int, pages: list[int], slot: int) -> None:  # fmt: skip
+    """A follower's side of a hand-off: the named rank sends its state of a request to the leader, or receives
+    an arrived one from it; the other ranks have nothing to do."""
+    import torch.distributed as dist
+
+    if group.shard.rank != rank:
+        return
+    if direction == "send":
+        for t in rank_state(kv, states, pages, slot).tensors():
+            dist.send(t.contiguous(), dst=0, group=group.group)
+        return
+    state = _empty_state(kv, states, len(pages))
+    for t in state.tensors():
+        dist.recv(t, src=0, group=group.group)
+    store_rank_state(kv, states, pages, slot, state)

@@ -1,0 +1,114 @@
+"""Data-parallel attention on CPU (gloo, one process per rank): each rank runs its own requests through
+attention and GDN and the ranks share the MoE layers' experts (split whole with expert parallelism, else by
+columns). Greedy output equals the one-rank engine's token for token and logprobs within 1e-4 (fp32) for the
+three families, with requests spread over the ranks, ranks left idle in some steps, and states handed over
+between data-parallel and one-rank engines."""
+
+import pytest
+
+from deltamesh.engine import SamplingParams
+from deltamesh.engine.engine import Engine
+from deltamesh.engine.parallel import ParallelConfigError, Shard, shard_config
+from test_tensor_parallel import assert_same, engine_config, prompts, run
+
+pytestmark = pytest.mark.parallel
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+# A rank's batch holds other requests than the one-rank engine's, so its GEMMs round differently: the one-rank
+# engine against itself with one request per step differs by up to 2e-4 in these logprobs (Qwen3-Next).
+TOL = 2e-4
+
+
+def dp_engine(path, dp: int = 2, **kw) -> Engine:
+    return Engine(engine_config(path, 1, data_parallel_size=dp, **kw))
+
+
+@pytest.mark.parametrize("family,expert_parallel", [("qwen3_5", False), ("qwen3_5_moe", True),
+                                                     ("qwen3_5_moe", False), ("qwen3_next", True)])  # fmt: skip
+def test_two_data_parallel_ranks_match_one(hf_checkpoints, family, expert_parallel):
+    path = hf_checkpoints[family]
+    with dp_engine(path, enable_expert_parallel=expert_parallel) as e:
+        got = e.generate(prompts(), PARAMS)
+        ranks = {r.dp_rank for r in e.core.scheduler.running}  # finished: nothing left running
+        assert not ranks and e.core.scheduler.ranks[1].kv_pool.num_used == 0
+        one_alone = e.generate(prompts()[:1], PARAMS)  # rank 1 idle in every step
+    want = run(path, 1)
+    assert_same(got, want, TOL)
+    assert_same(one_alone, want[:1], TOL)
+
+
+def test_requests_spread_over_the_ranks_and_each_rank_uses_its_own_pools(hf_checkpoints):
+    from test_tp_handoff import core
+
+    engine = core(hf_checkpoints["qwen3_5_moe"], 1, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        for i, p in enumerate(prompts()):
+            engine.submit(engine.make_request(p, PARAMS, f"r{i}"), lambda out: None)
+        engine.process_commands()
+        engine.step()
+        ranks = engine.scheduler.ranks
+        assert [[r.request_id for r in s.running] for s in ranks] == [["r0", "r2"], ["r1"]]
+        assert ranks[1].kv_pool.data.is_meta and ranks[1].kv_pool.num_used == 5  # 37 tokens in pages of 8
+        assert engine.loads()["kv_pages_used"] == ranks[0].kv_pool.num_used + 5
+        while engine.has_work:
+            engine.step()
+        assert engine.loads()["kv_pages_used"] == 0 and engine.loads()["state_slots_used"] == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_states_move_between_data_parallel_and_other_layouts(hf_checkpoints, family):
+    """A data-parallel worker's held states (on either rank) continue on a one-rank engine, and states from a
+    tensor-parallel prefill continue on a data-parallel decode worker, as the one-rank engine's tokens."""
+    from test_tp_handoff import continued, held_states, one_rank_tokens
+
+    path = hf_checkpoints[family]
+    want = one_rank_tokens(path)
+    dp = {"data_parallel_size": 2, "enable_expert_parallel": True}
+    first, held = held_states(path, 1, **dp)
+    assert continued(path, 1, first, held) == want
+    first, held = held_states(path, 2)
+    assert continued(path, 1, first, held, **dp) == want
+
+
+def test_layouts_that_do_not_fit_are_refused(hf_checkpoints):
+    from deltamesh.engine.config import ModelConfig
+
+    path = hf_checkpoints["qwen3_5_moe"]  # 6 experts
+    full = ModelConfig.from_dir(path)
+    local = shard_config(full, 2, expert_parallel=True, data_parallel=True)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.linear_num_value_heads, local.local_experts) \
+        == (full.num_attention_heads, full.num_key_value_heads, full.linear_num_value_heads, (0, 3))  # fmt: skip
+    with pytest.raises(ParallelConfigError, match="into 4 data-parallel ranks: num_experts=6"):
+        shard_config(full, 4, expert_parallel=True, data_parallel=True)
+    with pytest.raises(ValueError, match="cannot both be above 1"):
+        Engine(engine_config(path, 2, data_parallel_size=2))
+    with pytest.raises(ValueError, match="prefix cache"):
+        dp_engine(path, prefix_cache=True)
+
+
+def test_a_data_parallel_rank_reads_whole_tensors_but_its_share_of_the_experts(hf_checkpoints):
+    from safetensors.torch import load_file
+
+    from deltamesh.engine.config import ModelConfig
+    from deltamesh.engine.parallel import reads_tensor, shard_tensor
+
+    path = hf_checkpoints["qwen3_5_moe"]
+    full, tensors = ModelConfig.from_dir(path), load_file(path / "model.safetensors")
+    shard = Shard(2, 1, full, expert_parallel=True, data_parallel=True)
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:
+            assert reads_tensor(name, shard) == (int(name.split(".experts.")[1].split(".")[0]) >= 3)
+        elif ".mlp.shared_expert." in name:
+            assert shard_tensor(name, t, shard).numel() == t.numel() // 2
+        else:
+            assert shard_tensor(name, t, shard) is t, name
+
+
+def test_a_rank_dying_fails_requests_with_the_reason(hf_checkpoints):
+    with dp_engine(hf_checkpoints["qwen3_5_moe"], enable_expert_parallel=True) as e:
+        e.core.followers.procs[0].kill()
+        e.core.followers.procs[0].wait()
+        done = e.generate(prompts()[:1], SamplingParams(max_tokens=4, temperature=0))
+        assert done[0].error and "rank 1 exited" in done[0].error
+        assert e.core.failure
