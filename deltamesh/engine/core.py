@@ -14,7 +14,7 @@ Disaggregation hooks:
   and `submit_pulled` starts the prompt from there, computing only the rest.
 - tensor parallel: the bytes named are the state in the one-rank layout, in the leader's copy of it
   (tp_handoff.py): gathered from the ranks when a state is held, scattered to them before an arrived request's
-  first step.
+  first step. Data parallel: the state is whole on the rank that runs the request, copied to or from it.
 
 With `prefix_cache` on, prompt prefills fill a PrefixCache (shared KV pages + GDN checkpoints) that later
 admissions start from; a held state's pages may be shared with it (the transfer only reads them).
@@ -43,9 +43,8 @@ from deltamesh.engine.prefix_cache import TURN_START, PrefixCache
 from deltamesh.engine.rank import build_rank
 from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
-from deltamesh.engine.scheduler import ScheduledItem, Scheduler
+from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from deltamesh.engine.tp_handoff import TensorParallelHandoff
 from deltamesh.engine.tp_workers import Followers
 
 log = structlog.get_logger("deltamesh.engine")
@@ -122,19 +121,7 @@ class EngineCore:
         rank = build_rank(config, mc, self.max_model_len, self.device, tp)
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
-        self.handoff = None
-        scheduler = lambda kv, states: Scheduler(kv, states, config.max_num_seqs,  # noqa: E731
-                                                 config.resolved_max_num_batched_tokens())  # fmt: skip
-        self.scheduler = scheduler(self.kv_pool, self.state_pool)
-        if self.data_parallel:  # rank r's pools: bookkeeping copies here, their writes sent to rank r
-            others = [data_parallel.bookkeeping_pools(self.kv_pool, self.state_pool, ops) for ops in self.followers.rank_ops[1:]]
-            self.scheduler = data_parallel.DataParallelScheduler([self.scheduler] + [scheduler(*pools) for pools in others])
-            self.handoff = data_parallel.DataParallelHandoff(self.followers, self.kv_pool, self.state_pool)
-        elif self.followers:
-            self.runner.followers = self.followers
-            for pool in filter(None, (self.state_pool, self.checkpoint_pool, self.kv_pool)):
-                pool.mirror = self.followers.pool_ops
-            self.handoff = TensorParallelHandoff(self.followers, self.kv_pool, self.state_pool)
+        self.scheduler, self.handoff = data_parallel.leader_scheduling(config, self.followers, rank)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, Sink] = {}

@@ -27,7 +27,7 @@ from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.engine.request import Request
 from deltamesh.engine.scheduler import ScheduledItem, Scheduler
 from deltamesh.engine.state_shards import RequestState
-from deltamesh.engine.tp_handoff import rank_state, store_rank_state
+from deltamesh.engine.tp_handoff import TensorParallelHandoff, rank_state, store_rank_state
 
 
 class DataParallelGroup(TensorParallelGroup):
@@ -180,6 +180,24 @@ class DataParallelScheduler:
 
     def cancel(self, rank: int, slot: int, pages: list[int]) -> None:
         self.ranks[rank].cancel(0, slot, pages)
+
+
+def leader_scheduling(config, followers, rank) -> tuple:
+    """(scheduler, hand-off or None) of an engine whose leader holds `rank` (rank.Rank): one rank; tensor
+    parallel, the leader's pool writes repeated by every follower; or data parallel, one scheduler per rank."""
+    def scheduler(kv: KVPagePool, states: StatePool) -> Scheduler:
+        return Scheduler(kv, states, config.max_num_seqs, config.resolved_max_num_batched_tokens())
+
+    if followers is None:
+        return scheduler(rank.kv_pool, rank.state_pool), None
+    if config.data_parallel_size == 1:
+        rank.runner.followers = followers
+        for pool in filter(None, (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)):
+            pool.mirror = followers.pool_ops
+        return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(followers, rank.kv_pool, rank.state_pool)
+    others = [bookkeeping_pools(rank.kv_pool, rank.state_pool, ops) for ops in followers.rank_ops[1:]]
+    schedulers = [scheduler(rank.kv_pool, rank.state_pool)] + [scheduler(*pools) for pools in others]
+    return DataParallelScheduler(schedulers), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool)
 
 
 def bookkeeping_pools(kv: KVPagePool, states: StatePool, ops: list) -> tuple[KVPagePool, StatePool]:

@@ -1,4 +1,4 @@
-"""The ranks of a tensor-parallel engine beyond the first.
+"""The ranks of a tensor-parallel or data-parallel engine beyond the first.
 
 The worker's own process is rank 0, the leader: it schedules, samples and talks to the mesh, exactly as a
 one-rank engine does. It starts one follower process per other rank (`python -m deltamesh.engine.tp_workers`),
@@ -9,6 +9,9 @@ with the leader (engine/tp_handoff.py: its part of a held state gathered, its pa
 scattered). Inside a step, and in a hand-off, the ranks meet in collectives over the engine's group
 (parallel.TensorParallelGroup). torch.distributed carries both: gloo on CPU, NCCL for the tensors on CUDA with
 a gloo group beside it for the messages.
+
+Under data-parallel attention (engine/data_parallel.py) each step message carries every rank's own inputs and
+pool writes, and a hand-off moves one request's state between the leader and the one rank that holds it.
 
 A follower that exits ends its leader's engine: the leader checks its followers before every step, and from
 then on ends every request with the reason (the worker's health turns NOT_SERVING).
