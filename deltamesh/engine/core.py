@@ -146,10 +146,9 @@ class EngineCore:
         # Made after the warm-up, whose repeated prompts must run (and compile) every step shape in full.
         if self.checkpoint_pool is not None:
             turn_start = self.tokenizer.token_id(TURN_START) if self.tokenizer else None
-            self.prefix_cache = PrefixCache(
-                self.kv_pool, self.state_pool, self.checkpoint_pool, self.stats, config.prefix_cache_pages,
-                config.state_checkpoint_interval, turn_start,
-            )  # fmt: skip
+            self.prefix_cache = PrefixCache(self.kv_pool, self.state_pool, self.checkpoint_pool, self.stats,
+                                            config.prefix_cache_pages, config.state_checkpoint_interval, turn_start,
+                                            config.prefix_cache_memory_bytes())  # fmt: skip
             self.scheduler.prefix_cache = self.prefix_cache
         log.info(
             "engine ready", model=str(model_dir), family=mc.family, device=str(self.device), dtype=str(self.dtype),
@@ -488,6 +487,7 @@ class EngineCore:
             "state_slots_total": self.scheduler.state_pool.num_slots,
             "prefix_cache_pages": self.prefix_cache.num_pages if self.prefix_cache is not None else 0,
             "prefix_cache_checkpoints": self.prefix_cache.num_checkpoints if self.prefix_cache is not None else 0,
+            "prefix_cache_bytes": self.prefix_cache.num_bytes if self.prefix_cache is not None else 0,  # vs the budget
             "prefix_cache_hits": self.stats.prefix_cache_hits,
             "prefix_cache_hit_tokens": self.stats.prefix_cache_hit_tokens,
             "checkpoints_saved": self.stats.checkpoints_saved,

@@ -7,6 +7,7 @@ start without it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,11 +75,26 @@ class EngineConfig:
                                                           "--max-num-seqs)")  # fmt: skip
     state_checkpoint_interval: int | None = _setting(None, "Also checkpoint GDN state every this many KV pages of "
                                                            "a prompt (default: only at its end)")  # fmt: skip
+    # One budget for both kinds (prefix_cache.py `num_bytes`); the page and checkpoint counts above apply beside it.
+    # Every page the cache holds counts, shared with a running request or not, so the bound still holds when those
+    # requests finish and the pages are the cache's alone.
+    prefix_cache_memory_gb: float | None = _setting(None, "GiB of KV pages and GDN checkpoints together that the "
+                                                          "prefix cache keeps, per GPU (default: no joint limit)",
+                                                    flag="prefix_cache_memory")  # fmt: skip
 
-    def resolved_prefix_cache_checkpoints(self) -> int:
+    def resolved_prefix_cache_checkpoints(self, slot_bytes: int, page_bytes: int, pool_pages: int) -> int:
         """A prompt's checkpoint and a finished conversation's for every request that can run at once: a
-        conversation whose state was evicted computes its whole history again."""
-        return self.prefix_cache_checkpoints or 2 * self.max_num_seqs
+        conversation whose state was evicted computes its whole history again. Under a memory budget, as many as
+        it can hold instead: each checkpoint comes with a page of its own in the cache (its block's, or its tail's),
+        so at most budget // (slot + page) of them, and no more than the pages the cache can hold (`pool_pages`:
+        the most the KV pool can have). The slots are allocated up front: more would be memory never used."""
+        if self.prefix_cache_checkpoints or self.prefix_cache_memory_gb is None:
+            return self.prefix_cache_checkpoints or 2 * self.max_num_seqs
+        most_pages = pool_pages if self.prefix_cache_pages is None else min(pool_pages, self.prefix_cache_pages)
+        return min(self.prefix_cache_memory_bytes() // (slot_bytes + page_bytes), most_pages)
+
+    def prefix_cache_memory_bytes(self) -> int | None:
+        return None if self.prefix_cache_memory_gb is None else int(self.prefix_cache_memory_gb * 2**30)
 
     @property
     def num_ranks(self) -> int:
@@ -132,6 +148,9 @@ class EngineConfig:
             self.prefix_cache_pages or 0
         ) < 0:
             raise ValueError("prefix_cache_checkpoints must be >= 1 and prefix_cache_pages >= 0")
+        if self.prefix_cache_memory_gb is not None and not 0 < self.prefix_cache_memory_gb < math.inf:
+            raise ValueError(f"prefix_cache_memory_gb (--prefix-cache-memory) must be a positive number of GiB, "
+                             f"got {self.prefix_cache_memory_gb}")  # fmt: skip
         if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be >= 1 pages")
         self.torch_dtype()

@@ -13,19 +13,17 @@ goes on writing there, so no request ever writes a page the cache holds. A finis
 sequence (prompt and reply) this way, full pages and a tail, so that a conversation's next turn, whose prompt
 repeats it, computes only its new message.
 
-Which prompt positions get checkpoints: the last page boundary before the prompt's last token (a request always
-computes and samples from at least one token; not for a chat prompt that finishes on this worker, whose finished
-sequence serves its next turn), the end of a chat prompt's first message (the system prompt other users'
-conversations share; a tail there) and, optionally, every `checkpoint_interval` pages; the scheduler ends
-prefill chunks exactly there (`next_stop`). Copies are queued on the engine's stream right after the step that
-reached the position, so stream order makes them exact under async scheduling.
+Which prompt positions get checkpoints, and where prefill chunks stop for them, is `positions`
+(checkpoint_positions.py).
 
-Eviction is LRU over blocks and tails only the cache holds (a page some request still uses frees nothing);
-evicting a block drops its descendants and tails too, since they can no longer be reached. A pinned prefix
-(`pin`: offered to another worker, which reads its pages and checkpoint in place) is never evicted, nor are the
-blocks before it, until it is unpinned. Checkpoints live in
-their own StatePool and are evicted LRU when it is full. Every structure is guarded by one lock: a decode worker
-reserves pages (which may evict) from other threads.
+Eviction is LRU over blocks and tails. When the KV pool is short, only those the cache alone holds go (a page
+some request still uses frees nothing); evicting a block drops its descendants and tails too, since they can no
+longer be reached. The cache's own limits evict in the same order to make room before it inserts: at most
+`max_pages` pages, and, under a memory budget, at most `max_bytes` of pages and checkpoints together
+(`num_bytes`); here a shared entry may go too (the cache drops only its own reference). A pinned prefix (`pin`:
+offered to another worker, which reads its pages and checkpoint in place) is never evicted, nor are the blocks
+before it, until it is unpinned. Checkpoints live in their own StatePool and are evicted LRU when it is full.
+Every structure is guarded by one lock: a decode worker reserves pages (which may evict) from other threads.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool
+from deltamesh.engine.checkpoint_positions import CheckpointPositions
 from deltamesh.engine.request import Request
 from deltamesh.engine.sampling import SamplingParams
 
@@ -94,13 +93,14 @@ class PrefixCache:
         max_pages: int | None = None,
         checkpoint_interval: int | None = None,
         turn_start: int | None = None,
+        max_bytes: int | None = None,
     ):
         """`turn_start`: the id of the token that opens each chat message (None: no turn checkpoints)."""
         self.kv_pool, self.state_pool, self.checkpoints = kv_pool, state_pool, checkpoints
-        self.turn_start = turn_start
+        self.positions = CheckpointPositions(kv_pool.page_size, checkpoint_interval, turn_start)
         self.stats = stats  # EngineStats: prefix_cache_hits, prefix_cache_hit_tokens, checkpoints_saved/_evicted
         self.max_pages = kv_pool.num_pages if max_pages is None else max_pages
-        self.checkpoint_interval = checkpoint_interval
+        self.max_bytes = max_bytes
         self._blocks: dict[int, _Block] = {}
         self._tails: dict[TailKey, _Tail] = {}
         # block keys with a checkpoint and tail keys, least recently used first
@@ -118,55 +118,17 @@ class PrefixCache:
     def num_checkpoints(self) -> int:
         return len(self._checkpointed)
 
+    @property
+    def num_bytes(self) -> int:
+        """What the memory budget counts: every page the cache holds (a page a running request shares is the
+        cache's too once the request ends, so counting it keeps the bound true then) and every checkpoint."""
+        return self.num_pages * self.kv_pool.page_bytes + self.num_checkpoints * self.checkpoints.slot_bytes
+
     def reclaimable(self) -> int:
         """Pages that eviction can return to the pool: those only the cache holds."""
         with self._lock:
             entries = itertools.chain(self._blocks.values(), self._tails.values())
             return sum(self.kv_pool.refs(e.page) == 1 for e in entries)
-
-    # ---- positions ---------------------------------------------------------------------------------------
-    def _last_boundary(self, req: Request) -> int:
-        ps = self.kv_pool.page_size
-        return (len(req.prompt_ids) - 1) // ps * ps
-
-    def turn_end(self, req: Request) -> int:
-        """Where the prompt's first chat message ends (its second message's opening token), if before its last
-        token; else 0."""
-        prompt = req.prompt_ids
-        if self.turn_start is None or not prompt or prompt[0] != self.turn_start:
-            return 0
-        try:
-            end = prompt.index(self.turn_start, 1)
-        except ValueError:
-            return 0
-        return end if end < len(prompt) - 1 else 0
-
-    def _prompt_end(self, req: Request) -> int:
-        """The prompt's own checkpoint position (its last page boundary), or 0 for a chat prompt this worker
-        finishes: its next turn starts from the whole finished sequence (a tail), so stopping the prefill there
-        would cost a step for nothing. A held prompt (prefill worker) never finishes here: it keeps the stop."""
-        return 0 if req.turn_end and not req.hold_state else self._last_boundary(req)
-
-    def next_stop(self, req: Request) -> int | None:
-        """The next token position at which the request's prefill must end a chunk (to checkpoint its state)."""
-        last = self._last_boundary(req)
-        end = self._prompt_end(req)
-        stops = [end] if req.num_computed < end else []
-        if req.num_computed < req.turn_end:
-            stops.append(req.turn_end)
-        if self.checkpoint_interval:
-            step = self.checkpoint_interval * self.kv_pool.page_size
-            if (at := (req.num_computed // step + 1) * step) <= last:
-                stops.append(at)
-        return min(stops, default=None)
-
-    def _is_checkpoint(self, req: Request, pos: int) -> bool:
-        """Whether the prompt's state after `pos` tokens is to be kept."""
-        last = self._last_boundary(req)
-        if pos <= 0 or pos > last:
-            return pos == req.turn_end and pos > 0
-        step = (self.checkpoint_interval or 0) * self.kv_pool.page_size
-        return pos in (self._prompt_end(req), req.turn_end) or (step > 0 and pos % step == 0)
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         ps = self.kv_pool.page_size
@@ -213,7 +175,7 @@ class PrefixCache:
         block, or a tail after the blocks), with a reference taken on each page and on the tail's page (the
         caller frees the pages like any of its own, and hands the tail to `restore` or `release`). Nothing else
         changes until `restore`."""
-        req.turn_end = self.turn_end(req)
+        req.turn_end = self.positions.turn_end(req)
         with self._lock:
             best, tail = self._longest(req)
             pages = [self._blocks[k].page for k in req.block_keys[:best]]
@@ -376,7 +338,7 @@ class PrefixCache:
         pos = req.num_computed
         with self._lock:
             keys = self._insert_pages(req, min(pos, len(req.prompt_ids)) // self.kv_pool.page_size)
-            if keys is not None and self._is_checkpoint(req, pos):
+            if keys is not None and self.positions.is_checkpoint(req, pos):
                 self._save_state(req, pos, keys)
 
     def register_finished(self, req: Request) -> None:
@@ -407,7 +369,7 @@ class PrefixCache:
         block ending there, or a tail past the last full block."""
         full = pos // self.kv_pool.page_size
         if pos == full * self.kv_pool.page_size:
-            self._save_checkpoint(keys[full - 1], req.slot)
+            self._save_checkpoint(keys[full - 1], req.slot, keys[:full])
         else:
             tokens = tuple(req.ids_between(full * self.kv_pool.page_size, pos))
             self._save_tail((keys[full - 1] if full else None, tokens), req, full)
@@ -417,7 +379,7 @@ class PrefixCache:
             self._tails[key].last_use = next(self._clock)
             self._checkpointed.move_to_end(key)
             return
-        if not self._make_room(req.block_keys[:depth]):
+        if not self._make_room(req.block_keys[:depth], checkpoints=1):
             return
         try:
             [page] = self.kv_pool.alloc(1)
@@ -455,21 +417,31 @@ class PrefixCache:
             self._blocks[parent].children.add(key)
         return True
 
-    def _make_room(self, own: list[int]) -> bool:
-        """Room for one more page within the budget (blocks and tails both hold one), dropping the least
-        recently used entry but the chain `own` being cached; False if only that chain is left."""
-        if self.num_pages < self.max_pages:
+    def _make_room(self, own: list[int], pages: int = 1, checkpoints: int = 0) -> bool:
+        """Room for `pages` more pages (blocks and tails both hold one) and `checkpoints` more checkpoints within
+        the budgets, dropping the least recently used entries but the chain `own` being cached; False if only
+        that chain is left."""
+        if self._fits(pages, checkpoints):
             return True
         keep = set(own)
-        victims = [k for k in self._eviction_order(only_unshared=False) if k not in keep]
-        if victims:
-            self._drop(victims[0])
-        return bool(victims)
+        for key in self._eviction_order(only_unshared=False):
+            if key not in keep and (key in self._blocks or key in self._tails):  # not dropped with its parent
+                self._drop(key)
+                if self._fits(pages, checkpoints):
+                    return True
+        return False
 
-    def _save_checkpoint(self, key: int, slot: int) -> None:
+    def _fits(self, pages: int, checkpoints: int) -> bool:
+        more = pages * self.kv_pool.page_bytes + checkpoints * self.checkpoints.slot_bytes
+        within_memory = self.max_bytes is None or self.num_bytes + more <= self.max_bytes
+        return self.num_pages + pages <= self.max_pages and within_memory
+
+    def _save_checkpoint(self, key: int, slot: int, own: list[int]) -> None:
         block = self._blocks[key]
         if block.checkpoint is not None:
             self._checkpointed.move_to_end(key)
+            return
+        if not self._make_room(own, pages=0, checkpoints=1):
             return
         dst = self._checkpoint_slot()
         if dst is None:

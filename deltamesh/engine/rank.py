@@ -47,9 +47,13 @@ def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device
         return pool
 
     slots = state_pool(config.max_num_seqs, "slots")
-    # Allocated before the KV pool, which may size itself from the memory left.
-    checkpoints = state_pool(config.resolved_prefix_cache_checkpoints(), "checkpoints") if config.prefix_cache else None
-    num_pages = _num_kv_pages(config, local, max_model_len, device, dtype)
+    page_bytes = _page_bytes(config, local, dtype)
+    checkpoints = None
+    if config.prefix_cache:  # allocated before the KV pool, which may size itself from the memory left
+        most_pages = _most_kv_pages(config, max_model_len)
+        num = config.resolved_prefix_cache_checkpoints(slots.slot_bytes, page_bytes, most_pages)
+        checkpoints = state_pool(num, "checkpoints")
+    num_pages = _num_kv_pages(config, page_bytes, max_model_len, device)
     if tp is not None:  # every rank holds the same pages: the fewest any rank has room for
         count = torch.tensor([num_pages], device=device)
         tp.all_reduce(count, min=True)
@@ -67,17 +71,24 @@ def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device
     return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner)
 
 
-def _num_kv_pages(c: EngineConfig, local: ModelConfig, max_model_len: int, device: torch.device,
-                  dtype: torch.dtype) -> int:  # fmt: skip
+def _page_bytes(c: EngineConfig, local: ModelConfig, dtype: torch.dtype) -> int:
+    """One KV page's bytes (KVPagePool.page_bytes, known before the pool is made)."""
+    per_page = 2 * max(len(local.full_layers), 1) * c.page_size * local.num_key_value_heads * local.head_dim
+    return per_page * torch.tensor([], dtype=dtype).element_size()
+
+
+def _most_kv_pages(c: EngineConfig, max_model_len: int) -> int:
+    """The KV pool's pages when memory does not bound them: those asked for, or every request at its longest."""
+    return c.num_kv_pages or c.max_num_seqs * -(-max_model_len // c.page_size)
+
+
+def _num_kv_pages(c: EngineConfig, page_bytes: int, max_model_len: int, device: torch.device) -> int:
     if c.num_kv_pages:
         return c.num_kv_pages
-    per_page = 2 * max(len(local.full_layers), 1) * c.page_size * local.num_key_value_heads * local.head_dim
-    per_page *= torch.tensor([], dtype=dtype).element_size()
     if c.kv_cache_memory_gb is not None:
         budget = c.kv_cache_memory_gb * 2**30
     elif device.type == "cuda":
         budget = 0.85 * torch.cuda.mem_get_info(device)[0]
     else:
         budget = 2**30
-    wanted = c.max_num_seqs * -(-max_model_len // c.page_size)
-    return max(1, min(wanted, int(budget // per_page)))
+    return max(1, min(_most_kv_pages(c, max_model_len), int(budget // page_bytes)))

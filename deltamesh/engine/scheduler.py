@@ -76,7 +76,7 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens of `req` to run this step: its rest, within the budget, ending at its next checkpoint."""
         n = min(req.remaining, budget)
-        stop = self.prefix_cache.next_stop(req) if self.prefix_cache is not None else None
+        stop = self.prefix_cache.positions.next_stop(req) if self.prefix_cache is not None else None
         return n if stop is None else min(n, stop - req.num_computed)
 
     def add(self, request: Request) -> None:
@@ -147,7 +147,7 @@ class Scheduler:
             return False
         req.pages += self.alloc_pages(need, after=req.pages[-1] if req.pages else None)
         if self.prefix_cache is not None:
-            req.turn_end = self.prefix_cache.turn_end(req)
+            req.turn_end = self.prefix_cache.positions.turn_end(req)
         req.status = Status.RUNNING
         return True
 

@@ -104,8 +104,10 @@ def test_every_engine_setting_is_a_flag_of_the_commands_that_run_an_engine():
 
 def test_a_flag_fills_its_setting():
     worker = settings_from(WorkerSettings, cli.WORKER, params(["prefill", "--page-size", "32", "--kernels", "torch",
-                           "--lease-ttl", "7", "--tls-client-auth"]), role="prefill", mesh_secret="s" * 32)  # fmt: skip
+                           "--lease-ttl", "7", "--tls-client-auth", "--prefix-cache-memory", "2.5"]), role="prefill",
+                           mesh_secret="s" * 32)  # fmt: skip
     assert (worker.engine.page_size, worker.engine.kernel_backend, worker.lease_ttl_s) == (32, "torch", 7.0)
+    assert worker.engine.prefix_cache_memory_gb == 2.5  # GiB, a float
     assert worker.tls.client_auth and worker.engine.max_num_seqs == EngineConfig().max_num_seqs
     router = settings_from(RouterSettings, cli.ROUTER, params(["router", "--max-prompts", "3", "--http-port", "0",
                            "--prefill", "a:1", "--prefill", "b:2"]), mesh_secret="s" * 32)  # fmt: skip

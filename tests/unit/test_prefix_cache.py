@@ -29,9 +29,10 @@ def core(model_dir, cache: bool, **kw) -> EngineCore:
     return EngineCore(EngineConfig(model=str(model_dir), page_size=PAGE, prefix_cache=cache, **kw))
 
 
-def run_waves(engine: EngineCore, waves, params, abort_after=None):
+def run_waves(engine: EngineCore, waves, params, abort_after=None, after_step=None):
     """Submit each wave's prompts together, the next wave once the previous has finished; returns
-    {request id: output ids}. `abort_after`: (request id, step) to abort that request at that step."""
+    {request id: output ids}. `abort_after`: (request id, step) to abort that request at that step; `after_step`:
+    called with the engine after every step."""
     out = {}
     for w, prompts in enumerate(waves):
         ids = [f"w{w}r{i}" for i in range(len(prompts))]
@@ -48,6 +49,8 @@ def run_waves(engine: EngineCore, waves, params, abort_after=None):
         while len(done) < len(ids):
             engine.dispatch(engine.process_commands())
             engine.dispatch(engine.step())
+            if after_step:
+                after_step(engine)
             step += 1
             if abort_after and abort_after[1] == step and abort_after[0] in ids:
                 engine.abort(abort_after[0])

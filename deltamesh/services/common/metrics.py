@@ -41,6 +41,8 @@ class EngineCollector:
             ("kv_pages_used", loads["kv_pages_used"], "KV cache pages in use by requests"),
             ("kv_pages_cached", loads["kv_pages_cached"], "KV cache pages only the prefix cache holds (free on demand)"),
             ("prefix_cache_checkpoints", loads["prefix_cache_checkpoints"], "GDN state checkpoints in the prefix cache"),
+            ("prefix_cache_bytes", loads["prefix_cache_bytes"],
+             "Bytes of KV pages and GDN checkpoints the prefix cache holds (--prefix-cache-memory bounds them)"),
             ("kv_pages_total", loads["kv_pages_total"], "KV cache pages in the pool"),
             ("state_slots_used", loads["state_slots_used"], "GDN state slots in use"),
             ("state_slots_total", loads["state_slots_total"], "GDN state slots in the pool"),
