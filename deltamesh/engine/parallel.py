@@ -106,15 +106,29 @@ def shard_config(cfg: ModelConfig, size: int, expert_parallel: bool = False, ran
     return replace(cfg, **heads, **{k: v // size for k, v in needs.items()}, **experts)
 
 
-def _chunk(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
-    n = t.shape[dim] // size
-    return t.narrow(dim, rank * n, n)
+@dataclass(frozen=True)
+class Part:
+    """What one rank holds of a tensor: the index ranges `ranges` along `dim`, concatenated, then `pad` zero
+    rows. Applied to a tensor, or to a safetensors slice, which reads only those ranges from disk."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    pad: int = 0
+
+    def covers(self, shape) -> bool:
+        return self.ranges == ((0, shape[self.dim]),) and not self.pad
+
+    def take(self, t):
+        lead = (slice(None),) * self.dim
+        pieces = [t[lead + (slice(a, b),)] for a, b in self.ranges]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
+        return F.pad(out, (0, 0, 0, self.pad)) if self.pad else out
 
 
-def _gate_up_chunk(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
-    """A fused [gate | up] weight: this rank's gate rows, then its up rows."""
-    gate, up = t.chunk(2, dim)
-    return torch.cat((_chunk(gate, dim, size, rank), _chunk(up, dim, size, rank)), dim)
+def _chunk(length: int, size: int, rank: int, offset: int = 0) -> tuple[int, int]:
+    """Rank `rank`'s range of `size` equal chunks of `length` indices starting at `offset`."""
+    n = length // size
+    return offset + rank * n, offset + (rank + 1) * n
 
 
 def reads_tensor(name: str, shard: Shard) -> bool:
@@ -129,55 +143,66 @@ def reads_tensor(name: str, shard: Shard) -> bool:
     return first <= int(index) < first + count
 
 
-def shard_tensor(name: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | None:
-    """This rank's part of checkpoint tensor `name` (canonical name, Qwen3.5 layout) of the full model; None for
-    a routed expert another rank holds."""
+def shard_part(name: str, shape, shard: Shard) -> Part | None:
+    """Which part of checkpoint tensor `name` (canonical name, Qwen3.5 layout, of the full model's `shape`) this
+    rank holds; None for a routed expert another rank holds."""
     n, r, c = shard.size, shard.rank, shard.full
+    whole = Part(0, ((0, shape[0]),))
     if n == 1 or (shard.data_parallel and not _in_moe_layer(name)):
-        return t
+        return whole
+    along = lambda dim: Part(dim, (_chunk(shape[dim], n, r),))  # noqa: E731 - an even split along `dim`
     if shard.expert_parallel and ".mlp.experts." in name:
         first, count = shard.experts()
         index = name.split(".mlp.experts.")[1].split(".")[0]
         if index.isdigit():  # per-expert tensors: whole, on the rank that holds the expert
-            return t if first <= int(index) < first + count else None
-        return t[first : first + count]  # the fused [E, ...] layout
+            return whole if first <= int(index) < first + count else None
+        return Part(0, ((first, first + count),))  # the fused [E, ...] layout
     leaf = name.rsplit(".", 2)
     proj = ".".join(leaf[-2:])
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # padded to vocab_rows on every rank
         rows = shard.vocab_rows
-        part = t[r * rows : (r + 1) * rows]
-        return F.pad(part, (0, 0, 0, rows - part.shape[0]))
+        start, stop = min(r * rows, shape[0]), min((r + 1) * rows, shape[0])
+        return Part(0, ((start, stop),), rows - (stop - start))
     if ".self_attn." in name:
         d = c.head_dim
         if proj in ("q_proj.weight", "q_proj.bias"):  # per head: d query rows, then d gate rows
-            return _chunk(t, 0, n, r)
+            return along(0)
         if proj in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
             first, count = shard.kv_heads()
-            return t[first * d : (first + count) * d]
+            return Part(0, ((first * d, (first + count) * d),))
         if proj == "o_proj.weight":
-            return _chunk(t, 1, n, r)
+            return along(1)
         if proj == "o_proj.bias":
             raise ParallelConfigError("tensor parallelism does not support an attention output bias")
-        return t  # q_norm, k_norm
+        return whole  # q_norm, k_norm
     if ".linear_attn." in name:
-        if proj in ("in_proj_qkv.weight", "conv1d.weight"):  # q | k | v channels
+        if proj in ("in_proj_qkv.weight", "conv1d.weight"):  # q | k | v channels, each split by head
             kd, vd = c.linear_key_dim, c.linear_value_dim
-            q, k, v = t.split((kd, kd, vd))
-            return torch.cat((_chunk(q, 0, n, r), _chunk(k, 0, n, r), _chunk(v, 0, n, r)))
+            return Part(0, (_chunk(kd, n, r), _chunk(kd, n, r, kd), _chunk(vd, n, r, 2 * kd)))
         if proj in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight") or name.endswith(("dt_bias", "A_log")):
-            return _chunk(t, 0, n, r)
+            return along(0)
         if proj == "out_proj.weight":
-            return _chunk(t, 1, n, r)
-        return t  # the gated norm's weight (per value-head dim)
+            return along(1)
+        return whole  # the gated norm's weight (per value-head dim)
     if name.endswith(("gate_proj.weight", "up_proj.weight")):  # dense MLP, shared and per-expert
-        return _chunk(t, 0, n, r)
+        return along(0)
     if name.endswith("down_proj.weight"):
-        return _chunk(t, 1, n, r)
-    if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]
-        return _gate_up_chunk(t, 1, n, r)
+        return along(1)
+    if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: this rank's gate rows, then its up rows
+        inter = shape[1] // 2
+        return Part(1, (_chunk(inter, n, r), _chunk(inter, n, r, inter)))
     if name.endswith("experts.down_proj"):  # [E, H, I]
-        return _chunk(t, 2, n, r)
-    return t  # norms, the router, the shared expert's gate
+        return along(2)
+    return whole  # norms, the router, the shared expert's gate
+
+
+def shard_tensor(name: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | None:
+    """This rank's part of checkpoint tensor `name` (see `shard_part`); None for a routed expert another rank
+    holds; `t` itself when the rank holds all of it."""
+    part = shard_part(name, t.shape, shard)
+    if part is None or part.covers(t.shape):
+        return None if part is None else t
+    return part.take(t)
 
 
 def _in_moe_layer(name: str) -> bool:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models import MODEL_CLASSES, HybridLM
-from deltamesh.engine.parallel import TensorParallelGroup, reads_tensor, shard_scales, shard_tensor
+from deltamesh.engine.parallel import TensorParallelGroup, reads_tensor, shard_part, shard_scales, shard_tensor
 from deltamesh.engine.quantization import SCALE_SUFFIX, dequantized
 from deltamesh.kernels.fp8 import BLOCK, quantize_blocks
 
@@ -57,8 +57,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iter_checkpoint(model_dir: Path, wanted: Callable[[str], bool] = lambda name: True,
-                    ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """(name, tensor) of every tensor `wanted` names; the others are not read."""
+                    read: Callable | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """(name, tensor) of every tensor `wanted` names; the others are not read. `read(file, name)`: how a tensor
+    is read from its open safetensors file (default: whole)."""
     files = checkpoint_files(model_dir)
     # a progress bar over the shards of a real checkpoint, on a terminal only (logs stay JSON lines)
     shown = len(files) > 1 and sys.stderr.isatty()
@@ -66,7 +67,7 @@ def iter_checkpoint(model_dir: Path, wanted: Callable[[str], bool] = lambda name
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if wanted(name):
-                    yield name, f.get_tensor(name)
+                    yield name, read(f, name) if read else f.get_tensor(name)
 
 
 def canonical_name(name: str) -> str | None:
@@ -117,20 +118,47 @@ def _fp8_layout_unsupported(full: ModelConfig, tp: TensorParallelGroup | None) -
     return None
 
 
-def load_checkpoint(model: HybridLM, model_dir: Path) -> None:
+class ShardReader:
+    """Reads a parallel rank's part of each checkpoint tensor from disk, and no more, where the part can be
+    taken as it is stored. Read whole and split after: block scales (small), an FP8 weight that is dequantized
+    on load (`keep` says which stay FP8), a tensor the model family regroups on load."""
+
+    def __init__(self, model: HybridLM, keep: Callable[[str], bool]):
+        self.model, self.shard, self.keep = model, model.group.shard, keep
+        self.taken: set[str] = set()  # canonical names read as this rank's part already
+        self.elements = 0  # read from disk
+
+    def read(self, f, name: str) -> torch.Tensor:
+        stored, canonical = f.get_slice(name), canonical_name(name)
+        dequantized_whole = stored.get_dtype().startswith("F8") and not self.keep(name)
+        if name.endswith(SCALE_SUFFIX) or dequantized_whole or self.model.regroups(canonical):
+            tensor = f.get_tensor(name)
+        else:
+            part = shard_part(canonical, stored.get_shape(), self.shard)
+            tensor = part.take(stored)
+            self.taken.add(canonical)
+        self.elements += tensor.numel()
+        return tensor
+
+
+def load_checkpoint(model: HybridLM, model_dir: Path) -> ShardReader | None:
+    """Fill the model from its checkpoint; on a parallel rank, the reader that read its parts."""
     def wanted(name: str) -> bool:
         return canonical_name(name) is not None and (model.group is None or reads_tensor(name, model.group.shard))
 
     slots = model.weight_slots()
     fp8_names = {name for name, slot in slots.items() if slot.param.dtype == torch.float8_e4m3fn}
     keep = lambda name: canonical_name(name) in fp8_names  # noqa: E731
-    load_tensors(model, dequantized(iter_checkpoint(model_dir, wanted), model.cfg.fp8_block, keep), slots)
+    reader = ShardReader(model, keep) if model.group else None
+    tensors = iter_checkpoint(model_dir, wanted, reader.read if reader else None)
+    load_tensors(model, dequantized(tensors, model.cfg.fp8_block, keep), slots, reader.taken if reader else set())
+    return reader
 
 
-def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None) -> None:
-    """Fill every weight from (checkpoint name, tensor) pairs; names the missing and the unexpected. A
-    tensor-parallel rank keeps its own part of each tensor (parallel.shard_tensor). `slots`: the model's
-    weight_slots, when the caller has them."""
+def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None, taken: set[str] = frozenset()) -> None:
+    """Fill every weight from (checkpoint name, tensor) pairs; names the missing and the unexpected. A parallel
+    rank keeps its own part of each tensor (parallel.shard_tensor), unless `taken` names it as read so already.
+    `slots`: the model's weight_slots, when the caller has them."""
     slots = slots or model.weight_slots()
     covered: dict[int, int] = {}
     params = {id(s.param): s.param for s in slots.values()}
@@ -141,7 +169,7 @@ def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None) -> N
             if name is None:
                 continue
             for part_name, part in model.checkpoint_tensors(name, tensor):
-                if model.group:
+                if model.group and part_name not in taken:
                     shard = shard_scales if part_name.endswith(SCALE_SUFFIX) else shard_tensor
                     part = shard(part_name, part, model.group.shard)
                     if part is None:  # an expert another rank holds

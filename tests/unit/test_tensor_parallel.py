@@ -188,3 +188,26 @@ def test_an_fp8_checkpoint_over_two_expert_parallel_ranks_matches_one(hf_checkpo
 
     path = write_fp8_checkpoint(hf_checkpoints["qwen3_next"], tmp_path / "fp8", (8, 8))
     assert_same(run(path, 2, enable_expert_parallel=True), run(path, 1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_parallel_rank_reads_only_its_part_of_each_tensor(hf_checkpoints, family):
+    """A rank's weights loaded from safetensors slices of its parts equal those of every tensor read whole and
+    split; it reads a fraction of the checkpoint (Qwen3-Next's fused GDN projections, regrouped on load, whole)."""
+    from deltamesh.engine.parallel import TensorParallelGroup
+    from deltamesh.engine.weights import build_model, iter_checkpoint, load_checkpoint, load_tensors
+
+    path = hf_checkpoints[family]
+    cfg = ModelConfig.from_dir(path)
+    total = sum(t.numel() for _, t in iter_checkpoint(path))
+    shards = [Shard(2, 1, cfg)]
+    if cfg.num_experts:
+        shards += [Shard(2, 1, cfg, expert_parallel=True), Shard(2, 1, cfg, expert_parallel=True, data_parallel=True)]
+    for shard in shards:
+        group = TensorParallelGroup(shard)
+        sliced, whole = (build_model(cfg, torch.device("cpu"), torch.float32, group) for _ in range(2))
+        reader = load_checkpoint(sliced, path)
+        load_tensors(whole, iter_checkpoint(path))
+        for (name, a), b in zip(sliced.state_dict().items(), whole.state_dict().values()):
+            assert torch.equal(a, b), (shard, name)
+        assert reader.elements <= (0.8 if shard.data_parallel else 0.6) * total, shard  # about half, split two ways

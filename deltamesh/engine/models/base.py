@@ -79,6 +79,10 @@ class HybridLM(nn.Module, ABC):
         """Turn one checkpoint tensor into the (name, tensor) pairs `weight_slots` knows."""
         yield name, tensor
 
+    def regroups(self, name: str) -> bool:
+        """Whether `checkpoint_tensors` rearranges tensor `name` (then a parallel rank reads it whole)."""
+        return False
+
     # -- weights ---------------------------------------------------------------------------------------
     def weight_slots(self) -> dict[str, WeightSlot]:
         slots = {"model.embed_tokens.weight": WeightSlot(self.embed), "model.norm.weight": WeightSlot(self.norm.weight)}

@@ -27,6 +27,9 @@ class Qwen3NextForCausalLM(HybridLM):
         else:
             yield name, tensor
 
+    def regroups(self, name: str) -> bool:
+        return name.endswith((".in_proj_qkvz.weight", ".in_proj_ba.weight"))
+
     def _split_qkvz(self, prefix: str, w: torch.Tensor):
         """Rows are grouped per key head: [q (dk) | k (dk) | v (r*dv) | z (r*dv)], r = HV / HK."""
         c = self.cfg
