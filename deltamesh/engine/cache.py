@@ -70,6 +70,13 @@ class KVPagePool:
         self._lock = threading.Lock()
         self.mirror: list | None = None  # tensor parallelism: writes outside model steps, as StatePool.mirror
 
+    @classmethod
+    def shaped_like(cls, pool: "KVPagePool", num_pages: int | None = None, device=None) -> "KVPagePool":
+        """A new pool of `pool`'s page shape and dtype (its page count and device unless given)."""
+        d = pool.data
+        return cls(pool.num_pages if num_pages is None else num_pages, pool.page_size, pool.num_layers, d.shape[4],
+                   d.shape[5], d.dtype, d.device if device is None else device)  # fmt: skip
+
     # -- views -------------------------------------------------------------------------------------
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of full-attention layer i, each [num_pages, page_size, H, D] (strided)."""
@@ -178,6 +185,13 @@ class StatePool:
         # Tensor parallelism: the leader records its writes outside model steps here (name, then the op), for
         # the other ranks to repeat on their own pools before their next step (engine/tp_workers.py).
         self.name, self.mirror = "", None
+
+    @classmethod
+    def shaped_like(cls, pool: "StatePool", num_slots: int | None = None, device=None) -> "StatePool":
+        """A new pool of `pool`'s slot shape and dtypes (its slot count and device unless given), unnamed."""
+        c, r = pool.conv, pool.recurrent
+        return cls(pool.num_slots if num_slots is None else num_slots, pool.num_layers, c.shape[2], c.shape[3] + 1,
+                   r.shape[2], r.shape[4], r.shape[3], c.dtype, r.dtype, c.device if device is None else device)  # fmt: skip
 
     @property
     def conv_flat(self) -> torch.Tensor:

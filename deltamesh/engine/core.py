@@ -131,7 +131,7 @@ class EngineCore:
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens the host has not read yet
         self.stats = EngineStats()
-        self.prefix_cache: PrefixCache | None = None
+        self.prefix_cache: PrefixCache | None = None  # data parallel: data_parallel.RankPrefixCaches
         if self.device.type == "cuda":
             self._warm_up()
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -146,10 +146,14 @@ class EngineCore:
         # Made after the warm-up, whose repeated prompts must run (and compile) every step shape in full.
         if self.checkpoint_pool is not None:
             turn_start = self.tokenizer.token_id(TURN_START) if self.tokenizer else None
-            self.prefix_cache = PrefixCache(self.kv_pool, self.state_pool, self.checkpoint_pool, self.stats,
-                                            config.prefix_cache_pages, config.state_checkpoint_interval, turn_start,
-                                            config.prefix_cache_memory_bytes())  # fmt: skip
-            self.scheduler.prefix_cache = self.prefix_cache
+            make = lambda kv, states, checkpoints: PrefixCache(  # noqa: E731
+                kv, states, checkpoints, self.stats, config.prefix_cache_pages, config.state_checkpoint_interval,
+                turn_start, config.prefix_cache_memory_bytes(),
+            )  # fmt: skip
+            if self.data_parallel:
+                self.prefix_cache = self.scheduler.attach_prefix_caches(make)
+            else:
+                self.prefix_cache = self.scheduler.prefix_cache = make(self.kv_pool, self.state_pool, self.checkpoint_pool)
         log.info(
             "engine ready", model=str(model_dir), family=mc.family, device=str(self.device), dtype=str(self.dtype),
             kv_pages=self.kv_pool.num_pages, page_size=config.page_size, state_slots=config.max_num_seqs,

@@ -19,6 +19,7 @@ step (async scheduling takes the next inputs from them on the device).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -113,14 +114,15 @@ class _Totals:
 
 
 class DataParallelScheduler:
-    """One Scheduler per rank behind the Scheduler's interface. A new request (or an arriving state) goes to the
-    rank with the fewest requests (slots in use and waiting), ties taken in turn; it runs there until it ends (a
-    preempted one waits there)."""
+    """One Scheduler per rank behind the Scheduler's interface. A new request goes to the rank whose prefix cache
+    holds the longest prefix of its prompt, if any; else (and an arriving state always) to the rank with the
+    fewest requests (slots in use and waiting), ties taken in turn. It runs there until it ends (a preempted one
+    waits there)."""
 
-    prefix_cache = None  # the prefix cache is not per rank yet (EngineConfig.validate refuses it)
+    prefix_cache = None  # each rank's scheduler has its own (`attach_prefix_caches`)
 
-    def __init__(self, schedulers: list[Scheduler]):
-        self.ranks = schedulers
+    def __init__(self, schedulers: list[Scheduler], pools: list["RankPools"]):
+        self.ranks, self.pools = schedulers, pools
         self.kv_pool = _Totals([s.kv_pool for s in schedulers])
         self.state_pool = _Totals([s.state_pool for s in schedulers])
         self._lock = threading.Lock()  # reservations come from other threads
@@ -150,9 +152,17 @@ class DataParallelScheduler:
         return rank
 
     def add(self, request: Request) -> None:
+        hits = [s.prefix_cache.cached_tokens(request.prompt_ids) if s.prefix_cache else 0 for s in self.ranks]
+        best = max(hits)
         with self._lock:
-            request.dp_rank = self._pick(list(range(len(self.ranks))))
+            request.dp_rank = self._pick([r for r, hit in enumerate(hits) if hit == best])
         self.ranks[request.dp_rank].add(request)
+
+    def attach_prefix_caches(self, make) -> "RankPrefixCaches":
+        """A prefix cache per rank, over that rank's pools (`make(kv, states, checkpoints)`)."""
+        for scheduler, pools in zip(self.ranks, self.pools):
+            scheduler.prefix_cache = make(pools.kv, pools.states, pools.checkpoints)
+        return RankPrefixCaches([s.prefix_cache for s in self.ranks])
 
     def add_running(self, request: Request) -> None:
         self.ranks[request.dp_rank].add_running(request)
@@ -195,22 +205,65 @@ def leader_scheduling(config, followers, rank) -> tuple:
         for pool in filter(None, (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)):
             pool.mirror = followers.pool_ops
         return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(followers, rank.kv_pool, rank.state_pool)
-    others = [bookkeeping_pools(rank.kv_pool, rank.state_pool, ops) for ops in followers.rank_ops[1:]]
-    schedulers = [scheduler(rank.kv_pool, rank.state_pool)] + [scheduler(*pools) for pools in others]
-    return DataParallelScheduler(schedulers), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool)
+    pools = [RankPools(rank.kv_pool, rank.state_pool, rank.checkpoint_pool)]
+    pools += [pools[0].bookkeeping(ops) for ops in followers.rank_ops[1:]]
+    schedulers = [scheduler(p.kv, p.states) for p in pools]
+    return DataParallelScheduler(schedulers, pools), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool)
 
 
-def bookkeeping_pools(kv: KVPagePool, states: StatePool, ops: list) -> tuple[KVPagePool, StatePool]:
-    """Pools shaped as `kv` and `states` on the meta device (no memory): the leader's allocator of a follower's
-    pools. Their writes (a slot zeroed for a new request) are recorded in `ops` for that rank to repeat."""
-    meta = torch.device("meta")
-    kv_copy = KVPagePool(kv.num_pages, kv.page_size, kv.num_layers, kv.data.shape[4], kv.data.shape[5], kv.data.dtype,
-                         meta)  # fmt: skip
-    s = states
-    state_copy = StatePool(s.num_slots, s.num_layers, s.conv.shape[2], s.conv.shape[3] + 1, s.recurrent.shape[2],
-                           s.recurrent.shape[4], s.recurrent.shape[3], s.conv.dtype, s.recurrent.dtype, meta)  # fmt: skip
-    state_copy.name, state_copy.mirror = "slots", ops
-    return kv_copy, state_copy
+class RankPrefixCaches:
+    """The ranks' prefix caches behind the part of PrefixCache's interface the engine uses: a request's own on
+    its rank, the counts summed, the longest hit of any rank."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    def register(self, req: Request) -> None:
+        self.caches[req.dp_rank].register(req)
+
+    def register_finished(self, req: Request) -> None:
+        self.caches[req.dp_rank].register_finished(req)
+
+    def cached_tokens(self, prompt_ids: list[int]) -> int:
+        return max(c.cached_tokens(prompt_ids) for c in self.caches)
+
+    def reclaimable(self) -> int:
+        return sum(c.reclaimable() for c in self.caches)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(c.num_pages for c in self.caches)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return sum(c.num_checkpoints for c in self.caches)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(c.num_bytes for c in self.caches)
+
+
+@dataclass
+class RankPools:
+    """One rank's pools (the prefix cache's checkpoints: None without it)."""
+
+    kv: KVPagePool
+    states: StatePool
+    checkpoints: StatePool | None
+
+    def bookkeeping(self, ops: list) -> "RankPools":
+        """Pools shaped as these on the meta device (no memory): the leader's allocator of a follower's pools.
+        Their writes (a slot zeroed for a new request; the prefix cache's copies) are recorded in `ops`, in
+        order, for that rank to repeat before its next step."""
+        meta = torch.device("meta")
+        copies = RankPools(KVPagePool.shaped_like(self.kv, device=meta), StatePool.shaped_like(self.states, device=meta),
+                           self.checkpoints and StatePool.shaped_like(self.checkpoints, device=meta))  # fmt: skip
+        copies.states.name = "slots"
+        if copies.checkpoints is not None:
+            copies.checkpoints.name = "checkpoints"
+        for pool in filter(None, (copies.kv, copies.states, copies.checkpoints)):
+            pool.mirror = ops
+        return copies
 
 
 class DataParallelHandoff:
@@ -229,14 +282,9 @@ class DataParallelHandoff:
     def pools(self) -> tuple[KVPagePool, StatePool]:
         with self._lock:
             if self._pools is None:
-                kv, s, n = self.kv_pool, self.state_pool, self.size
-                self._pools = (
-                    KVPagePool(n * (kv.num_pages + 1) - 1, kv.page_size, kv.num_layers, kv.data.shape[4],
-                               kv.data.shape[5], kv.data.dtype, kv.data.device),
-                    StatePool(n * (s.num_slots + 1) - 1, s.num_layers, s.conv.shape[2], s.conv.shape[3] + 1,
-                              s.recurrent.shape[2], s.recurrent.shape[4], s.recurrent.shape[3], s.conv.dtype,
-                              s.recurrent.dtype, s.conv.device),
-                )  # fmt: skip
+                kv, states, n = self.kv_pool, self.state_pool, self.size
+                self._pools = (KVPagePool.shaped_like(kv, n * (kv.num_pages + 1) - 1),
+                               StatePool.shaped_like(states, n * (states.num_slots + 1) - 1))  # fmt: skip
             return self._pools
 
     def _place(self, pages: list[int], slot: int, rank: int) -> tuple[list[int], int]:

@@ -134,8 +134,6 @@ class EngineConfig:
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot both be above 1 (data-parallel "
                              "attention runs one rank per request)")
-        if self.data_parallel_size > 1 and self.prefix_cache:
-            raise ValueError("the prefix cache does not work with data_parallel_size > 1 yet")
         if self.max_num_seqs < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.state_dtype not in ("float32", "bfloat16"):

@@ -83,8 +83,6 @@ def test_layouts_that_do_not_fit_are_refused(hf_checkpoints):
         shard_config(full, 4, expert_parallel=True, data_parallel=True)
     with pytest.raises(ValueError, match="cannot both be above 1"):
         Engine(engine_config(path, 2, data_parallel_size=2))
-    with pytest.raises(ValueError, match="prefix cache"):
-        dp_engine(path, prefix_cache=True)
 
 
 def test_a_data_parallel_rank_reads_whole_tensors_but_its_share_of_the_experts(hf_checkpoints):
@@ -112,3 +110,32 @@ def test_a_rank_dying_fails_requests_with_the_reason(hf_checkpoints):
         done = e.generate(prompts()[:1], SamplingParams(max_tokens=4, temperature=0))
         assert done[0].error and "rank 1 exited" in done[0].error
         assert e.core.failure
+
+
+def test_prefix_cache_on_each_rank_and_conversations_return_to_their_rank(hf_checkpoints):
+    """Each rank caches the prefixes and finished conversations it computed (its copies of state slots and
+    pages repeated by the rank before its next step); a conversation's next turn goes to the rank that holds it
+    and starts from there. Tokens as the one-rank engine's without a cache."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    path = hf_checkpoints["qwen3_next"]
+
+    def next_turns(replies):
+        return [p + c.token_ids + [7, 8, 9] for p, c in zip(prompts(), replies)]
+
+    with dp_engine(path, enable_expert_parallel=True, prefix_cache=True) as e:
+        first = e.generate(prompts(), params)
+        ranks = e.core.scheduler.ranks
+        assert all(s.prefix_cache.num_checkpoints for s in ranks)  # both ranks computed and cached some
+        e.generate([[3] * 4, [4] * 4, [5] * 4], params)  # one page each: overwrite the pages the replies ended in
+        hits = e.core.stats.prefix_cache_hits
+        # in an order that taking ranks in turn would place on the wrong ranks (the first turns went 0, 1, 0)
+        order = [1, 0, 2]
+        follow_up = e.generate([next_turns(first)[i] for i in order], params)
+        follow_up = [follow_up[order.index(i)] for i in range(3)]
+        assert e.core.stats.prefix_cache_hits >= hits + len(first)  # every conversation found on its rank
+        assert e.core.loads()["prefix_cache_pages"] == sum(s.prefix_cache.num_pages for s in ranks)
+    with Engine(engine_config(path, 1)) as e:
+        want = e.generate(prompts(), params)
+        want_follow_up = e.generate(next_turns(want), params)
+    assert [c.token_ids for c in first] == [c.token_ids for c in want]
+    assert [c.token_ids for c in follow_up] == [c.token_ids for c in want_follow_up]
