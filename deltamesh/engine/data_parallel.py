@@ -34,22 +34,16 @@ from deltamesh.engine.tp_handoff import TensorParallelHandoff, rank_state, store
 class DataParallelGroup(TensorParallelGroup):
     """The collectives of a data-parallel engine (over all its ranks)."""
 
-    counts: list[int] = []  # tokens of each rank in the current step
-
-    def begin_step(self, num_tokens: int, device: torch.device) -> None:
-        """Every rank tells the others how many tokens it runs in this step (once per step, before any MoE layer)."""
-        import torch.distributed as dist
-
-        mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-        every = [torch.empty_like(mine) for _ in range(self.shard.size)]
-        dist.all_gather(every, mine, group=self.group)
-        self.counts = torch.cat(every).tolist()
+    # tokens of each rank in the current step: every rank knows all ranks' steps (run_rank), so no collective
+    # and no wait for the device tells it
+    counts: list[int] = []
 
     def moe(self, mlp, x: torch.Tensor, kernels) -> torch.Tensor:
         """A MoE layer over every rank's tokens; this rank's rows of its output."""
         import torch.distributed as dist
 
         counts, rank = self.counts, self.shard.rank
+        assert x.shape[0] == counts[rank], (x.shape, counts)  # the step this rank runs is the one counted
         padded = x.new_zeros((max(counts), x.shape[1]))
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in counts]
@@ -85,6 +79,7 @@ def run_rank(runner, group: DataParallelGroup, steps: list, rank: int, pending_c
     leader gets every rank's logits, in rank order."""
     if pending_count:
         pending_tokens = group.share_tokens(pending_tokens, pending_count, runner.device)
+    group.counts = [sum(s.query_lens) if s is not None else 0 for s in steps]
     step = steps[rank]
     logits = runner.run(step, pending_tokens) if step is not None else runner.idle()
     return group.gather_logits(logits, [len(s.sample_rows) if s is not None else 0 for s in steps])

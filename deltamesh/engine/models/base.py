@@ -123,8 +123,6 @@ class HybridLM(nn.Module, ABC):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
         tp, dp = self.tp, self.dp
-        if dp and self.moe_layers:
-            dp.begin_step(input_ids.shape[0], input_ids.device)
         residual = tp.embed(input_ids, self.embed) if tp else F.embedding(input_ids, self.embed)
         rope = self.rotary.cos_sin(batch.positions, residual.dtype)
         state_rows = state_pool.layer_rows(batch.state_slots)
@@ -154,9 +152,7 @@ class HybridLM(nn.Module, ABC):
         """A data-parallel rank with no tokens in a step: its part of each MoE layer for the other ranks' tokens."""
         if not self.moe_layers:
             return
-        device = self.embed.device
-        self.dp.begin_step(0, device)
-        nothing = torch.empty((0, self.cfg.hidden_size), dtype=self.embed.dtype, device=device)
+        nothing = torch.empty((0, self.cfg.hidden_size), dtype=self.embed.dtype, device=self.embed.device)
         for moe in self.moe_layers:
             self.dp.moe(moe, nothing, kernels)
 
