@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -226,11 +227,14 @@ def _repeat(ops: list[tuple], me, pools: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="a follower rank of a tensor-parallel deltamesh engine")
+    p = argparse.ArgumentParser(description="a follower rank of a parallel deltamesh engine")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--init", required=True, help="torch.distributed init method of the leader")
     p.add_argument("--settings", required=True, help="the leader's EngineConfig, as JSON")
     args = p.parse_args()
+    # Ctrl-C reaches the whole process group: the leader stops its followers itself (a "stop" message), and a
+    # leader that is gone ends them through their next collective
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     follow(EngineConfig(**json.loads(args.settings)), args.rank, args.init)
 
 
