@@ -7,6 +7,7 @@ between data-parallel and one-rank engines."""
 import pytest
 
 from deltamesh.engine import SamplingParams
+from deltamesh.engine.request import FinishReason
 from deltamesh.engine.engine import Engine
 from deltamesh.engine.parallel import ParallelConfigError, Shard, shard_config
 from test_tensor_parallel import assert_same, engine_config, prompts, run
@@ -138,3 +139,35 @@ def test_prefix_cache_on_each_rank_and_conversations_return_to_their_rank(hf_che
         want_follow_up = e.generate(next_turns(want), params)
     assert [c.token_ids for c in first] == [c.token_ids for c in want]
     assert [c.token_ids for c in follow_up] == [c.token_ids for c in want_follow_up]
+
+
+def test_preemption_and_aborts_on_every_rank_leave_the_others_exact(hf_checkpoints):
+    """Pools too small for the load preempt requests on both ranks (their slots zeroed and refilled through the
+    rank's next steps), and requests aborted mid-run on both ranks free their space: the others still give the
+    one-rank engine's tokens, and every pool of every rank ends empty."""
+    from test_engine import run_all
+    from test_tp_handoff import core
+
+    path = hf_checkpoints["qwen3_5_moe"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    long_prompts = [p * 2 for p in prompts()] + prompts()  # six requests, three per rank
+    small = core(path, 1, data_parallel_size=2, enable_expert_parallel=True, num_kv_pages=20)
+    try:
+        reqs = [small.make_request(p, params, f"r{i}") for i, p in enumerate(long_prompts)]
+
+        def on_step(step: int) -> None:
+            if step == 3:
+                assert (reqs[4].dp_rank, reqs[3].dp_rank) == (0, 1)
+                small.abort("r4")
+                small.abort("r3")
+
+        got, finals = run_all(small, reqs, on_step)
+        assert all(s.num_preemptions > 0 for s in small.scheduler.ranks)
+        assert all(s.kv_pool.num_used == 0 and s.state_pool.num_used == 0 for s in small.scheduler.ranks)
+    finally:
+        small.close()
+    assert finals["r4"].finish_reason == finals["r3"].finish_reason == FinishReason.ABORT
+    kept = [0, 1, 2, 5]
+    with Engine(engine_config(path, 1, num_kv_pages=256)) as e:
+        want = e.generate([long_prompts[i] for i in kept], params)
+    assert [got[f"r{i}"] for i in kept] == [c.token_ids for c in want]
