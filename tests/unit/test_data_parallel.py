@@ -143,8 +143,8 @@ def test_prefix_cache_on_each_rank_and_conversations_return_to_their_rank(hf_che
 
 def test_preemption_and_aborts_on_every_rank_leave_the_others_exact(hf_checkpoints):
     """Pools too small for the load preempt requests on both ranks (their slots zeroed and refilled through the
-    rank's next steps), and requests aborted mid-run on both ranks free their space: the others still give the
-    one-rank engine's tokens, and every pool of every rank ends empty."""
+    rank's next steps), and requests aborted on both ranks (running or waiting) free their space: the others
+    give the one-rank engine's tokens, and every pool of every rank ends empty."""
     from test_engine import run_all
     from test_tp_handoff import core
 
