@@ -19,7 +19,7 @@ _EXPORTS = {
     "PoolExhausted": "deltamesh.engine.cache",
     "RequestError": "deltamesh.engine.request",
     "RequestOutput": "deltamesh.engine.request",
-    "Reservation": "deltamesh.engine.core",
+    "Reservation": "deltamesh.engine.reservations",
     "SamplingParams": "deltamesh.engine.sampling",
     "validate_request": "deltamesh.engine.request",
 }

@@ -22,7 +22,6 @@ admissions start from; a held state's pages may be shared with it (the transfer 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import queue
 import threading
@@ -41,6 +40,7 @@ from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import shard_config
 from deltamesh.engine.prefix_cache import TURN_START, PrefixCache
 from deltamesh.engine.rank import build_rank
+from deltamesh.engine.reservations import Reservation, Reservations
 from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
@@ -50,30 +50,6 @@ from deltamesh.engine.tp_workers import Followers
 log = structlog.get_logger("deltamesh.engine")
 
 Sink = Callable[[RequestOutput], None]
-
-
-@dataclass
-class Reservation:
-    """Pool space held for a request state arriving from a prefill worker."""
-
-    slot: int
-    pages: list[int]
-    regions: list[Region] = field(default_factory=list)
-    # Recorded on the engine's stream when the space was taken. A step launched before then may still write
-    # this memory (a request that ended while its next step ran ahead): nothing may write the regions from
-    # outside that stream (a UCX pull) before `wait_ready`.
-    ready: torch.cuda.Event | None = None
-    rank: int = 0  # data-parallel attention: the rank whose pools these are
-
-    def wait_ready(self) -> None:
-        """Block (GIL released) until no launched step can still write this space."""
-        if self.ready is not None:
-            self.ready.synchronize()
-
-    async def wait_ready_async(self) -> None:
-        """`wait_ready` off the event loop's thread."""
-        if self.ready is not None:
-            await asyncio.to_thread(self.ready.synchronize)
 
 
 @dataclass
@@ -122,6 +98,7 @@ class EngineCore:
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
         self.scheduler, self.handoff = data_parallel.leader_scheduling(config, self.followers, rank)
+        self.reservations = Reservations(self.scheduler, self.handoff, self.kv_pool, self.state_pool, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, Sink] = {}
@@ -227,6 +204,7 @@ class EngineCore:
         request.output_ids = [first_token]
         request.num_computed = len(request.prompt_ids)
         request.slot, request.pages, request.dp_rank = reservation.slot, reservation.pages, reservation.rank
+        request.staged = reservation.staged
         if request.detokenizer is not None:
             request.detokenizer.add(first_token)  # replays what the prefill worker already streamed
         self._commands.put(("add_running", request, sink))
@@ -254,6 +232,7 @@ class EngineCore:
             elif arg.request_id in self.requests or self.held_request(arg.request_id) is not None:
                 sink(RequestOutput(arg.request_id, [], "", finished=True, finish_reason=FinishReason.ERROR,
                                    error=f"duplicate request id {arg.request_id!r}"))  # fmt: skip
+                self.reservations.unstage(arg)
                 self.scheduler.free(arg)  # the state it arrived with, if any, is not used
             else:
                 self.requests[arg.request_id] = arg
@@ -271,9 +250,11 @@ class EngineCore:
         if self.handoff is None:
             return None
         try:
-            self.handoff.scatter(req.pages, req.slot, req.dp_rank)
+            self.handoff.scatter(req.pages, req.slot, req.dp_rank, req.staged)
+            self.reservations.unstage(req)
             return None
         except Exception as e:
+            self.reservations.unstage(req)
             log.exception("scattering an arrived state to the ranks failed", request_id=req.request_id)
             return self._finish(req, FinishReason.ERROR, error=f"tensor-parallel ranks could not take the arrived "
                                                                f"state: {e}")  # fmt: skip
@@ -441,7 +422,7 @@ class EngineCore:
         return self._regions(req.pages, req.slot, req.dp_rank)
 
     def _regions(self, pages: list[int], slot: int, rank: int) -> list[Region]:
-        """Where a request's state leaves or arrives: the pools, or the hand-off copy of a parallel engine."""
+        """Where a held state leaves from: the pools, or the hand-off copy of a parallel engine."""
         if self.handoff is not None:
             return self.handoff.regions(pages, slot, rank)
         return self.kv_pool.regions(pages) + self.state_pool.regions(slot)
@@ -463,18 +444,10 @@ class EngineCore:
 
     # ---- reservations (decode side; any thread) ----------------------------------------------------------
     def reserve(self, num_tokens: int) -> Reservation:
-        """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free.
-        Nothing is written to them here: the pull fills every byte, from UCX's own CUDA stream, and a zeroing
-        kernel queued on the engine's stream could land after it and wipe the pulled state."""
-        rank, slot, pages = self.scheduler.reserve(num_tokens)
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.default_stream(self.device))
-        return Reservation(slot, pages, self._regions(pages, slot, rank), ready, rank)
+        return self.reservations.reserve(num_tokens)
 
     def cancel_reservation(self, reservation: Reservation) -> None:
-        self.scheduler.cancel(reservation.rank, reservation.slot, reservation.pages)
+        self.reservations.cancel(reservation)
 
     # ---- observability ----------------------------------------------------------------------------------------
     def loads(self) -> dict:

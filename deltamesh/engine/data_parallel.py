@@ -28,7 +28,15 @@ from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.engine.request import Request
 from deltamesh.engine.scheduler import ScheduledItem, Scheduler
 from deltamesh.engine.state_shards import RequestState
-from deltamesh.engine.tp_handoff import TensorParallelHandoff, rank_state, store_rank_state
+from deltamesh.engine.tp_handoff import (
+    ArrivalArea,
+    Arrivals,
+    Handoff,
+    Staged,
+    TensorParallelHandoff,
+    rank_state,
+    store_rank_state,
+)
 
 
 class DataParallelGroup(TensorParallelGroup):
@@ -195,15 +203,19 @@ def leader_scheduling(config, followers, rank) -> tuple:
 
     if followers is None:
         return scheduler(rank.kv_pool, rank.state_pool), None
+    max_model_len = config.resolved_max_model_len(rank.model_config.max_position_embeddings)
+    arrivals = Arrivals.of(config.resolved_handoff_states(), max_model_len, rank.kv_pool, rank.state_pool)
     if config.data_parallel_size == 1:
         rank.runner.followers = followers
         for pool in filter(None, (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)):
             pool.mirror = followers.pool_ops
-        return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(followers, rank.kv_pool, rank.state_pool)
+        return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(followers, rank.kv_pool, rank.state_pool,
+                                                                               arrivals)  # fmt: skip
     pools = [RankPools(rank.kv_pool, rank.state_pool, rank.checkpoint_pool)]
     pools += [pools[0].bookkeeping(ops) for ops in followers.rank_ops[1:]]
     schedulers = [scheduler(p.kv, p.states) for p in pools]
-    return DataParallelScheduler(schedulers, pools), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool)
+    return DataParallelScheduler(schedulers, pools), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool,
+                                                                         arrivals)  # fmt: skip
 
 
 class RankPrefixCaches:
@@ -261,17 +273,21 @@ class RankPools:
         return copies
 
 
-class DataParallelHandoff:
-    """The leader's side of hand-offs: a held or arriving request's state, whichever rank holds it, in one place
-    that the transport reads or writes. That place is a one-rank pool with room for every rank's pages and slots
-    (rank r's page p is row r * (pages + 1) + p there), made on the first hand-off; the state moves between it
-    and the rank point to point."""
+class DataParallelHandoff(Handoff):
+    """The leader's side of hand-offs: a held or arriving request's state, whichever rank holds it, in a place
+    the transport reads or writes, and moved between there and the rank point to point. A held state's place is
+    a pool with room for every rank's pages and slots (rank r's page p is row r * (pages + 1) + p there), made on
+    the first held state; an arriving state's is taken in the arrival area (tp_handoff.ArrivalArea)."""
 
-    def __init__(self, followers, kv_pool: KVPagePool, state_pool: StatePool):
-        self.followers, self.kv_pool, self.state_pool = followers, kv_pool, state_pool
+    def __init__(self, followers, kv_pool: KVPagePool, state_pool: StatePool, arrivals: Arrivals):
+        super().__init__(followers, kv_pool, state_pool, arrivals)
         self.size = followers.group.shard.size
         self._pools: tuple[KVPagePool, StatePool] | None = None
-        self._lock = threading.Lock()
+
+    def _make_area(self) -> ArrivalArea:
+        a = self.arrivals
+        return ArrivalArea(KVPagePool.shaped_like(self.kv_pool, a.pages),
+                           StatePool.shaped_like(self.state_pool, a.states))  # fmt: skip
 
     @property
     def pools(self) -> tuple[KVPagePool, StatePool]:
@@ -302,11 +318,11 @@ class DataParallelHandoff:
         if self.kv_pool.data.is_cuda:  # the transport reads the pools from outside the engine's stream
             torch.cuda.current_stream(self.kv_pool.data.device).synchronize()
 
-    def scatter(self, pages: list[int], slot: int, rank: int = 0) -> None:
-        """An arrived state, from the hand-off pools into its rank's pools (stepping thread)."""
+    def scatter(self, pages: list[int], slot: int, rank: int, staged: Staged) -> None:
+        """An arrived state, from the arrival area into its rank's pools (stepping thread)."""
         import torch.distributed as dist
 
-        state = rank_state(*self.pools, *self._place(pages, slot, rank))
+        state = self.area.read(staged)
         if rank == 0:
             store_rank_state(self.kv_pool, self.state_pool, pages, slot, state)
             return

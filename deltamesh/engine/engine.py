@@ -12,7 +12,8 @@ from typing import AsyncIterator
 import structlog
 import torch
 
-from deltamesh.engine.core import EngineCore, Reservation
+from deltamesh.engine.core import EngineCore
+from deltamesh.engine.reservations import Reservation
 from deltamesh.engine.handoff import check_layouts, compat_hash
 from deltamesh.engine.prefix_cache import PinnedPrefix
 from deltamesh.engine.request import RequestError

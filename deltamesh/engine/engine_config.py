@@ -59,6 +59,10 @@ class EngineConfig:
     # everything but the MoE layers, whose experts the ranks share
     data_parallel_size: int = _setting(1, "Ranks (GPUs on CUDA) that each run their own requests through "
                                           "attention and GDN and share the MoE layers' experts")  # fmt: skip
+    # what a parallel worker receives a state into before its ranks take it (tp_handoff.ArrivalArea); on CUDA its
+    # memory is left free when the KV pool is sized
+    handoff_states: int | None = _setting(None, "Decode workers over several ranks: states that can arrive at once "
+                                                "(default: --max-num-seqs on CPU, 4 on CUDA)")  # fmt: skip
     seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
     cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")
@@ -101,6 +105,11 @@ class EngineConfig:
         """Processes (GPUs on CUDA) one engine runs on."""
         return self.tensor_parallel_size * self.data_parallel_size
 
+    def resolved_handoff_states(self) -> int:
+        if self.handoff_states is not None:
+            return self.handoff_states
+        return self.max_num_seqs if self.device == "cpu" else 4
+
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
@@ -129,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.handoff_states is not None and self.handoff_states < 1:
+            raise ValueError(f"handoff_states must be >= 1, got {self.handoff_states}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:

@@ -2,28 +2,30 @@
 
 Each rank holds its part of a request's state in its own pools (engine/state_shards.py says which part). What
 a prefill worker offers and a decode worker receives is the state in the layout of a one-rank engine, so a
-worker of any layout can pull it. The leader (rank 0) keeps that layout in pools of its own, `OneRankPools`,
-indexed by the same page ids and slots as the ranks' pools: no allocator of their own, and a request's pages and
-slot name its place there too. They are made on the first hand-off (a colocated worker never makes them).
+worker of any layout can pull it. The leader (rank 0) keeps that layout in pools of its own:
 
 - prefill: when a request's state is held, `gather` brings every rank's part to the leader (torch.distributed
-  gather over the engine's group) and merges them into the one-rank pools, which the transport offers.
-- decode: the transport pulls into the one-rank pools; before the request's first step, `scatter` splits the
-  state and sends each rank its part (scatter over the group), which each rank writes into its own pools.
+  gather over the engine's group) and merges them into `OneRankPools`, indexed by the same page ids and slots as
+  the ranks' pools (no allocator of their own), which the transport offers. Made on the first held state; as
+  large as the ranks' pools, which is why a parallel prefill worker is refused on CUDA.
+- decode: space for an arriving state is taken in a small `ArrivalArea` of its own (a few states of the longest
+  context); the transport pulls into it; before the request's first step, `scatter` splits the state and sends
+  each rank its part (scatter over the group), which each rank writes into its own pools, and the area's space
+  is given back.
 
 Both run on the leader's stepping thread, which also sends the steps: the followers meet them in the same order
 (engine/tp_workers.py), after every step launched before, so the state they read is final and what they write
-is in place before the request's first step. The cost is one copy of the state through the leader, and the
-one-rank pools' memory on it.
+is in place before the request's first step. The cost is one copy of the state through the leader.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
-from deltamesh.engine.cache import KVPagePool, Region, StatePool, pool_views
+from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool, pool_views
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.parallel import Shard, TensorParallelGroup
 from deltamesh.engine.state_shards import RequestState, merge, split
@@ -65,17 +67,18 @@ def scatter_parts(tp: TensorParallelGroup, like: RequestState, parts: list[Reque
 
 
 class OneRankPools:
-    """The pools of a one-rank engine of the same model, page count and slot count: where the leader keeps the
-    states that leave or arrive."""
+    """The pools of a one-rank engine of the same model (of the page and slot counts given, else those of
+    `like_kv` and `like_states`): where the leader keeps the states that leave."""
 
-    def __init__(self, full: ModelConfig, like_kv: KVPagePool, like_states: StatePool):
+    def __init__(self, full: ModelConfig, like_kv: KVPagePool, like_states: StatePool, num_pages: int | None = None,
+                 num_slots: int | None = None):  # fmt: skip
         data, conv, recurrent = like_kv.data, like_states.conv, like_states.recurrent
-        self.kv = KVPagePool(like_kv.num_pages, like_kv.page_size, len(full.full_layers), full.num_key_value_heads,
-                             full.head_dim, data.dtype, data.device)  # fmt: skip
+        self.kv = KVPagePool(like_kv.num_pages if num_pages is None else num_pages, like_kv.page_size,
+                             len(full.full_layers), full.num_key_value_heads, full.head_dim, data.dtype, data.device)  # fmt: skip
         self.states = StatePool(
-            like_states.num_slots, len(full.linear_layers), full.conv_dim, full.linear_conv_kernel_dim,
-            full.linear_num_value_heads, full.linear_key_head_dim, full.linear_value_head_dim, conv.dtype,
-            recurrent.dtype, conv.device,
+            like_states.num_slots if num_slots is None else num_slots, len(full.linear_layers), full.conv_dim,
+            full.linear_conv_kernel_dim, full.linear_num_value_heads, full.linear_key_head_dim,
+            full.linear_value_head_dim, conv.dtype, recurrent.dtype, conv.device,
         )  # fmt: skip
 
     def read(self, pages: list[int], slot: int) -> RequestState:
@@ -88,14 +91,99 @@ class OneRankPools:
         return self.kv.regions(pages) + self.states.regions(slot)
 
 
-class TensorParallelHandoff:
-    """The leader's side: the one-rank pools, and moving a request's state between them and the ranks."""
+@dataclass(frozen=True)
+class Staged:
+    """Where one arriving state waits in an ArrivalArea."""
 
-    def __init__(self, followers, kv_pool: KVPagePool, state_pool: StatePool):
-        self.followers, self.kv_pool, self.state_pool = followers, kv_pool, state_pool
+    pages: list[int]
+    slot: int
+
+
+class ArrivalArea:
+    """Where a parallel worker receives states: one-rank layout pools with their own allocator, room for a few
+    states of the longest context (`Arrivals`), each taken when its space is reserved and given back once its
+    rank or ranks took it, before its first step. Far smaller than a copy of the pools, which on a GPU take most
+    of its memory."""
+
+    def __init__(self, kv: KVPagePool, states: StatePool):
+        self.kv, self.states = kv, states
+
+    def take(self, num_pages: int) -> Staged:
+        """Space for a state of `num_pages` pages; PoolExhausted when the area is full."""
+        slot = self.states.alloc(zeroed=False)
+        try:
+            return Staged(self.kv.alloc(num_pages), slot)
+        except PoolExhausted:
+            self.states.free(slot)
+            raise
+
+    def give_back(self, staged: Staged) -> None:
+        self.kv.free(staged.pages)
+        self.states.free(staged.slot)
+
+    def read(self, staged: Staged) -> RequestState:
+        return rank_state(self.kv, self.states, staged.pages, staged.slot)
+
+    def regions(self, staged: Staged) -> list[Region]:
+        return self.kv.regions(staged.pages) + self.states.regions(staged.slot)
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """The size of a parallel worker's ArrivalArea: room for `states` states and `pages` pages in all."""
+
+    states: int
+    pages: int
+
+    @classmethod
+    def of(cls, states: int, max_model_len: int, kv: KVPagePool, slots: StatePool) -> "Arrivals":
+        """`states` states of the longest context, but no more than the pools could take at once."""
+        return cls(min(states, slots.num_slots), min(states * kv.pages_for(max_model_len), kv.num_pages))
+
+
+class Handoff:
+    """What both parallel hand-offs share: the arrival area, made on the first arrival."""
+
+    def __init__(self, followers, kv_pool: KVPagePool, state_pool: StatePool, arrivals: Arrivals):
+        self.followers, self.kv_pool, self.state_pool, self.arrivals = followers, kv_pool, state_pool, arrivals
+        self._area: ArrivalArea | None = None
+        self._lock = threading.Lock()
+
+    def _make_area(self) -> ArrivalArea:
+        raise NotImplementedError
+
+    @property
+    def area(self) -> ArrivalArea:
+        with self._lock:
+            if self._area is None:
+                self._area = self._make_area()
+            return self._area
+
+    def stage(self, num_pages: int) -> Staged:
+        """Room for an arriving state of `num_pages` pages (any thread); PoolExhausted when there is none."""
+        return self.area.take(num_pages)
+
+    def unstage(self, staged: Staged) -> None:
+        self.area.give_back(staged)
+
+    def staged_regions(self, staged: Staged) -> list[Region]:
+        """Where the transport writes the arriving state (the one-rank layout)."""
+        return self.area.regions(staged)
+
+
+class TensorParallelHandoff(Handoff):
+    """The leader's side: the one-rank pools of held states, the arrival area, and moving a request's state
+    between them and the ranks."""
+
+    def __init__(self, followers, kv_pool: KVPagePool, state_pool: StatePool, arrivals: Arrivals):
+        super().__init__(followers, kv_pool, state_pool, arrivals)
         self.tp: TensorParallelGroup = followers.group
         self._pools: OneRankPools | None = None
-        self._lock = threading.Lock()
+
+    def _make_area(self) -> ArrivalArea:
+        a = self.arrivals
+        pools = OneRankPools(self.tp.shard.full, self.kv_pool, self.state_pool, a.pages, a.states)
+        return ArrivalArea(pools.kv, pools.states)
 
     @property
     def pools(self) -> OneRankPools:
@@ -112,9 +200,9 @@ class TensorParallelHandoff:
         self.pools.write(pages, slot, merge(parts, self.tp.shard.full, self.tp.shard.expert_parallel))
         self._synchronize()
 
-    def scatter(self, pages: list[int], slot: int, rank: int = 0) -> None:
-        """An arrived state, from the one-rank pools into each rank's pools (stepping thread)."""
-        whole = self.pools.read(pages, slot)
+    def scatter(self, pages: list[int], slot: int, rank: int, staged: Staged) -> None:
+        """An arrived state, from the arrival area into each rank's pools (stepping thread)."""
+        whole = self.area.read(staged)
         shard = self.tp.shard
         parts = [split(whole, Shard(shard.size, r, shard.full, shard.expert_parallel)) for r in range(shard.size)]
         self.followers.send_scatter(pages, slot)

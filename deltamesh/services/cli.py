@@ -71,14 +71,14 @@ def _transport_known(name: str) -> None:
 
 
 def _handoff_fits(role: str, engine) -> None:
-    """A parallel prefill or decode worker's leader keeps a copy of the pools for the hand-off
-    (engine/tp_handoff.py, engine/data_parallel.py), which the GPU memory sizing does not count yet: refused on
-    CUDA before loading."""
-    if role != "colocated" and engine.num_ranks > 1 and engine.device.startswith("cuda"):
+    """A parallel prefill worker's leader keeps its held states in a copy of the pools (engine/tp_handoff.py,
+    engine/data_parallel.py), which would not fit beside them on a GPU: refused on CUDA before loading. A
+    parallel decode worker receives into a small arrival area instead, which the GPU memory sizing leaves room for."""
+    if role == "prefill" and engine.num_ranks > 1 and engine.device.startswith("cuda"):
         raise typer.BadParameter(
-            f"a {role} worker over several GPUs is not supported yet: the hand-off's copy of the pools would not "
+            "a prefill worker over several GPUs is not supported yet: its held states' copy of the pools would not "
             "fit beside them (docs/notes/tensor-parallel-handoff.md); on CUDA, --tensor-parallel-size and "
-            "--data-parallel-size above 1 are for colocated workers (on CPU every role takes them)",
+            "--data-parallel-size above 1 are for decode and colocated workers (on CPU every role takes them)",
             param_hint="--tensor-parallel-size / --data-parallel-size",
         )  # fmt: skip
 

@@ -23,6 +23,12 @@ def dp_engine(path, dp: int = 2, **kw) -> Engine:
     return Engine(engine_config(path, 1, data_parallel_size=dp, **kw))
 
 
+def core_dp(path, **kw):
+    from deltamesh.engine.core import EngineCore
+
+    return EngineCore(engine_config(path, 1, data_parallel_size=2, enable_expert_parallel=True, **kw))
+
+
 @pytest.mark.parametrize("family,expert_parallel", [("qwen3_5", False), ("qwen3_5_moe", True),
                                                      ("qwen3_5_moe", False), ("qwen3_next", True)])  # fmt: skip
 def test_two_data_parallel_ranks_match_one(hf_checkpoints, family, expert_parallel):
@@ -171,3 +177,40 @@ def test_preemption_and_aborts_on_every_rank_leave_the_others_exact(hf_checkpoin
     with Engine(engine_config(path, 1, num_kv_pages=256)) as e:
         want = e.generate([long_prompts[i] for i in kept], params)
     assert [got[f"r{i}"] for i in kept] == [c.token_ids for c in want]
+
+
+def test_states_arrive_through_a_small_area_and_wait_when_it_is_full(hf_checkpoints):
+    """A parallel engine receives each state into its arrival area (room for --handoff-states states), not into
+    a copy of its pools: with room for one, a second reservation is refused (its rank space given back) until
+    the first state has gone to its rank, before the request's first step."""
+    from deltamesh.engine.cache import PoolExhausted
+    from test_tp_handoff import PARAMS as HANDOFF_PARAMS
+    from test_tp_handoff import held_states, one_rank_tokens
+
+    path = hf_checkpoints["qwen3_next"]
+    first, held = held_states(path, 1)
+    engine = core_dp(path, handoff_states=1)
+    try:
+        tokens = {}
+        for i, prompt in enumerate(prompts()):
+            rid = f"r{i}"
+            used = engine.loads()["state_slots_used"]
+            reservation = engine.reserve(len(prompt))
+            with pytest.raises(PoolExhausted):
+                engine.reserve(len(prompt))
+            assert engine.loads()["state_slots_used"] == used + 1  # the refused one's slot given back
+            offset = 0
+            for region in reservation.regions:
+                region.tensor.copy_(held[rid][offset : offset + region.nbytes])
+                offset += region.nbytes
+            tokens[rid] = list(first[rid])
+            engine.submit_transferred(engine.make_request(prompt, HANDOFF_PARAMS, rid), first[rid][0], reservation,
+                                      lambda out, rid=rid: tokens[rid].extend(out.new_token_ids))  # fmt: skip
+            engine.dispatch(engine.process_commands())  # the state goes to its rank: the area is free again
+        while engine.has_work:
+            engine.dispatch(engine.step())
+        assert engine.handoff.area.states.num_used == 0 and engine.loads()["kv_pages_used"] == 0
+    finally:
+        engine.close()
+    want = one_rank_tokens(path)
+    assert tokens == {rid: want[rid] for rid in tokens}

@@ -14,7 +14,7 @@ import structlog
 
 from deltamesh.v1 import prefill_pb2
 from deltamesh.engine import PoolExhausted
-from deltamesh.engine.core import Reservation
+from deltamesh.engine.reservations import Reservation
 from deltamesh.services.common import metrics
 from deltamesh.services.common.worker import Worker
 from deltamesh.transfer import DescriptorError, LeaseKey, StatePuller, TransferError

@@ -1,0 +1,81 @@
+"""Pool space a worker reserves for a request state arriving from another worker (a decode worker's pull from
+a prefill worker, or a prefill worker's pull of a conversation a decode worker kept), and gives back if the
+state never comes."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool
+from deltamesh.engine.request import Request
+
+
+@dataclass
+class Reservation:
+    """Pool space held for a request state arriving from another worker."""
+
+    slot: int
+    pages: list[int]
+    regions: list[Region] = field(default_factory=list)
+    # Recorded on the engine's stream when the space was taken. A step launched before then may still write
+    # this memory (a request that ended while its next step ran ahead): nothing may write the regions from
+    # outside that stream (a UCX pull) before `wait_ready`.
+    ready: torch.cuda.Event | None = None
+    rank: int = 0  # data-parallel attention: the rank whose pools these are
+    staged: object = None  # a parallel engine: `regions` are this place of its arrival area (tp_handoff.Staged)
+
+    def wait_ready(self) -> None:
+        """Block (GIL released) until no launched step can still write this space."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    async def wait_ready_async(self) -> None:
+        """`wait_ready` off the event loop's thread."""
+        if self.ready is not None:
+            await asyncio.to_thread(self.ready.synchronize)
+
+
+class Reservations:
+    """Takes and gives back reserved space (any thread): a slot and pages of the scheduler's pools (of one rank,
+    under data parallelism), and on a parallel engine the place in its arrival area where the state lands before
+    the ranks take it (tp_handoff.ArrivalArea)."""
+
+    def __init__(self, scheduler, handoff, kv_pool: KVPagePool, state_pool: StatePool, device: torch.device):
+        self.scheduler, self.handoff, self.kv_pool, self.state_pool = scheduler, handoff, kv_pool, state_pool
+        self.device = device
+
+    def reserve(self, num_tokens: int) -> Reservation:
+        """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free.
+        Nothing is written to them here: the pull fills every byte, from UCX's own CUDA stream, and a zeroing
+        kernel queued on the engine's stream could land after it and wipe the pulled state."""
+        rank, slot, pages = self.scheduler.reserve(num_tokens)
+        staged = None
+        if self.handoff is not None:
+            try:
+                staged = self.handoff.stage(len(pages))
+            except PoolExhausted:
+                self.scheduler.cancel(rank, slot, pages)
+                raise
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.default_stream(self.device))
+        if staged is not None:
+            regions = self.handoff.staged_regions(staged)
+        else:
+            regions = self.kv_pool.regions(pages) + self.state_pool.regions(slot)
+        return Reservation(slot, pages, regions, ready, rank, staged)
+
+    def cancel(self, reservation: Reservation) -> None:
+        if reservation.staged is not None:
+            self.handoff.unstage(reservation.staged)
+        self.scheduler.cancel(reservation.rank, reservation.slot, reservation.pages)
+
+    def unstage(self, req: Request) -> None:
+        """Give back the arrival area's place of a request whose state its ranks took (or will never take)."""
+        if req.staged is not None:
+            self.handoff.unstage(req.staged)
+            req.staged = None
