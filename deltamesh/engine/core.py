@@ -26,6 +26,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +35,7 @@ import structlog
 import torch
 
 from deltamesh.engine import data_parallel
-from deltamesh.engine.cache import Region, pool_views
+from deltamesh.engine.cache import PoolExhausted, Region, pool_views
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import shard_config
@@ -107,6 +108,7 @@ class EngineCore:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens the host has not read yet
+        self._waiting_holds: deque[tuple[Request, RequestOutput]] = deque()  # for room in the hand-off area
         self.stats = EngineStats()
         self.prefix_cache: PrefixCache | None = None  # data parallel: data_parallel.RankPrefixCaches
         if self.device.type == "cuda":
@@ -221,7 +223,7 @@ class EngineCore:
         self._commands.put(("abort", request_id, None))
 
     def process_commands(self) -> list[RequestOutput]:
-        outputs = []
+        outputs = self._retry_holds() if self._waiting_holds else []
         while True:
             try:
                 kind, arg, sink = self._commands.get_nowait()
@@ -344,8 +346,8 @@ class EngineCore:
         outputs = []
         for req, tok, lp in zip(step.requests, tokens, logprobs):
             req.num_pending -= 1
-            if req.status != Status.FINISHED:
-                outputs.append(self._append_token(req, tok, lp, now))
+            if req.status != Status.FINISHED and (out := self._append_token(req, tok, lp, now)) is not None:
+                outputs.append(out)
         return outputs
 
     def _append_token(self, req: Request, token: int, lp, now: float) -> RequestOutput:
@@ -365,29 +367,45 @@ class EngineCore:
         )  # fmt: skip
         if req.finish_reason is not None:
             self._finish(req, req.finish_reason, out=out)
-        elif req.hold_state:
-            self._hold(req, out)
+        elif req.hold_state and not self._hold(req, out):
+            self.scheduler.remove(req)  # waits for room in the hand-off area, its output held back
+            self._waiting_holds.append((req, out))
+            return None
         return out
 
-    def _hold(self, req: Request, out: RequestOutput) -> None:
-        """Prefill-only request: done here, state kept for a decode worker to pull."""
+    def _retry_holds(self) -> list[RequestOutput]:
+        """The outputs of waiting prefill-only requests whose states found room in the hand-off area."""
+        done = []
+        while self._waiting_holds and self._hold(*self._waiting_holds[0]):
+            done.append(self._waiting_holds.popleft()[1])
+        return done
+
+    def _hold(self, req: Request, out: RequestOutput) -> bool:
+        """Prefill-only request: done here, state kept for a decode worker to pull. A parallel engine moves the
+        state into its hand-off area, and frees the ranks' space; False (nothing done) while the area is full."""
         if self.handoff is not None:
             try:
-                self.handoff.gather(req.pages, req.slot, req.dp_rank)
+                req.staged = self.handoff.gather(req.pages, req.slot, req.dp_rank)
+            except PoolExhausted:
+                return False
             except Exception as e:
                 log.exception("gathering a held state from the ranks failed", request_id=req.request_id)
-                self._finish(req, FinishReason.ERROR, out=out, error=f"tensor-parallel ranks could not hand over "
+                self._finish(req, FinishReason.ERROR, out=out, error=f"the engine's ranks could not hand over "
                                                                      f"the state: {e}")  # fmt: skip
-                return
+                return True
+            self.scheduler.free(req)
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         del self.requests[req.request_id]
         with self._held_lock:
             self._held[req.request_id] = req
         out.finished = True
+        return True
 
     def _finish(self, req: Request, reason: FinishReason, out: RequestOutput | None = None, error: str | None = None):
         self.scheduler.remove(req)
+        if any(r is req for r, _ in self._waiting_holds):  # aborted while waiting for the hand-off area
+            self._waiting_holds = deque(w for w in self._waiting_holds if w[0] is not req)
         if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.prefix_cache.register_finished(req)  # the next turn of a conversation starts from here
         self.scheduler.free(req)
@@ -419,13 +437,9 @@ class EngineCore:
         req = self.held_request(request_id)
         if req is None:
             raise KeyError(request_id)
-        return self._regions(req.pages, req.slot, req.dp_rank)
-
-    def _regions(self, pages: list[int], slot: int, rank: int) -> list[Region]:
-        """Where a held state leaves from: the pools, or the hand-off copy of a parallel engine."""
-        if self.handoff is not None:
-            return self.handoff.regions(pages, slot, rank)
-        return self.kv_pool.regions(pages) + self.state_pool.regions(slot)
+        if self.handoff is not None:  # a parallel engine's: in its hand-off area
+            return self.handoff.staged_regions(req.staged)
+        return self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
 
     def pool_views(self) -> list[torch.Tensor]:
         return self.handoff.views() if self.handoff is not None else pool_views(self.kv_pool, self.state_pool)
@@ -435,6 +449,7 @@ class EngineCore:
             req = self._held.pop(request_id, None)
         if req is None:
             return False
+        self.reservations.unstage(req)
         self.scheduler.free(req)
         return True
 

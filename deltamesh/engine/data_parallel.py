@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool, pool_views
+from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
 from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.engine.request import Request
 from deltamesh.engine.scheduler import ScheduledItem, Scheduler
 from deltamesh.engine.state_shards import RequestState
 from deltamesh.engine.tp_handoff import (
-    ArrivalArea,
-    Arrivals,
+    HandoffArea,
+    AreaSize,
     Handoff,
     Staged,
     TensorParallelHandoff,
@@ -204,18 +204,18 @@ def leader_scheduling(config, followers, rank) -> tuple:
     if followers is None:
         return scheduler(rank.kv_pool, rank.state_pool), None
     max_model_len = config.resolved_max_model_len(rank.model_config.max_position_embeddings)
-    arrivals = Arrivals.of(config.resolved_handoff_states(), max_model_len, rank.kv_pool, rank.state_pool)
+    area = AreaSize.of(config.resolved_handoff_states(), max_model_len, rank.kv_pool, rank.state_pool)
     if config.data_parallel_size == 1:
         rank.runner.followers = followers
         for pool in filter(None, (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)):
             pool.mirror = followers.pool_ops
         return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(followers, rank.kv_pool, rank.state_pool,
-                                                                               arrivals)  # fmt: skip
+                                                                               area)  # fmt: skip
     pools = [RankPools(rank.kv_pool, rank.state_pool, rank.checkpoint_pool)]
     pools += [pools[0].bookkeeping(ops) for ops in followers.rank_ops[1:]]
     schedulers = [scheduler(p.kv, p.states) for p in pools]
     return DataParallelScheduler(schedulers, pools), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool,
-                                                                         arrivals)  # fmt: skip
+                                                                         area)  # fmt: skip
 
 
 class RankPrefixCaches:
@@ -274,39 +274,19 @@ class RankPools:
 
 
 class DataParallelHandoff(Handoff):
-    """The leader's side of hand-offs: a held or arriving request's state, whichever rank holds it, in a place
-    the transport reads or writes, and moved between there and the rank point to point. A held state's place is
-    a pool with room for every rank's pages and slots (rank r's page p is row r * (pages + 1) + p there), made on
-    the first held state; an arriving state's is taken in the arrival area (tp_handoff.ArrivalArea)."""
+    """The leader's side of hand-offs: a held or arriving request's state, whichever rank holds it, in room taken
+    in the hand-off area (tp_handoff.HandoffArea), moved between there and its rank point to point."""
 
-    def __init__(self, followers, kv_pool: KVPagePool, state_pool: StatePool, arrivals: Arrivals):
-        super().__init__(followers, kv_pool, state_pool, arrivals)
-        self.size = followers.group.shard.size
-        self._pools: tuple[KVPagePool, StatePool] | None = None
+    def _make_area(self) -> HandoffArea:
+        return HandoffArea(KVPagePool.shaped_like(self.kv_pool, self.size.pages),
+                           StatePool.shaped_like(self.state_pool, self.size.states))  # fmt: skip
 
-    def _make_area(self) -> ArrivalArea:
-        a = self.arrivals
-        return ArrivalArea(KVPagePool.shaped_like(self.kv_pool, a.pages),
-                           StatePool.shaped_like(self.state_pool, a.states))  # fmt: skip
-
-    @property
-    def pools(self) -> tuple[KVPagePool, StatePool]:
-        with self._lock:
-            if self._pools is None:
-                kv, states, n = self.kv_pool, self.state_pool, self.size
-                self._pools = (KVPagePool.shaped_like(kv, n * (kv.num_pages + 1) - 1),
-                               StatePool.shaped_like(states, n * (states.num_slots + 1) - 1))  # fmt: skip
-            return self._pools
-
-    def _place(self, pages: list[int], slot: int, rank: int) -> tuple[list[int], int]:
-        """Where rank `rank`'s pages and slot are in the hand-off pools."""
-        page_base, slot_base = rank * (self.kv_pool.num_pages + 1), rank * (self.state_pool.num_slots + 1)
-        return [page_base + p for p in pages], slot_base + slot
-
-    def gather(self, pages: list[int], slot: int, rank: int = 0) -> None:
-        """A held request's state, from its rank into the hand-off pools (stepping thread)."""
+    def gather(self, pages: list[int], slot: int, rank: int = 0) -> Staged:
+        """A held request's state, from its rank into room taken in the area (stepping thread); PoolExhausted,
+        before anything moves, when the area is full."""
         import torch.distributed as dist
 
+        staged = self.stage(len(pages))
         if rank == 0:
             state = rank_state(self.kv_pool, self.state_pool, pages, slot)
         else:
@@ -314,12 +294,12 @@ class DataParallelHandoff(Handoff):
             state = _empty_state(self.kv_pool, self.state_pool, len(pages))
             for t in state.tensors():
                 dist.recv(t, src=rank, group=self.followers.group.group)
-        store_rank_state(*self.pools, *self._place(pages, slot, rank), state)
-        if self.kv_pool.data.is_cuda:  # the transport reads the pools from outside the engine's stream
-            torch.cuda.current_stream(self.kv_pool.data.device).synchronize()
+        self.area.write(staged, state)
+        self._synchronize()
+        return staged
 
     def scatter(self, pages: list[int], slot: int, rank: int, staged: Staged) -> None:
-        """An arrived state, from the arrival area into its rank's pools (stepping thread)."""
+        """An arrived state, from the area into its rank's pools (stepping thread)."""
         import torch.distributed as dist
 
         state = self.area.read(staged)
@@ -329,14 +309,6 @@ class DataParallelHandoff(Handoff):
         self.followers.send_point_to_point("recv", rank, pages, slot)
         for t in state.tensors():
             dist.send(t.contiguous(), dst=rank, group=self.followers.group.group)
-
-    def regions(self, pages: list[int], slot: int, rank: int = 0) -> list[Region]:
-        kv, states = self.pools
-        pages, slot = self._place(pages, slot, rank)
-        return kv.regions(pages) + states.regions(slot)
-
-    def views(self) -> list[torch.Tensor]:
-        return pool_views(*self.pools)
 
 
 def _empty_state(kv: KVPagePool, states: StatePool, num_pages: int) -> RequestState:

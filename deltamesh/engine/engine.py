@@ -122,13 +122,13 @@ class Engine:
         check_layouts(self.core.model_config, tensor_parallel_size, self.tensor_parallel_size)
 
     def held_buffers(self, request_id: str) -> list[torch.Tensor]:
-        """A held request's state (KeyError if not held) as 1-D byte views of the pools (of a tensor-parallel
-        engine: of the leader's one-rank copy), in hand-off order."""
+        """A held request's state (KeyError if not held) as 1-D byte views of the pools (of a parallel engine: of
+        its hand-off area), in hand-off order."""
         return [r.tensor for r in self.core.held_regions(request_id)]
 
     def pool_buffers(self) -> list[torch.Tensor]:
-        """Each pool's whole memory as a 1-D byte view (of a tensor-parallel engine: its one-rank copy's, made
-        now): what a holder lets peers read."""
+        """Each pool's whole memory as a 1-D byte view (of a parallel engine: its hand-off area's, made now): what
+        a holder lets peers read."""
         return self.core.pool_views()
 
     def release_held(self, request_id: str) -> bool:
@@ -143,8 +143,8 @@ class Engine:
     def pin_prefix(self, prompt_ids: list[int]) -> tuple[PinnedPrefix, list[torch.Tensor]] | None:
         """The longest cached prefix of this prompt that ends at a checkpoint, kept from eviction until
         `unpin_prefix` (PrefixCache.pin), and its state as 1-D byte views in the order a reservation of its length
-        is filled (`reserve`): its pages, then the checkpoint. None without a hit, or on a tensor-parallel engine
-        (its pools are split across ranks; the one-rank copy holds only what is being handed off)."""
+        is filled (`reserve`): its pages, then the checkpoint. None without a hit, or on a parallel engine (its
+        pools are across ranks; its hand-off area holds only what is being handed off)."""
         cache = self.core.prefix_cache
         if cache is None or self.core.handoff is not None:
             return None

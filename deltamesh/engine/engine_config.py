@@ -59,10 +59,10 @@ class EngineConfig:
     # everything but the MoE layers, whose experts the ranks share
     data_parallel_size: int = _setting(1, "Ranks (GPUs on CUDA) that each run their own requests through "
                                           "attention and GDN and share the MoE layers' experts")  # fmt: skip
-    # what a parallel worker receives a state into before its ranks take it (tp_handoff.ArrivalArea); on CUDA its
+    # where a parallel worker's held and arriving states wait on rank 0 (tp_handoff.HandoffArea); on CUDA its
     # memory is left free when the KV pool is sized
-    handoff_states: int | None = _setting(None, "Decode workers over several ranks: states that can arrive at once "
-                                                "(default: --max-num-seqs on CPU, 4 on CUDA)")  # fmt: skip
+    handoff_states: int | None = _setting(None, "Workers over several ranks: states held or arriving at once, each "
+                                                "waiting on rank 0 (default: --max-num-seqs on CPU, 4 on CUDA)")  # fmt: skip
     seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
     cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")

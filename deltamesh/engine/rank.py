@@ -53,8 +53,8 @@ def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device
         most_pages = _most_kv_pages(config, max_model_len)
         num = config.resolved_prefix_cache_checkpoints(slots.slot_bytes, page_bytes, most_pages)
         checkpoints = state_pool(num, "checkpoints")
-    # a parallel engine's leader leaves room for the states that arrive on it (tp_handoff.ArrivalArea)
-    left_free = _arrival_bytes(config, mc, max_model_len, dtype, state_dtype) if tp and tp.shard.rank == 0 else 0
+    # a parallel engine's leader leaves room for the states it hands over (tp_handoff.HandoffArea)
+    left_free = _handoff_area_bytes(config, mc, max_model_len, dtype, state_dtype) if tp and tp.shard.rank == 0 else 0
     num_pages = _num_kv_pages(config, page_bytes, max_model_len, device, left_free)
     if tp is not None:  # every rank holds the same pages: the fewest any rank has room for
         count = torch.tensor([num_pages], device=device)
@@ -84,15 +84,15 @@ def _most_kv_pages(c: EngineConfig, max_model_len: int) -> int:
     return c.num_kv_pages or c.max_num_seqs * -(-max_model_len // c.page_size)
 
 
-def _arrival_bytes(c: EngineConfig, full: ModelConfig, max_model_len: int, dtype: torch.dtype,
+def _handoff_area_bytes(c: EngineConfig, full: ModelConfig, max_model_len: int, dtype: torch.dtype,
                    state_dtype: torch.dtype) -> int:  # fmt: skip
-    """The memory of a parallel engine's arrival area: its states at the longest context, in the one-rank layout."""
+    """The memory of a parallel engine's hand-off area: its states at the longest context, one-rank layout."""
     size = lambda t: torch.tensor([], dtype=t).element_size()  # noqa: E731
     layers = max(len(full.linear_layers), 1)
     conv = layers * full.conv_dim * (full.linear_conv_kernel_dim - 1) * size(dtype)
     recurrent = layers * full.linear_num_value_heads * full.linear_value_head_dim * full.linear_key_head_dim
     pages = -(-max_model_len // c.page_size)
-    states = min(c.resolved_handoff_states(), c.max_num_seqs)  # as tp_handoff.Arrivals.of (an upper bound)
+    states = min(c.resolved_handoff_states(), c.max_num_seqs)  # as tp_handoff.AreaSize.of (an upper bound)
     return states * (pages * _page_bytes(c, full, dtype) + conv + recurrent * size(state_dtype))
 
 

@@ -25,7 +25,7 @@ class Reservation:
     # outside that stream (a UCX pull) before `wait_ready`.
     ready: torch.cuda.Event | None = None
     rank: int = 0  # data-parallel attention: the rank whose pools these are
-    staged: object = None  # a parallel engine: `regions` are this place of its arrival area (tp_handoff.Staged)
+    staged: object = None  # a parallel engine: `regions` are this place of its hand-off area (tp_handoff.Staged)
 
     def wait_ready(self) -> None:
         """Block (GIL released) until no launched step can still write this space."""
@@ -40,8 +40,8 @@ class Reservation:
 
 class Reservations:
     """Takes and gives back reserved space (any thread): a slot and pages of the scheduler's pools (of one rank,
-    under data parallelism), and on a parallel engine the place in its arrival area where the state lands before
-    the ranks take it (tp_handoff.ArrivalArea)."""
+    under data parallelism), and on a parallel engine the place in its hand-off area where the state lands before
+    the ranks take it (tp_handoff.HandoffArea)."""
 
     def __init__(self, scheduler, handoff, kv_pool: KVPagePool, state_pool: StatePool, device: torch.device):
         self.scheduler, self.handoff, self.kv_pool, self.state_pool = scheduler, handoff, kv_pool, state_pool
@@ -75,7 +75,8 @@ class Reservations:
         self.scheduler.cancel(reservation.rank, reservation.slot, reservation.pages)
 
     def unstage(self, req: Request) -> None:
-        """Give back the arrival area's place of a request whose state its ranks took (or will never take)."""
+        """Give back a request's place in the hand-off area: its state went to its ranks or its lease ended, or
+        it never will."""
         if req.staged is not None:
             self.handoff.unstage(req.staged)
             req.staged = None

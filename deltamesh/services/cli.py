@@ -70,19 +70,6 @@ def _transport_known(name: str) -> None:
                                  param_hint="--transport")  # fmt: skip
 
 
-def _handoff_fits(role: str, engine) -> None:
-    """A parallel prefill worker's leader keeps its held states in a copy of the pools (engine/tp_handoff.py,
-    engine/data_parallel.py), which would not fit beside them on a GPU: refused on CUDA before loading. A
-    parallel decode worker receives into a small arrival area instead, which the GPU memory sizing leaves room for."""
-    if role == "prefill" and engine.num_ranks > 1 and engine.device.startswith("cuda"):
-        raise typer.BadParameter(
-            "a prefill worker over several GPUs is not supported yet: its held states' copy of the pools would not "
-            "fit beside them (docs/notes/tensor-parallel-handoff.md); on CUDA, --tensor-parallel-size and "
-            "--data-parallel-size above 1 are for decode and colocated workers (on CPU every role takes them)",
-            param_hint="--tensor-parallel-size / --data-parallel-size",
-        )  # fmt: skip
-
-
 def _mesh_secret(secret_file: str | None, create: bool = False):
     from deltamesh.services.common.auth import MissingSecret, load_mesh_secret
 
@@ -110,7 +97,6 @@ def _worker_command(role: str):
         _ports_free(role, settings.host, {"--port": settings.port, "--metrics-port": settings.metrics_port})
         _transport_known(settings.transport)
         _check_tls(settings.tls)
-        _handoff_fits(role, settings.engine)
         if role == "prefill":
             from deltamesh.services.prefill.main import serve
         else:

@@ -214,3 +214,40 @@ def test_states_arrive_through_a_small_area_and_wait_when_it_is_full(hf_checkpoi
         engine.close()
     want = one_rank_tokens(path)
     assert tokens == {rid: want[rid] for rid in tokens}
+
+
+def test_held_states_wait_for_room_in_the_handoff_area(hf_checkpoints):
+    """A parallel prefill worker holds its states in the hand-off area: with room for one, a second finished
+    prefill waits (its first token held back) until the first state is released, and each held state continues
+    on a one-rank engine as the one-rank engine's own tokens."""
+    import torch
+
+    from test_tp_handoff import PARAMS as HANDOFF_PARAMS
+    from test_tp_handoff import continued, one_rank_tokens
+
+    path = hf_checkpoints["qwen3_next"]
+    engine = core_dp(path, handoff_states=1)
+    outs: dict[str, list] = {}
+    first, held = {}, {}
+    try:
+        for i, p in enumerate(prompts()):
+            engine.submit(engine.make_request(p, HANDOFF_PARAMS, f"r{i}", hold_state=True),
+                          lambda out: outs.setdefault(out.request_id, []).append(out))  # fmt: skip
+
+        def turn() -> None:
+            engine.dispatch(engine.process_commands())
+            engine.dispatch(engine.step())
+
+        while len(held) < 3:
+            for _ in range(20):
+                turn()
+            done = [rid for rid, o in outs.items() if o[-1].finished and rid not in held]
+            assert len(done) == 1 and engine.num_held == 1  # the others wait for the area
+            rid = done[0]
+            first[rid] = [t for o in outs[rid] for t in o.new_token_ids]
+            held[rid] = torch.cat([r.tensor for r in engine.held_regions(rid)]).clone()
+            assert engine.release_held(rid)
+        assert engine.loads()["kv_pages_used"] == 0 and engine.handoff.area.states.num_used == 0
+    finally:
+        engine.close()
+    assert continued(path, 1, first, held) == one_rank_tokens(path)
