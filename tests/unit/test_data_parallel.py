@@ -251,3 +251,28 @@ def test_held_states_wait_for_room_in_the_handoff_area(hf_checkpoints):
     finally:
         engine.close()
     assert continued(path, 1, first, held) == one_rank_tokens(path)
+
+
+def test_a_prefill_aborted_while_waiting_for_the_area_frees_its_space(hf_checkpoints):
+    from test_tp_handoff import PARAMS as HANDOFF_PARAMS
+
+    engine = core_dp(hf_checkpoints["qwen3_next"], handoff_states=1)
+    outs: dict[str, list] = {}
+    try:
+        for i, p in enumerate(prompts()[:2]):
+            engine.submit(engine.make_request(p, HANDOFF_PARAMS, f"r{i}", hold_state=True),
+                          lambda out: outs.setdefault(out.request_id, []).append(out))  # fmt: skip
+        for _ in range(20):
+            engine.dispatch(engine.process_commands())
+            engine.dispatch(engine.step())
+        waiting = [r.request_id for r, _ in engine._waiting_holds]
+        assert engine.num_held == 1 and len(waiting) == 1 and waiting[0] not in outs
+        engine.abort(waiting[0])
+        engine.dispatch(engine.process_commands())
+        assert outs[waiting[0]][-1].finish_reason == FinishReason.ABORT and not engine._waiting_holds
+        held = next(rid for rid in outs if rid != waiting[0])
+        assert engine.release_held(held)
+        assert engine.loads()["kv_pages_used"] == 0 and engine.loads()["state_slots_used"] == 0
+        assert engine.handoff.area.states.num_used == 0
+    finally:
+        engine.close()
