@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak bench-multi-turn bench-multi-turn-gpu \
 	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity bench-peers bench-host-gap \
-	bench-parallel clean help
+	bench-parallel bench-disagg-parallel clean help
 
 help:
 	@echo "make setup     create .venv and install everything (CPU torch $(TORCH_PIN))"
@@ -95,6 +95,11 @@ bench-host-gap:  # GPU: idle time between decode steps, async scheduling on and 
 bench-parallel:  # 2+ GPUs: the 35B-A3B shape on one rank, tensor/expert parallel and data-parallel attention over two
 	python bench/parallel.py --device cuda --model bench/configs/qwen3.5-35b-a3b --load-format dummy --layouts 1,tp2,ep2,dep2 \
 		--batch 16 --prompt 8192 --decode-tokens 128 --out bench/results/parallel_gpu.json
+
+bench-disagg-parallel:  # 4 GPUs: 1P+1D of two-GPU data-parallel expert-parallel workers (the recipe's layout) vs one colocated
+	python bench/disagg_sweep.py --model bench/configs/qwen3.5-35b-a3b --gpus-per-worker 2 \
+		--serve-flag=--data-parallel-size=2 --serve-flag=--enable-expert-parallel --concurrency 16,64,128 \
+		--out bench/results/serve_sweep_parallel.json
 
 bench-multi-turn:  # chats with the prefix cache off and on: CPU (default model), then the H200 shape of RESULTS
 	$(PYTHON) bench/multi_turn.py --users 12 --turns 3 --out bench/results/multi_turn_cpu_colocated.json

@@ -1,11 +1,15 @@
-"""Disaggregated (1 prefill GPU + 1 decode GPU) vs colocated (1 GPU) serving at 8192 input / 1024 output
-tokens, over a concurrency sweep, through the REST gateway with bench/serve.py. Needs two GPUs.
+"""Disaggregated (1 prefill worker + 1 decode worker) vs colocated (1 worker) serving at 8192 input / 1024 output
+tokens, over a concurrency sweep, through the REST gateway with bench/serve.py. Each worker takes
+`--gpus-per-worker` GPUs (its ranks: pass the layout with --serve-flag), so the disaggregated mesh needs twice
+that many.
 
     python bench/disagg_sweep.py --out bench/results/serve_sweep.json
     python bench/disagg_sweep.py --setups colocated --concurrency 8,16 --out /tmp/colocated.json
+    python bench/disagg_sweep.py --gpus-per-worker 2 --serve-flag=--data-parallel-size=2 \
+        --serve-flag=--enable-expert-parallel --model bench/configs/qwen3.5-35b-a3b   # make bench-disagg-parallel
 
 Each point sends `--waves x concurrency` requests with at most `concurrency` in flight. Per GPU figures
-divide the disaggregated mesh's throughput by 2 and the colocated one's by 1.
+divide each mesh's throughput by the GPUs it uses.
 """
 
 from __future__ import annotations
@@ -24,21 +28,23 @@ from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, print_table, s
 
 
 def serve_command(model: str, http_port: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                  colocated: bool, extra: list[str] = ()) -> list[str]:  # fmt: skip
-    """`deltamesh serve` on dummy bf16 weights: colocated on GPU 0, or 1P+1D on GPUs 0 and 1."""
+                  colocated: bool, extra: list[str] = (), gpus_per_worker: int = 1) -> list[str]:  # fmt: skip
+    """`deltamesh serve` on dummy bf16 weights: colocated on the first `gpus_per_worker` GPUs, or 1P+1D on twice
+    as many."""
     cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--model", model, "--load-format", "dummy",
            "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(free_port()),
            "--control-port", str(free_port()), "--http-port", str(http_port), "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
            "--no-ucx-error-handling", "--log-level", "warning", *extra]  # fmt: skip
-    return cmd + (["--colocated", "--decode-workers", "1", "--gpus", "0"] if colocated else ["--gpus", "0,1"])
+    gpus = ",".join(str(g) for g in range(gpus_per_worker * (1 if colocated else 2)))
+    return cmd + (["--colocated", "--decode-workers", "1"] if colocated else []) + ["--gpus", gpus]
 
 
 def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
     http_port = free_port()
     log = Path(args.log_dir) / f"serve-{'colocated' if colocated else 'disagg'}.log"
     cmd = serve_command(args.model, http_port, args.input_len + args.output_len + 16, max(args.concurrency),
-                        args.max_num_batched_tokens, colocated, args.serve_flag)  # fmt: skip
+                        args.max_num_batched_tokens, colocated, args.serve_flag, args.gpus_per_worker)  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, http_port, log
 
@@ -86,7 +92,8 @@ def run_point(base_url: str, model_dir: str, input_len: int, output_len: int, co
 
 def sweep(args, colocated: bool) -> list[dict]:
     proc, http_port, log = start_mesh(args, colocated)
-    setup, gpus = ("colocated 1 GPU", 1) if colocated else ("1P+1D 2 GPUs", 2)
+    gpus = args.gpus_per_worker * (1 if colocated else 2)
+    setup = f"colocated {gpus} GPU" if colocated else f"1P+1D {gpus} GPUs"
     rows = []
     try:
         wait_ready(proc, f"http://127.0.0.1:{http_port}/ready", log)
@@ -113,9 +120,10 @@ def main() -> None:
                    help="token budget of one engine step: how much prefill a step may carry beside its decodes")
     p.add_argument("--serve-flag", action="append", default=[], help="extra flag for `deltamesh serve` (repeatable), "
                    "e.g. --serve-flag=--no-async-scheduling")
+    p.add_argument("--gpus-per-worker", type=int, default=1, help="each worker's ranks (its layout via --serve-flag)")
     p.add_argument("--point-timeout", type=float, default=300)
     p.add_argument("--setups", type=lambda s: s.split(","), default=["disagg", "colocated"],
-                   help="disagg (1P+1D on GPUs 0,1), colocated (one worker on GPU 0), or both")
+                   help="disagg (1P+1D), colocated (one worker), or both")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--out", default=str(RESULTS / "serve_sweep.json"))
     args = p.parse_args()
