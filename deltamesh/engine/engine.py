@@ -132,8 +132,11 @@ class Engine:
         return self.core.pool_views()
 
     def release_held(self, request_id: str) -> bool:
-        """Free a held state; False if it was not held."""
-        return self.core.release_held(request_id)
+        """Free a held state; False if it was not held. Wakes the stepping thread: a prefill may be waiting for
+        the room this frees in a parallel engine's hand-off area."""
+        released = self.core.release_held(request_id)
+        self._wake.set()
+        return released
 
     def reserve(self, num_tokens: int) -> Reservation:
         """Pool space for an incoming state of `num_tokens` prompt tokens; raises PoolExhausted when full. Its
