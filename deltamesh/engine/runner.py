@@ -33,7 +33,7 @@ class HostStep:
 class ModelRunner:
     def __init__(self, model: HybridLM, kv_pool: KVPagePool, state_pool: StatePool, kernels: Kernels, device: torch.device):
         self.model, self.kv_pool, self.state_pool, self.kernels, self.device = model, kv_pool, state_pool, kernels, device
-        self.tp = model.tp  # the tensor-parallel group, or None (also under data-parallel attention)
+        self.tp = model.tp  # the tensor-parallel group, or None (one rank, or data-parallel attention)
         self.followers = None  # on a tensor-parallel leader: tp_workers.Followers, sent every step
         self.graphs = None  # DecodeGraphs once captured
         self._page_rows: dict[str, tuple[list[int], np.ndarray]] = {}  # request id -> (pages list, as array)
