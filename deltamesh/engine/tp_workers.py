@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,8 +49,9 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def join_group(config: EngineConfig, full: ModelConfig, rank: int, init_method: str) -> tuple[TensorParallelGroup, object]:
-    """(the model's collectives, the gloo group the leader's messages travel on) of this rank."""
+def join_group(config: EngineConfig, full: ModelConfig, rank: int, store) -> tuple[TensorParallelGroup, object]:
+    """(the model's collectives, the gloo group the leader's messages travel on) of this rank; `store`: the
+    leader's torch.distributed TCPStore, where the ranks meet."""
     import torch.distributed as dist
 
     from deltamesh.engine.data_parallel import DataParallelGroup
@@ -60,8 +60,7 @@ def join_group(config: EngineConfig, full: ModelConfig, rank: int, init_method: 
     if cuda:
         torch.cuda.set_device(rank_device(config.device, rank))
     size, data_parallel = config.num_ranks, config.data_parallel_size > 1
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=size, rank=rank,
-                            timeout=TIMEOUT)  # fmt: skip
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, world_size=size, rank=rank, timeout=TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else dist.group.WORLD
     shard = Shard(size, rank, full, config.enable_expert_parallel, data_parallel)
     return (DataParallelGroup if data_parallel else TensorParallelGroup)(shard, dist.group.WORLD), control
@@ -71,19 +70,19 @@ class Followers:
     """The leader's side: starts ranks 1..N-1, sends them its steps, watches that they stay alive."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        init_method = f"tcp://127.0.0.1:{port}"
+        import torch.distributed as dist
+
+        # the store listens on a port of its own choosing before any follower starts: no port to race for
+        store = dist.TCPStore("127.0.0.1", 0, config.num_ranks, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         settings = json.dumps(dataclasses.asdict(config))
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "deltamesh.engine.tp_workers", "--rank", str(r), "--init",
-                              init_method, "--settings", settings])  # fmt: skip
+            subprocess.Popen([sys.executable, "-m", "deltamesh.engine.tp_workers", "--rank", str(r), "--store-port",
+                              str(store.port), "--settings", settings])  # fmt: skip
             for r in range(1, config.num_ranks)
         ]
         self._closing = False
         try:
-            self.group, self._control = join_group(config, model_config, 0, init_method)
+            self.group, self._control = join_group(config, model_config, 0, store)
         except BaseException:
             self._kill()
             raise
@@ -168,7 +167,7 @@ class Followers:
             proc.kill()
 
 
-def follow(config: EngineConfig, rank: int, init_method: str) -> None:
+def follow(config: EngineConfig, rank: int, store_port: int) -> None:
     """A follower rank: build this rank's part of the engine, then repeat the leader's steps until it stops."""
     import torch.distributed as dist
 
@@ -179,7 +178,8 @@ def follow(config: EngineConfig, rank: int, init_method: str) -> None:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     mc = ModelConfig.from_dir(config.model)
-    tp, control = join_group(config, mc, rank, init_method)
+    store = dist.TCPStore("127.0.0.1", store_port, config.num_ranks, is_master=False, timeout=TIMEOUT)
+    tp, control = join_group(config, mc, rank, store)
     device = torch.device(rank_device(config.device, rank))
     me = build_rank(config, mc, config.resolved_max_model_len(mc.max_position_embeddings), device, tp)
     pools = {"slots": me.state_pool, "checkpoints": me.checkpoint_pool}
@@ -229,13 +229,13 @@ def _repeat(ops: list[tuple], me, pools: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description="a follower rank of a parallel deltamesh engine")
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--init", required=True, help="torch.distributed init method of the leader")
+    p.add_argument("--store-port", type=int, required=True, help="the leader's torch.distributed store")
     p.add_argument("--settings", required=True, help="the leader's EngineConfig, as JSON")
     args = p.parse_args()
     # Ctrl-C reaches the whole process group: the leader stops its followers itself (a "stop" message), and a
     # leader that is gone ends them through their next collective
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    follow(EngineConfig(**json.loads(args.settings)), args.rank, args.init)
+    follow(EngineConfig(**json.loads(args.settings)), args.rank, args.store_port)
 
 
 if __name__ == "__main__":
