@@ -155,7 +155,7 @@ class DataParallelScheduler:
         return rank
 
     def add(self, request: Request) -> None:
-        hits = [s.prefix_cache.cached_tokens(request.prompt_ids) if s.prefix_cache else 0 for s in self.ranks]
+        hits = [s.prefix_cache.hit_tokens(request) if s.prefix_cache else 0 for s in self.ranks]
         best = max(hits)
         with self._lock:
             request.dp_rank = self._pick([r for r, hit in enumerate(hits) if hit == best])

@@ -184,7 +184,11 @@ class PrefixCache:
 
     def cached_tokens(self, prompt_ids: list[int]) -> int:
         """How many tokens of this prompt a request would take from the cache now (any thread)."""
-        req = Request("", prompt_ids, SamplingParams(), None)
+        return self.hit_tokens(Request("", prompt_ids, SamplingParams(), None))
+
+    def hit_tokens(self, req: Request) -> int:
+        """`cached_tokens` of a request's prompt; its block keys are computed once and kept on it (several ranks'
+        caches ask, then the one it is admitted to)."""
         with self._lock:
             best, tail = self._longest(req)
         return best * self.kv_pool.page_size + (len(tail.tokens) if tail else 0)

@@ -20,6 +20,7 @@ is in place before the request's first step. The cost is one copy of the state t
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +132,7 @@ class AreaSize:
         return cls(min(states, slots.num_slots), min(states * kv.pages_for(max_model_len), kv.num_pages))
 
 
-class Handoff:
+class Handoff(ABC):
     """What both parallel hand-offs share: the hand-off area, made on first use."""
 
     def __init__(self, followers, kv_pool: KVPagePool, state_pool: StatePool, size: AreaSize):
@@ -139,8 +140,9 @@ class Handoff:
         self._area: HandoffArea | None = None
         self._lock = threading.Lock()
 
+    @abstractmethod
     def _make_area(self) -> HandoffArea:
-        raise NotImplementedError
+        """The area, in the one-rank layout of this engine's model (made on first use)."""
 
     @property
     def area(self) -> HandoffArea:
