@@ -247,19 +247,19 @@ class EngineCore:
                     outputs.append(failed)
 
     def _place_arrived(self, req: Request) -> RequestOutput | None:
-        """Tensor parallel: each rank takes its part of an arrived state before the request's first step. When a
-        rank could not, the request ends (its space freed): its last output."""
+        """A parallel engine: the arrived state goes from the hand-off area to its rank or ranks before the
+        request's first step. When they could not take it, the request ends (its space freed): its last output."""
         if self.handoff is None:
             return None
         try:
             self.handoff.scatter(req.pages, req.slot, req.dp_rank, req.staged)
-            self.reservations.unstage(req)
             return None
         except Exception as e:
-            self.reservations.unstage(req)
             log.exception("scattering an arrived state to the ranks failed", request_id=req.request_id)
-            return self._finish(req, FinishReason.ERROR, error=f"tensor-parallel ranks could not take the arrived "
+            return self._finish(req, FinishReason.ERROR, error=f"the engine's ranks could not take the arrived "
                                                                f"state: {e}")  # fmt: skip
+        finally:
+            self.reservations.unstage(req)
 
     def _abort(self, request_id: str) -> list[RequestOutput]:
         if self.release_held(request_id):
