@@ -43,7 +43,7 @@ from bench.gpu_common import (  # noqa: E402
 from deltamesh.engine.config import ModelConfig  # noqa: E402
 from deltamesh.engine.models.layers import SparseMoE, linear_weight  # noqa: E402
 from deltamesh.engine.weights import init_dummy  # noqa: E402
-from deltamesh.kernels import torch_ref, triton_moe  # noqa: E402
+from deltamesh.kernels import torch_ref, triton_linear, triton_moe  # noqa: E402
 from deltamesh.kernels.fp8 import Fp8Weight  # noqa: E402
 
 IMPLS = {"torch": torch_ref.moe, "triton": triton_moe.moe}
@@ -257,10 +257,13 @@ def main() -> None:
                    help="print every kernel of one eager decode step (fused MoE) at each batch, with its calls")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="fp8: FP8 experts and projections (dummy weights quantized in blocks)")
+    p.add_argument("--moe", default="torch,triton", help="the MoE implementations to time, of torch and triton")
+    p.add_argument("--gemv-max-tokens", type=ints, default=[triton_linear.GEMV_MAX_TOKENS],
+                   help="decode steps with the linear layers' GEMV up to each of these token counts (0: cuBLAS)")
     p.add_argument("--out", default=str(RESULTS / "gpu_moe.json"))
     args = p.parse_args()
     fp8 = args.quantization == "fp8"
-    impls = {"triton": IMPLS["triton"]} if fp8 else IMPLS
+    impls = {name: IMPLS[name] for name in args.moe.split(",") if not (fp8 and name == "torch")}
     bandwidth = hbm_bandwidth()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = dummy_layer(args.model, fp8)
@@ -284,8 +287,12 @@ def main() -> None:
                         quantization=args.quantization)  # fmt: skip
         if args.step_kernels:
             print_step_kernels(core, args.batches, args.context)
-        steps = decode_rows(core, args.batches, args.context, bandwidth, impls)
-        print_table(steps, ["moe", "batch", "graph_gpu_ms", "step_ms", "launches", "experts_touched_share",
+        steps, default_gemv = [], triton_linear.GEMV_MAX_TOKENS
+        for gemv in args.gemv_max_tokens:  # read when the linear layers are called, so when graphs are captured
+            triton_linear.GEMV_MAX_TOKENS = gemv
+            steps += [r | {"gemv_max_tokens": gemv} for r in decode_rows(core, args.batches, args.context, bandwidth, impls)]
+        triton_linear.GEMV_MAX_TOKENS = default_gemv
+        print_table(steps, ["moe", "gemv_max_tokens", "batch", "graph_gpu_ms", "step_ms", "launches", "experts_touched_share",
                             "roofline_ms", "of_roofline", "all_experts_roofline_ms"])  # fmt: skip
         prefill = prefill_rows(core, args.prefill, args.profile, impls)
         print_table(prefill, ["moe", "tokens", "ms"])

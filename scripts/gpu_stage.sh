@@ -90,7 +90,7 @@ s)
   ;;
 p)
   TAIL=15 run gpu_fp8_tests 240 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fp8.py -rfE
-  TAIL=90 run gpu_fp8 300 python bench/gpu_fp8.py --sweep --out "$OUT/gpu_fp8.json"
+  TAIL=90 run gpu_linear 300 python bench/gpu_linear.py --sweep --out "$OUT/gpu_linear.json"
   ;;
 m)
   steps=(python bench/gpu_moe.py --op-tokens 1,4,16,64,256,8192 --batches 1,4,16,64 --context 2048 --prefill 2048)

@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deltamesh.kernels import triton_fp8, triton_fused
-from deltamesh.kernels.triton_fp8 import quantized_rows, quantized_vector
+from deltamesh.kernels import triton_linear, triton_fused
+from deltamesh.kernels.triton_linear import quantized_rows, quantized_vector
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight
 
 # Up to this many tokens the pair-wise path runs (see the module docstring); from bench/gpu_moe.py's op rows.
@@ -341,7 +341,7 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int, norm_
     if config is None and x.shape[0] <= DECODE_MAX_TOKENS:
         return _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate,
                           first_expert)  # fmt: skip
-    shared = triton_fp8.linear(triton_fused.silu_mul(triton_fp8.linear(x, shared_w13)), shared_w2)
+    shared = triton_linear.linear(triton_fused.silu_mul(triton_linear.linear(x, shared_w13)), shared_w2)
     return _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config, first_expert)
 
 

@@ -1,11 +1,11 @@
-"""FP8 weights on the GPU: the Triton kernels against the arithmetic kernels/fp8.py spells out in torch (tight)
+"""The GEMV with bf16 weights; FP8 weights on the GPU: the Triton kernels against the arithmetic kernels/fp8.py spells out in torch (tight)
 and against the dequantized weights without activation quantization (FP8's own tolerance), on the real
 Qwen3.5-35B-A3B shapes; then a whole engine with an FP8 checkpoint against the same checkpoint dequantized."""
 
 import pytest
 import torch
 
-from deltamesh.kernels import torch_ref, triton_fp8, triton_moe
+from deltamesh.kernels import torch_ref, triton_linear, triton_moe
 from deltamesh.kernels.fp8 import Fp8Weight, dequantize, quantize_blocks, reference_linear, reference_moe
 
 pytestmark = pytest.mark.gpu
@@ -32,12 +32,41 @@ def test_fp8_linear_matches_its_arithmetic(tokens):
         x = torch.randn(tokens, k, generator=g, device=DEV).bfloat16()
         bias = torch.randn(n, generator=g, device=DEV).bfloat16() if with_bias else None
         ref = reference_linear(x, w, bias)
-        assert rel(triton_fp8.linear(x, w, bias), ref) < 1e-2, (n, k)
-        if tokens <= 4:
-            for tile in [triton_fp8.GemvConfig(bn, bk, 4) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)]:
-                assert rel(triton_fp8.gemv(x, w, bias, tile), ref) < 1e-2, (n, k, tile)
+        assert rel(triton_linear.linear(x, w, bias), ref) < 1e-2, (n, k)
+        if tokens <= triton_linear.GEMV_MAX_TOKENS:
+            for tile in [triton_linear.GemvConfig(bn, bk, split, 4) for bn in (4, 8, 16, 32) for bk in (256, 512)
+                         for split in (1, 4)]:  # fmt: skip
+                assert rel(triton_linear.gemv(x, w, bias, tile), ref) < 1e-2, (n, k, tile)
         unquantized = x.float() @ dequantize(w).T + (bias.float() if with_bias else 0)
-        assert rel(triton_fp8.linear(x, w, bias), unquantized) < 0.1
+        assert rel(triton_linear.linear(x, w, bias), unquantized) < 0.1
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+def test_bf16_gemv_matches_float64_and_repeats_exactly(tokens):
+    """The GEMV with bf16 weights (every projection of a decode step of up to GEMV_MAX_TOKENS tokens) against the
+    float64 product, with split K and without; captured in a CUDA graph and replayed, the same bits every time
+    (the split-K sums are added in slice order, and each call leaves the counters at 0 for the next)."""
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    for n, k in ((12352, 2048), (2048, 4096), (257, 2048), (200, 1100)):
+        w = (torch.randn(n, k, generator=g, device=DEV) / k**0.5).bfloat16()
+        x = torch.randn(tokens, k, generator=g, device=DEV).bfloat16()
+        ref = x.double() @ w.double().T
+        for tile in (None, triton_linear.GemvConfig(8, 256, 8, 4), triton_linear.GemvConfig(16, 512, 1, 4)):
+            assert rel(triton_linear.gemv(x, w, None, tile), ref) < 5e-3, (n, k, tile)
+        out = torch.empty(tokens, n, dtype=torch.bfloat16, device=DEV)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out.copy_(triton_linear.linear(x, w))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                out.copy_(triton_linear.linear(x, w))
+        torch.cuda.current_stream().wait_stream(stream)
+        first = out.clone()
+        for _ in range(20):
+            graph.replay()
+            assert torch.equal(out, first), (n, k)
+        assert rel(first, ref) < 5e-3
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 8, 64, 300])

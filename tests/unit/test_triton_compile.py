@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deltamesh.kernels import triton_fp8, triton_moe  # noqa: E402
+from deltamesh.kernels import triton_linear, triton_moe  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -44,7 +44,8 @@ def test_pairwise_moe_kernels_compile_for_sm90(norm, fp8):
 
 
 def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
-    """The e4m3 tensor-core paths of the aligned MoE GEMMs, the FP8 GEMV and the activation quantization."""
+    """The e4m3 tensor-core paths of the aligned MoE GEMMs, the GEMV (bf16 and FP8 weights, with and without
+    split K) and the activation quantization."""
     ints = dict.fromkeys(("H", "I", "stride_we", "stride_wn", "stride_se", "stride_sn"), "i32")
     rows = {"block_expert": "*i32", "starts": "*i32", "counts": "*i32", "sorted_pairs": "*i32"}
     gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
@@ -55,11 +56,14 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
         compile_for_sm90(triton_moe._down,
                          {"inter": "*bf16", "w2": "*fp8e4nv", "w2_s": "*fp32", "out": "*bf16", "weights": "*fp32"}
                          | rows | ints, {"FP8": True} | gemm),
-        compile_for_sm90(triton_fp8._gemv,
-                         {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16", "out": "*bf16"}
-                         | dict.fromkeys(("N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"), "i32"),
-                         {"FP8": True, "HAS_BIAS": False, "GROUP": 128, "BLOCK_N": 8, "BLOCK_K": 512}),
-        compile_for_sm90(triton_fp8._quantize_groups,
+        *[compile_for_sm90(triton_linear._gemv,
+                           {"x": "*bf16", "w": w, "w_scale": "*fp32", "bias": "*bf16", "out": "*bf16",
+                            "partials": "*fp32", "arrivals": "*i32"}
+                           | dict.fromkeys(("M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"), "i32"),
+                           {"FP8": w == "*fp8e4nv", "HAS_BIAS": False, "GROUP": 128, "M_PAD": m_pad, "BLOCK_N": 8,
+                            "BLOCK_K": 256, "SPLIT_K": split})
+          for w in ("*bf16", "*fp8e4nv") for m_pad, split in ((1, 1), (4, 4))],
+        compile_for_sm90(triton_linear._quantize_groups,
                          {"x": "*bf16", "q": "*fp8e4nv", "scales": "*fp32"}
                          | dict.fromkeys(("M", "K", "stride_xm", "stride_sg"), "i32"), {"GROUP": 128, "GROUPS": 4}),
     ]  # fmt: skip

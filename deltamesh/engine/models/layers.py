@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltamesh.engine.cache import KVPagePool, StatePool
@@ -206,10 +205,10 @@ class GatedDeltaNet(nn.Module):
         """state_rows: StatePool.layer_rows of the step's slots."""
         t, nd = x.shape[0], batch.num_decode
         if self.in_proj_ba is None:
-            mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+            mixed, z, b, a = kernels.linear(x, self.in_proj).split(self.splits, dim=-1)
         else:
             mixed, z = kernels.linear(x, linear_weight(self, "in_proj")).split(self.splits[:2], dim=-1)
-            b, a = F.linear(x, self.in_proj_ba).split(self.splits[2:], dim=-1)
+            b, a = kernels.linear(x, self.in_proj_ba).split(self.splits[2:], dim=-1)
         idx = state_rows[self.state_layer]
         conv_pool, rec_pool = state_pool.conv_flat, state_pool.recurrent_flat
         prefill_lens = batch.query_lens[nd:]
@@ -295,7 +294,7 @@ class SparseMoE(nn.Module):
         return slots | self.shared.weight_slots(f"{prefix}.shared_expert")
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        logits = F.linear(x, self.gates)
+        logits = kernels.linear(x, self.gates)
         e = self.num_experts
         return kernels.moe(x, logits[:, :e], linear_weight(self, "w13"), linear_weight(self, "w2"), self.top_k,
                            self.norm_topk, linear_weight(self.shared, "gate_up"), linear_weight(self.shared, "down"),

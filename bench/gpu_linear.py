@@ -1,0 +1,187 @@
+"""Linear layers on one GPU (kernels/triton_linear.py): the GEMV against cuBLAS, bf16 and FP8 weights, for every
+projection of a model's shape at decode-sized token counts and more.
+
+Each time is one call's share of a CUDA graph that runs the projection over as many distinct weights as a
+forward pass has of it (at least enough to exceed the L2 cache), as a decode step reads them; a single call
+replayed alone would read its weight from L2 and pay a graph launch of its own.
+
+- `op` rows: per projection and token count: bf16 cuBLAS, the bf16 GEMV, the FP8 layer past the GEMV (cuBLAS's
+  block-scaled FP8 GEMM), the FP8 GEMV; the bf16 and FP8 floors (bytes at the measured HBM copy rate).
+- `pass` rows: the sum over one forward pass's projections (LM head excluded) at each token count.
+- `sweep` rows (`--sweep`): the pass sum per GEMV tile and split target (triton_linear.GEMV_TILES,
+  GEMV_PROGRAMS_PER_SM), which set those defaults.
+
+    python bench/gpu_linear.py --sweep --out bench/results/gpu_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import CONFIGS, RESULTS, ints, print_table, write_result  # noqa: E402
+from bench.gpu_common import gpu_ms, hbm_bandwidth, machine_info  # noqa: E402
+from deltamesh.engine.config import FULL_ATTENTION, ModelConfig  # noqa: E402
+from deltamesh.kernels import triton_linear  # noqa: E402
+from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, quantize_blocks  # noqa: E402
+
+L2_BYTES = 3 * 50 << 20  # three times the H200's L2
+
+
+def projections(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """(name, out rows, in columns, how many per forward pass) of the model's projections, LM head excluded."""
+    full = sum(t == FULL_ATTENTION for t in cfg.layer_types)
+    linear = len(cfg.layer_types) - full
+    rows = [
+        ("attention qkv", 2 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim,
+         cfg.hidden_size, full),
+        ("attention o_proj", cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, full),
+        ("GDN in_proj", cfg.conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads, cfg.hidden_size, linear),
+        ("GDN out_proj", cfg.hidden_size, cfg.linear_value_dim, linear),
+    ]  # fmt: skip
+    if cfg.num_experts:
+        inter = cfg.shared_expert_intermediate_size
+        layers = len(cfg.layer_types)
+        rows += [("router + shared gate", cfg.num_experts + 1, cfg.hidden_size, layers),
+                 ("shared expert gate_up", 2 * inter, cfg.hidden_size, layers),
+                 ("shared expert down", cfg.hidden_size, inter, layers)]  # fmt: skip
+    else:
+        rows += [("MLP gate_up", 2 * cfg.intermediate_size, cfg.hidden_size, len(cfg.layer_types)),
+                 ("MLP down", cfg.hidden_size, cfg.intermediate_size, len(cfg.layer_types))]  # fmt: skip
+    return rows
+
+
+class Ring:
+    """`count` distinct copies of a projection's weight, bf16 and FP8, as a forward pass holds them."""
+
+    def __init__(self, n: int, k: int, per_pass: int, generator: torch.Generator):
+        self.count = max(per_pass, -(-L2_BYTES // (2 * n * k)))
+        w = torch.randn(n, k, generator=generator, device="cuda", dtype=torch.bfloat16) / k**0.5
+        self.bf16 = [w.clone() for _ in range(self.count)]
+        q, s = quantize_blocks(w)
+        self.fp8 = [Fp8Weight(q.clone(), s.clone()) for _ in range(self.count)]
+
+    def ms(self, fn, weights) -> float:
+        """One call's share of a graph that calls fn(w) for every copy."""
+
+        def chain():
+            for w in weights:
+                fn(w)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain()  # compiles, autotunes and allocates the split-K counters outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        return gpu_ms(graph.replay) / len(weights)
+
+
+def gemv_with(config):
+    return lambda x, w: triton_linear.gemv(x, w, None, config)
+
+
+def op_rows(cfg: ModelConfig, rings: dict, tokens: list[int], bandwidth: float) -> list[dict]:
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for (name, n, k, count), ring in rings.items():
+        for t in tokens:
+            x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
+            io = 2 * t * (k + n)
+            row = {"bench": "op", "projection": name, "n": n, "k": k, "per_pass": count, "tokens": t,
+                   "bf16_cublas_ms": ring.ms(lambda w: F.linear(x, w), ring.bf16),
+                   "bf16_floor_ms": (2 * n * k + io) / bandwidth * 1e3,
+                   "fp8_floor_ms": (n * k + ring.fp8[0].scale.numel() * 4 + io) / bandwidth * 1e3}  # fmt: skip
+            if t <= triton_linear.GEMV_MAX_TOKENS:
+                row["bf16_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.bf16)
+                row["fp8_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.fp8)
+            if k % (4 * BLOCK) == 0 and n % 16 == 0:
+                row["fp8_cublas_ms"] = ring.ms(lambda w: triton_linear.linear(x, w) if t > triton_linear.GEMV_MAX_TOKENS
+                                               else _fp8_gemm(x, w), ring.fp8)  # fmt: skip
+            rows.append(row)
+    return rows
+
+
+def _fp8_gemm(x, w):
+    saved = triton_linear.GEMV_MAX_TOKENS
+    triton_linear.GEMV_MAX_TOKENS = 0
+    try:
+        return triton_linear.linear(x, w)
+    finally:
+        triton_linear.GEMV_MAX_TOKENS = saved
+
+
+PASS_KEYS = ("bf16_cublas_ms", "bf16_gemv_ms", "bf16_floor_ms", "fp8_cublas_ms", "fp8_gemv_ms", "fp8_floor_ms")
+
+
+def pass_rows(ops: list[dict]) -> list[dict]:
+    rows = []
+    for t in sorted({r["tokens"] for r in ops}):
+        mine = [r for r in ops if r["tokens"] == t]
+        rows.append({"bench": "pass", "tokens": t} | {key: sum(r[key] * r["per_pass"] for r in mine)
+                                                       for key in PASS_KEYS if all(key in r for r in mine)})  # fmt: skip
+    return rows
+
+
+def sweep_rows(rings: dict, tokens: list[int]) -> list[dict]:
+    """Per token count, weights and candidate (tile, programs per SM): the pass sum over the projections."""
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tiles = [(4, 256), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256)]
+    for t, label, (bn, bk), per_sm, warps in itertools.product(tokens, ("bf16", "fp8"), tiles, (1, 2, 4), (4,)):
+        m_pad = 1 << (t - 1).bit_length()
+        if m_pad * bn * bk > 16384:  # register budget
+            continue
+        total = 0.0
+        for (name, n, k, count), ring in rings.items():
+            x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
+            c = triton_linear.gemv_config(t, n, k, x.device, per_sm, {m_pad: (bn, bk)})._replace(num_warps=warps)
+            total += ring.ms(lambda w, c=c: triton_linear.gemv(x, w, None, c), getattr(ring, label)) * count
+        chosen = (triton_linear.GEMV_TILES[m_pad] == (bn, bk) and per_sm == triton_linear.GEMV_PROGRAMS_PER_SM
+                  and warps == 4)  # fmt: skip
+        rows.append({"bench": "sweep", "tokens": t, "weights": label, "tile": f"{bn}/{bk}", "per_sm": per_sm,
+                     "warps": warps, "pass_ms": total, "chosen": chosen})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(CONFIGS / "qwen3.5-35b-a3b"))
+    p.add_argument("--tokens", type=ints, default=[1, 2, 4, 8, 16, 64, 256, 4096])
+    p.add_argument("--sweep", action="store_true", help="also time the GEMV's tiles (sets its defaults)")
+    p.add_argument("--out", default=str(RESULTS / "gpu_linear.json"))
+    args = p.parse_args()
+    assert BLOCK == 128
+    bandwidth = hbm_bandwidth()
+    print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
+    cfg = ModelConfig.from_dir(args.model)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rings = {proj: Ring(*proj[1:], g) for proj in projections(cfg)}
+    ops = op_rows(cfg, rings, args.tokens, bandwidth)
+    print_table(ops, ["projection", "n", "k", "tokens", "bf16_cublas_ms", "bf16_gemv_ms", "bf16_floor_ms",
+                      "fp8_cublas_ms", "fp8_gemv_ms", "fp8_floor_ms"])  # fmt: skip
+    passes = pass_rows(ops)
+    print_table(passes, ["tokens", *PASS_KEYS])
+    rows = ops + passes
+    if args.sweep:
+        sweep = sweep_rows(rings, [t for t in args.tokens if t in (1, triton_linear.GEMV_MAX_TOKENS)])
+        for t, label in sorted({(r["tokens"], r["weights"]) for r in sweep}):
+            mine = sorted((r for r in sweep if (r["tokens"], r["weights"]) == (t, label)), key=lambda r: r["pass_ms"])
+            chosen = [r for r in mine if r["chosen"] and r not in mine[:3]]
+            print_table(mine[:3] + chosen, ["tokens", "weights", "tile", "per_sm", "warps", "pass_ms", "chosen"])
+        rows += sweep
+    write_result(args.out, {"model": args.model, "rows": rows}, machine_info())
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
