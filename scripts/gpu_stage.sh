@@ -15,9 +15,13 @@
 #   stage p: FP8 weights: the GPU FP8 tests, the FP8 projections against bf16 (with their tile sweep)
 #   stage m: FP8 weights: whole 35B-A3B MoE steps and MoE layers, FP8 then bf16
 #   stage 8: FP8 weights: colocated serving of the 35B-A3B shape at concurrency 1, 16 and 64
+#   stage l: every GPU test, then the linear layers' GEMV against cuBLAS (with its tile sweep)
+#   stage d: whole 35B-A3B decode steps with the GEMV up to 4 tokens and without it, bf16 then FP8
+#   stage u: multi-turn chat with and without the prefix cache (9B shape, 8k-token conversations)
+#   stage o: colocated serving of the 35B-A3B shape at concurrency 1 and 16 (async scheduling)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m or 8}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u or o}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -100,5 +104,24 @@ m)
 8)
   TAIL=14 run serve_fp8 580 python bench/disagg_sweep.py --setups colocated --model bench/configs/qwen3.5-35b-a3b \
     --concurrency 1,16,64 --waves 2 --serve-flag=--quantization=fp8 --out "$OUT/serve_fp8.json"
+  ;;
+l)
+  run env 60 python -c "import torch, triton, flashinfer, fla, ucxx; print(torch.__version__, torch.cuda.get_device_name(0), triton.__version__, flashinfer.__version__, ucxx.__version__)"
+  TAIL=30 run gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE
+  TAIL=100 run gpu_linear 200 python bench/gpu_linear.py --tokens 1,2,4,8,16,4096 --sweep --out "$OUT/gpu_linear.json"
+  ;;
+d)
+  steps=(python bench/gpu_moe.py --moe triton --op-tokens 1 --batches 1,4,16,64 --context 2048 --prefill 2048 --gemv-max-tokens 0,4)
+  TAIL=22 run moe_gemv_bf16 280 "${steps[@]}" --out "$OUT/gpu_moe_gemv_bf16.json"
+  TAIL=22 run moe_gemv_fp8 280 "${steps[@]}" --quantization fp8 --out "$OUT/gpu_moe_gemv_fp8.json"
+  ;;
+u)
+  TAIL=30 run multi_turn 580 python bench/multi_turn.py --device cuda --dtype bfloat16 --load-format dummy \
+    --model bench/configs/qwen3.5-9b --system-len 6144 --message-len 200 --reply-len 128 --users 8 --turns 3 \
+    --vocab 30000 --out "$OUT/multi_turn_gpu_9b.json"
+  ;;
+o)
+  TAIL=12 run serve_colocated_35b 400 python bench/disagg_sweep.py --setups colocated --model bench/configs/qwen3.5-35b-a3b \
+    --concurrency 1,16 --waves 2 --out "$OUT/serve_colocated_35b.json"
   ;;
 esac
