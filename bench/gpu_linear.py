@@ -101,17 +101,17 @@ def op_rows(cfg: ModelConfig, rings: dict, tokens: list[int], bandwidth: float) 
                    "bf16_cublas_ms": ring.ms(lambda w: F.linear(x, w), ring.bf16),
                    "bf16_floor_ms": (2 * n * k + io) / bandwidth * 1e3,
                    "fp8_floor_ms": (n * k + ring.fp8[0].scale.numel() * 4 + io) / bandwidth * 1e3}  # fmt: skip
-            if t <= triton_linear.GEMV_MAX_TOKENS:
+            if t <= triton_linear.GEMV_CHUNK_TOKENS:
                 row["bf16_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.bf16)
                 row["fp8_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.fp8)
             if k % (4 * BLOCK) == 0 and n % 16 == 0:
-                row["fp8_cublas_ms"] = ring.ms(lambda w: triton_linear.linear(x, w) if t > triton_linear.GEMV_MAX_TOKENS
-                                               else _fp8_gemm(x, w), ring.fp8)  # fmt: skip
+                row["fp8_cublas_ms"] = ring.ms(lambda w: _fp8_gemm(x, w), ring.fp8)
             rows.append(row)
     return rows
 
 
 def _fp8_gemm(x, w):
+    """The FP8 layer's cuBLAS path at any token count."""
     saved = triton_linear.GEMV_MAX_TOKENS
     triton_linear.GEMV_MAX_TOKENS = 0
     try:
@@ -173,7 +173,7 @@ def main() -> None:
     print_table(passes, ["tokens", *PASS_KEYS])
     rows = ops + passes
     if args.sweep:
-        sweep = sweep_rows(rings, [t for t in args.tokens if t in (1, triton_linear.GEMV_MAX_TOKENS)])
+        sweep = sweep_rows(rings, [t for t in args.tokens if t in (1, triton_linear.GEMV_CHUNK_TOKENS)])
         for t, label in sorted({(r["tokens"], r["weights"]) for r in sweep}):
             mine = sorted((r for r in sweep if (r["tokens"], r["weights"]) == (t, label)), key=lambda r: r["pass_ms"])
             chosen = [r for r in mine if r["chosen"] and r not in mine[:3]]

@@ -259,7 +259,7 @@ def main() -> None:
                    help="fp8: FP8 experts and projections (dummy weights quantized in blocks)")
     p.add_argument("--moe", default="torch,triton", help="the MoE implementations to time, of torch and triton")
     p.add_argument("--gemv-max-tokens", type=ints, default=[triton_linear.GEMV_MAX_TOKENS],
-                   help="decode steps with the linear layers' GEMV up to each of these token counts (0: cuBLAS)")
+                   help="decode steps with the FP8 layers' GEMV up to each of these token counts (0: cuBLAS)")
     p.add_argument("--out", default=str(RESULTS / "gpu_moe.json"))
     args = p.parse_args()
     fp8 = args.quantization == "fp8"

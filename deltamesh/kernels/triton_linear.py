@@ -1,15 +1,16 @@
 """Linear layers on the GPU, for plain (bf16) and block-scaled FP8 weights (kernels/fp8.py says what FP8
 computes), and the FP8 helpers the fused MoE kernels share.
 
-- Up to GEMV_MAX_TOKENS tokens (a decode step of a few requests): `_gemv` reads each weight tile once for all
-  the tokens; layers with few output rows split K over more programs so every SM reads. An FP8 weight is read
-  as e4m3 bytes: the kernel quantizes the activations per group of 128 as it loads them and folds the weight's
-  block scales into them, never dequantizing the weight in memory.
-- More tokens: cuBLAS's GEMM. For FP8 weights the activations are quantized per token and group
-  (`_quantize_groups`, one kernel) and cuBLAS's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm: 1x128
-  activation blocks, 128x128 weight blocks) runs on the e4m3 tensor cores; it takes 16-aligned token counts (the
-  activations are padded with zero rows) and whole sets of 4 scale groups (K a multiple of 512): a layer that
-  has not those runs `_gemv` at any size, in chunks of tokens.
+- Plain weights: cuBLAS at every size (a Triton GEMV that reads each weight tile once for 1-4 tokens did not
+  beat cuBLAS's own kernels on the 35B-A3B projections: bench/RESULTS.md, "Linear layers").
+- FP8 weights, up to GEMV_MAX_TOKENS tokens: `_gemv` reads the weight as e4m3 bytes; it quantizes the
+  activations per group of 128 as it loads them and folds the weight's block scales into them, never
+  dequantizing the weight in memory. Layers with few output rows split K over more programs so every SM reads.
+- FP8 weights, more tokens: the activations are quantized per token and group (`_quantize_groups`, one kernel)
+  and cuBLAS's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm: 1x128 activation blocks, 128x128 weight
+  blocks) runs on the e4m3 tensor cores. It takes 16-aligned token counts (the activations are padded with zero
+  rows) and whole sets of 4 scale groups (K a multiple of 512): a layer that has not those runs `_gemv` at any
+  size, each program reading its weight tile once for a chunk of GEMV_CHUNK_TOKENS tokens.
 None synchronises with the host, so CUDA graphs capture them."""
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import triton.language as tl
 
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, reference_linear
 
-# Up to this many tokens `_gemv` runs (bench/RESULTS.md, "GEMV"); a power of two.
-GEMV_MAX_TOKENS = 4
+# FP8 weights: up to this many tokens `_gemv` runs, past it cuBLAS's FP8 GEMM wins (bench/RESULTS.md, "Linear
+# layers").
+GEMV_MAX_TOKENS = 1
+# Tokens one `_gemv` program takes at once (a power of two), past GEMV_MAX_TOKENS.
+GEMV_CHUNK_TOKENS = 4
 
 
 @triton.jit
@@ -135,19 +139,19 @@ def _multiprocessors(device: torch.device) -> int:
 
 def gemv_config(m: int, n: int, k: int, device: torch.device, programs_per_sm: int = GEMV_PROGRAMS_PER_SM,
                 tiles: dict[int, tuple[int, int]] = GEMV_TILES) -> GemvConfig:  # fmt: skip
-    """The GEMV's tile for m tokens (at most GEMV_MAX_TOKENS: one program reads its rows for all of them; more
-    tokens run in chunks of GEMV_MAX_TOKENS without a split)."""
+    """The GEMV's tile for m tokens: up to GEMV_CHUNK_TOKENS, one program reads its rows for all of them, with K
+    split for narrow layers; more tokens run in chunks of GEMV_CHUNK_TOKENS, unsplit."""
     block_n, block_k = tiles[_padded(m)]
     blocks = triton.cdiv(n, block_n)
     split = 1
-    while (m <= GEMV_MAX_TOKENS and blocks * split < programs_per_sm * _multiprocessors(device)
+    while (m <= GEMV_CHUNK_TOKENS and blocks * split < programs_per_sm * _multiprocessors(device)
            and k >= 4 * split * block_k):  # fmt: skip
         split *= 2
     return GemvConfig(block_n, block_k, split, 4)
 
 
 def _padded(m: int) -> int:
-    return 1 << (min(m, GEMV_MAX_TOKENS) - 1).bit_length()
+    return 1 << (min(m, GEMV_CHUNK_TOKENS) - 1).bit_length()
 
 
 @functools.cache
@@ -176,19 +180,14 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None) -> tuple[torc
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] times w^T (+ bias), for a plain or an Fp8Weight weight: `_gemv` for up to GEMV_MAX_TOKENS
-    tokens; cuBLAS's GEMM for more (for an Fp8Weight, its block-scaled FP8 GEMM, where the layer's shape suits
-    it; `_gemv` otherwise)."""
+    """x [T, K] times w^T (+ bias): cuBLAS for a plain weight; for an Fp8Weight, `_gemv` up to GEMV_MAX_TOKENS
+    tokens (or at any size where the layer's shape does not suit cuBLAS's FP8 GEMM), that GEMM past it."""
+    if not isinstance(w, Fp8Weight):
+        return F.linear(x, w, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    fp8 = isinstance(w, Fp8Weight)
-    weight = w.weight if fp8 else w
-    if m <= GEMV_MAX_TOKENS and weight.stride(-1) == 1:
-        return gemv(x, w, bias)
-    if not fp8:
-        return F.linear(x, w, bias)
-    if k % (4 * BLOCK) or w.weight.shape[0] % 16:
+    if m <= GEMV_MAX_TOKENS or k % (4 * BLOCK) or w.weight.shape[0] % 16:
         return gemv(x, w, bias)
     if not x.is_cuda:  # Triton's CPU interpreter: no cuBLAS, the same arithmetic in torch
         return reference_linear(x, w, bias)
@@ -200,7 +199,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """`_gemv` for an Fp8Weight or a plain weight [N, K] (rows contiguous); x [T, K] (rows contiguous) for any T,
-    in chunks of GEMV_MAX_TOKENS."""
+    in chunks of GEMV_CHUNK_TOKENS."""
     fp8 = isinstance(w, Fp8Weight)
     weight, scale = (w.weight, w.scale) if fp8 else (w, w)
     m, k = x.shape

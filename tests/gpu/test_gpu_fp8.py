@@ -1,4 +1,4 @@
-"""The GEMV with bf16 weights; FP8 weights on the GPU: the Triton kernels against the arithmetic kernels/fp8.py spells out in torch (tight)
+"""FP8 weights on the GPU: the Triton kernels against the arithmetic kernels/fp8.py spells out in torch (tight)
 and against the dequantized weights without activation quantization (FP8's own tolerance), on the real
 Qwen3.5-35B-A3B shapes; then a whole engine with an FP8 checkpoint against the same checkpoint dequantized."""
 
@@ -33,7 +33,7 @@ def test_fp8_linear_matches_its_arithmetic(tokens):
         bias = torch.randn(n, generator=g, device=DEV).bfloat16() if with_bias else None
         ref = reference_linear(x, w, bias)
         assert rel(triton_linear.linear(x, w, bias), ref) < 1e-2, (n, k)
-        if tokens <= triton_linear.GEMV_MAX_TOKENS:
+        if tokens <= triton_linear.GEMV_CHUNK_TOKENS:
             for tile in [triton_linear.GemvConfig(bn, bk, split, 4) for bn in (4, 8, 16, 32) for bk in (256, 512)
                          for split in (1, 4)]:  # fmt: skip
                 assert rel(triton_linear.gemv(x, w, bias, tile), ref) < 1e-2, (n, k, tile)
@@ -41,19 +41,16 @@ def test_fp8_linear_matches_its_arithmetic(tokens):
         assert rel(triton_linear.linear(x, w, bias), unquantized) < 0.1
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
-def test_bf16_gemv_matches_float64_and_repeats_exactly(tokens):
-    """The GEMV with bf16 weights (every projection of a decode step of up to GEMV_MAX_TOKENS tokens) against the
-    float64 product, with split K and without; captured in a CUDA graph and replayed, the same bits every time
-    (the split-K sums are added in slice order, and each call leaves the counters at 0 for the next)."""
-    g = torch.Generator(device=DEV).manual_seed(tokens)
-    for n, k in ((12352, 2048), (2048, 4096), (257, 2048), (200, 1100)):
-        w = (torch.randn(n, k, generator=g, device=DEV) / k**0.5).bfloat16()
-        x = torch.randn(tokens, k, generator=g, device=DEV).bfloat16()
-        ref = x.double() @ w.double().T
-        for tile in (None, triton_linear.GemvConfig(8, 256, 8, 4), triton_linear.GemvConfig(16, 512, 1, 4)):
-            assert rel(triton_linear.gemv(x, w, None, tile), ref) < 5e-3, (n, k, tile)
-        out = torch.empty(tokens, n, dtype=torch.bfloat16, device=DEV)
+def test_split_k_gemv_repeats_exactly_under_graph_replay():
+    """One token through the 35B-A3B projections' FP8 GEMV (narrow layers split K): captured in a CUDA graph and
+    replayed, the same bits every time (the slices' sums are added in slice order, and each call leaves its
+    counters at 0 for the next)."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for n, k in ((12352, 2048), (2048, 4096), (257, 2048)):
+        w = fp8_weight(g, n, k)
+        x = torch.randn(1, k, generator=g, device=DEV).bfloat16()
+        assert n > 4000 or triton_linear.gemv_config(1, n, k, DEV).split_k > 1, "a narrow layer splits K"
+        out = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -66,7 +63,7 @@ def test_bf16_gemv_matches_float64_and_repeats_exactly(tokens):
         for _ in range(20):
             graph.replay()
             assert torch.equal(out, first), (n, k)
-        assert rel(first, ref) < 5e-3
+        assert rel(first, reference_linear(x, w)) < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 8, 64, 300])
@@ -98,12 +95,15 @@ def test_an_fp8_checkpoint_serves_close_to_its_dequantized_model(tmp_path):
     config = dict(model=str(fp8), device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=4)
     kept, dequantized = EngineCore(EngineConfig(**config)), EngineCore(EngineConfig(**config, quantization="none"))
     assert kept.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn and kept.kernels.chosen["moe"] == "triton"
-    ids = prompt(48, seed=1)
-    a, b = engine_logits(kept, ids, [32, 16]).float(), engine_logits(dequantized, ids, [32, 16]).float()
-    print(f"FP8 against dequantized: logits {rel(a, b):.4f} apart, argmax agrees at "
-          f"{(a.argmax(-1) == b.argmax(-1)).float().mean():.3f} of positions")
-    # activations quantized at every projection of a small random model with a wide spread of weights
-    assert rel(a, b) < 0.3 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+    ids = prompt(128, seed=1)
+    a, b = engine_logits(kept, ids, [96, 32]).float(), engine_logits(dequantized, ids, [96, 32]).float()
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
+    print(f"FP8 against dequantized: logits {rel(a, b):.4f} apart, argmax agrees at {agree:.3f} of positions")
+    # activations quantized at every projection of a small random model with a wide spread of weights: its
+    # near-tied logits make the agreement noisy (0.79-0.85 over 48 positions with the same arithmetic summed in
+    # different orders), hence 128 positions and a bound below that
+    assert rel(a, b) < 0.3 and agree >= 0.75
+    ids = ids[:48]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     firsts = []
     for quantization in ("auto", "none"):  # decode steps from CUDA graphs
