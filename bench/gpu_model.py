@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CONFIGS, RESULTS, decode_items, prefill_items, print_table, write_result  # noqa: E402
+from bench.common import CONFIGS, RESULTS, decode_items, ints, prefill_items, print_table, write_result  # noqa: E402
 from bench.gpu_common import (  # noqa: E402
     core_for,
     gpu_ms,
@@ -136,6 +136,7 @@ def main() -> None:
     p.add_argument("--dense", default=str(CONFIGS / "qwen3.5-9b"))
     p.add_argument("--moe", default=str(CONFIGS / "qwen3.5-35b-a3b"))
     p.add_argument("--context", type=int, default=9216)
+    p.add_argument("--batches", type=ints, default=[64, 256], help="the dense model's decode batches")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--only-moe", action="store_true")
@@ -149,7 +150,7 @@ def main() -> None:
     if args.only_moe:
         args.skip_hf = True
     else:
-        rows += decode_rows(args.dense, [64, 256], args.context, bandwidth, args.profile)
+        rows += decode_rows(args.dense, args.batches, args.context, bandwidth, args.profile)
         print_table(rows, ["bench", "model", "batch", "context", "ms", "host_prepare_ms", "graph_gpu_ms", "roofline_ms",
                            "of_roofline", "tokens_per_s"])  # fmt: skip
         if args.only_decode:
