@@ -68,20 +68,34 @@ def _gemv(x, w, w_scale, bias, out, partials, arrivals, M, N, K, stride_xm, stri
     kk = tl.arange(0, BLOCK_K)
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole BLOCK_Ks, so FP8 groups stay whole
     k_stop = tl.minimum(split * k_per_split + k_per_split, K)
-    acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(split * k_per_split, k_stop, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        a = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        a = a.to(tl.float32)
-        if FP8:  # BLOCK_N divides GROUP: the program's rows share one row of weight scales
-            q, scale = quantized_rows(tl.reshape(a, (M_PAD * BLOCK_K // GROUP, GROUP)))
-            a = tl.reshape(q.to(tl.float32) * scale[:, None], (M_PAD, BLOCK_K))
-            a *= tl.load(w_scale + (n0 // GROUP) * stride_sn + k // GROUP, mask=k_ok, other=0.0)[None, :]
-        b = tl.load(w + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
-        acc += b.to(tl.float32)[None, :, :] * a[:, None, :]
-    y = tl.sum(acc, 2)
+    if M_PAD == 1:  # one token: the activations a vector, the sums [BLOCK_N, BLOCK_K] (faster code than 3-D)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(split * k_per_split, k_stop, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < K
+            a = tl.load(x + tl.program_id(2) * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            if FP8:  # BLOCK_N divides GROUP: the program's rows share one row of weight scales
+                a = quantized_vector(a, BLOCK_K, GROUP)
+                a *= tl.load(w_scale + (n0 // GROUP) * stride_sn + k // GROUP, mask=k_ok, other=0.0)
+            b = tl.load(w + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # fmt: skip
+            acc += b.to(tl.float32) * a[None, :]
+        y = tl.reshape(tl.sum(acc, 1), (1, BLOCK_N))
+    else:
+        acc3 = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(split * k_per_split, k_stop, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < K
+            a = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a = a.to(tl.float32)
+            if FP8:
+                q, scale = quantized_rows(tl.reshape(a, (M_PAD * BLOCK_K // GROUP, GROUP)))
+                a = tl.reshape(q.to(tl.float32) * scale[:, None], (M_PAD, BLOCK_K))
+                a *= tl.load(w_scale + (n0 // GROUP) * stride_sn + k // GROUP, mask=k_ok, other=0.0)[None, :]
+            b = tl.load(w + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # fmt: skip
+            acc3 += b.to(tl.float32)[None, :, :] * a[:, None, :]
+        y = tl.sum(acc3, 2)
     if SPLIT_K == 1:
         _store_rows(y, bias, out, m, n, m_ok, n_ok, stride_om, HAS_BIAS)
     else:  # one chunk of tokens
