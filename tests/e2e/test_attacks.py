@@ -95,6 +95,22 @@ def test_the_api_key_guards_the_grpc_client_api_too(mesh):
         assert client.list_models()[0].id == DEFAULT_MODEL.name
 
 
+def test_api_key_is_checked_on_v1_routes(mesh):
+    """The REST gateway's side of the key (this mesh's router has one; the test was test_openai_api's, with a mesh
+    of its own)."""
+    import openai
+
+    url = f"http://127.0.0.1:{mesh.http_port}"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    ok = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    assert ok.completions.create(model=DEFAULT_MODEL.name, prompt="x", max_tokens=2,
+                                 extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+    assert httpx.get(f"{url}/health").status_code == 200  # liveness needs no key
+    log = "".join(p.log.read_text() for p in mesh.procs)
+    assert API_KEY not in log  # never logged
+
+
 def test_only_the_owner_aborts_its_request(mesh):
     with mesh.client() as owner, mesh.client() as other:
         with owner.stream("A long story", max_tokens=400, temperature=0, ignore_eos=True) as stream:

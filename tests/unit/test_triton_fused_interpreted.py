@@ -160,14 +160,18 @@ def test_attention_inputs_and_gate_match_reference():
 def test_fused_moe_matches_reference():
     """Both fused MoE paths against the torch reference: the pair-wise path of few tokens (decode; a shared
     expert narrower or wider than the routed ones) and the aligned path (most experts unused and partly filled
-    blocks; enough pairs for the larger blocks), top-k renormalised or not, an expert count that is not a power
-    of two; each also as an expert-parallel rank holding three of the experts. float32 only: the interpreter's dots read bfloat16 operands as raw integers; the bfloat16 kernels are
-    checked on the GPU (tests/gpu)."""
+    blocks; the larger blocks of many pairs, several to an expert), top-k renormalised or not, an expert count
+    that is not a power of two; each also as an expert-parallel rank holding three of the experts. float32 only:
+    the interpreter's dots read bfloat16 operands as raw integers; the bfloat16 kernels are checked on the GPU
+    (tests/gpu)."""
     check("""
     from deltamesh.kernels import triton_moe
+    # The last case runs the blocks gemm_config gives more than 2048 pairs (64 rows) on 640 pairs, about 80 to
+    # an expert, so most experts fill one block and start another: the interpreter's time grows with the tokens
+    # (one program each for routing and combining), and 2400 pairs cost it four times as long for no other path.
     cases = ((1, 10, 2, True, 48, None), (5, 12, 3, False, 80, None), (4, 10, 2, True, 32, None),
              (3, 10, 2, True, 48, triton_moe.GemmConfig(16, 64, 128)), (70, 12, 4, False, 64, None),
-             (600, 8, 4, True, 48, None))
+             (160, 8, 4, True, 48, triton_moe.gemm_config(2400)))
     for tokens, experts, top_k, norm, shared_inter, config in cases:
         hidden, inter = 96, 48
         x = torch.randn(tokens, hidden)
