@@ -12,7 +12,7 @@ TORCH_PIN := torch==2.13.0
 	bench-parallel bench-disagg-parallel clean help
 
 help:
-	@echo "make setup     create .venv and install everything (CPU torch $(TORCH_PIN))"
+	@echo "make setup     create .venv and install everything ($(TORCH_PIN) from pip's index: README, Quickstart)"
 	@echo "make run       start the mesh (router + 1 prefill + 1 decode) on the embedded default model"
 	@echo "make test      run the test suite (what CI runs)"
 	@echo "make protos    regenerate gRPC stubs from protos/"
@@ -26,7 +26,7 @@ $(PYTHON):
 	$(PYTHON) -m pip install -q --upgrade pip
 
 setup: $(PYTHON)
-	@echo "setup 1/4: $(TORCH_PIN) (CPU build)"
+	@echo "setup 1/4: $(TORCH_PIN)"
 	$(PYTHON) -m pip install -q $(TORCH_PIN)
 	@echo "setup 2/4: deltamesh and its test tools (about a minute)"
 	$(PYTHON) -m pip install -q -e ".[dev]"
