@@ -47,7 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _setting(None, "Token budget of one engine step (default: 1024 on CPU, "
                                                         "4096 on CUDA)")  # fmt: skip
     # None/auto | torch | flashinfer | fla | "op=backend,..."
-    kernel_backend: str | None = _setting(None, "Kernel backend: auto | torch | flashinfer | fla | op=backend,...",
+    kernel_backend: str | None = _setting(None, "Kernel backend: auto | torch | triton | flashinfer | fla | op=backend,...",
                                           flag="kernels")  # fmt: skip
     # one engine over this many ranks (processes; GPUs on CUDA), each holding 1/N of the heads and columns
     tensor_parallel_size: int = _setting(1, "Ranks (GPUs on CUDA) one worker's model is split over by heads "
