@@ -187,9 +187,10 @@ def serve(**values) -> None:
     host, http_port = values["host"], values["http_port"]
     _ports_free("serve", host, {"--grpc-port": values["grpc_port"], "--control-port": values["control_port"],
                                 "--http-port": http_port})  # fmt: skip
-    # one secret per mesh, made here unless given; children get it in their environment (never on a command line)
+    # one secret per mesh, made here unless given (a --mesh-secret-file that does not exist yet is made, as the
+    # router makes it); children get it in their environment (never on a command line)
     has_secret = values["mesh_secret_file"] or os.environ.get("DELTAMESH_MESH_SECRET")
-    secret = _mesh_secret(values["mesh_secret_file"]) if has_secret else secrets.token_urlsafe(32)
+    secret = _mesh_secret(values["mesh_secret_file"], create=True) if has_secret else secrets.token_urlsafe(32)
     router, roles, gpus = _plan(values, secret)
     specs, metrics_urls = _children(values, secret, router, roles, gpus)
     where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
