@@ -148,13 +148,15 @@ class EngineCore:
         longest = self.max_model_len - params.max_tokens  # a tiny max_model_len only shortens the prompts
         n = 2 * self.config.page_size + 1
         for lengths in ([n], [n - 1, n + 3, 2]):
-            for k in lengths:
-                prompt = [1] * max(1, min(k, longest))
+            for token, k in enumerate(lengths, start=1):  # no two share a prefix: none starts from the cache
+                prompt = [token] * max(1, min(k, longest))
                 self.submit(self.make_request(prompt, params, f"warm-up-{next(self._ids)}"), lambda out: None)
             self.process_commands()
             self.step()
         while self.has_work:
             self.step()
+        if self.prefix_cache is not None:  # nothing a client sent
+            self.prefix_cache.clear()
         self.stats = EngineStats()
 
     # ---- building requests (any thread; validation only, no engine state touched) ------------------

@@ -237,6 +237,10 @@ class RankPrefixCaches:
     def reclaimable(self) -> int:
         return sum(c.reclaimable() for c in self.caches)
 
+    def clear(self) -> None:
+        for c in self.caches:
+            c.clear()
+
     @property
     def num_pages(self) -> int:
         return sum(c.num_pages for c in self.caches)

@@ -10,6 +10,7 @@ from deltamesh.engine.engine import Engine
 from deltamesh.engine.request import Request
 from deltamesh.engine.scheduler import ScheduledItem
 from hf_checkpoints import VOCAB, load_hf
+from idle_pools import assert_idle
 
 pytestmark = pytest.mark.fidelity
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -122,7 +123,7 @@ def test_continuous_batch_equals_each_request_alone(core, hf_model):
     for r, m in zip(requests, max_tokens):
         ref = hf_model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=m, min_new_tokens=m, do_sample=False)
         assert results[r.request_id] == ref[0, len(r.prompt_ids):].tolist(), r.request_id
-    assert core.kv_pool.num_used == 0 and core.state_pool.num_used == 0
+    assert_idle(core)
 
 
 def test_bf16_recurrent_state_within_tolerance(hf_checkpoints, family, core):

@@ -9,6 +9,7 @@ from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.request import Status
 from test_engine import prompts, run_all
+from idle_pools import assert_idle
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
@@ -58,7 +59,8 @@ def test_same_outputs_as_finishing_every_step(model_dir):
         engine._append_token = append
         tokens, finals = run_all(engine, mixed_requests(engine, stop_token))
         results.append((tokens, {k: (v.finish_reason, v.stop_reason) for k, v in finals.items()}, got_lps))
-        assert engine.kv_pool.num_used == 0 and engine.state_pool.num_used == 0 and not engine.has_work
+        assert_idle(engine)
+        assert not engine.has_work
     assert results[0] == results[1]
     tokens, finals, _ = results[1]
     assert len(tokens["r3"]) == stops_after and finals["r3"][1] == stop_token
@@ -81,7 +83,7 @@ def test_same_outputs_under_preemption_and_aborts(model_dir):
 
         tokens, finals = run_all(engine, reqs, on_step)
         assert engine.scheduler.num_preemptions > 0
-        assert engine.kv_pool.num_used == 0 and engine.state_pool.num_used == 0
+        assert_idle(engine)
         results.append({k: v for k, v in tokens.items() if k not in ("r1", "r5")})
     assert results[0] == results[1]
 

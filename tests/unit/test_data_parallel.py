@@ -11,6 +11,7 @@ from deltamesh.engine.request import FinishReason
 from deltamesh.engine.engine import Engine
 from deltamesh.engine.parallel import ParallelConfigError, Shard, shard_config
 from test_tensor_parallel import assert_same, engine_config, prompts, run
+from idle_pools import assert_idle
 
 pytestmark = pytest.mark.parallel
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
@@ -36,7 +37,8 @@ def test_two_data_parallel_ranks_match_one(hf_checkpoints, family, expert_parall
     with dp_engine(path, enable_expert_parallel=expert_parallel) as e:
         got = e.generate(prompts(), PARAMS)
         ranks = {r.dp_rank for r in e.core.scheduler.running}  # finished: nothing left running
-        assert not ranks and e.core.scheduler.ranks[1].kv_pool.num_used == 0
+        assert not ranks
+        assert_idle(e.core.scheduler.ranks[1])
         one_alone = e.generate(prompts()[:1], PARAMS)  # rank 1 idle in every step
     want = run(path, 1)
     assert_same(got, want, TOL)
@@ -169,7 +171,8 @@ def test_preemption_and_aborts_on_every_rank_leave_the_others_exact(hf_checkpoin
 
         got, finals = run_all(small, reqs, on_step)
         assert all(s.num_preemptions > 0 for s in small.scheduler.ranks)
-        assert all(s.kv_pool.num_used == 0 and s.state_pool.num_used == 0 for s in small.scheduler.ranks)
+        for rank in small.scheduler.ranks:
+            assert_idle(rank)
     finally:
         small.close()
     assert finals["r4"].finish_reason == finals["r3"].finish_reason == FinishReason.ABORT

@@ -9,6 +9,7 @@ import torch
 from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams
 from deltamesh.engine.core import EngineCore
 from hf_checkpoints import VOCAB
+from idle_pools import assert_idle
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -64,7 +65,7 @@ def test_pools_return_to_zero_after_finished_stopped_and_aborted(model_dir):
     assert reasons["r1"] == FinishReason.STOP and finals["r1"].num_output_tokens <= 4
     assert reasons["r2"] == reasons["r7"] == FinishReason.ABORT
     assert reasons["r0"] == FinishReason.LENGTH
-    assert core.kv_pool.num_used == 0 and core.state_pool.num_used == 0
+    assert_idle(core)
     assert not core.requests and not core.scheduler.has_work
 
 
@@ -76,7 +77,7 @@ def test_preemption_under_kv_pressure_gives_the_same_tokens(model_dir):
     got, _ = run_all(small, [small.make_request(p, GREEDY, f"r{i}") for i, p in enumerate(ps)])
     assert small.scheduler.num_preemptions > 0
     assert got == ref
-    assert small.kv_pool.num_used == 0 and small.state_pool.num_used == 0
+    assert_idle(small)
 
 
 def test_requests_that_cannot_fit_are_rejected_with_reasons(model_dir):
@@ -145,8 +146,8 @@ def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
         decode.dispatch(decode.process_commands())
         decode.dispatch(decode.step())
     assert {rid: first[rid] + got[rid] for rid in got} == ref
-    assert prefill.kv_pool.num_used == 0 and prefill.state_pool.num_used == 0
-    assert decode.kv_pool.num_used == 0 and decode.state_pool.num_used == 0
+    assert_idle(prefill)
+    assert_idle(decode)
 
 
 def copy_state(src: EngineCore, dst: EngineCore, rid: str, res, n_tokens: int):

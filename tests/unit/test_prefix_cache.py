@@ -211,7 +211,7 @@ def test_a_new_users_chat_reuses_the_shared_system_prompt():
     assert turn_end % 16 and all(p[:turn_end] == prompts[0][:turn_end] for p in prompts)
     waves = [[p] for p in prompts]
     kw = dict(page_size=16, max_num_seqs=4, num_kv_pages=64)
-    plain = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), **kw))
+    plain = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), prefix_cache=False, **kw))
     ref = run_waves(plain, waves, GREEDY)
     engine = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), prefix_cache=True, **kw))
     assert run_waves(engine, waves, GREEDY) == ref

@@ -16,6 +16,7 @@ from deltamesh.engine.parallel import Shard, shard_tensor
 from deltamesh.engine.state_shards import RequestState, merge, split
 from hf_checkpoints import write_replicated_kv_checkpoint
 from test_tensor_parallel import engine_config, prompts
+from idle_pools import assert_idle
 
 pytestmark = pytest.mark.parallel
 
@@ -92,7 +93,7 @@ def held_states(path, tp: int, **kw) -> tuple[dict[str, list[int]], dict[str, to
         first = run_all(engine, [engine.make_request(p, PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())])
         held = {rid: torch.cat([r.tensor for r in engine.held_regions(rid)]) for rid in first}
         assert all(engine.release_held(rid) for rid in first)
-        assert engine.scheduler.kv_pool.num_used == 0 and engine.scheduler.state_pool.num_used == 0
+        assert_idle(engine.scheduler)
         return first, held
     finally:
         engine.close()
@@ -116,7 +117,7 @@ def continued(path, tp: int, first, held, **kw) -> dict[str, list[int]]:
         while engine.has_work or not engine._commands.empty():
             engine.dispatch(engine.process_commands())
             engine.dispatch(engine.step())
-        assert engine.scheduler.kv_pool.num_used == 0 and engine.scheduler.state_pool.num_used == 0
+        assert_idle(engine.scheduler)
         return tokens
     finally:
         engine.close()

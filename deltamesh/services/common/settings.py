@@ -99,10 +99,10 @@ class RouterSettings(BaseModel):
     colocated: list[str] = Field(default_factory=list, description="Static colocated worker address (repeatable)")
     policy: Literal["round_robin", "least_loaded", "cache_aware"] = Field(
         "least_loaded", description="round_robin | least_loaded | cache_aware (prefill: where the prompt's prefix "
-                                    "went before, balanced against load; pair with the workers' --prefix-cache)")
+                                    "went before, balanced against load; the workers' prefix caches hold them)")
     pd_direct_max_tokens: int = Field(0, ge=0, description="Send a request straight to the decode worker that "
                                       "holds all but at most this many tokens of its prompt (a conversation's "
-                                      "earlier turns; decode workers need --prefix-cache). 0: off")  # fmt: skip
+                                      "earlier turns, kept by decode workers' prefix caches). 0: off")  # fmt: skip
     health_interval_s: float = Field(0.5, json_schema_extra=_NO_OPTION)
     heartbeat_interval_s: float = Field(1.0, json_schema_extra=_NO_OPTION)
     prefill_retries: int = Field(2, json_schema_extra=_NO_OPTION)
