@@ -166,7 +166,7 @@ class Bench:
             model=spec.model, load_format=spec.load_format, dtype=args.dtype, state_dtype=args.state_dtype,
             page_size=args.page_size, num_kv_pages=args.num_kv_pages or need + 8, max_num_seqs=max_batch,
             max_model_len=longest + 16, max_num_batched_tokens=args.max_num_batched_tokens,
-            kernel_backend=args.kernels, seed=args.seed, torch_threads=args.threads,
+            kernel_backend=args.kernels, seed=args.seed, torch_threads=args.threads, prefix_cache=False,
         )  # fmt: skip
         t0 = time.perf_counter()
         self.core = EngineCore(self.config)

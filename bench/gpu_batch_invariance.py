@@ -30,7 +30,7 @@ def main() -> None:
     prompts = [[rng.randrange(10, 30000) for _ in range(rng.randint(16, 512))] for _ in range(100)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2)
     with Engine(EngineConfig(model=args.model, load_format="dummy", device="cuda", dtype="bfloat16",
-                             max_model_len=1024)) as eng:  # fmt: skip
+                             max_model_len=1024, prefix_cache=False)) as eng:  # fmt: skip
         batched = eng.generate(prompts, params)
         alone = [eng.generate(p, params)[0] for p in prompts]
     exact = sum(a.token_ids == b.token_ids for a, b in zip(batched, alone))

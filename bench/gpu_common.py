@@ -94,14 +94,15 @@ def graph_ms(fn) -> float:
 
 def core_for(config_dir: str, max_seqs: int, context: int, extra_tokens: int = 64, **kw):
     """An EngineCore on the GPU with dummy bf16 weights, its pools sized for `max_seqs` requests of `context`
-    (+ `extra_tokens`) tokens."""
+    (+ `extra_tokens`) tokens; no prefix cache (these benchmarks time the engine's own steps)."""
     from deltamesh.engine import EngineConfig
     from deltamesh.engine.core import EngineCore
 
     pages = max_seqs * (-(-(context + extra_tokens) // 16)) + 64
     return EngineCore(EngineConfig(
         model=config_dir, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=max_seqs,
-        num_kv_pages=pages, max_model_len=context + extra_tokens, max_num_batched_tokens=max(8192, context), **kw,
+        num_kv_pages=pages, max_model_len=context + extra_tokens, max_num_batched_tokens=max(8192, context),
+        **{"prefix_cache": False} | kw,
     ))  # fmt: skip
 
 

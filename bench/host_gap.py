@@ -92,7 +92,8 @@ def main() -> None:
     for model in args.models.split(","):
         config = EngineConfig(model=str(ROOT / model) if not Path(model).is_absolute() else model,
                               load_format="dummy", device=args.device, max_num_seqs=max(batches),
-                              max_model_len=args.context + 4 * args.steps + 64, max_num_batched_tokens=16384)  # fmt: skip
+                              max_model_len=args.context + 4 * args.steps + 64, max_num_batched_tokens=16384,
+                              prefix_cache=False)  # fmt: skip
         core = EngineCore(config)
         for batch in batches:
             for async_scheduling in (False, True):

@@ -54,7 +54,8 @@ def layout(spec: str) -> dict:
 def row(args, spec: str) -> dict:
     fields = layout(spec)
     config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device, **fields,
-                          max_num_seqs=max(args.batch, 1), max_model_len=args.prompt + args.decode_tokens + 64)  # fmt: skip
+                          max_num_seqs=max(args.batch, 1), max_model_len=args.prompt + args.decode_tokens + 64,
+                          prefix_cache=False)  # fmt: skip
     with Engine(config) as engine:
         vocab = engine.core.model_config.vocab_size
         prompts = [[(7 * i + 13 * j) % vocab for j in range(args.prompt)] for i in range(args.batch)]

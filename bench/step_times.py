@@ -38,7 +38,7 @@ def main() -> None:
 
     config = EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
                           max_num_seqs=128, max_model_len=args.prompt_len + 1040,
-                          max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+                          max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache=False)  # fmt: skip
     started = time.perf_counter()
     core = EngineCore(config)  # includes the worker's warm-up
     print(f"engine ready in {time.perf_counter() - started:.1f}s", flush=True)

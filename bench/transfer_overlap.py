@@ -24,7 +24,7 @@ class EngineLoop:
         self.core = EngineCore(EngineConfig(
             model=model, load_format=weights, device=device, max_num_seqs=batch,
             num_kv_pages=batch * -(-(context + 64) // 16) + 64, max_model_len=context + 64,
-            max_num_batched_tokens=max(1024, context * (batch if side == "prefill" else 1)),
+            max_num_batched_tokens=max(1024, context * (batch if side == "prefill" else 1)), prefix_cache=False,
         ))  # fmt: skip
         make_items = prefill_items if side == "prefill" else decode_items
         self.items = make_items(self.core, batch, context)
