@@ -60,7 +60,7 @@ def test_chat_uses_the_checkpoint_template(client, reference_engine):
     assert res.usage.prompt_tokens == len(ids)
 
 
-def test_streaming_chat_with_usage(client):
+def test_streaming_chat_with_usage(client, base_url):
     stream = client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "Tell me about tuples."}], max_tokens=10,
         temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -74,6 +74,11 @@ def test_streaming_chat_with_usage(client):
     full = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Tell me about tuples."}],
                                           max_tokens=10, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
     assert text == full.choices[0].message.content
+    # on the wire, only the first chunk names the role (the openai client reads a null one the same way)
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+    sse = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30).text.splitlines()
+    deltas = [json.loads(line[len("data: "):])["choices"][0]["delta"] for line in sse if line.startswith("data: {")]
+    assert deltas[0] == {"role": "assistant", "content": ""} and all("role" not in d for d in deltas[1:]), deltas
 
 
 def test_stop_strings_n_and_logprobs(client):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 from deltamesh.services.common.settings import RequestLimits
 
@@ -199,8 +199,17 @@ class ChatCompletion(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """What a chunk adds: the first carries the role, the others leave it out (as OpenAI sends them)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_role_after_the_first(self, handler) -> dict:
+        out = handler(self)
+        if out.get("role") is None:
+            out.pop("role", None)
+        return out
 
 
 class ChatChunkChoice(BaseModel):
