@@ -44,8 +44,9 @@ protos: $(PYTHON)
 run:
 	$(BIN)/deltamesh serve
 
-test:
-	$(BIN)/pytest -q
+test:  # in-process tests on every core (up to 4), then the real-process ones alone (they time their streams)
+	$(BIN)/pytest -q -n auto --maxprocesses 4 tests/unit tests/fidelity tests/gpu
+	$(BIN)/pytest -q tests/e2e
 
 test-fast:
 	$(BIN)/pytest -q -m "not e2e and not fidelity and not fault"
