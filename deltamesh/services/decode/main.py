@@ -26,7 +26,7 @@ class DecodeRole(Role):
         self.puller = transport.puller(settle_grace_s=timeout_s)
         self.holder = None
         offers = None
-        if self.pulls and worker.engine.core.prefix_cache is not None:
+        if self.pulls and worker.engine.core.prefix_cache is not None:  # its holder starts with the first offer
             self.leases = LeaseTable(capacity=worker.engine.num_state_slots)
             self.holder = transport.holder(self.leases)
             offers = PrefixOffers(worker, self.leases, self.holder)
@@ -44,8 +44,6 @@ class DecodeRole(Role):
     async def on_start(self) -> None:
         if self.pulls:
             await self.puller.start()
-        if self.holder is not None:
-            await self.holder.start()
 
     async def on_stop(self) -> None:
         await self.warmer.close()
