@@ -8,7 +8,7 @@ replayed alone would read its weight from L2 and pay a graph launch of its own.
 - `op` rows: per projection and token count: bf16 cuBLAS, the bf16 GEMV, the FP8 layer past the GEMV (cuBLAS's
   block-scaled FP8 GEMM), the FP8 GEMV; the bf16 and FP8 floors (bytes at the measured HBM copy rate).
 - `pass` rows: the sum over one forward pass's projections (LM head excluded) at each token count.
-- `sweep` rows (`--sweep`): the pass sum per GEMV tile and split target (triton_linear.GEMV_TILES,
+- `sweep` rows (`--sweep`): the pass sum per GEMV tile and split target at one token (triton_linear.GEMV_TILE,
   GEMV_PROGRAMS_PER_SM), which set those defaults.
 
     python bench/gpu_linear.py --sweep --out bench/results/gpu_linear.json
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, ints, print_table, write_result  # noqa: E402
-from bench.gpu_common import gpu_ms, hbm_bandwidth, machine_info  # noqa: E402
+from bench.gpu_common import graph_ms, hbm_bandwidth, machine_info  # noqa: E402
 from deltamesh.engine.config import FULL_ATTENTION, ModelConfig  # noqa: E402
 from deltamesh.kernels import triton_linear  # noqa: E402
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, quantize_blocks  # noqa: E402
@@ -69,25 +69,14 @@ class Ring:
         self.fp8 = [Fp8Weight(q.clone(), s.clone()) for _ in range(self.count)]
 
     def ms(self, fn, weights) -> float:
-        """One call's share of a graph that calls fn(w) for every copy."""
+        """One call's share of a graph that calls fn(w) for every copy (compiled, and the split-K counters
+        made, by graph_ms's eager calls before the capture)."""
 
         def chain():
             for w in weights:
                 fn(w)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain()  # compiles, autotunes and allocates the split-K counters outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                chain()
-        torch.cuda.current_stream().wait_stream(stream)
-        return gpu_ms(graph.replay) / len(weights)
-
-
-def gemv_with(config):
-    return lambda x, w: triton_linear.gemv(x, w, None, config)
+        return graph_ms(chain) / len(weights)
 
 
 def op_rows(cfg: ModelConfig, rings: dict, tokens: list[int], bandwidth: float) -> list[dict]:
@@ -101,23 +90,13 @@ def op_rows(cfg: ModelConfig, rings: dict, tokens: list[int], bandwidth: float) 
                    "bf16_cublas_ms": ring.ms(lambda w: F.linear(x, w), ring.bf16),
                    "bf16_floor_ms": (2 * n * k + io) / bandwidth * 1e3,
                    "fp8_floor_ms": (n * k + ring.fp8[0].scale.numel() * 4 + io) / bandwidth * 1e3}  # fmt: skip
-            if t <= triton_linear.GEMV_CHUNK_TOKENS:
+            if t <= 4:
                 row["bf16_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.bf16)
                 row["fp8_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.fp8)
-            if k % (4 * BLOCK) == 0 and n % 16 == 0:
-                row["fp8_cublas_ms"] = ring.ms(lambda w: _fp8_gemm(x, w), ring.fp8)
+            if triton_linear.fits_fp8_gemm(x, ring.fp8[0]):
+                row["fp8_cublas_ms"] = ring.ms(lambda w: triton_linear.fp8_gemm(x, w), ring.fp8)
             rows.append(row)
     return rows
-
-
-def _fp8_gemm(x, w):
-    """The FP8 layer's cuBLAS path at any token count."""
-    saved = triton_linear.GEMV_MAX_TOKENS
-    triton_linear.GEMV_MAX_TOKENS = 0
-    try:
-        return triton_linear.linear(x, w)
-    finally:
-        triton_linear.GEMV_MAX_TOKENS = saved
 
 
 PASS_KEYS = ("bf16_cublas_ms", "bf16_gemv_ms", "bf16_floor_ms", "fp8_cublas_ms", "fp8_gemv_ms", "fp8_floor_ms")
@@ -137,19 +116,15 @@ def sweep_rows(rings: dict, tokens: list[int]) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
     tiles = [(4, 256), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256)]
-    for t, label, (bn, bk), per_sm, warps in itertools.product(tokens, ("bf16", "fp8"), tiles, (1, 2, 4), (4,)):
-        m_pad = 1 << (t - 1).bit_length()
-        if m_pad * bn * bk > 16384:  # register budget
-            continue
+    for t, label, tile, per_sm in itertools.product(tokens, ("bf16", "fp8"), tiles, (1, 2, 4)):
         total = 0.0
         for (name, n, k, count), ring in rings.items():
             x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
-            c = triton_linear.gemv_config(t, n, k, x.device, per_sm, {m_pad: (bn, bk)})._replace(num_warps=warps)
+            c = triton_linear.gemv_config(t, n, k, x.device, per_sm, tile)
             total += ring.ms(lambda w, c=c: triton_linear.gemv(x, w, None, c), getattr(ring, label)) * count
-        chosen = (triton_linear.GEMV_TILES[m_pad] == (bn, bk) and per_sm == triton_linear.GEMV_PROGRAMS_PER_SM
-                  and warps == 4)  # fmt: skip
-        rows.append({"bench": "sweep", "tokens": t, "weights": label, "tile": f"{bn}/{bk}", "per_sm": per_sm,
-                     "warps": warps, "pass_ms": total, "chosen": chosen})  # fmt: skip
+        chosen = tile == triton_linear.GEMV_TILE and per_sm == triton_linear.GEMV_PROGRAMS_PER_SM
+        rows.append({"bench": "sweep", "tokens": t, "weights": label, "tile": "/".join(map(str, tile)),
+                     "per_sm": per_sm, "pass_ms": total, "chosen": chosen})  # fmt: skip
     return rows
 
 
@@ -173,11 +148,11 @@ def main() -> None:
     print_table(passes, ["tokens", *PASS_KEYS])
     rows = ops + passes
     if args.sweep:
-        sweep = sweep_rows(rings, [t for t in args.tokens if t in (1, triton_linear.GEMV_CHUNK_TOKENS)])
+        sweep = sweep_rows(rings, [t for t in args.tokens if t == triton_linear.GEMV_MAX_TOKENS])
         for t, label in sorted({(r["tokens"], r["weights"]) for r in sweep}):
             mine = sorted((r for r in sweep if (r["tokens"], r["weights"]) == (t, label)), key=lambda r: r["pass_ms"])
             chosen = [r for r in mine if r["chosen"] and r not in mine[:3]]
-            print_table(mine[:3] + chosen, ["tokens", "weights", "tile", "per_sm", "warps", "pass_ms", "chosen"])
+            print_table(mine[:3] + chosen, ["tokens", "weights", "tile", "per_sm", "pass_ms", "chosen"])
         rows += sweep
     write_result(args.out, {"model": args.model, "rows": rows}, machine_info())
     print("wrote", args.out)
