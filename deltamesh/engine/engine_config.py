@@ -69,9 +69,9 @@ class EngineConfig:
     # schedule and launch step N+1 before reading step N's tokens on the host
     async_scheduling: bool = _setting(True, "Schedule and launch each engine step before the previous step's tokens "
                                             "reach the host (off: finish every step first)")  # fmt: skip
-    # Prefix caching (prefix_cache.py). On, as in the peers: a new prompt's prefill stops where its state is
-    # checkpointed (one more, short, step) and checkpoints take state slots, about 5 % of throughput where nothing
-    # is reused, against 5-8x lower TTFT on a chat's later turns (bench/RESULTS.md).
+    # Prefix caching (prefix_cache.py). On, as in the peers; its cost where nothing is reused (a new prompt's
+    # prefill stops where its state is checkpointed, and checkpoints take state slots) against its gain on chats
+    # is in bench/RESULTS.md.
     prefix_cache: bool = _setting(True, "Reuse the KV pages and GDN state of prompt prefixes computed before "
                                          "(exact: same tokens as without it)")  # fmt: skip
     prefix_cache_pages: int | None = _setting(None, "Most KV pages the prefix cache keeps (default: every free page)")

@@ -8,6 +8,7 @@ import torch
 from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
 from hf_checkpoints import VOCAB
+from idle_pools import assert_idle
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 PAGE = 4
@@ -58,13 +59,8 @@ def run_waves(engine: EngineCore, waves, params, abort_after=None, after_step=No
 
 
 def assert_cached_baseline(engine: EngineCore):
-    cache = engine.prefix_cache
-    assert not engine.has_work and not engine.requests
-    assert engine.state_pool.num_used == 0
-    assert engine.kv_pool.num_used == cache.num_pages == cache.reclaimable()
-    assert engine.checkpoint_pool.num_used == cache.num_checkpoints
-    cache.clear()
-    assert engine.kv_pool.num_used == 0 and engine.checkpoint_pool.num_used == 0
+    assert not engine.has_work and not engine.requests and engine.prefix_cache is not None
+    assert_idle(engine)
 
 
 def compare(model_dir, waves, params, expect_hit_tokens=None, abort_after=None, **kw):

@@ -27,7 +27,7 @@ class PrefixOffers:
         self.worker, self.engine, self.leases, self.holder = worker, worker.engine, leases, holder
         self._holder_started: asyncio.Task | None = None
 
-    async def start_holder(self) -> None:
+    async def _start_holder(self) -> None:
         """The side channel's holder starts with the first offer: only a router with the P/D decider asks for
         offers, and a decode worker that is never asked keeps its side channel to pulling."""
         if self._holder_started is None:
@@ -35,7 +35,7 @@ class PrefixOffers:
         await asyncio.shield(self._holder_started)
 
     async def offer(self, request: decode_pb2.OfferPrefixRequest, context) -> decode_pb2.OfferPrefixResponse:
-        await self.start_holder()
+        await self._start_holder()
         limit = self.worker.settings.max_lease_ttl_s
         if request.lease_ttl_ms > limit * 1000:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lease TTL {request.lease_ttl_ms} ms is over this "
