@@ -16,7 +16,7 @@
 #   stage m: FP8 weights: whole 35B-A3B MoE steps and MoE layers, FP8 then bf16
 #   stage 8: FP8 weights: colocated serving of the 35B-A3B shape at concurrency 1, 16 and 64
 #   stage l: every GPU test, then the linear layers' GEMV against cuBLAS (with its tile sweep)
-#   stage d: whole 35B-A3B decode steps with the GEMV up to 4 tokens and without it, bf16 then FP8
+#   stage d: whole 35B-A3B decode steps, bf16, then FP8 with the one-token GEMV and with cuBLAS instead
 #   stage u: multi-turn chat with and without the prefix cache (9B shape, 8k-token conversations)
 #   stage o: colocated serving of the 35B-A3B shape at concurrency 1 and 16 (async scheduling)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
@@ -111,9 +111,9 @@ l)
   TAIL=100 run gpu_linear 200 python bench/gpu_linear.py --tokens 1,2,4,8,16,4096 --sweep --out "$OUT/gpu_linear.json"
   ;;
 d)
-  steps=(python bench/gpu_moe.py --moe triton --op-tokens 1 --batches 1,4,16,64 --context 2048 --prefill 2048 --gemv-max-tokens 0,4)
-  TAIL=22 run moe_gemv_bf16 280 "${steps[@]}" --out "$OUT/gpu_moe_gemv_bf16.json"
-  TAIL=22 run moe_gemv_fp8 280 "${steps[@]}" --quantization fp8 --out "$OUT/gpu_moe_gemv_fp8.json"
+  steps=(python bench/gpu_moe.py --moe triton --op-tokens 1 --batches 1,4,16,64 --context 2048 --prefill 2048)
+  TAIL=22 run moe_bf16 280 "${steps[@]}" --out "$OUT/gpu_moe_bf16.json"
+  TAIL=22 run moe_gemv_fp8 280 "${steps[@]}" --quantization fp8 --gemv-max-tokens 0,1 --out "$OUT/gpu_moe_gemv_fp8.json"
   ;;
 u)
   TAIL=30 run multi_turn 580 python bench/multi_turn.py --device cuda --dtype bfloat16 --load-format dummy \
