@@ -305,15 +305,24 @@ class GemmConfig(NamedTuple):
     num_stages: int = 3
 
 
+class PairTile(NamedTuple):
+    """One pair-wise kernel's launch: output rows per program, the K step, warps per program."""
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
 class PairConfig(NamedTuple):
-    """The pair-wise path's tiles: output rows per program of each kernel, the K step, warps per program."""
-    gate_up_block_n: int = 4
-    down_block_n: int = 4
-    block_k: int = 512
-    num_warps: int = 2
+    gate_up: PairTile
+    down: PairTile
 
 
-PAIR_CONFIG = PairConfig()
+def pair_config(tokens: int) -> PairConfig:
+    """The pair-wise path's tiles, the fastest of `python bench/gpu_moe.py --pair-sweep` (its weights come from
+    HBM, as in a step): one token favours a narrow down kernel, more tokens a narrow gate/up kernel."""
+    if tokens == 1:
+        return PairConfig(PairTile(4, 512, 2), PairTile(2, 512, 2))
+    return PairConfig(PairTile(2, 512, 1), PairTile(4, 512, 1))
 
 
 def gemm_config(num_pairs: int) -> GemmConfig:
@@ -346,7 +355,7 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int, norm_
 
 
 def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate, first_expert=0,
-               pair_config: PairConfig = PAIR_CONFIG) -> torch.Tensor:  # fmt: skip
+               tiles: PairConfig | None = None) -> torch.Tensor:  # fmt: skip
     (w13, w13_s, fp8), (w2, w2_s, _) = _parts(w13), _parts(w2)
     (sw13, sw13_s, _), (sw2, sw2_s, _) = _parts(shared_w13), _parts(shared_w2)
     T, H = x.shape
@@ -359,17 +368,17 @@ def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w
     weights = torch.empty(P, dtype=torch.float32, device=dev)
     inter = torch.empty(P, max(I, IS), dtype=x.dtype, device=dev)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    gate_up_n, down_n, block_k, warps = pair_config
-    _gate_up_silu_pairs[(P, triton.cdiv(max(I, IS), gate_up_n))](
+    gate_up, down = tiles or pair_config(T)
+    _gate_up_silu_pairs[(P, triton.cdiv(max(I, IS), gate_up.block_n))](
         x, router_logits, shared_gate, w13, sw13, w13_s, sw13_s, inter, ids, weights, H, I, IS, x.stride(0),
         router_logits.stride(0), shared_gate.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
         w13_s.stride(0), w13_s.stride(1), sw13_s.stride(0), first_expert, local, E, triton.next_power_of_2(E), top_k,
-        norm_topk, fp8,
-        BLOCK, gate_up_n, block_k, num_warps=warps,
+        norm_topk, fp8, BLOCK, gate_up.block_n, gate_up.block_k, num_warps=gate_up.num_warps,
     )  # fmt: skip
-    _down_combine[(T, triton.cdiv(H, down_n))](
+    _down_combine[(T, triton.cdiv(H, down.block_n))](
         inter, w2, sw2, w2_s, sw2_s, ids, weights, out, H, I, IS, w2.stride(0), w2.stride(1), sw2.stride(0),
-        w2_s.stride(0), w2_s.stride(1), sw2_s.stride(0), top_k, fp8, BLOCK, down_n, block_k, num_warps=warps,
+        w2_s.stride(0), w2_s.stride(1), sw2_s.stride(0), top_k, fp8, BLOCK, down.block_n, down.block_k,
+        num_warps=down.num_warps,
     )  # fmt: skip
     return out
 

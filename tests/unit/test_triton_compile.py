@@ -14,15 +14,19 @@ from deltamesh.kernels import triton_linear, triton_moe  # noqa: E402
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object]):
+def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4):
     signature = signature | {name: "constexpr" for name in constexprs}
     signature = {name: signature[name] for name in kernel.arg_names}  # in the kernel's own order
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=SM90)
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=SM90,
+                          options={"num_warps": num_warps})
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("norm", [True, False])
-def test_pairwise_moe_kernels_compile_for_sm90(norm, fp8):
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_pairwise_moe_kernels_compile_for_sm90(tokens, norm, fp8):
+    """With the tiles a decode step of `tokens` tokens uses."""
+    gate_up_tile, down_tile = triton_moe.pair_config(tokens)
     w = "*fp8e4nv" if fp8 else "*bf16"
     ints = dict.fromkeys(("H", "I", "IS", "stride_we", "stride_wn", "stride_swn", "stride_se", "stride_sn",
                           "stride_ssn", "first", "local"), "i32")  # fmt: skip
@@ -31,13 +35,15 @@ def test_pairwise_moe_kernels_compile_for_sm90(norm, fp8):
         triton_moe._gate_up_silu_pairs,
         {"x": "*bf16", "logits": "*bf16", "shared_gate": "*bf16", "w13": w, "sw13": w, "inter": "*bf16",
          "ids": "*i32", "weights": "*fp32"} | scales | ints | {"stride_x": "i32", "stride_l": "i32", "stride_g": "i32"},
-        {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": norm, "FP8": fp8, "GROUP": 128, "BLOCK_N": 4, "BLOCK_K": 512},
+        {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": norm, "FP8": fp8, "GROUP": 128,
+         "BLOCK_N": gate_up_tile.block_n, "BLOCK_K": gate_up_tile.block_k}, gate_up_tile.num_warps,
     )  # fmt: skip
     down = compile_for_sm90(
         triton_moe._down_combine,
         {"inter": "*bf16", "w2": w, "sw2": w, "w2_s": "*fp32", "sw2_s": "*fp32", "ids": "*i32", "weights": "*fp32",
          "out": "*bf16"} | {k: v for k, v in ints.items() if k not in ("first", "local")},
-        {"TOP_K": 8, "FP8": fp8, "GROUP": 128, "BLOCK_N": 4, "BLOCK_K": 512},
+        {"TOP_K": 8, "FP8": fp8, "GROUP": 128, "BLOCK_N": down_tile.block_n, "BLOCK_K": down_tile.block_k},
+        down_tile.num_warps,
     )  # fmt: skip
     for k in (gate_up, down):
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
