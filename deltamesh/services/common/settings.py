@@ -98,8 +98,8 @@ class RouterSettings(BaseModel):
     decode: list[str] = Field(default_factory=list, description="Static decode worker address (repeatable)")
     colocated: list[str] = Field(default_factory=list, description="Static colocated worker address (repeatable)")
     policy: Literal["round_robin", "least_loaded", "cache_aware"] = Field(
-        "least_loaded", description="round_robin | least_loaded | cache_aware (prefill: where the prompt's prefix "
-                                    "went before, balanced against load; the workers' prefix caches hold them)")
+        "cache_aware", description="round_robin | least_loaded | cache_aware (where the prompt's prefix went "
+                                   "before, balanced against load: the workers' prefix caches hold them)")
     pd_direct_max_tokens: int = Field(0, ge=0, description="Send a request straight to the decode worker that "
                                       "holds all but at most this many tokens of its prompt (a conversation's "
                                       "earlier turns, kept by decode workers' prefix caches). 0: off")  # fmt: skip
