@@ -32,8 +32,10 @@ skipped (the ranks' outputs are summed by the engine), the shared expert is comp
 
 FP8 weights (`kernels.fp8.Fp8Weight`, all four or none): the same kernels read the e4m3 experts and their block
 scales and compute as kernels/fp8.py says, the activations (x, then the SwiGLU output) quantized per token and
-group of 128 as they are loaded. The aligned path multiplies e4m3 tiles on the tensor cores (one K step per
-scale group); the pair-wise path folds each group's two scales into the activation vector.
+group of 128. The aligned path quantizes x once before its GEMMs, and its gate/up kernel writes the SwiGLU output
+already quantized (each program computes one group of output columns), so both GEMMs read e4m3 tiles and their
+scales and multiply on the tensor cores, one K step per scale group. The pair-wise path quantizes the activation
+vector as it loads it and folds each group's two scales into it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ import triton.language as tl
 from deltamesh.kernels import triton_linear, triton_fused
 from deltamesh.kernels.triton_linear import quantized_rows, quantized_vector
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight
+
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 # Up to this many tokens the pair-wise path runs (see the module docstring); from bench/gpu_moe.py's op rows.
 DECODE_MAX_TOKENS = 4
@@ -118,9 +122,12 @@ def _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _gate_up_silu(x, w13, w13_s, inter, block_expert, starts, counts, sorted_pairs, H, I, stride_x, stride_we,
-                  stride_wn, stride_se, stride_sn, TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _gate_up_silu(x, x_s, w13, w13_s, inter, inter_s, block_expert, starts, counts, sorted_pairs, H, I, stride_x,
+                  stride_xs_t, stride_xs_g, stride_we, stride_wn, stride_se, stride_sn, stride_is, TOP_K: tl.constexpr,
+                  FP8: tl.constexpr, MODEL_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
+    """FP8: x holds e4m3 activations with their scales in x_s [tokens, groups]; BLOCK_K and BLOCK_N are the scale
+    group, so each program writes one group of its rows' SwiGLU output, quantized (inter_s: its scales)."""
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
@@ -139,23 +146,29 @@ def _gate_up_silu(x, w13, w13_s, inter, block_expert, starts, counts, sorted_pai
         w_mask = (k[:, None] < H) & n_ok[None, :]
         wg = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w + (n[None, :] + I) * stride_wn + k[:, None], mask=w_mask, other=0.0)
-        if FP8:  # BLOCK_K is the scale group; BLOCK_N divides it, and so does I
-            a_q, a_s = quantized_rows(a.to(tl.float32))
+        if FP8:
+            a_s = tl.load(x_s + tokens.to(tl.int64) * stride_xs_t + (k0 // BLOCK_K) * stride_xs_g, mask=valid, other=0.0)
             s = w13_s + e.to(tl.int64) * stride_se + k0 // BLOCK_K
-            gate += tl.dot(a_q, wg) * (a_s[:, None] * tl.load(s + (n0 // BLOCK_K) * stride_sn))
-            up += tl.dot(a_q, wu) * (a_s[:, None] * tl.load(s + ((n0 + I) // BLOCK_K) * stride_sn))
+            gate += tl.dot(a, wg) * (a_s[:, None] * tl.load(s + (n0 // BLOCK_K) * stride_sn))
+            up += tl.dot(a, wu) * (a_s[:, None] * tl.load(s + ((n0 + I) // BLOCK_K) * stride_sn))
         else:
             gate = tl.dot(a, wg, gate)
             up = tl.dot(a, wu, up)
     h = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(inter + rows[:, None].to(tl.int64) * I + n[None, :], h.to(inter.dtype.element_ty),
-             mask=valid[:, None] & n_ok[None, :])  # fmt: skip
+    out = inter + rows[:, None].to(tl.int64) * I + n[None, :]
+    if FP8:  # rounded to the model dtype first, as the reference's down projection reads it
+        q, scale = quantized_rows(h.to(MODEL_DTYPE).to(tl.float32))
+        tl.store(out, q, mask=valid[:, None] & n_ok[None, :])
+        tl.store(inter_s + rows.to(tl.int64) * stride_is + n0 // BLOCK_N, scale, mask=valid)
+    else:
+        tl.store(out, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down(inter, w2, w2_s, out, weights, block_expert, starts, counts, sorted_pairs, H, I, stride_we, stride_wn,
-          stride_se, stride_sn, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _down(inter, inter_s, w2, w2_s, out, weights, block_expert, starts, counts, sorted_pairs, H, I, stride_we,
+          stride_wn, stride_se, stride_sn, stride_is, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr):  # fmt: skip
+    """FP8: inter holds the e4m3 SwiGLU outputs, inter_s their scales per group of BLOCK_K."""
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
@@ -171,9 +184,9 @@ def _down(inter, w2, w2_s, out, weights, block_expert, starts, counts, sorted_pa
                     other=0.0)  # fmt: skip
         b = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=(k[:, None] < I) & n_ok[None, :], other=0.0)
         if FP8:
-            a_q, a_s = quantized_rows(a.to(tl.float32))
+            a_s = tl.load(inter_s + rows.to(tl.int64) * stride_is + k0 // BLOCK_K, mask=valid, other=0.0)
             w_s = tl.load(w2_s + e.to(tl.int64) * stride_se + (n0 // BLOCK_K) * stride_sn + k0 // BLOCK_K)
-            acc += tl.dot(a_q, b) * (a_s[:, None] * w_s)
+            acc += tl.dot(a, b) * (a_s[:, None] * w_s)
         else:
             acc = tl.dot(a, b, acc)
     acc = acc * tl.load(weights + pairs, mask=valid, other=0.0)[:, None]
@@ -392,8 +405,8 @@ def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gat
     P = T * top_k
     dev = x.device
     cfg = config or gemm_config(P)
-    if fp8:  # one K step per scale group
-        cfg = cfg._replace(block_k=BLOCK)
+    if fp8:  # one K step per scale group, and gate/up's programs one group of output columns each
+        cfg = cfg._replace(block_n=BLOCK, block_k=BLOCK)
     BLOCK_M, BLOCK_N, BLOCK_K = cfg.block_m, cfg.block_n, cfg.block_k
     tuning = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     BLOCK_E = triton.next_power_of_2(E)
@@ -407,7 +420,14 @@ def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gat
     starts = torch.empty(E, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=dev)
-    inter = torch.empty(max_blocks * BLOCK_M, I, dtype=x.dtype, device=dev)
+    if fp8:  # the activations quantized once, not by every program that reads them
+        xq, xs = triton_linear.quantize_activations(x)
+        inter = torch.empty(max_blocks * BLOCK_M, I, dtype=torch.float8_e4m3fn, device=dev)
+        inter_s = torch.empty(max_blocks * BLOCK_M, triton.cdiv(I, BLOCK), dtype=torch.float32, device=dev)
+    else:  # (the scale arguments are never read)
+        xq, xs = x, x
+        inter = torch.empty(max_blocks * BLOCK_M, I, dtype=x.dtype, device=dev)
+        inter_s = inter
     pairs_out = torch.empty(P, H, dtype=x.dtype, device=dev)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
 
@@ -417,12 +437,13 @@ def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gat
     _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64)
     _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256)
     _gate_up_silu[(max_blocks, triton.cdiv(I, BLOCK_N))](
-        x, w13, w13_s, inter, block_expert, starts, counts, sorted_pairs, H, I, x.stride(0), w13.stride(0),
-        w13.stride(1), w13_s.stride(0), w13_s.stride(1), top_k, fp8, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
+        xq, xs, w13, w13_s, inter, inter_s, block_expert, starts, counts, sorted_pairs, H, I, xq.stride(0),
+        xs.stride(0), xs.stride(1), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1), inter_s.stride(0),
+        top_k, fp8, TL_DTYPES[x.dtype], BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
     )  # fmt: skip
     _down[(max_blocks, triton.cdiv(H, BLOCK_N))](
-        inter, w2, w2_s, pairs_out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0),
-        w2.stride(1), w2_s.stride(0), w2_s.stride(1), fp8, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
+        inter, inter_s, w2, w2_s, pairs_out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0),
+        w2.stride(1), w2_s.stride(0), w2_s.stride(1), inter_s.stride(0), fp8, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
     )  # fmt: skip
     _combine[(T, triton.cdiv(H, 1024))](pairs_out, ids, shared, shared_gate, out, H, shared.stride(0),
                                          shared_gate.stride(0), top_k, 1024)  # fmt: skip

@@ -52,16 +52,17 @@ def test_pairwise_moe_kernels_compile_for_sm90(tokens, norm, fp8):
 def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
     """The e4m3 tensor-core paths of the aligned MoE GEMMs, the GEMV (bf16 and FP8 weights, with and without
     split K) and the activation quantization."""
-    ints = dict.fromkeys(("H", "I", "stride_we", "stride_wn", "stride_se", "stride_sn"), "i32")
+    ints = dict.fromkeys(("H", "I", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_is"), "i32")
     rows = {"block_expert": "*i32", "starts": "*i32", "counts": "*i32", "sorted_pairs": "*i32"}
-    gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+    gemm = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}  # FP8 takes the scale group as BLOCK_N and BLOCK_K
     kernels = [
         compile_for_sm90(triton_moe._gate_up_silu,
-                         {"x": "*bf16", "w13": "*fp8e4nv", "w13_s": "*fp32", "inter": "*bf16", "stride_x": "i32"}
-                         | rows | ints, {"TOP_K": 8, "FP8": True} | gemm),
+                         {"x": "*fp8e4nv", "x_s": "*fp32", "w13": "*fp8e4nv", "w13_s": "*fp32", "inter": "*fp8e4nv",
+                          "inter_s": "*fp32", "stride_x": "i32", "stride_xs_t": "i32", "stride_xs_g": "i32"}
+                         | rows | ints, {"TOP_K": 8, "FP8": True, "MODEL_DTYPE": triton.language.bfloat16} | gemm),
         compile_for_sm90(triton_moe._down,
-                         {"inter": "*bf16", "w2": "*fp8e4nv", "w2_s": "*fp32", "out": "*bf16", "weights": "*fp32"}
-                         | rows | ints, {"FP8": True} | gemm),
+                         {"inter": "*fp8e4nv", "inter_s": "*fp32", "w2": "*fp8e4nv", "w2_s": "*fp32", "out": "*bf16",
+                          "weights": "*fp32"} | rows | ints, {"FP8": True} | gemm),
         *[compile_for_sm90(triton_linear._gemv,
                            {"x": "*bf16", "w": w, "w_scale": "*fp32", "bias": "*bf16", "out": "*bf16",
                             "partials": "*fp32", "arrivals": "*i32"}
