@@ -67,6 +67,7 @@ class KVPagePool:
         self._free = np.ones(num_pages + 1, dtype=bool)
         self._free[0] = False  # the scratch page
         self._refs = np.zeros(num_pages + 1, dtype=np.int32)  # holders of each page (requests, the prefix cache)
+        self._num_free = num_pages  # kept with _free: the prefix cache asks after every page it evicts
         self._lock = threading.Lock()
         self.mirror: list | None = None  # tensor parallelism: writes outside model steps, as StatePool.mirror
 
@@ -99,7 +100,15 @@ class KVPagePool:
     # -- accounting --------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return int(self._free.sum())
+        return self._num_free
+
+    @property
+    def ref_counts(self) -> np.ndarray:
+        """Holders of every page (index 0: the scratch page), read-only: the prefix cache orders its eviction
+        and counts what it could free from it without a call per page."""
+        view = self._refs.view()
+        view.flags.writeable = False
+        return view
 
     @property
     def num_used(self) -> int:
@@ -113,14 +122,15 @@ class KVPagePool:
         if n <= 0:
             return []
         with self._lock:
-            if n > self._free.sum():
-                raise PoolExhausted(f"need {n} KV pages, {int(self._free.sum())} free")
+            if n > self._num_free:
+                raise PoolExhausted(f"need {n} KV pages, {self._num_free} free")
             if after is not None and after + 1 + n <= self.num_pages + 1 and self._free[after + 1 : after + 1 + n].all():
                 pages = list(range(after + 1, after + 1 + n))
             else:
                 pages = self._best_fit(n)
             self._free[pages] = False
             self._refs[pages] = 1
+            self._num_free -= n
             return pages
 
     def share(self, pages: list[int]) -> None:
@@ -156,7 +166,9 @@ class KVPagePool:
             if self._free[pages].any():
                 raise RuntimeError(f"double free of KV pages {[p for p in pages if self._free[p]]}")
             self._refs[pages] -= 1
-            self._free[pages] = self._refs[pages] == 0
+            freed = self._refs[pages] == 0
+            self._free[pages] = freed
+            self._num_free += len(np.unique(np.asarray(pages)[freed]))
 
 
 class StatePool:

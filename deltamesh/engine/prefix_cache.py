@@ -20,7 +20,9 @@ Eviction is LRU over blocks and tails. When the KV pool is short, only those the
 some request still uses frees nothing); evicting a block drops its descendants and tails too, since they can no
 longer be reached. The cache's own limits evict in the same order to make room before it inserts: at most
 `max_pages` pages, and, under a memory budget, at most `max_bytes` of pages and checkpoints together
-(`num_bytes`); here a shared entry may go too (the cache drops only its own reference). A pinned prefix (`pin`:
+(`num_bytes`); here a shared entry may go too (the cache drops only its own reference). Every entry holds one
+page, so the eviction order is sorted over page-indexed arrays (numpy), and each eviction frees 1/EVICTION_SLACK
+of the cache's pages more than it needs: a full cache sorts once per that many insertions, not at each. A pinned prefix (`pin`:
 offered to another worker, which reads its pages and checkpoint in place) is never evicted, nor are the blocks
 before it, until it is unpinned. Checkpoints live in their own StatePool and are evicted LRU when it is full.
 Every structure is guarded by one lock: a decode worker reserves pages (which may evict) from other threads.
@@ -32,6 +34,8 @@ import itertools
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool
 from deltamesh.engine.checkpoint_positions import CheckpointPositions
@@ -53,10 +57,10 @@ class _Tail:
     page: int  # a copy of their partial page, the cache's own
     checkpoint: int  # slot in the checkpoint pool: the state after them
     depth: int  # full pages before it
-    last_use: int = 0
 
 
 TailKey = tuple[int | None, tuple[int, ...]]  # (key of the full block before it, its tokens)
+EVICTION_SLACK = 64  # an eviction frees 1/EVICTION_SLACK of the cache's pages more than it needs
 TURN_START = "<|im_start|>"  # the token that opens every message of the chat template (Qwen's)
 
 
@@ -66,7 +70,6 @@ class _Block:
     tokens: tuple[int, ...]
     page: int
     depth: int
-    last_use: int = 0
     children: set[int] = field(default_factory=set)
     tails: set[TailKey] = field(default_factory=set)
     checkpoint: int | None = None  # slot in the checkpoint pool
@@ -103,6 +106,12 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._blocks: dict[int, _Block] = {}
         self._tails: dict[TailKey, _Tail] = {}
+        # per KV page the cache holds (each entry holds one): its entry's key, last use, depth, kind
+        self._key_of: dict[int, int | TailKey] = {}
+        self._last_use = np.zeros(kv_pool.num_pages + 1, dtype=np.int64)
+        self._depth = np.zeros(kv_pool.num_pages + 1, dtype=np.int32)
+        self._is_block = np.zeros(kv_pool.num_pages + 1, dtype=bool)
+        self._slack = self.max_pages // EVICTION_SLACK
         # block keys with a checkpoint and tail keys, least recently used first
         self._checkpointed: OrderedDict[int | TailKey, None] = OrderedDict()
         self._clock = itertools.count(1)
@@ -127,8 +136,8 @@ class PrefixCache:
     def reclaimable(self) -> int:
         """Pages that eviction can return to the pool: those only the cache holds."""
         with self._lock:
-            entries = itertools.chain(self._blocks.values(), self._tails.values())
-            return sum(self.kv_pool.refs(e.page) == 1 for e in entries)
+            pages = np.fromiter(self._key_of, dtype=np.int64, count=len(self._key_of))
+            return int(np.count_nonzero(self.kv_pool.ref_counts[pages] == 1))
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         ps = self.kv_pool.page_size
@@ -167,7 +176,13 @@ class PrefixCache:
         now = next(self._clock)
         for k in keys:
             if k in self._blocks:
-                self._blocks[k].last_use = now
+                self._last_use[self._blocks[k].page] = now
+
+    def _hold(self, key: int | TailKey, page: int, depth: int) -> None:
+        self._key_of[page] = key
+        self._last_use[page] = next(self._clock)
+        self._depth[page] = depth
+        self._is_block[page] = isinstance(key, int)
 
     # ---- admission -----------------------------------------------------------------------------------------
     def acquire(self, req: Request) -> tuple[list[int], _Tail | None]:
@@ -260,7 +275,7 @@ class PrefixCache:
             else:
                 key, src = (req.block_keys[num_pages - 1] if num_pages else None, tail.tokens), tail.checkpoint
                 self.kv_pool.copy_page(req.pages[num_pages], tail.page)
-                tail.last_use = next(self._clock)
+                self._last_use[tail.page] = next(self._clock)
             self.state_pool.copy_slot(req.slot, self.checkpoints, src)
             self._checkpointed.move_to_end(key)
             self._touch(req.block_keys[:num_pages][::-1])
@@ -280,27 +295,33 @@ class PrefixCache:
             return self.kv_pool.alloc(n, after)
 
     def evict(self, num_pages: int) -> None:
-        """Free at least `num_pages` pages if that many are reclaimable (least recently used first)."""
+        """Free at least `num_pages` pages if that many are reclaimable (least recently used first), and the
+        slack more if there are."""
         with self._lock:
-            goal = self.kv_pool.num_free + num_pages
+            goal = self.kv_pool.num_free + num_pages + self._slack
             for key in self._eviction_order(only_unshared=True):
                 if self.kv_pool.num_free >= goal:
                     return
-                if key in self._blocks or key in self._tails:  # not dropped already with an evicted parent
-                    self._drop(key)
+                self._drop(key)
 
-    def _eviction_order(self, only_unshared: bool) -> list[int | TailKey]:
+    def _eviction_order(self, only_unshared: bool):
         """Block and tail keys, those only the cache holds first, then least recently used first; among entries
-        used together, the deepest first (tails before their blocks). Pinned entries are left out."""
-        order = []
-        entries = itertools.chain(self._blocks.items(), self._tails.items())
-        for k, e in entries:
-            if k in self._pinned:
-                continue
-            shared = self.kv_pool.refs(e.page) > 1
-            if not (only_unshared and shared):
-                order.append(((shared, e.last_use, -e.depth, isinstance(k, int)), k))
-        return [k for *_, k in sorted(order, key=lambda o: o[0])]
+        used together, the deepest first (tails before their blocks). Pinned entries are left out. A generator:
+        an entry dropped meanwhile (with an evicted parent) is skipped."""
+        pinned = {self._page_of(k) for k in self._pinned}
+        pages = np.fromiter((p for p in self._key_of if p not in pinned), dtype=np.int64)
+        shared = self.kv_pool.ref_counts[pages] > 1
+        if only_unshared:
+            pages, shared = pages[~shared], shared[~shared]
+        order = np.lexsort((self._is_block[pages], -self._depth[pages], self._last_use[pages], shared))
+        for page in pages[order].tolist():
+            key = self._key_of.get(page)
+            if key is not None:
+                yield key
+
+    def _page_of(self, key: int | TailKey) -> int | None:
+        entry = self._blocks.get(key) if isinstance(key, int) else self._tails.get(key)
+        return None if entry is None else entry.page
 
     def _drop(self, key: int | TailKey, evicted: bool = True) -> None:
         if not isinstance(key, int):
@@ -316,6 +337,7 @@ class PrefixCache:
         if b.checkpoint is not None:
             self._free_checkpoint(key, b)
             self.stats.checkpoints_evicted += evicted
+        del self._key_of[b.page]
         self.kv_pool.free([b.page])
 
     def _drop_tail(self, key: TailKey, evicted: bool) -> None:
@@ -325,6 +347,7 @@ class PrefixCache:
         self.checkpoints.free(tail.checkpoint)
         del self._checkpointed[key]
         self.stats.checkpoints_evicted += evicted
+        del self._key_of[tail.page]
         self.kv_pool.free([tail.page])
 
     def clear(self) -> None:
@@ -380,7 +403,7 @@ class PrefixCache:
 
     def _save_tail(self, key: TailKey, req: Request, depth: int) -> None:
         if key in self._tails:
-            self._tails[key].last_use = next(self._clock)
+            self._last_use[self._tails[key].page] = next(self._clock)
             self._checkpointed.move_to_end(key)
             return
         if not self._make_room(req.block_keys[:depth], checkpoints=1):
@@ -398,7 +421,8 @@ class PrefixCache:
             return
         self.kv_pool.copy_page(page, req.pages[depth])
         self.checkpoints.copy_slot(slot, self.state_pool, req.slot)
-        self._tails[key] = _Tail(key[1], page, slot, depth, next(self._clock))
+        self._tails[key] = _Tail(key[1], page, slot, depth)
+        self._hold(key, page, depth)
         if key[0] is not None:
             self._blocks[key[0]].tails.add(key)
         self._checkpointed[key] = None
@@ -417,6 +441,7 @@ class PrefixCache:
         page = req.pages[i]
         self.kv_pool.share([page])
         self._blocks[key] = _Block(parent, self._tokens(req, i), page, i)
+        self._hold(key, page, i)
         if parent is not None:
             self._blocks[parent].children.add(key)
         return True
@@ -429,11 +454,11 @@ class PrefixCache:
             return True
         keep = set(own)
         for key in self._eviction_order(only_unshared=False):
-            if key not in keep and (key in self._blocks or key in self._tails):  # not dropped with its parent
+            if key not in keep:
                 self._drop(key)
-                if self._fits(pages, checkpoints):
+                if self._fits(pages + self._slack, checkpoints):
                     return True
-        return False
+        return self._fits(pages, checkpoints)
 
     def _fits(self, pages: int, checkpoints: int) -> bool:
         more = pages * self.kv_pool.page_bytes + checkpoints * self.checkpoints.slot_bytes

@@ -227,3 +227,30 @@ def test_memory_pressure_evicts_tails_of_short_sequences_too(hf_checkpoints):
     reservation = engine.reserve(16 * PAGE)  # the whole pool
     assert engine.prefix_cache.num_pages == 0
     engine.cancel_reservation(reservation)
+
+
+def test_a_full_cache_sorts_its_eviction_order_once_per_batch_not_per_page(hf_checkpoints):
+    """Once the cache holds every page the pool does not use, each new page a request needs (a page every
+    PAGE tokens of decode) evicts: the eviction order is sorted once per batch of 1/64 of the cache's pages (the
+    eviction frees that many more than it needs), not for every page, which made a full cache cost tens of ms
+    per decode step on a GPU's pool. Outputs stay those without the cache."""
+    waves = [[tokens(20, 100 + 8 * w + i) for i in range(8)] for w in range(12)]  # ~1,200 pages through 640
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = run_waves(core(hf_checkpoints["qwen3_5"], False, num_kv_pages=640), waves, params)
+    engine = core(hf_checkpoints["qwen3_5"], True, num_kv_pages=640)
+    cache, calls = engine.prefix_cache, {"sorts": 0, "holds": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    cache._eviction_order = counted("sorts", cache._eviction_order)
+    cache._hold = counted("holds", cache._hold)
+    assert run_waves(engine, waves, params) == ref
+    evicted = calls["holds"] - cache.num_pages
+    assert evicted > 30 * cache._slack, calls  # the cache filled, then kept evicting
+    assert calls["sorts"] <= evicted // cache._slack + len(waves), (calls, evicted)
+    assert_cached_baseline(engine)
