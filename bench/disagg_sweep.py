@@ -69,11 +69,13 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300
 def run_point(base_url: str, model_dir: str, input_len: int, output_len: int, concurrency: int, num_prompts: int,
               result_file: Path, timeout: float, gpus: int = 1) -> dict:
     """One load point with bench/serve.py (random prompts, one warm-up request): per-GPU throughput, TTFT and
-    TPOT, or {"error": ...}."""
+    TPOT, or {"error": ...}. Each point draws its own prompts (a seed of its own), so that points run one after
+    another on one server never reuse each other's prompts through its prefix cache."""
+    seed = (input_len * 1_000_003 + output_len) * 1_009 + concurrency
     cmd = [sys.executable, "bench/serve.py", "--backend", "openai", "--base-url", base_url, "--model-dir", model_dir,
            "--input-len", str(input_len), "--output-len", str(output_len), "--num-prompts", str(num_prompts),
            "--max-concurrency", str(concurrency), "--disable-tqdm", "--result-file", str(result_file),
-           "--num-warmups", "1"]  # fmt: skip
+           "--num-warmups", "1", "--seed", str(seed)]  # fmt: skip
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -161,6 +161,16 @@ def sample_requests(args: argparse.Namespace, vocab: Vocabulary) -> list[SampleR
     return requests
 
 
+def warmup_request(args: argparse.Namespace, vocab: Vocabulary, like: SampleRequest) -> SampleRequest:
+    """A request of `like`'s lengths whose prompt is none of the measured ones (its own random stream): with a
+    server's prefix cache on, a warm-up on a measured prompt would make that request a cache hit."""
+    rng = np.random.default_rng([args.seed, 2])  # (stream 1: arrival times)
+    if args.backend == "openai-chat":
+        text, n = vocab.random_text(rng, like.prompt_len)
+        return SampleRequest(text, n, like.output_len)
+    return SampleRequest(vocab.random_ids(rng, like.prompt_len), like.prompt_len, like.output_len)
+
+
 def arrival_times(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
     """Seconds after the start at which each request is issued: gamma-distributed gaps of mean 1/rate
     (shape = burstiness; 1 = Poisson), rescaled so the last one lands at n/rate as vLLM does; all 0 at inf."""
@@ -548,12 +558,13 @@ async def run_benchmark(args: argparse.Namespace, stop: asyncio.Event | None = N
         if info.get("max_model_len") and longest > info["max_model_len"]:
             raise ValueError(f"prompt + output of up to {longest} tokens exceeds the server's max_model_len "
                              f"{info['max_model_len']}; lower --input-len/--output-len/--range-ratio")  # fmt: skip
+        warmup = warmup_request(args, vocab, requests[0])
         if args.ready_check_timeout > 0:
             _log(args, "Starting initial single prompt test run...")
-            await _until_stopped(_ready_check(backend, requests[0], args), stop)
+            await _until_stopped(_ready_check(backend, warmup, args), stop)
         if args.num_warmups:
             _log(args, f"Warming up with {args.num_warmups} requests...")
-            await _until_stopped(asyncio.gather(*(_send_once(backend, requests[0], args, args.request_timeout)
+            await _until_stopped(asyncio.gather(*(_send_once(backend, warmup, args, args.request_timeout)
                                                   for _ in range(args.num_warmups))), stop)  # fmt: skip
         dist = "Poisson process" if args.burstiness == 1.0 else "gamma distribution"
         _log(args, f"Traffic request rate: {args.request_rate}; burstiness {args.burstiness} ({dist}); "
