@@ -30,12 +30,12 @@ from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, print_table, s
 def serve_command(model: str, http_port: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                   colocated: bool, extra: list[str] = (), gpus_per_worker: int = 1) -> list[str]:  # fmt: skip
     """`deltamesh serve` on dummy bf16 weights: colocated on the first `gpus_per_worker` GPUs, or 1P+1D on twice
-    as many."""
+    as many. Logged at info, so that the log shows the engine's periodic "engine steps" lines."""
     cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--model", model, "--load-format", "dummy",
            "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(free_port()),
            "--control-port", str(free_port()), "--http-port", str(http_port), "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
-           "--no-ucx-error-handling", "--log-level", "warning", *extra]  # fmt: skip
+           "--no-ucx-error-handling", "--log-level", "info", *extra]  # fmt: skip
     gpus = ",".join(str(g) for g in range(gpus_per_worker * (1 if colocated else 2)))
     return cmd + (["--colocated", "--decode-workers", "1"] if colocated else []) + ["--gpus", gpus]
 

@@ -66,6 +66,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    mixed_steps: int = 0  # steps that carried prompt tokens (run eagerly, never from a CUDA graph)
     finished: dict[str, int] = field(default_factory=dict)
     prefix_cache_hits: int = 0  # admissions that started from a cached prefix
     prefix_cache_hit_tokens: int = 0  # prompt tokens those admissions did not compute
@@ -322,6 +323,7 @@ class EngineCore:
         else:
             logits = self.runner.execute(items, pending)
         sampling = [it.request for it in items if it.samples]
+        self.stats.mixed_steps += any(it.request.num_computed < len(it.request.prompt_ids) for it in items)
         for it in items:
             req = it.request
             in_prompt = req.num_computed < len(req.prompt_ids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -20,6 +21,7 @@ from deltamesh.engine.request import RequestError
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.request import FinishReason, Request, RequestOutput
 from deltamesh.engine.sampling import SamplingParams, TokenLogprobs
+from deltamesh.engine.step_report import StepReport
 
 log = structlog.get_logger("deltamesh.engine")
 
@@ -58,13 +60,17 @@ class Engine:
     # ---- the stepping thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         core = self.core
+        report = StepReport(core)
         while not self._stop.is_set():
             core.dispatch(core.process_commands())
             if core.has_work:
+                started = time.perf_counter()
                 core.dispatch(core.step())
+                report.step_seconds += time.perf_counter() - started
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
+            report.maybe_log()
 
     def shutdown(self) -> None:
         self._stop.set()

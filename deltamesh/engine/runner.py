@@ -36,6 +36,7 @@ class ModelRunner:
         self.tp = model.tp  # the tensor-parallel group, or None (one rank, or data-parallel attention)
         self.followers = None  # on a tensor-parallel leader: tp_workers.Followers, sent every step
         self.graphs = None  # DecodeGraphs once captured
+        self.graph_steps = 0  # steps replayed from them (step_report.py)
         self._page_rows: dict[str, tuple[list[int], np.ndarray]] = {}  # request id -> (pages list, as array)
         self._staging: torch.Tensor | None = None  # pinned host buffer of the step's index arrays (CUDA)
         self._staged: torch.cuda.Event | None = None  # recorded after its last copy to the device
@@ -171,6 +172,7 @@ class ModelRunner:
         """`execute` from the host inputs: what every tensor-parallel rank runs for the leader's step."""
         input_ids, batch = self.device_inputs(step, pending_tokens)
         if self.graphs is not None and self.graphs.fits(batch):
+            self.graph_steps += 1
             return self.graphs.run(input_ids, batch)  # decode-only: every item samples
         hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels)
         if not step.sample_rows:

@@ -56,6 +56,8 @@ class EngineCollector:
             ("prompt_tokens", stats.prompt_tokens, "Prompt tokens prefilled (rate = prefill tokens/s)"),
             ("generation_tokens", stats.generation_tokens, "Tokens sampled (rate = decode tokens/s)"),
             ("steps", stats.steps, "Engine steps run"),
+            ("mixed_steps", stats.mixed_steps, "Steps that carried prompt tokens (run eagerly)"),
+            ("graph_steps", engine.core.runner.graph_steps, "Steps replayed from a CUDA graph (decode only)"),
             ("preemptions", engine.num_preemptions, "Requests preempted for lack of KV pages"),
             ("prefix_cache_hits", stats.prefix_cache_hits, "Requests started from a cached prefix"),
             ("prefix_cache_hit_tokens", stats.prefix_cache_hit_tokens, "Prompt tokens served from the prefix cache"),

@@ -1,0 +1,53 @@
+"""A periodic line on the engine's work (as vLLM logs its throughput every few seconds): what the steps since the
+last line were and cost, so that a worker that slows down shows why in its own log.
+
+Per window: steps, of which mixed (carrying prompt tokens beside decodes: eager) and CUDA-graph replays; the mean
+wall time of a step on the stepping thread; prompt and generated tokens per second; running and waiting
+requests; KV pages in use by requests and cached; prefix-cache hits; preemptions."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+log = structlog.get_logger("deltamesh.engine")
+
+INTERVAL_S = 10.0
+
+
+class StepReport:
+    def __init__(self, core, interval_s: float = INTERVAL_S):
+        self.core, self.interval_s = core, interval_s
+        self.step_seconds = 0.0  # wall time of the steps since the last line, added by the stepping thread
+        self._last = self._counters()
+        self._since = time.monotonic()
+
+    def _counters(self) -> dict:
+        s = self.core.stats
+        return {"steps": s.steps, "mixed": s.mixed_steps, "graphs": self.core.runner.graph_steps,
+                "prompt": s.prompt_tokens, "generated": s.generation_tokens, "hits": s.prefix_cache_hits,
+                "preemptions": self.core.scheduler.num_preemptions}  # fmt: skip
+
+    def maybe_log(self) -> dict | None:
+        """Log (and return) the window's line once `interval_s` has passed and some step ran in it."""
+        now = time.monotonic()
+        if now - self._since < self.interval_s:
+            return None
+        counters = self._counters()
+        delta = {k: counters[k] - self._last[k] for k in counters}
+        seconds, step_seconds = now - self._since, self.step_seconds
+        self._last, self._since, self.step_seconds = counters, now, 0.0
+        if not delta["steps"]:
+            return None
+        loads = self.core.loads()
+        line = {
+            "steps": delta["steps"], "mixed_steps": delta["mixed"], "graph_steps": delta["graphs"],
+            "step_ms": round(1e3 * step_seconds / delta["steps"], 3),
+            "prompt_tok_s": round(delta["prompt"] / seconds, 1), "generated_tok_s": round(delta["generated"] / seconds, 1),
+            "running": loads["running"], "waiting": loads["waiting"], "kv_pages_used": loads["kv_pages_used"],
+            "kv_pages_cached": loads["kv_pages_cached"], "kv_pages_total": loads["kv_pages_total"],
+            "prefix_cache_hits": delta["hits"], "preemptions": delta["preemptions"],
+        }  # fmt: skip
+        log.info("engine steps", **line)
+        return line

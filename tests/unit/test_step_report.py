@@ -1,0 +1,27 @@
+"""The engine's periodic line: its counts are the steps' own (mixed steps carry prompt tokens; a CPU engine
+replays no CUDA graph), and a window without steps logs nothing."""
+
+from structlog.testing import capture_logs
+
+from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine.core import EngineCore
+from deltamesh.engine.step_report import StepReport
+
+
+def test_a_window_reports_its_own_steps_and_tokens():
+    core = EngineCore(EngineConfig(num_kv_pages=64, max_num_seqs=4, max_num_batched_tokens=8))
+    report = StepReport(core, interval_s=0.0)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for i in range(2):
+        core.submit(core.make_request(list(range(10 + i, 30 + i)), params, f"r{i}"), lambda out: None)
+    while core.has_work or not core._commands.empty():
+        core.dispatch(core.process_commands())
+        core.dispatch(core.step())
+    with capture_logs() as logs:
+        line = report.maybe_log()
+    assert logs == [{"event": "engine steps", "log_level": "info", **line}]
+    # 40 prompt tokens in chunks of at most 8 per step (with the decodes beside them), then decodes alone
+    assert line["steps"] == core.stats.steps and line["mixed_steps"] == core.stats.mixed_steps >= 5
+    assert line["steps"] > line["mixed_steps"] and line["graph_steps"] == 0
+    assert line["prompt_tok_s"] > 0 and line["generated_tok_s"] > 0 and line["running"] == 0
+    assert report.maybe_log() is None  # nothing ran since
