@@ -19,9 +19,12 @@
 #   stage d: whole 35B-A3B decode steps, bf16, then FP8 with the one-token GEMV and with cuBLAS instead
 #   stage u: multi-turn chat with and without the prefix cache (9B shape, 8k-token conversations)
 #   stage o: colocated serving of the 35B-A3B shape at concurrency 1 and 16 (async scheduling)
+#   stage r: one long-lived 9B worker (bench/RESULTS.md, "A worker that slowed tenfold"): 8192/1024 at 16, the
+#            same prompts again at 64 (its first 32 are cache hits), then 1024/1024 at 16; SERVE_FLAGS adds serve
+#            flags (e.g. --no-prefix-cache); the log has the engine's "engine steps" lines
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u or o}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o or r}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -123,5 +126,24 @@ u)
 o)
   TAIL=12 run serve_colocated_35b 400 python bench/disagg_sweep.py --setups colocated --model bench/configs/qwen3.5-35b-a3b \
     --concurrency 1,16 --waves 2 --out "$OUT/serve_colocated_35b.json"
+  ;;
+r)
+  model=bench/configs/qwen3.5-9b
+  python -m deltamesh.services.cli serve --model $model --load-format dummy --device cuda --dtype bfloat16 \
+    --grpc-port 18101 --control-port 18102 --http-port 18103 --max-model-len 9232 --max-num-seqs 64 \
+    --max-num-batched-tokens 16384 --no-ucx-error-handling --log-level info ${SERVE_FLAGS:-} --colocated \
+    --decode-workers 1 --gpus 0 > "$OUT/long_lived.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do curl -sf -o /dev/null http://127.0.0.1:18103/ready && break; sleep 1; done
+  point() {  # point NAME INPUT OUTPUT PROMPTS CONCURRENCY SEED
+    TAIL=22 run "long_$1" 200 python bench/serve.py --backend openai --base-url http://127.0.0.1:18103 \
+      --model-dir $model --input-len "$2" --output-len "$3" --num-prompts "$4" --max-concurrency "$5" --seed "$6" \
+      --num-warmups 1 --disable-tqdm --result-file "$OUT/long_$1.json"
+  }
+  point a 8192 1024 32 16 5
+  point b 8192 1024 128 64 5
+  point c 1024 1024 32 16 6
+  kill -INT $server; wait $server
+  grep "engine steps" "$OUT/long_lived.log" | tail -n 40
   ;;
 esac
