@@ -134,7 +134,11 @@ r)
     --max-num-batched-tokens 16384 --no-ucx-error-handling --log-level info ${SERVE_FLAGS:-} --colocated \
     --decode-workers 1 --gpus 0 > "$OUT/long_lived.log" 2>&1 &
   server=$!
-  for _ in $(seq 300); do curl -sf -o /dev/null http://127.0.0.1:18103/ready && break; sleep 1; done
+  for _ in $(seq 300); do
+    python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:18103/ready', timeout=2)" 2>/dev/null \
+      && break
+    sleep 1
+  done
   point() {  # point NAME INPUT OUTPUT PROMPTS CONCURRENCY SEED
     TAIL=22 run "long_$1" 200 python bench/serve.py --backend openai --base-url http://127.0.0.1:18103 \
       --model-dir $model --input-len "$2" --output-len "$3" --num-prompts "$4" --max-concurrency "$5" --seed "$6" \
