@@ -151,24 +151,23 @@ def sample_requests(args: argparse.Namespace, vocab: Vocabulary) -> list[SampleR
     rng = np.random.default_rng(args.seed)
     in_lens = sample_lengths(rng, args.num_prompts, args.input_len, args.range_ratio)
     out_lens = sample_lengths(rng, args.num_prompts, args.output_len, args.range_ratio)
-    requests = []
-    for n_in, n_out in zip(in_lens.tolist(), out_lens.tolist()):
-        if args.backend == "openai-chat":
-            text, n = vocab.random_text(rng, n_in)
-            requests.append(SampleRequest(text, n, n_out))
-        else:
-            requests.append(SampleRequest(vocab.random_ids(rng, n_in), n_in, n_out))
-    return requests
+    return [_random_request(args, vocab, rng, n_in, n_out) for n_in, n_out in zip(in_lens.tolist(), out_lens.tolist())]
 
 
 def warmup_request(args: argparse.Namespace, vocab: Vocabulary, like: SampleRequest) -> SampleRequest:
     """A request of `like`'s lengths whose prompt is none of the measured ones (its own random stream): with a
     server's prefix cache on, a warm-up on a measured prompt would make that request a cache hit."""
     rng = np.random.default_rng([args.seed, 2])  # (stream 1: arrival times)
+    return _random_request(args, vocab, rng, like.prompt_len, like.output_len)
+
+
+def _random_request(args: argparse.Namespace, vocab: Vocabulary, rng: np.random.Generator, n_in: int,
+                    n_out: int) -> SampleRequest:  # fmt: skip
+    """Random text (openai-chat) or token ids of about n_in tokens, asking for n_out."""
     if args.backend == "openai-chat":
-        text, n = vocab.random_text(rng, like.prompt_len)
-        return SampleRequest(text, n, like.output_len)
-    return SampleRequest(vocab.random_ids(rng, like.prompt_len), like.prompt_len, like.output_len)
+        text, n = vocab.random_text(rng, n_in)
+        return SampleRequest(text, n, n_out)
+    return SampleRequest(vocab.random_ids(rng, n_in), n_in, n_out)
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:

@@ -323,15 +323,17 @@ class EngineCore:
         else:
             logits = self.runner.execute(items, pending)
         sampling = [it.request for it in items if it.samples]
-        self.stats.mixed_steps += any(it.request.num_computed < len(it.request.prompt_ids) for it in items)
+        mixed = False
         for it in items:
             req = it.request
             in_prompt = req.num_computed < len(req.prompt_ids)
+            mixed |= in_prompt
             req.num_computed += it.num_tokens
             if req.num_computed <= len(req.prompt_ids):
                 self.stats.prompt_tokens += it.num_tokens
             if in_prompt and self.prefix_cache is not None:  # queued after the step: it reads what the step wrote
                 self.prefix_cache.register(req)
+        self.stats.mixed_steps += mixed
         sampled = sample_async(
             logits, [r.params for r in sampling], [len(r.output_ids) + r.num_pending for r in sampling],
             self.generator,

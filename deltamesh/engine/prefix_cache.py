@@ -24,8 +24,9 @@ longer be reached. The cache's own limits evict in the same order to make room b
 page, so the eviction order is sorted over page-indexed arrays (numpy), and each eviction frees 1/EVICTION_SLACK
 of the cache's pages more than it needs: a full cache sorts once per that many insertions, not at each. A pinned
 prefix (`pin`: offered to another worker, which reads its pages and checkpoint in place) is never evicted, nor
-are the blocks before it, until it is unpinned. Checkpoints live in their own StatePool and are evicted LRU when it is full.
-Every structure is guarded by one lock: a decode worker reserves pages (which may evict) from other threads.
+are the blocks before it, until it is unpinned. Checkpoints live in their own StatePool and are evicted LRU when
+it is full. Every structure is guarded by one lock: a decode worker reserves pages (which may evict) from other
+threads.
 """
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ class PairConfig(NamedTuple):
 
 
 def pair_config(tokens: int) -> PairConfig:
-    """The pair-wise path's tiles, the fastest of `python bench/gpu_moe.py --pair-sweep` (its weights come from
+    """The pair-wise path's tiles, the fastest of `python bench/gpu_moe.py --sweep` (its weights come from
     HBM, as in a step): one token favours a narrow down kernel, more tokens a narrow gate/up kernel."""
     if tokens == 1:
         return PairConfig(PairTile(4, 512, 2), PairTile(2, 512, 2))

@@ -232,8 +232,7 @@ def test_memory_pressure_evicts_tails_of_short_sequences_too(hf_checkpoints):
 def test_a_full_cache_sorts_its_eviction_order_once_per_batch_not_per_page(hf_checkpoints):
     """Once the cache holds every page the pool does not use, each new page a request needs (a page every
     PAGE tokens of decode) evicts: the eviction order is sorted once per batch of 1/64 of the cache's pages (the
-    eviction frees that many more than it needs), not for every page, which made a full cache cost tens of ms
-    per decode step on a GPU's pool. Outputs stay those without the cache."""
+    eviction frees that many more than it needs), not for every page. Outputs stay those without the cache."""
     waves = [[tokens(20, 100 + 8 * w + i) for i in range(8)] for w in range(12)]  # ~1,200 pages through 640
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     ref = run_waves(core(hf_checkpoints["qwen3_5"], False, num_kv_pages=640), waves, params)
