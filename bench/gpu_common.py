@@ -101,8 +101,8 @@ def core_for(config_dir: str, max_seqs: int, context: int, extra_tokens: int = 6
     pages = max_seqs * (-(-(context + extra_tokens) // 16)) + 64
     return EngineCore(EngineConfig(
         model=config_dir, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=max_seqs,
-        num_kv_pages=pages, max_model_len=context + extra_tokens, max_num_batched_tokens=max(8192, context),
-        **{"prefix_cache": False} | kw,
+        num_kv_pages=pages, max_model_len=context + extra_tokens,
+        **{"prefix_cache": False, "max_num_batched_tokens": max(8192, context)} | kw,
     ))  # fmt: skip
 
 

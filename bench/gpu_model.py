@@ -5,9 +5,13 @@
 - prefill of an 8192-token prompt: model FLOP utilisation against the measured bf16 matmul rate;
 - the same model in transformers (`Qwen3_5ForCausalLM`, same weights) generating at the same batch and lengths:
   throughput ratio;
-- a Qwen3.5-35B-A3B-shaped (MoE) model: decode step time at batch 64.
+- a Qwen3.5-35B-A3B-shaped (MoE) model: decode step time at batch 64;
+- `--mixed`: what a serving step at high concurrency runs, prompts' prefill chunks beside a decode batch
+  (`--mixed-prefill`, `--mixed-decodes` at `--context`), eager, against the same prefill alone and the decode
+  batch alone; with `--profile`, the kernel groups of the prefill alone and of the mixed step.
 
     python bench/gpu_model.py --out bench/results/gpu_model.json [--skip-hf] [--skip-moe]
+    python bench/gpu_model.py --mixed --profile --out bench/results/gpu_mixed.json    # the mixed-step rows only
 """
 
 from __future__ import annotations
@@ -92,6 +96,35 @@ def prefill_row(config_dir: str, tokens: int, peak: float) -> dict:
             "tokens_per_s": tokens / ms * 1e3}  # fmt: skip
 
 
+def mixed_rows(config_dir: str, prompts: int, chunk: int, decodes: int, context: int,
+               profile: bool = False) -> list[dict]:  # fmt: skip
+    """One eager step of `prompts` prefill chunks of `chunk` tokens after `decodes` decode items at `context`
+    (the order the scheduler gives them), against the chunks alone and the decodes alone (a decode-only step
+    replays its CUDA graph where one fits, as in serving). `extra_ms` is what the mixed step costs beyond the
+    two alone."""
+    core = core_for(config_dir, decodes + prompts, max(context, chunk), max_num_batched_tokens=prompts * chunk + decodes)
+    dec, pre = decode_items(core, decodes, context), prefill_items(core, prompts, chunk)
+    timed = {name: time_ms(lambda its=its: core.runner.execute(its).argmax(-1).tolist(), iters=5)
+             for name, its in (("prefill", pre), ("decode", dec), ("mixed", dec + pre))}  # fmt: skip
+    row = {"bench": "mixed step", "model": Path(config_dir).name, "prompts": prompts, "chunk": chunk,
+           "decodes": decodes, "context": context, "prefill_ms": timed["prefill"], "decode_ms": timed["decode"],
+           "mixed_ms": timed["mixed"], "extra_ms": timed["mixed"] - timed["prefill"] - timed["decode"],
+           "prefill_tokens_per_s_mixed": prompts * chunk / timed["mixed"] * 1e3}  # fmt: skip
+    if profile:
+        for name, its in (("prefill alone", pre), ("mixed step", dec + pre)):
+            groups, top = kernel_breakdown(core, its, steps=2)
+            print(f"kernel time, {name} (sum {sum(g['ms'] for g in groups):.1f} ms):")
+            print_table(groups, ["group", "kernels", "calls", "ms"])
+            print_table(top[:12], ["kernel", "calls", "ms"])
+            row[f"kernel_groups_{name.split()[0]}"] = groups
+    for it in dec + pre:
+        core.scheduler.free(it.request)
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [row]
+
+
 def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
     """transformers' own model vs this engine, same weights, batch of prompts, greedy, fixed lengths."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -141,12 +174,23 @@ def main() -> None:
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--only-moe", action="store_true")
     p.add_argument("--only-decode", action="store_true", help="the dense decode rows only")
-    p.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of each decode step")
+    p.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of each decode step (and of the mixed steps)")
+    p.add_argument("--mixed", action="store_true", help="the mixed-step rows only (the dense model)")
+    p.add_argument("--mixed-prefill", default="2x8192", help="prompts x chunk tokens of the mixed step")
+    p.add_argument("--mixed-decodes", type=int, default=63, help="decode items of the mixed step, at --context")
     p.add_argument("--out", default=str(RESULTS / "gpu_model.json"))
     args = p.parse_args()
     bandwidth, peak = hbm_bandwidth(), matmul_rate()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
+    if args.mixed:
+        prompts, chunk = ints(args.mixed_prefill.replace("x", ","))
+        rows += mixed_rows(args.dense, prompts, chunk, args.mixed_decodes, args.context, args.profile)
+        print_table(rows, ["bench", "prompts", "chunk", "decodes", "context", "prefill_ms", "decode_ms", "mixed_ms",
+                           "extra_ms", "prefill_tokens_per_s_mixed"])  # fmt: skip
+        write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "bf16_matmul_flops": peak, "rows": rows},
+                     machine_info())  # fmt: skip
+        return
     if args.only_moe:
         args.skip_hf = True
     else:
