@@ -41,6 +41,16 @@ class Region:
         return self.tensor.numel()
 
 
+@dataclass(frozen=True)
+class RankBytes:
+    """Bytes of another rank's pools (a follower process of a data-parallel engine): `nbytes` at `address` in
+    that process. A held state stays there, and the transport reads it there."""
+
+    rank: int
+    address: int
+    nbytes: int
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 

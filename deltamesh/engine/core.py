@@ -14,7 +14,9 @@ Disaggregation hooks:
   and `submit_pulled` starts the prompt from there, computing only the rest.
 - tensor parallel: the bytes named are the state in the one-rank layout, in the leader's copy of it
   (tp_handoff.py): gathered from the ranks when a state is held, scattered to them before an arrived request's
-  first step. Data parallel: the state is whole on the rank that runs the request, copied to or from it.
+  first step. Data parallel: the state is whole on the rank that runs the request; a held one stays there when
+  the transport reads the ranks' memory (`rank_memory`, `RankBytes`), else it is copied to the leader; an
+  arriving one is copied to its rank.
 
 With `prefix_cache` on, prompt prefills fill a PrefixCache (shared KV pages + GDN checkpoints) that later
 admissions start from; a held state's pages may be shared with it (the transfer only reads them).
@@ -35,7 +37,7 @@ import structlog
 import torch
 
 from deltamesh.engine import data_parallel
-from deltamesh.engine.cache import PoolExhausted, Region, pool_views
+from deltamesh.engine.cache import PoolExhausted, RankBytes, Region, pool_views
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import shard_config
@@ -46,7 +48,7 @@ from deltamesh.engine.request import FinishReason, Request, RequestError, Reques
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from deltamesh.engine.tp_workers import Followers
+from deltamesh.engine.tp_workers import Followers, exports_rank_memory
 
 log = structlog.get_logger("deltamesh.engine")
 
@@ -97,6 +99,8 @@ class EngineCore:
         self.followers = Followers(config, mc) if config.num_ranks > 1 else None
         tp = self.followers.group if self.followers else None
         rank = build_rank(config, mc, self.max_model_len, self.device, tp)
+        # a data-parallel engine whose transport reads other ranks' memory: what each follower made readable
+        self.rank_memory = self.followers.collect_rank_memory() if tp and exports_rank_memory(config) else {}
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
         self.scheduler, self.handoff = data_parallel.leader_scheduling(config, self.followers, rank)
@@ -388,8 +392,9 @@ class EngineCore:
 
     def _hold(self, req: Request, out: RequestOutput) -> bool:
         """Prefill-only request: done here, state kept for a decode worker to pull. A parallel engine moves the
-        state into its hand-off area, and frees the ranks' space; False (nothing done) while the area is full."""
-        if self.handoff is not None:
+        state into its hand-off area, and frees the ranks' space; False (nothing done) while the area is full.
+        A data-parallel engine whose ranks' memory the transport reads keeps it on its rank instead."""
+        if self.handoff is not None and not self.rank_memory:
             try:
                 req.staged = self.handoff.gather(req.pages, req.slot, req.dp_rank)
             except PoolExhausted:
@@ -443,11 +448,31 @@ class EngineCore:
         req = self.held_request(request_id)
         if req is None:
             raise KeyError(request_id)
-        if self.handoff is not None:  # a parallel engine's: in its hand-off area
+        if req.staged is not None:  # a parallel engine's: in its hand-off area
             return self.handoff.staged_regions(req.staged)
+        if self.rank_memory and req.dp_rank:  # where its data-parallel rank keeps it
+            return self._rank_bytes(req)
         return self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
 
-    def pool_views(self) -> list[torch.Tensor]:
+    def _rank_bytes(self, req: Request) -> list[RankBytes]:
+        """A held state in a follower's pools: the regions the leader's bookkeeping copy of them gives, at the
+        follower's addresses."""
+        pools = self.scheduler.pools[req.dp_rank]
+        (kv, _), (conv, _), (recurrent, _) = self.rank_memory[req.dp_rank].pools
+        kv_regions = pools.kv.regions(req.pages)
+        starts = [kv] * len(kv_regions) + [conv, recurrent]
+        regions = kv_regions + pools.states.regions(req.slot)
+        return [RankBytes(req.dp_rank, start + r.tensor.storage_offset(), r.nbytes)
+                for start, r in zip(starts, regions)]  # fmt: skip
+
+    def pool_views(self) -> list[torch.Tensor | RankBytes]:
+        """What a holder lets peers read: each pool's whole memory (of a parallel engine: its hand-off area's; of
+        a data-parallel one whose ranks' memory the transport reads, every rank's pools)."""
+        if self.rank_memory:
+            return pool_views(self.kv_pool, self.state_pool) + [
+                RankBytes(rank, start, size) for rank, memory in sorted(self.rank_memory.items())
+                for start, size in memory.pools
+            ]  # fmt: skip
         return self.handoff.views() if self.handoff is not None else pool_views(self.kv_pool, self.state_pool)
 
     def release_held(self, request_id: str) -> bool:

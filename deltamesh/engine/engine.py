@@ -13,6 +13,7 @@ from typing import AsyncIterator
 import structlog
 import torch
 
+from deltamesh.engine.cache import RankBytes, Region
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.reservations import Reservation
 from deltamesh.engine.handoff import check_layouts, compat_hash
@@ -127,15 +128,22 @@ class Engine:
         this engine's compat hash) can be split onto this engine's ranks."""
         check_layouts(self.core.model_config, tensor_parallel_size, self.tensor_parallel_size)
 
-    def held_buffers(self, request_id: str) -> list[torch.Tensor]:
+    def held_buffers(self, request_id: str) -> list[torch.Tensor | RankBytes]:
         """A held request's state (KeyError if not held) as 1-D byte views of the pools (of a parallel engine: of
-        its hand-off area), in hand-off order."""
-        return [r.tensor for r in self.core.held_regions(request_id)]
+        its hand-off area; of a data-parallel one with `rank_memory`, another rank's bytes where it is held
+        there), in hand-off order."""
+        return [r.tensor if isinstance(r, Region) else r for r in self.core.held_regions(request_id)]
 
-    def pool_buffers(self) -> list[torch.Tensor]:
-        """Each pool's whole memory as a 1-D byte view (of a parallel engine: its hand-off area's, made now): what
-        a holder lets peers read."""
+    def pool_buffers(self) -> list[torch.Tensor | RankBytes]:
+        """Each pool's whole memory as a 1-D byte view (of a parallel engine: its hand-off area's, made now; of
+        a data-parallel one with `rank_memory`, every rank's pools): what a holder lets peers read."""
         return self.core.pool_views()
+
+    @property
+    def rank_memory(self) -> dict[int, bytes]:
+        """What each of a data-parallel engine's other ranks made readable of its pools through the engine's
+        `rank_exporter` (rank -> the exporter's bytes); empty without one."""
+        return {rank: memory.exported for rank, memory in self.core.rank_memory.items()}
 
     def release_held(self, request_id: str) -> bool:
         """Free a held state; False if it was not held. Wakes the stepping thread: a prefill may be waiting for

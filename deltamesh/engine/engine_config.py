@@ -63,6 +63,10 @@ class EngineConfig:
     # memory is left free when the KV pool is sized
     handoff_states: int | None = _setting(None, "Workers over several ranks: states held or arriving at once, each "
                                                 "waiting on rank 0 (default: --max-num-seqs on CPU, 4 on CUDA)")  # fmt: skip
+    # "module:function" a data-parallel engine's other ranks call once with their pools (1-D byte views), for a
+    # transport to read held states where they are (bytes for the leader's holder; None: states leave through
+    # the hand-off area); set by the worker from its transport
+    rank_exporter: str | None = _setting(None, cli=False)
     seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
     cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")

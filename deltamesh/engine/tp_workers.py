@@ -92,6 +92,14 @@ class Followers:
         log.info("parallel ranks joined", ranks=config.num_ranks, data_parallel=config.data_parallel_size > 1,
                  device=config.device)  # fmt: skip
 
+    def collect_rank_memory(self) -> dict[int, "RankMemory"]:
+        """What each follower made readable of its pools (`follow`, with an exporter): rank -> RankMemory."""
+        import torch.distributed as dist
+
+        got: list = [None] * self.group.shard.size
+        dist.gather_object(None, got, dst=0, group=self._control)
+        return {rank: RankMemory(*memory) for rank, memory in enumerate(got) if rank}
+
     def send_step(self, step) -> None:
         ops, self.pool_ops[:] = list(self.pool_ops), []
         self._send(("step", step, ops))
@@ -167,10 +175,33 @@ class Followers:
             proc.kill()
 
 
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """A follower's pools as its exporter made them readable: the exporter's bytes (for the transport's holder)
+    and where each pool (kv, conv, recurrent) starts in the follower's process, and its size."""
+
+    exported: bytes
+    pools: list[tuple[int, int]]
+
+
+def exports_rank_memory(config: EngineConfig) -> bool:
+    """Whether the followers export their pools at start (and the leader collects them then)."""
+    return config.rank_exporter is not None and config.data_parallel_size > 1
+
+
+def export_rank_memory(config: EngineConfig, views: list[torch.Tensor]) -> RankMemory:
+    import importlib
+
+    module, _, function = config.rank_exporter.partition(":")
+    exported = getattr(importlib.import_module(module), function)(views)
+    return RankMemory(exported, [(v.data_ptr(), v.numel()) for v in views])
+
+
 def follow(config: EngineConfig, rank: int, store_port: int) -> None:
     """A follower rank: build this rank's part of the engine, then repeat the leader's steps until it stops."""
     import torch.distributed as dist
 
+    from deltamesh.engine.cache import pool_views
     from deltamesh.engine.data_parallel import follow_point_to_point, run_rank
     from deltamesh.engine.rank import build_rank
     from deltamesh.engine.tp_handoff import gather_parts, rank_state, scatter_parts, store_rank_state
@@ -182,6 +213,10 @@ def follow(config: EngineConfig, rank: int, store_port: int) -> None:
     tp, control = join_group(config, mc, rank, store)
     device = torch.device(rank_device(config.device, rank))
     me = build_rank(config, mc, config.resolved_max_model_len(mc.max_position_embeddings), device, tp)
+    if exports_rank_memory(config):
+        memory = export_rank_memory(config, pool_views(me.kv_pool, me.state_pool))
+        # as a tuple: this module runs as __main__ here, so its classes do not unpickle on the leader
+        dist.gather_object(dataclasses.astuple(memory), None, dst=0, group=control)
     pools = {"slots": me.state_pool, "checkpoints": me.checkpoint_pool}
     while True:
         message = [None]

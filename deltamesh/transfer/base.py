@@ -28,7 +28,7 @@ from deltamesh.v1.common_pb2 import TransportDescriptor
 if TYPE_CHECKING:
     import torch
 
-    from deltamesh.transfer.leases import Lease, LeaseTable
+    from deltamesh.transfer.leases import Held, Lease, LeaseTable
 
 
 class TransferError(RuntimeError):
@@ -116,7 +116,7 @@ class StateHolder(ABC):
     async def stop(self) -> None: ...
 
     @abstractmethod
-    def describe(self, pools: list[torch.Tensor]) -> TransportDescriptor:
+    def describe(self, pools: list[Held]) -> TransportDescriptor:
         """How a puller reaches this holder at all, `pools` being all the memory its leases point into (made
         readable now, once): what a puller warms up with (`StatePuller.warm`) before its first pull from here."""
 
@@ -124,6 +124,12 @@ class StateHolder(ABC):
     def offer(self, lease: Lease) -> TransportDescriptor:
         """What a puller of `lease` (its buffers, in order) needs besides the lease's id and token and the
         buffers' sizes."""
+
+    def add_ranks(self, memory: dict[int, bytes]) -> None:
+        """What the worker's other ranks made readable of their memory (rank -> the bytes its transport's
+        `rank_exporter` returned there), for leases and descriptions naming their bytes (leases.RankBytes).
+        Only transports with a `rank_exporter` are given any."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read other ranks' memory")
 
 
 class StatePuller(ABC):
@@ -162,6 +168,10 @@ class Transport(ABC):
 
     kind: ClassVar[str]  # its name (--transport) and its descriptors' kind
     version: ClassVar[int]  # of its descriptors' payloads
+    # "module:function" that a data-parallel worker's other ranks call once at start with their pools (1-D byte
+    # views) to make them readable where they are, returning bytes for the holder (`StateHolder.add_ranks`);
+    # None: held states leave such a worker through its hand-off area on rank 0
+    rank_exporter: ClassVar[str | None] = None
 
     @classmethod
     @abstractmethod

@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, Union
 
 import torch
 
@@ -36,11 +36,29 @@ class LeaseRefused(Exception):
     """The lease cannot be used; the message says why (safe to show the caller)."""
 
 
+class RankBytes(Protocol):
+    """Held bytes in another process of the holder's worker (one of its ranks): `nbytes` at `address` there."""
+
+    rank: int
+    address: int
+    nbytes: int
+
+
+Held = Union[torch.Tensor, RankBytes]  # a 1-D uint8 view of this process's memory, or another rank's bytes
+
+
+def extent(buffer: Held) -> tuple[int, int]:
+    """(address, bytes) of a held buffer, in the memory of the process holding it."""
+    if isinstance(buffer, torch.Tensor):
+        return buffer.data_ptr(), buffer.numel()
+    return buffer.address, buffer.nbytes
+
+
 @dataclass
 class Lease:
     lease_id: str
     token: bytes
-    buffers: list[torch.Tensor]  # 1-D uint8 views of the held memory, in order
+    buffers: list[Held]  # the held memory, in order
     expires_at: float  # time.monotonic()
     on_end: Callable[[str], None]  # called once with the reason: pulled | released | expired | aborted
     word: int  # index of its lease word
@@ -48,7 +66,7 @@ class Lease:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+        return sum(extent(b)[1] for b in self.buffers)
 
     def expires_unix_ms(self) -> int:
         return int((time.time() + self.expires_at - time.monotonic()) * 1000)
@@ -74,7 +92,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self.counts = {"pulled": 0, "released": 0, "expired": 0, "aborted": 0}
 
-    def offer(self, lease_id: str, buffers: list[torch.Tensor], ttl_s: float, on_end: Callable[[str], None],
+    def offer(self, lease_id: str, buffers: list[Held], ttl_s: float, on_end: Callable[[str], None],
               token: bytes | None = None) -> Lease:  # fmt: skip
         """`token`: the lease's secret (at least MIN_TOKEN_BYTES), if the caller chose it; else a random one."""
         if token is not None and len(token) < MIN_TOKEN_BYTES:
@@ -86,7 +104,7 @@ class LeaseTable:
                 raise LeaseRefused(f"too many leases alive ({len(self._leases)})")
             word = self._free_words.pop()
             token = token or secrets.token_bytes(MIN_TOKEN_BYTES)
-            nonce = lease_nonce(token, lease_id, [(b.data_ptr(), b.numel()) for b in buffers])
+            nonce = lease_nonce(token, lease_id, [extent(b) for b in buffers])
             lease = Lease(lease_id, token, buffers, time.monotonic() + ttl_s, on_end, word, nonce)
             self._words[word] = lease.nonce
             self._leases[lease_id] = lease

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from deltamesh.engine import Engine, EngineConfig, SamplingParams
-from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
+from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2, ucx_pb2
 from harness import start_mesh
 from hf_checkpoints import VOCAB, write_replicated_kv_checkpoint
 
@@ -109,7 +109,8 @@ def test_a_sender_layout_that_cannot_hold_the_model_is_refused_before_any_byte_m
 def test_the_recipes_decode_layout_takes_states_from_a_tensor_parallel_prefill_worker(hf_checkpoints, tmp_path):
     """Decode with data-parallel attention and expert parallelism (each rank its own requests, the experts split
     whole) fed by a two-rank tensor-parallel prefill worker; a data-parallel prefill worker feeding a one-rank
-    decode worker and the data-parallel one. Greedy tokens as the one-rank engine's (Qwen3-Next, fp32)."""
+    decode worker and the data-parallel one, its states read where its ranks hold them. Greedy tokens as the
+    one-rank engine's (Qwen3-Next, fp32)."""
     model = hf_checkpoints["qwen3_next"]
     want = one_rank_tokens(model)
     dep = ["--data-parallel-size", "2", "--enable-expert-parallel"]
@@ -120,12 +121,16 @@ def test_the_recipes_decode_layout_takes_states_from_a_tensor_parallel_prefill_w
         dp_decode = mesh.start_worker("decode", dep)
         one_rank_decode = mesh.start_worker("decode")
         mesh.wait_ready()
+        held_on_rank_1 = 0
         for name, p, d in (("tp2->dep2", tp_prefill, dp_decode), ("dep2->1", dp_prefill, one_rank_decode),
                            ("dep2->dep2", dp_prefill, dp_decode)):  # fmt: skip
             for i, prompt in enumerate(PROMPTS):
                 first = prefill(p, f"{name}-{i}", prompt)
+                # a state the data-parallel prefill worker's second rank computed is read from that rank's process
+                held_on_rank_1 += bool(ucx_pb2.UcxLeaseDescriptor.FromString(first.transport.payload).peer_addresses)
                 got = list(first.first.token_ids) + decode(d, f"{name}-{i}", prompt, first)
                 assert got == want[i], f"{name}, prompt {i}"
+        assert held_on_rank_1 >= 2  # requests spread over the ranks in both data-parallel prefill runs
         assert dp_decode.load().state_slots_total == 2 * 4  # both ranks' slots
         assert mesh.wait_idle() == {}
     finally:

@@ -279,3 +279,62 @@ def test_a_prefill_aborted_while_waiting_for_the_area_frees_its_space(hf_checkpo
         assert engine.handoff.area.states.num_used == 0
     finally:
         engine.close()
+
+
+def test_states_held_on_a_data_parallel_rank_are_read_where_they_are(hf_checkpoints):
+    """With a transport that reads other ranks' memory (UCX: each follower registers its pools with a UCX worker
+    of its own), a data-parallel engine keeps each held state on the rank that computed it: the lease names that
+    rank's bytes, nothing goes through the hand-off area, the puller reads them from the follower process, and
+    each state continues on a one-rank engine as the one-rank engine's own tokens."""
+    import asyncio
+
+    import torch
+
+    from deltamesh.engine.cache import Region
+    from deltamesh.transfer import LeaseKey, LeaseTable
+    from deltamesh.transfer.leases import extent
+    from deltamesh.transfer.ucx import UcxTransport
+    from test_tp_handoff import PARAMS as HANDOFF_PARAMS
+    from test_tp_handoff import continued, one_rank_tokens, run_all
+
+    path = hf_checkpoints["qwen3_next"]
+    transport = UcxTransport("127.0.0.1")  # first: the followers inherit the UCX settings it makes
+    engine = core_dp(path, rank_exporter=UcxTransport.rank_exporter)
+
+    async def pull_all(rids: list[str]) -> dict[str, torch.Tensor]:
+        leases, ended = LeaseTable(), []
+        holder = transport.holder(leases)
+        holder.add_ranks({rank: memory.exported for rank, memory in engine.rank_memory.items()})
+        await holder.start()
+        puller = transport.puller()
+        await puller.start()
+        pulled = {}
+        for rid in rids:
+            buffers = [r.tensor if isinstance(r, Region) else r for r in engine.held_regions(rid)]
+            lease = leases.offer(rid, buffers, 30, ended.append)
+            sizes = [extent(b)[1] for b in buffers]
+            source = puller.source(holder.offer(lease), LeaseKey(rid, lease.token), sizes)
+            pulled[rid] = torch.empty(sum(sizes), dtype=torch.uint8)
+            await puller.pull(source, [pulled[rid]], 20)
+        for _ in range(200):  # the done notices end the leases
+            if len(ended) == len(rids):
+                break
+            await asyncio.sleep(0.05)
+        assert ended == ["pulled"] * len(rids)
+        await puller.close()
+        await holder.stop()
+        return pulled
+
+    try:
+        requests = [engine.make_request(p, HANDOFF_PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())]
+        first = run_all(engine, requests)
+        ranks = {rid: engine.held_request(rid).dp_rank for rid in first}
+        assert sorted(set(ranks.values())) == [0, 1]
+        held = asyncio.run(pull_all(list(first)))
+        assert engine.handoff._area is None  # never made: no state went through rank 0
+        assert all(engine.release_held(rid) for rid in first)
+        assert engine.loads()["kv_pages_used"] == 0 and engine.loads()["state_slots_used"] == 0
+    finally:
+        engine.close()
+        transport.close()
+    assert continued(path, 1, first, held) == one_rank_tokens(path)

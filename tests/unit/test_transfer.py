@@ -136,10 +136,12 @@ def test_a_descriptor_of_another_transport_or_version_is_refused_before_anything
                                         descriptors.RemoteRegion(8, 64, b"w"))  # fmt: skip
     assert puller.source(good, key, [4]).regions[0].address == 4096
     bad = {
-        "is not spoken here": [TransportDescriptor(kind="tcp", version=1, payload=good.payload),
-                               TransportDescriptor(kind="ucx", version=2, payload=good.payload)],
-        "not a UcxLeaseDescriptor": [TransportDescriptor(kind="ucx", version=1, payload=b"\xff\xff\xff")],
+        "is not spoken here": [TransportDescriptor(kind="tcp", version=descriptors.VERSION, payload=good.payload),
+                               TransportDescriptor(kind="ucx", version=1, payload=good.payload)],
+        "not a UcxLeaseDescriptor": [TransportDescriptor(kind="ucx", version=descriptors.VERSION,
+                                                         payload=b"\xff\xff\xff")],  # fmt: skip
         "one address and key per region": [good],  # for two regions
+        "one peer index per region": [_with_peers(good, [b"peer"], [2])],  # no second peer
         "no transport descriptor": [TransportDescriptor()],
     }  # fmt: skip
     for message, descriptors_ in bad.items():
@@ -150,6 +152,31 @@ def test_a_descriptor_of_another_transport_or_version_is_refused_before_anything
         asyncio.run(puller.warm(bad["is not spoken here"][0], torch.device("cpu"), 1))
     with pytest.raises(ValueError, match="unknown transport 'tcp'"):
         open_transport("tcp", None)
+
+
+def _lease_payload(descriptor: TransportDescriptor):
+    from deltamesh.v1 import ucx_pb2
+
+    return ucx_pb2.UcxLeaseDescriptor.FromString(descriptor.payload)
+
+
+def _with_peers(descriptor: TransportDescriptor, peers: list[bytes], index: list[int]) -> TransportDescriptor:
+    d = _lease_payload(descriptor)
+    d.peer_addresses[:], d.region_peers[:] = peers, index
+    return TransportDescriptor(kind=descriptor.kind, version=descriptor.version, payload=d.SerializeToString())
+
+
+def test_a_region_names_the_worker_that_holds_it():
+    """A region held in another process of the holder's worker (another rank) is read from that process's UCX
+    worker; the lease word and the notices stay the holder's."""
+    puller = UcxTransport("127.0.0.1").puller()
+    regions = [descriptors.RemoteRegion(4, 4096, b"k"), descriptors.RemoteRegion(4, 8192, b"j", b"rank1"),
+               descriptors.RemoteRegion(2, 100, b"k")]  # fmt: skip
+    d = descriptors.lease_descriptor(b"holder", regions, descriptors.RemoteRegion(8, 64, b"w"))
+    source = puller.source(d, LeaseKey("L", b"t" * 16), [4, 4, 2])
+    assert source.address == b"holder" and [r.worker for r in source.regions] == [b"holder", b"rank1", b"holder"]
+    own = descriptors.lease_descriptor(b"holder", regions[:1], descriptors.RemoteRegion(8, 64, b"w"))
+    assert not _lease_payload(own).peer_addresses  # a holder's own regions name no peer
 
 
 def test_a_warm_up_reads_the_pools_and_lease_words_and_ends_no_lease():

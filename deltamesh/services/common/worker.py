@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Callable, Coroutine
@@ -149,6 +150,8 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     from deltamesh.services.common.metrics import serve_worker_metrics
 
     transport = open_transport(settings.transport, settings)  # first: it may set up the process's environment
+    if settings.role == "prefill":  # the worker that offers held states: read where its ranks hold them
+        settings.engine = dataclasses.replace(settings.engine, rank_exporter=transport.rank_exporter)
     worker = Worker(settings)
     device = settings.engine.torch_device()
     if device.type == "cuda":

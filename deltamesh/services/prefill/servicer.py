@@ -16,6 +16,7 @@ from deltamesh.services.common.convert import delta_from_output
 from deltamesh.services.common.worker import Worker, engine_request
 from deltamesh.services.prefill.reverse_pull import ReversePuller
 from deltamesh.transfer import MIN_TOKEN_BYTES, LeaseRefused, LeaseTable, StateHolder
+from deltamesh.transfer.leases import extent
 
 log = structlog.get_logger("deltamesh.prefill")
 
@@ -82,7 +83,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                                                   expires_unix_ms=lease.expires_unix_ms()))  # fmt: skip
         response.transport.CopyFrom(self.holder.offer(lease))
         response.layout.CopyFrom(prefill_pb2.StateLayout(
-            compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[b.numel() for b in buffers],
+            compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[extent(b)[1] for b in buffers],
             tensor_parallel_size=self.engine.tensor_parallel_size,
         ))  # fmt: skip
 

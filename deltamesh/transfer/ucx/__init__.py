@@ -15,6 +15,7 @@ from deltamesh.transfer.ucx.puller import UcxPuller
 
 class UcxTransport(Transport):
     kind, version = descriptors.KIND, descriptors.VERSION
+    rank_exporter = "deltamesh.transfer.ucx.rank_memory:export"
 
     def __init__(self, bind_host: str = "127.0.0.1", error_handling: bool = True, spin_s: float = 0.02):
         """Made before UCX starts in this process (its settings are read then): when the worker is bound to

@@ -1,5 +1,7 @@
 """Holder side of the UCX transport: registers the memory pullers read (pools once, the lease words), says
-where a lease's regions and word are, and ends leases on the pullers' notices. It takes no part in a pull."""
+where a lease's regions and word are, and ends leases on the pullers' notices. It takes no part in a pull.
+A data-parallel worker's other ranks register their own pools (rank_memory.py); a region held there is named
+with that rank's UCX worker and key (`add_ranks`)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from deltamesh.v1 import ucx_pb2
 from deltamesh.v1.common_pb2 import TransportDescriptor
 from deltamesh.transfer.base import StateHolder
-from deltamesh.transfer.leases import Lease, LeaseTable
+from deltamesh.transfer.leases import Held, Lease, LeaseTable, RankBytes
 from deltamesh.transfer.ucx import descriptors, loop_worker, notices
 from deltamesh.transfer.ucx.descriptors import RemoteRegion
 
@@ -29,6 +31,8 @@ class UcxHolder(StateHolder):
         # the last notices: lease id and perf_counter() when the done notice arrived (see TransferStats.marks)
         self.timeline: deque[dict] = deque(maxlen=256)
         self.address = b""
+        # rank -> (its UCX worker's address, [(start, size, packed key)] of what it registered)
+        self._ranks: dict[int, tuple[bytes, list[tuple[int, int, bytes]]]] = {}
 
     async def start(self) -> None:
         self.address = loop_worker.get().address
@@ -43,17 +47,26 @@ class UcxHolder(StateHolder):
             registration.close()
         self._registered.clear()
 
-    def describe(self, pools: list[torch.Tensor]) -> TransportDescriptor:
+    def describe(self, pools: list[Held]) -> TransportDescriptor:
         return descriptors.holder_descriptor(self.address, self.regions(pools), self.words())
+
+    def add_ranks(self, memory: dict[int, bytes]) -> None:
+        for rank, exported in memory.items():
+            m = ucx_pb2.UcxRankMemory.FromString(exported)
+            self._ranks[rank] = (m.worker_address, list(zip(m.starts, m.sizes, m.rkeys)))
 
     def offer(self, lease: Lease) -> TransportDescriptor:
         return descriptors.lease_descriptor(self.address, self.regions(lease.buffers), self.word_of(lease))
 
-    def regions(self, buffers: list[torch.Tensor]) -> list[RemoteRegion]:
-        """Where `buffers` (views of this worker's pools) can be read by a puller. The allocation behind each is
-        registered with UCX on first use and stays registered: pools live as long as the worker."""
+    def regions(self, buffers: list[Held]) -> list[RemoteRegion]:
+        """Where `buffers` (views of this worker's pools, or bytes of another rank's) can be read by a puller.
+        The allocation behind each view is registered with UCX on first use and stays registered: pools live as
+        long as the worker."""
         out = []
         for b in buffers:
+            if not isinstance(b, torch.Tensor):
+                out.append(self._rank_region(b))
+                continue
             storage = b.untyped_storage()
             start, size = storage.data_ptr(), storage.nbytes()
             registration = self._registered.get((start, size))
@@ -62,6 +75,13 @@ class UcxHolder(StateHolder):
                 self._registered[(start, size)] = registration
             out.append(RemoteRegion(b.numel(), b.data_ptr(), registration.rkey))
         return out
+
+    def _rank_region(self, b: RankBytes) -> RemoteRegion:
+        worker, registered = self._ranks[b.rank]
+        for start, size, rkey in registered:
+            if start <= b.address and b.address + b.nbytes <= start + size:
+                return RemoteRegion(b.nbytes, b.address, rkey, worker)
+        raise ValueError(f"rank {b.rank} registered no memory holding {b.nbytes} bytes at {b.address:#x}")
 
     def words(self) -> RemoteRegion:
         """Where the lease words are (host memory): what a puller's warm-up reads besides the pools."""

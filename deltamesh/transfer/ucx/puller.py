@@ -6,7 +6,8 @@ transport descriptor (deltamesh/transfer/ucx/descriptors.py), where the held reg
 where the lease's *word* is (deltamesh/transfer/ucx/holder.py). A pull is one-sided:
 
 1. The puller reads every region straight into its own buffers (one RMA get per segment, zero-copy at both
-   ends).
+   ends), from the process that holds it: the holder's, or another rank's of the same worker (a worker over
+   several ranks holds a request's state where the rank that computed it keeps it).
 2. Once every read has completed it reads the lease word (8 bytes). The holder zeroes a lease's word when the
    lease ends, before it frees the lease's memory (deltamesh.transfer.leases); so finding the lease's nonce there means
    the memory was neither freed nor reused while the reads ran, and the bytes are good. The nonce is a MAC of
@@ -80,12 +81,14 @@ class UcxPuller(StatePuller):
                 ep = self._eps.get(address)
                 reads = [(r, torch.empty(1, dtype=torch.uint8, device=device)) for r in pools]
                 reads += [(words, torch.empty(words.nbytes, dtype=torch.uint8))] if words else []
-                await asyncio.gather(*(ucx.get(ep, into, r.address, self._eps.rkey(address, r.rkey))
+                await asyncio.gather(*(ucx.get(self._eps.get(r.worker or address), into, r.address,
+                                               self._eps.rkey(r.worker or address, r.rkey))
                                        for r, into in reads))  # fmt: skip
                 # no lease id: the holder skips it
                 await ucx.send(ep, notices.frame(ucx_pb2.PullNotice()), notices.NOTICE_TAG)
         except Exception as e:  # unreachable or gone: the first pull will find out again
-            self._eps.drop(address)
+            for worker in {address, *(r.worker for r in pools if r.worker)}:
+                self._eps.drop(worker)
             raise TransferError(f"UCX warm-up with a holder failed: {e!r}") from e
         return time.perf_counter() - started
 
@@ -129,13 +132,15 @@ class UcxPuller(StatePuller):
             async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the reads
                 return await self._pull(source, buffers, started)
         except TimeoutError:
-            self._eps.forget(source.address)  # closing it would cancel the abandon notice just posted
+            for worker in _workers(source):
+                self._eps.forget(worker)  # closing the holder's would cancel the abandon notice just posted
             message = f"state transfer for lease {lease_id!r} did not finish within {timeout_s:.1f}s"
             raise TransferError(message) from None
         except TransferError:
             raise
         except Exception as e:  # UCX errors: the holder is unreachable or went away mid-transfer
-            self._eps.drop(source.address)
+            for worker in _workers(source):
+                self._eps.drop(worker)
             raise TransferError(f"state transfer for lease {lease_id!r} failed: {e!r}") from e
 
     async def _pull(self, source: UcxSource, buffers: list[torch.Tensor], started: float) -> TransferStats:
@@ -147,10 +152,11 @@ class UcxPuller(StatePuller):
         reads: list[asyncio.Future] = []
         try:
             ep = self._eps.get(address)
-            keys = [self._eps.rkey(address, r.rkey) for r in regions]  # unpacked once per peer; a bad one fails here
+            eps = [self._eps.get(r.worker) for r in regions]  # the holder's, or another rank's of the same worker
+            keys = [self._eps.rkey(r.worker, r.rkey) for r in regions]  # unpacked once per peer; a bad one fails here
             keyed = time.perf_counter()
             reads = [
-                ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
+                ucx.get(eps[i], buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
                 for i, src_off, j, dst_off, n in plan
             ]
             posted = time.perf_counter()
@@ -179,3 +185,8 @@ class UcxPuller(StatePuller):
         self._notify(ep, source.lease, done=True)
         marks = {"start": started, "keys": keyed, "posted": posted, "reads": read, "done": done}
         return TransferStats(sum(n for *_, n in plan), len(plan), marks)
+
+
+def _workers(source: UcxSource) -> set[bytes]:
+    """Every worker a pull of `source` reads from: the holder's and its peers'."""
+    return {source.address, *(r.worker for r in source.regions)}
