@@ -151,7 +151,7 @@ def test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once(mesh, referen
     a_word_b_regions.word_address, a_word_b_regions.word_rkey = a_word.word_address, a_word.word_rkey
     with pytest.raises(grpc.RpcError) as e:
         _decode(decode, "lease-a", prompt_a, a, common_pb2.TransportDescriptor(
-            kind="ucx", version=1, payload=a_word_b_regions.SerializeToString()))
+            kind="ucx", version=a.transport.version, payload=a_word_b_regions.SerializeToString()))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "regions are not the lease's" in e.value.details()
     # no lease ends without its token: a tokenless Abort, a wrong token, a TTL past the cap
     stub = prefill.stub()

@@ -187,8 +187,8 @@ def test_wrong_lease_layout_or_transport_is_refused_and_the_state_stays_held(mes
         payload = ucx_pb2.UcxLeaseDescriptor.FromString(first.transport.payload)
         for field in changes.pop("cleared", ()):
             payload.ClearField(field)
-        return common_pb2.TransportDescriptor(**{"kind": "ucx", "version": 1, "payload": payload.SerializeToString(),
-                                                 **changes})  # fmt: skip
+        return common_pb2.TransportDescriptor(**{"kind": "ucx", "version": first.transport.version,
+                                                 "payload": payload.SerializeToString(), **changes})  # fmt: skip
 
     wrong_token = prefill_pb2.Lease()
     wrong_token.CopyFrom(first.lease)
@@ -198,8 +198,9 @@ def test_wrong_lease_layout_or_transport_is_refused_and_the_state_stays_held(mes
     refused(invalid, "its token is needed", lease=prefill_pb2.Lease(lease_id="guarded"))
     refused(invalid, "lease word's address and key", transport=ucx_descriptor(cleared=["word_address", "word_rkey"]))
     # a transport this worker does not speak, or another version of its own: refused before any byte moves
-    refused(invalid, "'tcp' version 1 is not spoken here", transport=ucx_descriptor(kind="tcp"))
-    refused(invalid, "'ucx' version 2 is not spoken here", transport=ucx_descriptor(version=2))
+    version = first.transport.version
+    refused(invalid, f"'tcp' version {version} is not spoken here", transport=ucx_descriptor(kind="tcp"))
+    refused(invalid, f"'ucx' version {version + 1} is not spoken here", transport=ucx_descriptor(version=version + 1))
     bad_layout = prefill_pb2.StateLayout(compat_hash="0" * 20, num_tokens=40, region_bytes=first.layout.region_bytes)
     refused(grpc.StatusCode.FAILED_PRECONDITION, "incompatible", layout=bad_layout)
     unreadable = ucx_descriptor(cleared=["region_addresses", "region_rkeys"])  # no addresses or keys
