@@ -47,7 +47,9 @@ from deltamesh.engine.reservations import Reservation, Reservations
 from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
+from deltamesh.engine.state_shards import merge
 from deltamesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from deltamesh.engine.tp_handoff import store_rank_state
 from deltamesh.engine.tp_workers import Followers, exports_rank_memory
 
 log = structlog.get_logger("deltamesh.engine")
@@ -104,7 +106,8 @@ class EngineCore:
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
         self.scheduler, self.handoff = data_parallel.leader_scheduling(config, self.followers, rank)
-        self.reservations = Reservations(self.scheduler, self.handoff, self.kv_pool, self.state_pool, self.device)
+        self.reservations = Reservations(self.scheduler, self.handoff, self.kv_pool, self.state_pool, self.device,
+                                         mc)  # fmt: skip
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, Sink] = {}
@@ -213,7 +216,7 @@ class EngineCore:
         request.output_ids = [first_token]
         request.num_computed = len(request.prompt_ids)
         request.slot, request.pages, request.dp_rank = reservation.slot, reservation.pages, reservation.rank
-        request.staged = reservation.staged
+        request.staged, request.parts = reservation.staged, reservation.parts
         if request.detokenizer is not None:
             request.detokenizer.add(first_token)  # replays what the prefill worker already streamed
         self._commands.put(("add_running", request, sink))
@@ -254,11 +257,20 @@ class EngineCore:
                     outputs.append(failed)
 
     def _place_arrived(self, req: Request) -> RequestOutput | None:
-        """A parallel engine: the arrived state goes from the hand-off area to its rank or ranks before the
-        request's first step. When they could not take it, the request ends (its space freed): its last output."""
-        if self.handoff is None:
+        """Before the request's first step: a state that arrived as its sender's rank parts is merged into the
+        one-rank layout (in the pools, or a parallel engine's hand-off area); a parallel engine's goes from the
+        area to its rank or ranks. When they could not take it, the request ends (its space freed): its last
+        output."""
+        if self.handoff is None and req.parts is None:
             return None
         try:
+            if req.parts is not None:
+                whole = merge(req.parts.unpacked(), self.model_config)
+                req.parts = None
+                if self.handoff is None:
+                    store_rank_state(self.kv_pool, self.state_pool, req.pages, req.slot, whole)
+                    return None
+                self.handoff.area.write(req.staged, whole)
             self.handoff.scatter(req.pages, req.slot, req.dp_rank, req.staged)
             return None
         except Exception as e:
@@ -450,19 +462,23 @@ class EngineCore:
             raise KeyError(request_id)
         if req.staged is not None:  # a parallel engine's: in its hand-off area
             return self.handoff.staged_regions(req.staged)
-        if self.rank_memory and req.dp_rank:  # where its data-parallel rank keeps it
-            return self._rank_bytes(req)
-        return self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
+        own = self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
+        if not self.rank_memory:
+            return own
+        if self.data_parallel:  # where its rank keeps it, whole
+            if not req.dp_rank:
+                return own
+            pools = self.scheduler.pools[req.dp_rank]
+            return self._rank_bytes(req.dp_rank, pools.kv.regions(req.pages) + pools.states.regions(req.slot))
+        # tensor parallel: every rank's part, in rank order (StateLayout.rank_parts)
+        return own + [b for rank in sorted(self.rank_memory) for b in self._rank_bytes(rank, own)]
 
-    def _rank_bytes(self, req: Request) -> list[RankBytes]:
-        """A held state in a follower's pools: the regions the leader's bookkeeping copy of them gives, at the
-        follower's addresses."""
-        pools = self.scheduler.pools[req.dp_rank]
-        (kv, _), (conv, _), (recurrent, _) = self.rank_memory[req.dp_rank].pools
-        kv_regions = pools.kv.regions(req.pages)
-        starts = [kv] * len(kv_regions) + [conv, recurrent]
-        regions = kv_regions + pools.states.regions(req.slot)
-        return [RankBytes(req.dp_rank, start + r.tensor.storage_offset(), r.nbytes)
+    def _rank_bytes(self, rank: int, regions: list[Region]) -> list[RankBytes]:
+        """`regions` (kv runs, conv, recurrent) of pools shaped as rank `rank`'s (the leader's own, or its
+        bookkeeping copy of a data-parallel rank's), at the same offsets in that rank's pools."""
+        (kv, _), (conv, _), (recurrent, _) = self.rank_memory[rank].pools
+        starts = [kv] * (len(regions) - 2) + [conv, recurrent]
+        return [RankBytes(rank, start + r.tensor.storage_offset(), r.nbytes)
                 for start, r in zip(starts, regions)]  # fmt: skip
 
     def pool_views(self) -> list[torch.Tensor | RankBytes]:
@@ -489,8 +505,8 @@ class EngineCore:
         return len(self._held)
 
     # ---- reservations (decode side; any thread) ----------------------------------------------------------
-    def reserve(self, num_tokens: int) -> Reservation:
-        return self.reservations.reserve(num_tokens)
+    def reserve(self, num_tokens: int, sender_parts: int = 0) -> Reservation:
+        return self.reservations.reserve(num_tokens, sender_parts)
 
     def cancel_reservation(self, reservation: Reservation) -> None:
         self.reservations.cancel(reservation)

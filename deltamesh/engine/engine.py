@@ -152,10 +152,17 @@ class Engine:
         self._wake.set()
         return released
 
-    def reserve(self, num_tokens: int) -> Reservation:
+    def reserve(self, num_tokens: int, sender_parts: int = 0) -> Reservation:
         """Pool space for an incoming state of `num_tokens` prompt tokens; raises PoolExhausted when full. Its
-        `regions` are what a pull fills; then `submit_transferred`, or `cancel_reservation`."""
-        return self.core.reserve(num_tokens)
+        `regions` are what a pull fills; then `submit_transferred`, or `cancel_reservation`. `sender_parts`: the
+        state comes as that many tensor-parallel ranks' parts (StateLayout.rank_parts), 0 in the one-rank layout."""
+        return self.core.reserve(num_tokens, sender_parts)
+
+    @property
+    def holds_rank_parts(self) -> bool:
+        """Whether a held state is offered as each tensor-parallel rank's part where it is (StateLayout.rank_parts),
+        not merged into the one-rank layout first."""
+        return bool(self.core.rank_memory) and self.tensor_parallel_size > 1
 
     def pin_prefix(self, prompt_ids: list[int]) -> tuple[PinnedPrefix, list[torch.Tensor]] | None:
         """The longest cached prefix of this prompt that ends at a checkpoint, kept from eviction until

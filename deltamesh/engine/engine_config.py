@@ -63,7 +63,7 @@ class EngineConfig:
     # memory is left free when the KV pool is sized
     handoff_states: int | None = _setting(None, "Workers over several ranks: states held or arriving at once, each "
                                                 "waiting on rank 0 (default: --max-num-seqs on CPU, 4 on CUDA)")  # fmt: skip
-    # "module:function" a data-parallel engine's other ranks call once with their pools (1-D byte views), for a
+    # "module:function" a parallel engine's other ranks call once with their pools (1-D byte views), for a
     # transport to read held states where they are (bytes for the leader's holder; None: states leave through
     # the hand-off area); set by the worker from its transport
     rank_exporter: str | None = _setting(None, cli=False)

@@ -82,6 +82,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     dp_rank: int = 0  # data-parallel attention: the rank whose pools hold `slot` and `pages`
     staged: object = None  # a parallel engine: its place in the hand-off area (tp_handoff.Staged)
+    parts: object = None  # arrived as its sender's rank parts, until merged (reservations.RankParts)
     # Prefix cache (prefix_cache.py): the hash-chain keys of the prompt's full pages, computed once, and how many
     # of its prompt pages the cache has been offered since the request was (re)admitted.
     block_keys: list[int] = field(default_factory=list)

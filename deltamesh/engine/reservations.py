@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool
+from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.request import Request
+from deltamesh.engine.state_shards import RequestState, nbytes, part_shapes, unpack
 
 
 @dataclass
@@ -26,6 +28,20 @@ class Reservation:
     ready: torch.cuda.Event | None = None
     rank: int = 0  # data-parallel attention: the rank whose pools these are
     staged: object = None  # a parallel engine: `regions` are this place of its hand-off area (tp_handoff.Staged)
+    # a state sent as its sender's rank parts: `regions` are this RankParts' bytes, merged before the first step
+    parts: "RankParts | None" = None
+
+
+@dataclass
+class RankParts:
+    """Where a state sent as its sender's tensor-parallel rank parts lands (state_shards.part_shapes, end to end
+    in `flat`) until the engine merges it into the one-rank layout, before the request's first step."""
+
+    shapes: list[RequestState]
+    flat: torch.Tensor
+
+    def unpacked(self) -> list[RequestState]:
+        return unpack(self.flat, self.shapes)
 
     def wait_ready(self) -> None:
         """Block (GIL released) until no launched step can still write this space."""
@@ -43,12 +59,15 @@ class Reservations:
     under data parallelism), and on a parallel engine the place in its hand-off area where the state lands before
     the ranks take it (tp_handoff.HandoffArea)."""
 
-    def __init__(self, scheduler, handoff, kv_pool: KVPagePool, state_pool: StatePool, device: torch.device):
+    def __init__(self, scheduler, handoff, kv_pool: KVPagePool, state_pool: StatePool, device: torch.device,
+                 full: ModelConfig):  # fmt: skip
         self.scheduler, self.handoff, self.kv_pool, self.state_pool = scheduler, handoff, kv_pool, state_pool
-        self.device = device
+        self.device, self.full = device, full
 
-    def reserve(self, num_tokens: int) -> Reservation:
+    def reserve(self, num_tokens: int, sender_parts: int = 0) -> Reservation:
         """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free.
+        `sender_parts`: the state comes as that many tensor-parallel ranks' parts (0: in the one-rank layout);
+        they land in a buffer of their own, merged before the request's first step.
         Nothing is written to them here: the pull fills every byte, from UCX's own CUDA stream, and a zeroing
         kernel queued on the engine's stream could land after it and wipe the pulled state."""
         rank, slot, pages = self.scheduler.reserve(num_tokens)
@@ -63,11 +82,22 @@ class Reservations:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.default_stream(self.device))
-        if staged is not None:
+        parts = None
+        if sender_parts > 1:
+            parts = self._parts(len(pages), sender_parts)
+            regions = [Region(parts.flat, f"rank parts [{sender_parts}]")]
+        elif staged is not None:
             regions = self.handoff.staged_regions(staged)
         else:
             regions = self.kv_pool.regions(pages) + self.state_pool.regions(slot)
-        return Reservation(slot, pages, regions, ready, rank, staged)
+        return Reservation(slot, pages, regions, ready, rank, staged, parts)
+
+    def _parts(self, num_pages: int, size: int) -> RankParts:
+        """Room for `size` ranks' parts of a state of `num_pages` pages (in the one-rank layout's dtypes)."""
+        kv, states = (self.handoff.area.kv, self.handoff.area.states) if self.handoff else (self.kv_pool, self.state_pool)
+        like = RequestState(kv.data[:1], states.conv[0], states.recurrent[0])
+        shapes = part_shapes(self.full, like, num_pages, size)
+        return RankParts(shapes, torch.empty(sum(map(nbytes, shapes)), dtype=torch.uint8, device=self.device))
 
     def cancel(self, reservation: Reservation) -> None:
         if reservation.staged is not None:

@@ -72,3 +72,31 @@ def merge(parts: list[RequestState], full: ModelConfig, expert_parallel: bool = 
     conv = torch.cat([torch.cat([rank[i] for rank in qkv], CONV_CHANNEL_DIM) for i in range(3)], CONV_CHANNEL_DIM)
     recurrent = torch.cat([part.recurrent for part in parts], RECURRENT_HEAD_DIM)
     return RequestState(kv, conv, recurrent)
+
+
+def part_shapes(full: ModelConfig, like: RequestState, num_pages: int, size: int) -> list[RequestState]:
+    """Ranks 0..size-1's parts of a one-rank state of `num_pages` pages, as meta tensors (shapes and dtypes only),
+    `like` giving the one-rank layout's per-page KV shape, conv and recurrent shapes and dtypes."""
+    meta = torch.device("meta")
+    whole = RequestState(like.kv.new_empty((num_pages, *like.kv.shape[1:]), device=meta),
+                         like.conv.new_empty(like.conv.shape, device=meta),
+                         like.recurrent.new_empty(like.recurrent.shape, device=meta))  # fmt: skip
+    return [split(whole, Shard(size, r, full)) for r in range(size)]
+
+
+def nbytes(state: RequestState) -> int:
+    return sum(t.numel() * t.element_size() for t in state.tensors())
+
+
+def unpack(flat: torch.Tensor, shapes: list[RequestState]) -> list[RequestState]:
+    """The parts laid end to end in `flat` (1-D bytes: each part's kv, conv, recurrent in turn), as tensors of
+    `shapes`' shapes and dtypes viewing it."""
+    parts, offset = [], 0
+    for shape in shapes:
+        tensors = []
+        for t in shape.tensors():
+            n = t.numel() * t.element_size()
+            tensors.append(flat[offset : offset + n].view(t.dtype).view(t.shape))
+            offset += n
+        parts.append(RequestState(*tensors))
+    return parts

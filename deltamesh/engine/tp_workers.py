@@ -186,7 +186,7 @@ class RankMemory:
 
 def exports_rank_memory(config: EngineConfig) -> bool:
     """Whether the followers export their pools at start (and the leader collects them then)."""
-    return config.rank_exporter is not None and config.data_parallel_size > 1
+    return config.rank_exporter is not None and config.num_ranks > 1
 
 
 def export_rank_memory(config: EngineConfig, views: list[torch.Tensor]) -> RankMemory:

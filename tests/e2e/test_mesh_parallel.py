@@ -1,7 +1,8 @@
 """Prefill and decode workers of different tensor-parallel layouts, as real processes (gRPC, state over UCX): every
 pair of a one-rank and a two-rank prefill worker with a one-rank and a two-rank decode worker (expert parallel
-on the MoE model) hands requests over exactly: greedy tokens as the monolithic one-rank engine's, fp32. A state
-whose sender's layout cannot hold the model is refused before any byte moves."""
+on the MoE model) hands requests over exactly: greedy tokens as the monolithic one-rank engine's, fp32. A
+two-rank prefill worker's states are read where its ranks hold them, as rank parts the decode worker merges. A
+state whose sender's layout cannot hold the model is refused before any byte moves."""
 
 import itertools
 
@@ -58,7 +59,7 @@ def check_every_pair(mesh, want: list[list[int]]) -> None:
         for i, prompt in enumerate(PROMPTS):
             rid = f"p{p}-d{d}-{i}"
             first = prefill(prefill_worker, rid, prompt)
-            assert first.layout.tensor_parallel_size == p
+            assert first.layout.tensor_parallel_size == p and first.layout.rank_parts == (p > 1)  # read in place
             got = list(first.first.token_ids) + decode(decode_worker, rid, prompt, first)
             assert got == want[i], f"prefill over {p} rank(s) -> decode over {d} rank(s), prompt {i}"
     assert mesh.wait_idle() == {}

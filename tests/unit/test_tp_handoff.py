@@ -99,15 +99,16 @@ def held_states(path, tp: int, **kw) -> tuple[dict[str, list[int]], dict[str, to
         engine.close()
 
 
-def continued(path, tp: int, first, held, **kw) -> dict[str, list[int]]:
-    """Each held state written into a reservation of an engine on `tp` ranks and decoded from its first token."""
+def continued(path, tp: int, first, held, sender_parts: int = 0, **kw) -> dict[str, list[int]]:
+    """Each held state written into a reservation of an engine on `tp` ranks and decoded from its first token;
+    `sender_parts`: the states are that many ranks' parts (0: the one-rank layout)."""
     engine = core(path, tp, **kw)
     try:
         tokens = {rid: list(t) for rid, t in first.items()}
         for i, prompt in enumerate(prompts()):
             rid = f"r{i}"
-            reservation = engine.reserve(len(prompt))
-            assert sum(r.nbytes for r in reservation.regions) == held[rid].numel()  # the one-rank layout, both
+            reservation = engine.reserve(len(prompt), sender_parts)
+            assert sum(r.nbytes for r in reservation.regions) == held[rid].numel()  # the same layout, both
             offset = 0
             for region in reservation.regions:
                 region.tensor.copy_(held[rid][offset : offset + region.nbytes])
@@ -140,3 +141,73 @@ def test_state_held_on_one_layout_continues_on_another_as_the_one_rank_engine(hf
     assert continued(path, 1, first, held) == want  # 2 -> 1
     first, held = held_states(path, 1)
     assert continued(path, 2, first, held, **ep) == want  # 1 -> 2
+
+
+def pulled_where_held(engine: EngineCore, transport, rids: list[str]) -> dict[str, torch.Tensor]:
+    """Each held state of `engine` pulled over `transport` (UCX, in this process) as a decode worker would: a
+    lease naming its regions where the engine's ranks hold them, a puller reading them."""
+    import asyncio
+
+    from deltamesh.engine.cache import Region
+    from deltamesh.transfer import LeaseKey, LeaseTable
+    from deltamesh.transfer.leases import extent
+
+    async def pull_all() -> dict[str, torch.Tensor]:
+        leases, ended = LeaseTable(), []
+        holder = transport.holder(leases)
+        holder.add_ranks({rank: memory.exported for rank, memory in engine.rank_memory.items()})
+        await holder.start()
+        puller = transport.puller()
+        await puller.start()
+        pulled = {}
+        for rid in rids:
+            buffers = [r.tensor if isinstance(r, Region) else r for r in engine.held_regions(rid)]
+            lease = leases.offer(rid, buffers, 30, ended.append)
+            sizes = [extent(b)[1] for b in buffers]
+            source = puller.source(holder.offer(lease), LeaseKey(rid, lease.token), sizes)
+            pulled[rid] = torch.empty(sum(sizes), dtype=torch.uint8)
+            await puller.pull(source, [pulled[rid]], 20)
+        for _ in range(200):  # the done notices end the leases
+            if len(ended) == len(rids):
+                break
+            await asyncio.sleep(0.05)
+        assert ended == ["pulled"] * len(rids)
+        await puller.close()
+        await holder.stop()
+        return pulled
+
+    return asyncio.run(pull_all())
+
+
+DP2_EP = {"data_parallel_size": 2, "enable_expert_parallel": True}
+
+
+@pytest.mark.parametrize("sender", ["tp2", "dp2"])
+def test_held_states_are_read_where_the_ranks_hold_them(hf_checkpoints, sender):
+    """With a transport that reads other ranks' memory (UCX: each follower registers its pools with a UCX worker
+    of its own), a parallel engine offers each held state where its ranks keep it, nothing through rank 0's
+    hand-off area: a tensor-parallel one as every rank's part (its KV heads, conv channels, value heads), which
+    the receiver merges; a data-parallel one whole, from the rank that computed it. Pulled over UCX from the
+    follower processes, each state continues on a one-rank and on a two-rank engine as the one-rank engine's own
+    tokens (Qwen3-Next, fp32)."""
+    from deltamesh.transfer.ucx import UcxTransport
+
+    path = hf_checkpoints["qwen3_next"]
+    transport = UcxTransport("127.0.0.1")  # first: the followers inherit the UCX settings it makes
+    tp, kw = (2, {}) if sender == "tp2" else (1, DP2_EP)
+    engine = core(path, tp, rank_exporter=UcxTransport.rank_exporter, **kw)
+    try:
+        first = run_all(engine, [engine.make_request(p, PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())])
+        if sender == "dp2":
+            assert sorted({engine.held_request(rid).dp_rank for rid in first}) == [0, 1]
+        held = pulled_where_held(engine, transport, list(first))
+        assert engine.handoff._area is None  # never made: no state went through rank 0
+        assert all(engine.release_held(rid) for rid in first)
+        assert_idle(engine.scheduler)
+    finally:
+        engine.close()
+        transport.close()
+    parts = 2 if sender == "tp2" else 0
+    want = one_rank_tokens(path)
+    assert continued(path, 1, first, held, parts) == want
+    assert continued(path, 2, first, held, parts) == want

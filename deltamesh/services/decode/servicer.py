@@ -67,7 +67,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"incompatible state layout: prefill {layout.compat_hash}, decode {self.worker.compat_hash}",
             )
-        try:  # the regions are in the one-rank layout; the sender's ranks must be a layout of this model
+        try:  # the regions are in the one-rank layout or the sender's rank parts; its ranks must split this model
             self.engine.check_sender_layout(layout.tensor_parallel_size or 1)
         except LayoutMismatch as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible state layout: {e}")
@@ -80,7 +80,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             source = self.puller.source(src.transport, lease, layout.region_bytes)
         except DescriptorError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        reservation = await self._reserve(len(request.prompt_token_ids), context)
+        parts = (layout.tensor_parallel_size or 1) if layout.rank_parts else 0
+        reservation = await self._reserve(len(request.prompt_token_ids), context, parts)
         self.worker.reservations += 1
         try:
             buffers = [r.tensor for r in reservation.regions]
@@ -107,14 +108,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         """A failed pull's pages and slot go back to the pool once the transport can no longer write into them."""
         self.puller.release_after(lease_id, lambda: self.engine.cancel_reservation(reservation))
 
-    async def _reserve(self, num_tokens: int, context):
-        """Pool space for the incoming state, once nothing but the pull can write it; waits (bounded) while the
-        batch is full."""
+    async def _reserve(self, num_tokens: int, context, sender_parts: int = 0):
+        """Pool space for the incoming state (`sender_parts`: see Engine.reserve), once nothing but the pull can
+        write it; waits (bounded) while the batch is full."""
         deadline = time.monotonic() + self.worker.settings.admission_timeout_s
         delay = 0.002
         while True:
             try:
-                reservation = self.engine.reserve(num_tokens)
+                reservation = self.engine.reserve(num_tokens, sender_parts)
                 break
             except PoolExhausted as e:
                 if time.monotonic() + delay > deadline:

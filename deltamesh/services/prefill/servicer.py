@@ -84,7 +84,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         response.transport.CopyFrom(self.holder.offer(lease))
         response.layout.CopyFrom(prefill_pb2.StateLayout(
             compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[extent(b)[1] for b in buffers],
-            tensor_parallel_size=self.engine.tensor_parallel_size,
+            tensor_parallel_size=self.engine.tensor_parallel_size, rank_parts=self.engine.holds_rank_parts,
         ))  # fmt: skip
 
     def transport_descriptor(self) -> common_pb2.TransportDescriptor:
