@@ -16,6 +16,18 @@ from deltamesh.engine.state_shards import RequestState, nbytes, part_shapes, unp
 
 
 @dataclass
+class RankParts:
+    """Where a state sent as its sender's tensor-parallel rank parts lands (state_shards.part_shapes, end to end
+    in `flat`) until the engine merges it into the one-rank layout, before the request's first step."""
+
+    shapes: list[RequestState]
+    flat: torch.Tensor
+
+    def unpacked(self) -> list[RequestState]:
+        return unpack(self.flat, self.shapes)
+
+
+@dataclass
 class Reservation:
     """Pool space held for a request state arriving from another worker."""
 
@@ -29,19 +41,7 @@ class Reservation:
     rank: int = 0  # data-parallel attention: the rank whose pools these are
     staged: object = None  # a parallel engine: `regions` are this place of its hand-off area (tp_handoff.Staged)
     # a state sent as its sender's rank parts: `regions` are this RankParts' bytes, merged before the first step
-    parts: "RankParts | None" = None
-
-
-@dataclass
-class RankParts:
-    """Where a state sent as its sender's tensor-parallel rank parts lands (state_shards.part_shapes, end to end
-    in `flat`) until the engine merges it into the one-rank layout, before the request's first step."""
-
-    shapes: list[RequestState]
-    flat: torch.Tensor
-
-    def unpacked(self) -> list[RequestState]:
-        return unpack(self.flat, self.shapes)
+    parts: RankParts | None = None
 
     def wait_ready(self) -> None:
         """Block (GIL released) until no launched step can still write this space."""
