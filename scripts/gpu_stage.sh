@@ -22,9 +22,11 @@
 #   stage r: one long-lived 9B worker (bench/RESULTS.md, "A worker that slowed tenfold"): 8192/1024 at 16, the
 #            same prompts again at 64 (its first 32 are cache hits), then 1024/1024 at 16; SERVE_FLAGS adds serve
 #            flags (e.g. --no-prefix-cache); the log has the engine's "engine steps" lines
+#   stage x: the mixed step (two 8k prefill chunks beside 63 decodes at 9k context) against its parts alone, with
+#            kernel groups: 9B shape, then 35B-A3B (bench/gpu_model.py --mixed)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o or r}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r or x}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -126,6 +128,11 @@ u)
 o)
   TAIL=12 run serve_colocated_35b 400 python bench/disagg_sweep.py --setups colocated --model bench/configs/qwen3.5-35b-a3b \
     --concurrency 1,16 --waves 2 --out "$OUT/serve_colocated_35b.json"
+  ;;
+x)
+  TAIL=70 run gpu_mixed_9b 300 python bench/gpu_model.py --mixed --profile --out "$OUT/gpu_mixed_9b.json"
+  TAIL=70 run gpu_mixed_35b 300 python bench/gpu_model.py --mixed --profile --dense bench/configs/qwen3.5-35b-a3b \
+    --out "$OUT/gpu_mixed_35b.json"
   ;;
 r)
   model=bench/configs/qwen3.5-9b
