@@ -257,16 +257,19 @@ class EngineCore:
                     outputs.append(failed)
 
     def _place_arrived(self, req: Request) -> RequestOutput | None:
-        """Before the request's first step: a state that arrived as its sender's rank parts is merged into the
-        one-rank layout (in the pools, or a parallel engine's hand-off area); a parallel engine's goes from the
-        area to its rank or ranks. When they could not take it, the request ends (its space freed): its last
+        """Before the request's first step: a state that arrived as its sender's rank parts goes to the ranks as
+        it is when they are this engine's own ranks' parts, else is merged into the one-rank layout (in the
+        pools, or a parallel engine's hand-off area); a parallel engine's goes from the area to its rank or ranks. When they could not take it, the request ends (its space freed): its last
         output."""
         if self.handoff is None and req.parts is None:
             return None
         try:
             if req.parts is not None:
-                whole = merge(req.parts.unpacked(), self.model_config)
-                req.parts = None
+                parts, req.parts = req.parts.unpacked(), None
+                if self.handoff is not None and self.handoff.takes_parts(len(parts)):
+                    self.handoff.hand_out(req.pages, req.slot, parts)  # its own ranks' parts: as they came
+                    return None
+                whole = merge(parts, self.model_config)
                 if self.handoff is None:
                     store_rank_state(self.kv_pool, self.state_pool, req.pages, req.slot, whole)
                     return None

@@ -13,6 +13,7 @@ from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.request import Request
 from deltamesh.engine.state_shards import RequestState, nbytes, part_shapes, unpack
+from deltamesh.engine.tp_handoff import one_rank_template
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Reservations:
         kernel queued on the engine's stream could land after it and wipe the pulled state."""
         rank, slot, pages = self.scheduler.reserve(num_tokens)
         staged = None
-        if self.handoff is not None:
+        if self.handoff is not None and not (sender_parts > 1 and self.handoff.takes_parts(sender_parts)):
             try:
                 staged = self.handoff.stage(len(pages))
             except PoolExhausted:
@@ -94,9 +95,7 @@ class Reservations:
 
     def _parts(self, num_pages: int, size: int) -> RankParts:
         """Room for `size` ranks' parts of a state of `num_pages` pages (in the one-rank layout's dtypes)."""
-        kv, states = (self.handoff.area.kv, self.handoff.area.states) if self.handoff else (self.kv_pool, self.state_pool)
-        like = RequestState(kv.data[:1], states.conv[0], states.recurrent[0])
-        shapes = part_shapes(self.full, like, num_pages, size)
+        shapes = part_shapes(self.full, one_rank_template(self.full, self.kv_pool, self.state_pool), num_pages, size)
         return RankParts(shapes, torch.empty(sum(map(nbytes, shapes)), dtype=torch.uint8, device=self.device))
 
     def cancel(self, reservation: Reservation) -> None:

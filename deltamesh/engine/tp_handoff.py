@@ -80,6 +80,15 @@ def one_rank_pools(full: ModelConfig, like_kv: KVPagePool, like_states: StatePoo
     return kv, states
 
 
+def one_rank_template(full: ModelConfig, like_kv: KVPagePool, like_states: StatePool) -> RequestState:
+    """One page and one slot of a one-rank engine's state of the model (dtypes and page size as `like_kv`,
+    `like_states`), as meta tensors: shapes and dtypes only."""
+    meta = torch.device("meta")
+    kv, states = one_rank_pools(full, KVPagePool.shaped_like(like_kv, 1, meta), StatePool.shaped_like(like_states, 1, meta),
+                                1, 1)  # fmt: skip
+    return RequestState(kv.data[:1], states.conv[0], states.recurrent[0])
+
+
 @dataclass(frozen=True)
 class Staged:
     """Where one arriving state waits in an HandoffArea."""
@@ -142,6 +151,11 @@ class Handoff(ABC):
         self._area: HandoffArea | None = None
         self._lock = threading.Lock()
 
+    def takes_parts(self, size: int) -> bool:
+        """Whether a state sent as `size` tensor-parallel ranks' parts goes to this engine's ranks as it is
+        (`hand_out`), without the area: when they are its own ranks' parts."""
+        return False
+
     @abstractmethod
     def _make_area(self) -> HandoffArea:
         """The area, in the one-rank layout of this engine's model (made on first use)."""
@@ -200,7 +214,14 @@ class TensorParallelHandoff(Handoff):
         """An arrived state, from the area into each rank's pools (stepping thread)."""
         whole = self.area.read(staged)
         shard = self.tp.shard
-        parts = [split(whole, Shard(shard.size, r, shard.full, shard.expert_parallel)) for r in range(shard.size)]
+        self.hand_out(pages, slot, [split(whole, Shard(shard.size, r, shard.full, shard.expert_parallel))
+                                    for r in range(shard.size)])  # fmt: skip
+
+    def takes_parts(self, size: int) -> bool:
+        return size == self.tp.shard.size  # a rank holds the same heads and channels whatever the experts do
+
+    def hand_out(self, pages: list[int], slot: int, parts: list[RequestState]) -> None:
+        """Each rank its part of an arrived state, into its pools (stepping thread)."""
         self.followers.send_scatter(pages, slot)
         mine = scatter_parts(self.tp, parts[0], parts)
         store_rank_state(self.kv_pool, self.state_pool, pages, slot, mine)

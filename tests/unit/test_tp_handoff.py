@@ -119,6 +119,8 @@ def continued(path, tp: int, first, held, sender_parts: int = 0, **kw) -> dict[s
             engine.dispatch(engine.process_commands())
             engine.dispatch(engine.step())
         assert_idle(engine.scheduler)
+        if sender_parts == tp > 1:  # its own ranks' parts went to them as they came, not through its area
+            assert engine.handoff._area is None
         return tokens
     finally:
         engine.close()
@@ -187,7 +189,8 @@ def test_held_states_are_read_where_the_ranks_hold_them(hf_checkpoints, sender):
     """With a transport that reads other ranks' memory (UCX: each follower registers its pools with a UCX worker
     of its own), a parallel engine offers each held state where its ranks keep it, nothing through rank 0's
     hand-off area: a tensor-parallel one as every rank's part (its KV heads, conv channels, value heads), which
-    the receiver merges; a data-parallel one whole, from the rank that computed it. Pulled over UCX from the
+    a receiver of the same layout hands its ranks as they are and any other merges; a data-parallel one whole,
+    from the rank that computed it. Pulled over UCX from the
     follower processes, each state continues on a one-rank and on a two-rank engine as the one-rank engine's own
     tokens (Qwen3-Next, fp32)."""
     from deltamesh.transfer.ucx import UcxTransport
