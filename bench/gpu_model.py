@@ -102,7 +102,8 @@ def mixed_rows(config_dir: str, prompts: int, chunk: int, decodes: int, context:
     (the order the scheduler gives them), against the chunks alone and the decodes alone (a decode-only step
     replays its CUDA graph where one fits, as in serving). `extra_ms` is what the mixed step costs beyond the
     two alone."""
-    core = core_for(config_dir, decodes + prompts, max(context, chunk), max_num_batched_tokens=prompts * chunk + decodes)
+    core = core_for(config_dir, decodes + prompts, max(context, chunk),
+                    max_num_batched_tokens=prompts * chunk + decodes)  # fmt: skip
     dec, pre = decode_items(core, decodes, context), prefill_items(core, prompts, chunk)
     timed = {name: time_ms(lambda its=its: core.runner.execute(its).argmax(-1).tolist(), iters=5)
              for name, its in (("prefill", pre), ("decode", dec), ("mixed", dec + pre))}  # fmt: skip
@@ -174,7 +175,8 @@ def main() -> None:
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--only-moe", action="store_true")
     p.add_argument("--only-decode", action="store_true", help="the dense decode rows only")
-    p.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of each decode step (and of the mixed steps)")
+    p.add_argument("--profile", action="store_true",
+                   help="print a per-kernel breakdown of each decode step (and of the mixed steps)")
     p.add_argument("--mixed", action="store_true", help="the mixed-step rows only (the dense model)")
     p.add_argument("--mixed-prefill", default="2x8192", help="prompts x chunk tokens of the mixed step")
     p.add_argument("--mixed-decodes", type=int, default=63, help="decode items of the mixed step, at --context")

@@ -43,8 +43,8 @@ class Region:
 
 @dataclass(frozen=True)
 class RankBytes:
-    """Bytes of another rank's pools (a follower process of a data-parallel engine): `nbytes` at `address` in
-    that process. A held state stays there, and the transport reads it there."""
+    """Bytes of another rank's pools (a follower process of a parallel engine): `nbytes` at `address` in that
+    process. A held state stays there, and the transport reads it there."""
 
     rank: int
     address: int

@@ -12,11 +12,11 @@ Disaggregation hooks:
 - the reverse direction (a conversation's next turn on a prefill worker): the decode worker pins a cached
   prefix (`pin_prefix`: its pages and checkpoint, read in place); the prefill worker reserves space, pulls it
   and `submit_pulled` starts the prompt from there, computing only the rest.
-- tensor parallel: the bytes named are the state in the one-rank layout, in the leader's copy of it
-  (tp_handoff.py): gathered from the ranks when a state is held, scattered to them before an arrived request's
-  first step. Data parallel: the state is whole on the rank that runs the request; a held one stays there when
-  the transport reads the ranks' memory (`rank_memory`, `RankBytes`), else it is copied to the leader; an
-  arriving one is copied to its rank.
+- parallel engines: a held state stays where the ranks keep it when the transport reads their memory
+  (`rank_memory`, `RankBytes`): each tensor-parallel rank's part, or a data-parallel state whole on its rank;
+  else it is gathered into the one-rank layout in the leader's hand-off area (tp_handoff.py). An arriving state
+  (one-rank layout, or the sender's rank parts: reservations.RankParts) goes to the ranks before the request's
+  first step.
 
 With `prefix_cache` on, prompt prefills fill a PrefixCache (shared KV pages + GDN checkpoints) that later
 admissions start from; a held state's pages may be shared with it (the transfer only reads them).
@@ -101,7 +101,7 @@ class EngineCore:
         self.followers = Followers(config, mc) if config.num_ranks > 1 else None
         tp = self.followers.group if self.followers else None
         rank = build_rank(config, mc, self.max_model_len, self.device, tp)
-        # a data-parallel engine whose transport reads other ranks' memory: what each follower made readable
+        # a parallel engine whose transport reads other ranks' memory: what each follower made readable
         self.rank_memory = self.followers.collect_rank_memory() if tp and exports_rank_memory(config) else {}
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
@@ -259,8 +259,8 @@ class EngineCore:
     def _place_arrived(self, req: Request) -> RequestOutput | None:
         """Before the request's first step: a state that arrived as its sender's rank parts goes to the ranks as
         it is when they are this engine's own ranks' parts, else is merged into the one-rank layout (in the
-        pools, or a parallel engine's hand-off area); a parallel engine's goes from the area to its rank or ranks. When they could not take it, the request ends (its space freed): its last
-        output."""
+        pools, or a parallel engine's hand-off area); a parallel engine's goes from the area to its rank or
+        ranks. When they could not take it, the request ends (its space freed): its last output."""
         if self.handoff is None and req.parts is None:
             return None
         try:
@@ -408,7 +408,7 @@ class EngineCore:
     def _hold(self, req: Request, out: RequestOutput) -> bool:
         """Prefill-only request: done here, state kept for a decode worker to pull. A parallel engine moves the
         state into its hand-off area, and frees the ranks' space; False (nothing done) while the area is full.
-        A data-parallel engine whose ranks' memory the transport reads keeps it on its rank instead."""
+        A parallel engine whose ranks' memory the transport reads keeps it where its ranks hold it instead."""
         if self.handoff is not None and not self.rank_memory:
             try:
                 req.staged = self.handoff.gather(req.pages, req.slot, req.dp_rank)
@@ -485,8 +485,8 @@ class EngineCore:
                 for start, r in zip(starts, regions)]  # fmt: skip
 
     def pool_views(self) -> list[torch.Tensor | RankBytes]:
-        """What a holder lets peers read: each pool's whole memory (of a parallel engine: its hand-off area's; of
-        a data-parallel one whose ranks' memory the transport reads, every rank's pools)."""
+        """What a holder lets peers read: each pool's whole memory (of a parallel engine: its hand-off area's, or
+        every rank's pools when the transport reads the ranks' memory)."""
         if self.rank_memory:
             return pool_views(self.kv_pool, self.state_pool) + [
                 RankBytes(rank, start, size) for rank, memory in sorted(self.rank_memory.items())

@@ -130,18 +130,17 @@ class Engine:
 
     def held_buffers(self, request_id: str) -> list[torch.Tensor | RankBytes]:
         """A held request's state (KeyError if not held) as 1-D byte views of the pools (of a parallel engine: of
-        its hand-off area; of a data-parallel one with `rank_memory`, another rank's bytes where it is held
-        there), in hand-off order."""
+        its hand-off area; with `rank_memory`, other ranks' bytes where they hold it), in hand-off order."""
         return [r.tensor if isinstance(r, Region) else r for r in self.core.held_regions(request_id)]
 
     def pool_buffers(self) -> list[torch.Tensor | RankBytes]:
         """Each pool's whole memory as a 1-D byte view (of a parallel engine: its hand-off area's, made now; of
-        a data-parallel one with `rank_memory`, every rank's pools): what a holder lets peers read."""
+        one with `rank_memory`, every rank's pools): what a holder lets peers read."""
         return self.core.pool_views()
 
     @property
     def rank_memory(self) -> dict[int, bytes]:
-        """What each of a data-parallel engine's other ranks made readable of its pools through the engine's
+        """What each of a parallel engine's other ranks made readable of its pools through the engine's
         `rank_exporter` (rank -> the exporter's bytes); empty without one."""
         return {rank: memory.exported for rank, memory in self.core.rank_memory.items()}
 

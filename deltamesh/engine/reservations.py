@@ -19,7 +19,8 @@ from deltamesh.engine.tp_handoff import one_rank_template
 @dataclass
 class RankParts:
     """Where a state sent as its sender's tensor-parallel rank parts lands (state_shards.part_shapes, end to end
-    in `flat`) until the engine merges it into the one-rank layout, before the request's first step."""
+    in `flat`) until, before the request's first step, the engine hands them to its ranks (its own layout) or
+    merges them into the one-rank layout."""
 
     shapes: list[RequestState]
     flat: torch.Tensor
@@ -41,7 +42,7 @@ class Reservation:
     ready: torch.cuda.Event | None = None
     rank: int = 0  # data-parallel attention: the rank whose pools these are
     staged: object = None  # a parallel engine: `regions` are this place of its hand-off area (tp_handoff.Staged)
-    # a state sent as its sender's rank parts: `regions` are this RankParts' bytes, merged before the first step
+    # a state sent as its sender's rank parts: `regions` are this RankParts' bytes, placed before the first step
     parts: RankParts | None = None
 
     def wait_ready(self) -> None:

@@ -84,8 +84,8 @@ def one_rank_template(full: ModelConfig, like_kv: KVPagePool, like_states: State
     """One page and one slot of a one-rank engine's state of the model (dtypes and page size as `like_kv`,
     `like_states`), as meta tensors: shapes and dtypes only."""
     meta = torch.device("meta")
-    kv, states = one_rank_pools(full, KVPagePool.shaped_like(like_kv, 1, meta), StatePool.shaped_like(like_states, 1, meta),
-                                1, 1)  # fmt: skip
+    kv, states = one_rank_pools(full, KVPagePool.shaped_like(like_kv, 1, meta),
+                                StatePool.shaped_like(like_states, 1, meta), 1, 1)  # fmt: skip
     return RequestState(kv.data[:1], states.conv[0], states.recurrent[0])
 
 

@@ -168,7 +168,7 @@ class Transport(ABC):
 
     kind: ClassVar[str]  # its name (--transport) and its descriptors' kind
     version: ClassVar[int]  # of its descriptors' payloads
-    # "module:function" that a data-parallel worker's other ranks call once at start with their pools (1-D byte
+    # "module:function" that a parallel worker's other ranks call once at start with their pools (1-D byte
     # views) to make them readable where they are, returning bytes for the holder (`StateHolder.add_ranks`);
     # None: held states leave such a worker through its hand-off area on rank 0
     rank_exporter: ClassVar[str | None] = None

@@ -90,7 +90,8 @@ def held_states(path, tp: int, **kw) -> tuple[dict[str, list[int]], dict[str, to
     tensor-parallel engine per process)."""
     engine = core(path, tp, **kw)
     try:
-        first = run_all(engine, [engine.make_request(p, PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())])
+        requests = [engine.make_request(p, PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())]
+        first = run_all(engine, requests)
         held = {rid: torch.cat([r.tensor for r in engine.held_regions(rid)]) for rid in first}
         assert all(engine.release_held(rid) for rid in first)
         assert_idle(engine.scheduler)
@@ -200,7 +201,8 @@ def test_held_states_are_read_where_the_ranks_hold_them(hf_checkpoints, sender):
     tp, kw = (2, {}) if sender == "tp2" else (1, DP2_EP)
     engine = core(path, tp, rank_exporter=UcxTransport.rank_exporter, **kw)
     try:
-        first = run_all(engine, [engine.make_request(p, PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())])
+        requests = [engine.make_request(p, PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())]
+        first = run_all(engine, requests)
         if sender == "dp2":
             assert sorted({engine.held_request(rid).dp_rank for rid in first}) == [0, 1]
         held = pulled_where_held(engine, transport, list(first))

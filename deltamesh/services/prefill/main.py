@@ -19,7 +19,7 @@ class PrefillRole(Role):
     def __init__(self, worker: Worker, transport: Transport):
         self.leases = LeaseTable(capacity=worker.engine.num_state_slots)  # a lease holds a state slot
         self.holder = transport.holder(self.leases)
-        if worker.engine.rank_memory:  # a data-parallel engine's states held on its other ranks stay there
+        if worker.engine.rank_memory:  # a parallel engine's states held on its other ranks stay there
             self.holder.add_ranks(worker.engine.rank_memory)
         self.puller = transport.puller(settle_grace_s=worker.settings.transfer_timeout_s)
         self.servicer = PrefillServicer(worker, self.leases, self.holder, ReversePuller(worker, self.puller))

@@ -1,6 +1,6 @@
 """Holder side of the UCX transport: registers the memory pullers read (pools once, the lease words), says
 where a lease's regions and word are, and ends leases on the pullers' notices. It takes no part in a pull.
-A data-parallel worker's other ranks register their own pools (rank_memory.py); a region held there is named
+A parallel worker's other ranks register their own pools (rank_memory.py); a region held there is named
 with that rank's UCX worker and key (`add_ranks`)."""
 
 from __future__ import annotations

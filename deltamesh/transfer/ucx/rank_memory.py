@@ -1,6 +1,6 @@
-"""A data-parallel worker's other ranks (follower processes): their pools made readable over UCX where they are,
-so that a state held on such a rank leaves from there (holder.py, `UcxHolder.add_ranks`), not through a copy on
-the first rank.
+"""A parallel worker's other ranks (follower processes): their pools made readable over UCX where they are, so
+that a state held there (a tensor-parallel rank's part, or a data-parallel rank's whole state) leaves from there
+(holder.py, `UcxHolder.add_ranks`), not through a copy on the first rank.
 
 Each such rank calls `export` once at start (UcxTransport.rank_exporter, through the engine's settings). It
 posts nothing itself: its UCX worker's progress thread only answers what UCX needs of the memory's owner (the
