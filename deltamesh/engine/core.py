@@ -102,7 +102,7 @@ class EngineCore:
         tp = self.followers.group if self.followers else None
         rank = build_rank(config, mc, self.max_model_len, self.device, tp)
         # a parallel engine whose transport reads other ranks' memory: what each follower made readable
-        self.rank_memory = self.followers.collect_rank_memory() if tp and exports_rank_memory(config) else {}
+        self.rank_memory = self.followers.collect_rank_memory() if exports_rank_memory(config) else {}
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
         self.scheduler, self.handoff = data_parallel.leader_scheduling(config, self.followers, rank)

@@ -64,8 +64,9 @@ class EngineConfig:
     handoff_states: int | None = _setting(None, "Workers over several ranks: states held or arriving at once, each "
                                                 "waiting on rank 0 (default: --max-num-seqs on CPU, 4 on CUDA)")  # fmt: skip
     # "module:function" a parallel engine's other ranks call once with their pools (1-D byte views), for a
-    # transport to read held states where they are (bytes for the leader's holder; None: states leave through
-    # the hand-off area); set by the worker from its transport
+    # transport to read held states where they are (bytes for the leader's holder); set by a prefill worker from
+    # its transport. None (an engine without one, as in-process tests build): held states leave a parallel
+    # engine through its hand-off area on rank 0
     rank_exporter: str | None = _setting(None, cli=False)
     seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default

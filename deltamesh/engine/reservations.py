@@ -65,6 +65,7 @@ class Reservations:
                  full: ModelConfig):  # fmt: skip
         self.scheduler, self.handoff, self.kv_pool, self.state_pool = scheduler, handoff, kv_pool, state_pool
         self.device, self.full = device, full
+        self._one_rank = one_rank_template(full, kv_pool, state_pool)  # shapes of an arriving state's parts
 
     def reserve(self, num_tokens: int, sender_parts: int = 0) -> Reservation:
         """Slot + pages for a `num_tokens` prompt state; raises PoolExhausted when they are not free.
@@ -96,7 +97,7 @@ class Reservations:
 
     def _parts(self, num_pages: int, size: int) -> RankParts:
         """Room for `size` ranks' parts of a state of `num_pages` pages (in the one-rank layout's dtypes)."""
-        shapes = part_shapes(self.full, one_rank_template(self.full, self.kv_pool, self.state_pool), num_pages, size)
+        shapes = part_shapes(self.full, self._one_rank, num_pages, size)
         return RankParts(shapes, torch.empty(sum(map(nbytes, shapes)), dtype=torch.uint8, device=self.device))
 
     def cancel(self, reservation: Reservation) -> None:

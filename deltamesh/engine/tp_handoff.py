@@ -5,11 +5,10 @@ a prefill worker offers and a decode worker receives is the state in the layout 
 worker of any layout can pull it. The leader (rank 0) keeps that layout in a small `HandoffArea` of its own
 (room for `--handoff-states` states of the longest context, made on first use):
 
-- prefill, with a transport that cannot read the ranks' memory (UCX can: then each rank's part is offered where
-  it is, engine/core.py `held_regions`, and merged by the receiver): when a request's state is held, `gather`
-  takes room in the area, brings every rank's part to the
-  leader (torch.distributed gather over the engine's group) and merges them there, and the transport offers
-  it; the room is given back when the lease ends. With the area full the request waits (engine/core.py).
+- prefill, in an engine without `rank_exporter` (a prefill worker's transport sets one: then each rank's part
+  is offered where it is, engine/core.py `held_regions`): when a request's state is held, `gather` takes room
+  in the area, brings every rank's part to the leader (torch.distributed gather over the engine's group) and
+  merges them there, and the transport offers it; the room is given back when the lease ends. With the area full the request waits (engine/core.py).
 - decode: room for an arriving state is taken in the area when its space is reserved; the transport pulls into
   it; before the request's first step, `scatter` splits the state and sends each rank its part (scatter over
   the group), which each rank writes into its own pools, and the room is given back.

@@ -125,11 +125,10 @@ class StateHolder(ABC):
         """What a puller of `lease` (its buffers, in order) needs besides the lease's id and token and the
         buffers' sizes."""
 
+    @abstractmethod
     def add_ranks(self, memory: dict[int, bytes]) -> None:
         """What the worker's other ranks made readable of their memory (rank -> the bytes its transport's
-        `rank_exporter` returned there), for leases and descriptions naming their bytes (leases.RankBytes).
-        Only transports with a `rank_exporter` are given any."""
-        raise NotImplementedError(f"{type(self).__name__} cannot read other ranks' memory")
+        `rank_exporter` returned there), for leases and descriptions naming their bytes (leases.RankBytes)."""
 
 
 class StatePuller(ABC):
@@ -169,9 +168,8 @@ class Transport(ABC):
     kind: ClassVar[str]  # its name (--transport) and its descriptors' kind
     version: ClassVar[int]  # of its descriptors' payloads
     # "module:function" that a parallel worker's other ranks call once at start with their pools (1-D byte
-    # views) to make them readable where they are, returning bytes for the holder (`StateHolder.add_ranks`);
-    # None: held states leave such a worker through its hand-off area on rank 0
-    rank_exporter: ClassVar[str | None] = None
+    # views) to make them readable where they are, returning bytes for the holder (`StateHolder.add_ranks`)
+    rank_exporter: ClassVar[str]
 
     @classmethod
     @abstractmethod

@@ -117,7 +117,8 @@ def read_holder(descriptor: TransportDescriptor) -> tuple[bytes, list[RemoteRegi
         raise DescriptorError("ucx holder descriptor: the holder's address and one key per pool are needed")
     workers = _workers(d.worker_address, d.peer_addresses, d.pool_peers, len(d.pool_addresses))
     pools = [RemoteRegion(1, *r) for r in zip(d.pool_addresses, d.pool_rkeys, workers)]
-    words = RemoteRegion(WORD_BYTES, d.lease_words_address, d.lease_words_rkey) if d.lease_words_rkey else None
+    words = RemoteRegion(WORD_BYTES, d.lease_words_address, d.lease_words_rkey, d.worker_address) \
+        if d.lease_words_rkey else None  # fmt: skip
     return d.worker_address, pools, words
 
 

@@ -81,13 +81,13 @@ class UcxPuller(StatePuller):
                 ep = self._eps.get(address)
                 reads = [(r, torch.empty(1, dtype=torch.uint8, device=device)) for r in pools]
                 reads += [(words, torch.empty(words.nbytes, dtype=torch.uint8))] if words else []
-                await asyncio.gather(*(ucx.get(self._eps.get(r.worker or address), into, r.address,
-                                               self._eps.rkey(r.worker or address, r.rkey))
+                await asyncio.gather(*(ucx.get(self._eps.get(r.worker), into, r.address,
+                                               self._eps.rkey(r.worker, r.rkey))
                                        for r, into in reads))  # fmt: skip
                 # no lease id: the holder skips it
                 await ucx.send(ep, notices.frame(ucx_pb2.PullNotice()), notices.NOTICE_TAG)
         except Exception as e:  # unreachable or gone: the first pull will find out again
-            for worker in {address, *(r.worker for r in pools if r.worker)}:
+            for worker in {address, *(r.worker for r in pools)}:
                 self._eps.drop(worker)
             raise TransferError(f"UCX warm-up with a holder failed: {e!r}") from e
         return time.perf_counter() - started
