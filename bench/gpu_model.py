@@ -8,10 +8,13 @@
 - a Qwen3.5-35B-A3B-shaped (MoE) model: decode step time at batch 64;
 - `--mixed`: what a serving step at high concurrency runs, prompts' prefill chunks beside a decode batch
   (`--mixed-prefill`, `--mixed-decodes` at `--context`), eager, against the same prefill alone and the decode
-  batch alone; with `--profile`, the kernel groups of the prefill alone and of the mixed step.
+  batch alone; with `--profile`, the kernel groups of the prefill alone and of the mixed step;
+- `--ttft`: one prompt (`--ttft-tokens`) alone through the engine's own loop (submit, steps, first token), prefix
+  cache on and off, each step's wall time: what the engine adds to the bare prefill before the first token.
 
     python bench/gpu_model.py --out bench/results/gpu_model.json [--skip-hf] [--skip-moe]
     python bench/gpu_model.py --mixed --profile --out bench/results/gpu_mixed.json    # the mixed-step rows only
+    python bench/gpu_model.py --ttft --out bench/results/gpu_ttft.json                # 9B and 35B-A3B shapes
 """
 
 from __future__ import annotations
@@ -126,6 +129,43 @@ def mixed_rows(config_dir: str, prompts: int, chunk: int, decodes: int, context:
     return [row]
 
 
+def ttft_rows(config_dir: str, tokens: int, repeats: int = 3) -> list[dict]:
+    """A lone `tokens`-token prompt from submit to its first token through EngineCore.step (as a worker runs it),
+    prefix cache on and off; distinct prompts, so nothing starts from the cache. Per row: the median time to
+    the first token, the steps it took and their wall times (the step that returns the token included)."""
+    import time
+
+    rows = []
+    vocab = None
+    for cache in (True, False):
+        core = core_for(config_dir, 2, tokens, prefix_cache=cache, max_num_batched_tokens=max(16384, tokens))
+        vocab = core.model_config.vocab_size
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        runs = []
+        for r in range(repeats + 1):  # the first is a warm-up
+            prompt = [3 + (7919 * r + 31 * j) % (vocab - 3) for j in range(tokens)]
+            first: list[float] = []
+            core.submit(core.make_request(prompt, params, f"t{r}"),
+                        lambda out: first.append(time.perf_counter()) if not first else None)  # fmt: skip
+            start, steps = time.perf_counter(), []
+            core.dispatch(core.process_commands())
+            while not first:
+                t = time.perf_counter()
+                core.dispatch(core.step())
+                steps.append((time.perf_counter() - t) * 1e3)
+            runs.append({"ttft_ms": (first[0] - start) * 1e3, "step_ms": [round(x, 2) for x in steps]})
+            while core.has_work:
+                core.dispatch(core.step())
+        runs = sorted(runs[1:], key=lambda x: x["ttft_ms"])
+        mid = runs[len(runs) // 2]
+        rows.append({"bench": "ttft", "model": Path(config_dir).name, "tokens": tokens, "prefix_cache": cache,
+                     "ttft_ms": mid["ttft_ms"], "steps": len(mid["step_ms"]), "step_ms": mid["step_ms"]})  # fmt: skip
+        del core
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
     """transformers' own model vs this engine, same weights, batch of prompts, greedy, fixed lengths."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -180,11 +220,19 @@ def main() -> None:
     p.add_argument("--mixed", action="store_true", help="the mixed-step rows only (the dense model)")
     p.add_argument("--mixed-prefill", default="2x8192", help="prompts x chunk tokens of the mixed step")
     p.add_argument("--mixed-decodes", type=int, default=63, help="decode items of the mixed step, at --context")
+    p.add_argument("--ttft", action="store_true", help="the lone-prompt first-token rows only (dense, then MoE)")
+    p.add_argument("--ttft-tokens", type=int, default=8192)
     p.add_argument("--out", default=str(RESULTS / "gpu_model.json"))
     args = p.parse_args()
     bandwidth, peak = hbm_bandwidth(), matmul_rate()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
+    if args.ttft:
+        for config in (args.dense, args.moe):
+            rows += ttft_rows(config, args.ttft_tokens)
+            print_table(rows, ["bench", "model", "tokens", "prefix_cache", "ttft_ms", "steps", "step_ms"])
+        write_result(args.out, {"rows": rows}, machine_info())
+        return
     if args.mixed:
         prompts, chunk = ints(args.mixed_prefill.replace("x", ","))
         rows += mixed_rows(args.dense, prompts, chunk, args.mixed_decodes, args.context, args.profile)

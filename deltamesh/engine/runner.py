@@ -22,7 +22,8 @@ class HostStep:
     """A step's model inputs on the host: what the tensor-parallel leader sends its followers each step."""
 
     # input ids (a 0 where a pending token goes), sequence lengths, block tables, slot mapping, state slots,
-    # positions, prefill chunk offsets, and the pending tokens' [2, n] (where in the ids, which sampled row)
+    # positions, prefill chunk offsets, the pending tokens' [2, n] (where in the ids, which sampled row), and the
+    # rows of the tokens whose logits are sampled
     arrays: list[np.ndarray]
     query_lens: list[int]
     context_lens: list[int]
@@ -81,6 +82,7 @@ class ModelRunner:
         q_list = q_lens.tolist()
         prefill_lens = [q for q in q_list if q != 1] or [0]
         last = np.cumsum(q_lens) - 1
+        sample_rows = [int(last[i]) for i, it in enumerate(items) if it.samples]
         return HostStep(
             arrays=[
                 np.asarray(ids, dtype=np.int64),
@@ -91,16 +93,18 @@ class ModelRunner:
                 positions,
                 np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32),
                 np.asarray([fill_at, fill_from], dtype=np.int64).reshape(2, -1),
+                np.asarray(sample_rows, dtype=np.int64),
             ],
-            query_lens=q_list, context_lens=starts.tolist(), has_pending=bool(fill_at),
-            sample_rows=[int(last[i]) for i, it in enumerate(items) if it.samples],
+            query_lens=q_list, context_lens=starts.tolist(), has_pending=bool(fill_at), sample_rows=sample_rows,
         )  # fmt: skip
 
     def device_inputs(self, step: HostStep, pending_tokens: torch.Tensor | None) -> tuple[torch.Tensor, StepBatch]:
         """An item whose last input is still pending (sampled by the step before, not yet on the host) takes it
         from `pending_tokens[request.pending_row]`, on the device. A tensor-parallel follower has no pending
         tokens: it receives the leader's filled input ids."""
-        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill = self._upload(step.arrays)
+        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill, sample_index = self._upload(
+            step.arrays
+        )
         if step.has_pending:
             if pending_tokens is not None:
                 ids_t[fill[0]] = pending_tokens[fill[1]]
@@ -112,7 +116,7 @@ class ModelRunner:
         batch = StepBatch(
             num_decode=sum(q == 1 for q in q_list), query_lens=q_list, context_lens=step.context_lens,
             seq_lens=seq_lens, block_tables=tables_t, slot_mapping=slot_mapping_t, state_slots=slots,
-            positions=positions_t, prefill_cu_seqlens=cu_seqlens,
+            positions=positions_t, prefill_cu_seqlens=cu_seqlens, sample_index=sample_index,
         )  # fmt: skip
         return ids_t, batch
 
@@ -177,4 +181,4 @@ class ModelRunner:
         hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels)
         if not step.sample_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[torch.as_tensor(step.sample_rows, device=hidden.device)])
+        return self.model.logits(hidden[batch.sample_index])

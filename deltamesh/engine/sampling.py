@@ -101,16 +101,23 @@ def _mix(seed: int, index: int) -> int:
     return (x ^ (x >> 29)) & 0x7FFFFFFFFFFFFFFF
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, queued on the stream without waiting for it: `torch.tensor(values,
+    device=cuda)` copies from pageable memory and synchronises the stream, so the host could not run ahead."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p on rows of non-greedy requests; returns probabilities."""
+    """Temperature, top-k, top-p and min-p on rows of non-greedy requests; returns probabilities. Which filters
+    apply is read from `params` on the host, never from the device."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev)
-    logits = logits / temps[:, None]
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp(max=vocab)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if (top_k < vocab).any() or (top_p < 1).any():
+    k_list = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    temps, top_p, min_p = on_device([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32, dev).T
+    logits = logits / temps[:, None]
+    if any(k < vocab for k in k_list) or any(p.top_p < 1 for p in params):
+        top_k = on_device(k_list, torch.int64, dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= top_k[:, None]
@@ -120,9 +127,14 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     probs = logits.softmax(-1)
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
     return probs
+
+
+def _rows(rows: list[int], n: int, device: torch.device) -> slice | torch.Tensor:
+    """An index of `rows` out of `n` that does not wait for the device: a slice when they are all of them."""
+    return slice(None) if len(rows) == n else on_device(rows, torch.int64, device)
 
 
 class SampledTokens:
@@ -162,24 +174,27 @@ def sample_async(
 ) -> SampledTokens:
     """Sample one token per row on the logits' device; nothing here waits for the device."""
     tokens = logits.argmax(-1)
+    dev, n = logits.device, len(params)
     rand_rows = [i for i, p in enumerate(params) if not p.greedy]
     if rand_rows:
-        probs = _filter(logits[rand_rows], [params[i] for i in rand_rows])
+        rand = _rows(rand_rows, n, dev)
+        probs = _filter(logits[rand], [params[i] for i in rand_rows])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         noise = torch.empty_like(probs).exponential_(generator=generator)
         for row, i in enumerate(rand_rows):
             seed = params[i].seed
             if seed is not None:
-                g = torch.Generator(device=logits.device).manual_seed(_mix(seed, output_index[i]))
+                g = torch.Generator(device=dev).manual_seed(_mix(seed, output_index[i]))
                 noise[row].exponential_(generator=g)
-        tokens[rand_rows] = (probs / noise).argmax(-1)
+        tokens[rand] = (probs / noise).argmax(-1)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
         return SampledTokens(tokens, [], [])
-    lp = torch.log_softmax(logits[want], dim=-1)
+    wanted = _rows(want, n, dev)
+    lp = torch.log_softmax(logits[wanted], dim=-1)
     k = max(params[i].logprobs for i in want)
     top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
-    chosen = lp.gather(1, tokens[want][:, None]).squeeze(1)
+    chosen = lp.gather(1, tokens[wanted][:, None]).squeeze(1)
     return SampledTokens(tokens, want, [params[i].logprobs for i in want], (chosen, top_vals, top_ids))
 
 

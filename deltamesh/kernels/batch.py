@@ -24,6 +24,7 @@ class StepBatch:
     state_slots: torch.Tensor  # [N] int32 GDN state slot per sequence (device)
     positions: torch.Tensor  # [T] int64 absolute position per token (device)
     prefill_cu_seqlens: torch.Tensor | None = None  # [Np+1] int32 offsets of the prefill chunks (device)
+    sample_index: torch.Tensor | None = None  # [S] int64 the tokens whose logits are sampled (device)
 
     @property
     def num_seqs(self) -> int:

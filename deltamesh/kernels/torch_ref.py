@@ -162,6 +162,7 @@ def conv1d_update(
 def conv1d_prefill(
     x: torch.Tensor,  # [T, C]
     seq_lens: list[int],
+    cu_seqlens: torch.Tensor | None,  # the sequences' offsets on the device (kernels use them; unused here)
     conv_pool: torch.Tensor,  # [P, C, W-1]
     state_idx: torch.Tensor,  # [N]
     weight: torch.Tensor,  # [C, W]

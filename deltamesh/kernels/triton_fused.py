@@ -9,7 +9,6 @@ and grids fixed by the shapes, so all of them can be captured in CUDA graphs.
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import torch
@@ -114,36 +113,38 @@ def _kernels():
         WIDTH: tl.constexpr, HIST_P2: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):  # fmt: skip
-        # One program per (sequence, block of channels) walks the sequence's tokens in order, so the pooled state
-        # it starts from is read (first tile) before the same program overwrites it (after the last tile).
-        s = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        # One program per (sequence, tile of tokens, block of channels): a long prompt spreads over the whole GPU.
+        # Only a sequence's first tile reaches back into the pooled state (BLOCK_T >= WIDTH - 1), so that program
+        # alone writes the new state, after its own reads.
+        s, tile = tl.program_id(0), tl.program_id(1)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < channels
         start = tl.load(cu_ptr + s).to(tl.int64)
         length = tl.load(cu_ptr + s + 1).to(tl.int64) - start
-        state = pool_ptr + tl.load(idx_ptr + s).to(tl.int64) * stride_pp + c[None, :] * stride_pc
-        x_seq = x_ptr + start * stride_x + c[None, :]
-        for t0 in range(0, length, BLOCK_T):
-            rows = t0 + tl.arange(0, BLOCK_T)
+        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        if tile * BLOCK_T < length:
+            state = pool_ptr + tl.load(idx_ptr + s).to(tl.int64) * stride_pp + c[None, :] * stride_pc
+            x_seq = x_ptr + start * stride_x + c[None, :]
+            ok = c_ok[None, :] & (rows[:, None] < length)
             acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
             for k in tl.static_range(WIDTH):
                 src = rows[:, None] - (WIDTH - 1) + k  # input position; negative: the pooled history
-                ok = c_ok[None, :] & (rows[:, None] < length)
                 v = tl.load(x_seq + src * stride_x, mask=ok & (src >= 0), other=0.0)
                 v += tl.load(state + (WIDTH - 1) + src, mask=ok & (src < 0), other=0.0).to(v.dtype)
                 acc += v.to(tl.float32) * tl.load(w_ptr + c * stride_wc + k, mask=c_ok, other=0.0).to(tl.float32)[None, :]
             if SILU:
                 acc = acc * tl.sigmoid(acc)
             tl.store(out_ptr + (start + rows[:, None]) * channels + c[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=c_ok[None, :] & (rows[:, None] < length))  # fmt: skip
-        # The new state: the last WIDTH - 1 inputs, older ones from the old state when the sequence is short.
-        j = tl.arange(0, HIST_P2)[:, None]
-        src = length - (WIDTH - 1) + j
-        keep = c_ok[None, :] & (j < WIDTH - 1)
-        new = tl.load(x_seq + src * stride_x, mask=keep & (src >= 0), other=0.0)
-        new += tl.load(state + (WIDTH - 1) + src, mask=keep & (src < 0), other=0.0).to(new.dtype)
-        tl.debug_barrier()  # every lane has read the old state before any lane overwrites it
-        tl.store(state + j, new.to(pool_ptr.dtype.element_ty), mask=keep)
+                     mask=ok)  # fmt: skip
+            if tile == 0:
+                # The new state: the last WIDTH - 1 inputs, older ones from the old state when the sequence is short.
+                j = tl.arange(0, HIST_P2)[:, None]
+                src = length - (WIDTH - 1) + j
+                keep = c_ok[None, :] & (j < WIDTH - 1)
+                new = tl.load(x_seq + src * stride_x, mask=keep & (src >= 0), other=0.0)
+                new += tl.load(state + (WIDTH - 1) + src, mask=keep & (src < 0), other=0.0).to(new.dtype)
+                tl.debug_barrier()  # every lane has read the old state before any lane overwrites it
+                tl.store(state + j, new.to(pool_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
     def attention_inputs(
@@ -280,24 +281,25 @@ def conv1d_update(
 def conv1d_prefill(
     x: torch.Tensor,  # [T, C], last dim contiguous
     seq_lens: list[int],
+    cu_seqlens: torch.Tensor,  # [N+1] int32/int64 offsets of the sequences in x, on x's device
     conv_pool: torch.Tensor,  # [P, C, W-1], last dim contiguous
     state_idx: torch.Tensor,  # [N]
     weight: torch.Tensor,  # [C, W], last dim contiguous
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """deltamesh.kernels.torch_ref.conv1d_prefill in one kernel: the causal conv over variable-length sequences, each
-    continuing from its pooled state, which it then replaces with the sequence's last W-1 inputs."""
+    continuing from its pooled state, which it then replaces with the sequence's last W-1 inputs. The offsets come
+    on the device (the step's own): building them here from `seq_lens` would wait for the GPU."""
     import triton
 
     kernel = _kernels().conv1d_prefill
     channels, width = weight.shape
-    cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int64, device=x.device)
     out = torch.empty((x.shape[0], channels), dtype=x.dtype, device=x.device)
-    block_c = 64
-    kernel[(len(seq_lens), -(-channels // block_c))](
-        x, conv_pool, state_idx, weight, out, cu, x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+    block_t, block_c = 64, 64
+    kernel[(len(seq_lens), -(-max(seq_lens) // block_t), -(-channels // block_c))](
+        x, conv_pool, state_idx, weight, out, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
         weight.stride(0), channels, WIDTH=width, HIST_P2=triton.next_power_of_2(width - 1),
-        SILU=activation in ("silu", "swish"), BLOCK_T=64, BLOCK_C=block_c,
+        SILU=activation in ("silu", "swish"), BLOCK_T=block_t, BLOCK_C=block_c,
     )  # fmt: skip
     return out
 

@@ -56,3 +56,32 @@ def test_a_reservation_is_not_written_by_a_step_launched_before_it():
     assert _freed_while_in_flight(wait=True)
     # the control: without waiting, the queued step overwrites the "pulled" state (so the test above can fail)
     assert not _freed_while_in_flight(wait=False)
+
+
+def test_an_eager_step_never_waits_for_the_gpu(tmp_path):
+    """Prefill, mixed and sampling steps (greedy, top-k/top-p, seeded, logprobs) queue their work without a
+    host synchronisation (torch's sync debug mode raises on one), so that the host prepares the next step while
+    the GPU runs this one. The model has 128-wide heads: FlashInfer's GDN kernels and the Triton MoE run."""
+    from hf_checkpoints import write_checkpoint
+
+    path = write_checkpoint("qwen3_5_moe_fp8_shapes", tmp_path / "m", seed=3)
+    core = EngineCore(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=4,
+                                   max_num_batched_tokens=256, cuda_graphs=False))  # fmt: skip
+    assert core.kernels.chosen["gdn_prefill"] == "flashinfer"
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.0, seed=7, min_p=0.05, logprobs=3, ignore_eos=True)]  # fmt: skip
+    done = []
+    for i, (n, p) in enumerate(zip((200, 37, 90), params)):
+        core.submit(core.make_request([3 + (5 * i + j) % 200 for j in range(n)], p, f"r{i}"),
+                    lambda out: done.append(out) if out.finished else None)  # fmt: skip
+    core.dispatch(core.process_commands())
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while core.has_work:  # the first steps are mixed: one prompt spans two chunks beside others' decodes
+            core.dispatch(core.step())
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(done) == 3 and all(o.num_output_tokens == 6 and o.error is None for o in done) and steps >= 7

@@ -82,7 +82,7 @@ def test_conv1d_prefill_and_update_match_dense_conv(lens):
     pool = torch.zeros(len(lens) + 1, c, w - 1)
     idx = torch.arange(1, len(lens) + 1)
     pool[idx] = history
-    y = torch_ref.conv1d_prefill(x, lens, pool, idx, weight, "silu")
+    y = torch_ref.conv1d_prefill(x, lens, None, pool, idx, weight, "silu")
     start = 0
     for i, n in enumerate(lens):
         full = torch.cat([history[i], x[start : start + n].T], dim=-1).double()  # [C, W-1+n]

@@ -113,10 +113,11 @@ def test_silu_mul_and_conv1d_update_match_reference():
 
 
 def test_conv1d_prefill_matches_reference():
-    """Variable-length sequences (one shorter than the conv's history, one spanning several token tiles) each
-    continuing from its pooled state; the state rows are replaced as the reference replaces them."""
+    """Variable-length sequences (one shorter than the conv's history, one spanning three token tiles, one of
+    exactly one tile) each continuing from its pooled state; the state rows are replaced as the reference's."""
     check("""
     channels, width, lens = 200, 4, [2, 150, 1, 64]
+    cu = torch.tensor([0, 2, 152, 153, 217], dtype=torch.int32)
     for x_dtype, pool_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                 (torch.bfloat16, torch.float32)):
         x = torch.randn(sum(lens), channels + 16, dtype=x_dtype)[:, 8:-8]  # a row-strided view
@@ -124,8 +125,8 @@ def test_conv1d_prefill_matches_reference():
         pool = torch.randn(7, channels, width - 1, dtype=pool_dtype)
         idx = torch.tensor([5, 0, 3, 6], dtype=torch.int32)
         before, ref_pool = pool.clone(), pool.clone()
-        ref = torch_ref.conv1d_prefill(x, lens, ref_pool, idx, weight, "silu")
-        got = triton_fused.conv1d_prefill(x, lens, pool, idx, weight, "silu")
+        ref = torch_ref.conv1d_prefill(x, lens, None, ref_pool, idx, weight, "silu")
+        got = triton_fused.conv1d_prefill(x, lens, cu, pool, idx, weight, "silu")
         case = f"conv1d_prefill x {x_dtype} pool {pool_dtype}"
         errors[case] = err(got, ref)
         errors[case + " state"] = err(pool, ref_pool)

@@ -218,7 +218,8 @@ class GatedDeltaNet(nn.Module):
             conv_out.append(kernels.conv1d_update(mixed[:nd], conv_pool, idx[:nd], self.conv_weight, self.activation))
         if prefill_lens:
             conv_out.append(
-                kernels.conv1d_prefill(mixed[nd:], prefill_lens, conv_pool, idx[nd:], self.conv_weight, self.activation)
+                kernels.conv1d_prefill(mixed[nd:], prefill_lens, batch.prefill_cu_seqlens, conv_pool, idx[nd:],
+                                       self.conv_weight, self.activation)  # fmt: skip
             )
         mixed = torch.cat(conv_out) if len(conv_out) > 1 else conv_out[0]
 
