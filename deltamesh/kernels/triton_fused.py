@@ -139,10 +139,10 @@ def _kernels():
             if tile == 0:
                 # The new state: the last WIDTH - 1 inputs, older ones from the old state when the sequence is short.
                 j = tl.arange(0, HIST_P2)[:, None]
-                src = length - (WIDTH - 1) + j
+                last = length - (WIDTH - 1) + j  # input position of each kept value
                 keep = c_ok[None, :] & (j < WIDTH - 1)
-                new = tl.load(x_seq + src * stride_x, mask=keep & (src >= 0), other=0.0)
-                new += tl.load(state + (WIDTH - 1) + src, mask=keep & (src < 0), other=0.0).to(new.dtype)
+                new = tl.load(x_seq + last * stride_x, mask=keep & (last >= 0), other=0.0)
+                new += tl.load(state + (WIDTH - 1) + last, mask=keep & (last < 0), other=0.0).to(new.dtype)
                 tl.debug_barrier()  # every lane has read the old state before any lane overwrites it
                 tl.store(state + j, new.to(pool_ptr.dtype.element_ty), mask=keep)
 
