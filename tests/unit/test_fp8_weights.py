@@ -48,11 +48,14 @@ def test_the_checkpoints_values_and_scales_are_kept_as_written(fp8_dir):
     assert model.lm_head.dtype == torch.float32
 
 
-def test_fp8_weights_compute_exactly_what_the_dequantized_model_computes(fp8_dir):
+def test_fp8_weights_compute_what_the_dequantized_model_computes(fp8_dir):
     kept, dequantized = core(fp8_dir, "fp8"), core(fp8_dir, "none")
     assert dequantized.model.layers[1].mixer.qkv.dtype == torch.float32
     ids = prompt(40, seed=2)
-    assert torch.equal(engine_logits(kept, ids, [24, 16]), engine_logits(dequantized, ids, [24, 16]))
+    # The same weights, the same arithmetic, up to float32 summation order: the kept model projects its GDN gates
+    # apart (they stay float), the dequantized one fuses them into the FP8 projection's matmul, and MKL may sum a
+    # wider matmul in another order (as it does on an AVX2 machine; wrong values or scales move logits by ~1).
+    assert (engine_logits(kept, ids, [24, 16]) - engine_logits(dequantized, ids, [24, 16])).abs().max() <= 1e-4
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = []
     for quantization in ("fp8", "none"):
@@ -85,7 +88,7 @@ def test_qwen3_next_regrouped_projections_keep_the_checkpoints_fp8_values(tmp_pa
     kept, dequantized = core(fp8, "fp8"), core(fp8, "none")
     assert kept.model.layers[0].mixer.in_proj.dtype == torch.float8_e4m3fn
     ids = prompt(40, seed=3)
-    assert (engine_logits(kept, ids, [24, 16]) - engine_logits(dequantized, ids, [24, 16])).abs().max() <= 1e-5
+    assert (engine_logits(kept, ids, [24, 16]) - engine_logits(dequantized, ids, [24, 16])).abs().max() <= 1e-4
 
 
 def test_fp8_weights_are_refused_where_the_layout_cannot_hold_them(hf_checkpoints):
