@@ -9,6 +9,8 @@
 - `--mixed`: what a serving step at high concurrency runs, prompts' prefill chunks beside a decode batch
   (`--mixed-prefill`, `--mixed-decodes` at `--context`), eager, against the same prefill alone and the decode
   batch alone; with `--profile`, the kernel groups of the prefill alone and of the mixed step;
+- `--host-profile`: the host's side of an eager step (a 16-token prefill, as a prompt's last tokens run), timed
+  and under cProfile: where the Python time that launching ~2,000 kernels costs goes (`--dense`, `--moe` shapes);
 - `--ttft`: one prompt (`--ttft-tokens`) alone through the engine's own loop (submit, steps, first token), prefix
   cache on and off, each step's wall time: what the engine adds to the bare prefill before the first token.
 
@@ -166,6 +168,43 @@ def ttft_rows(config_dir: str, tokens: int, repeats: int = 3) -> list[dict]:
     return rows
 
 
+def host_profile_rows(config_dir: str, tokens: int = 16, steps: int = 20) -> list[dict]:
+    """Host time to launch one eager step of a `tokens`-token prefill (the GPU left to catch up between steps),
+    then the same steps under cProfile, whose top functions are printed."""
+    import cProfile
+    import pstats
+    import time
+
+    core = core_for(config_dir, 2, 1024)
+    items = prefill_items(core, 1, tokens)
+    for _ in range(3):
+        core.runner.execute(items)
+    torch.cuda.synchronize()
+    launch = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        core.runner.execute(items)
+        launch.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+    gpu = gpu_ms(lambda: core.runner.execute(items))
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        core.runner.execute(items)
+        prof.disable()
+        torch.cuda.synchronize()
+    print(f"{Path(config_dir).name}: eager {tokens}-token step, host launch {sorted(launch)[steps // 2]:.2f} ms, "
+          f"GPU {gpu:.2f} ms; cProfile over {steps} steps:")  # fmt: skip
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    core.scheduler.free(items[0].request)
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [{"bench": "host launch", "model": Path(config_dir).name, "tokens": tokens,
+             "host_launch_ms": sorted(launch)[steps // 2], "gpu_ms": gpu}]  # fmt: skip
+
+
 def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
     """transformers' own model vs this engine, same weights, batch of prompts, greedy, fixed lengths."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -220,6 +259,7 @@ def main() -> None:
     p.add_argument("--mixed", action="store_true", help="the mixed-step rows only (the dense model)")
     p.add_argument("--mixed-prefill", default="2x8192", help="prompts x chunk tokens of the mixed step")
     p.add_argument("--mixed-decodes", type=int, default=63, help="decode items of the mixed step, at --context")
+    p.add_argument("--host-profile", action="store_true", help="the eager step's host time under cProfile only")
     p.add_argument("--ttft", action="store_true", help="the lone-prompt first-token rows only (dense, then MoE)")
     p.add_argument("--ttft-tokens", type=int, default=8192)
     p.add_argument("--out", default=str(RESULTS / "gpu_model.json"))
@@ -227,6 +267,12 @@ def main() -> None:
     bandwidth, peak = hbm_bandwidth(), matmul_rate()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
+    if args.host_profile:
+        for config in (args.moe, args.dense):
+            rows += host_profile_rows(config)
+        print_table(rows, ["bench", "model", "tokens", "host_launch_ms", "gpu_ms"])
+        write_result(args.out, {"rows": rows}, machine_info())
+        return
     if args.ttft:
         for config in (args.dense, args.moe):
             rows += ttft_rows(config, args.ttft_tokens)
