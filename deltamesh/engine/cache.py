@@ -182,6 +182,8 @@ class KVPagePool:
 
 
 class StatePool:
+    SCRATCH = 0  # the slot that padded rows of a batch use, never handed out; also a step's state snapshot
+
     def __init__(
         self,
         num_slots: int,
@@ -202,7 +204,7 @@ class StatePool:
         self.recurrent = torch.zeros(
             (num_slots + 1, self.num_layers, num_v_heads, value_dim, key_dim), dtype=state_dtype, device=device
         )
-        self._free = list(range(num_slots, 0, -1))  # slot 0 is the scratch slot
+        self._free = list(range(num_slots, 0, -1))  # all but the scratch slot
         self._lock = threading.Lock()
         # Tensor parallelism: the leader records its writes outside model steps here (name, then the op), for
         # the other ranks to repeat on their own pools before their next step (engine/tp_workers.py).

@@ -2,9 +2,11 @@
 prompt's last token (a request always computes and samples from at least one token; not for a chat prompt that
 finishes on this worker, whose finished sequence serves its next turn), the end of a chat prompt's first message
 (the system prompt other users' conversations share; a tail there) and, optionally, every `checkpoint_interval`
-pages; the scheduler ends prefill chunks exactly there (`next_stop`). The cache queues its copies on the
-engine's stream right after the step that reached the position, so stream order makes them exact under async
-scheduling.
+pages; the scheduler ends prefill chunks exactly there (`next_stop`), except at a prompt's last such position,
+on a page boundary, when the chunk runs on to the prompt's end: that step takes the state there in passing (a
+snapshot, see ScheduledItem.snapshot_at), so the prompt's last few tokens need no step of their own. The cache
+queues its copies on the engine's stream right after the step that reached the position, so stream order makes
+them exact under async scheduling.
 
 A pure function of the request's tokens and the settings: the cache's own structures play no part."""
 
@@ -40,16 +42,18 @@ class CheckpointPositions:
         would cost a step for nothing. A held prompt (prefill worker) never finishes here: it keeps the stop."""
         return 0 if req.turn_end and not req.hold_state else self._last_boundary(req)
 
-    def next_stop(self, req: Request) -> int | None:
-        """The next token position at which the request's prefill must end a chunk (to checkpoint its state)."""
+    def next_stop(self, req: Request, after: int | None = None) -> int | None:
+        """The next token position (past `after`, default the request's computed tokens) at which the request's
+        prefill must end a chunk, or have its state taken there, to checkpoint it."""
+        done = req.num_computed if after is None else after
         last = self._last_boundary(req)
         end = self._prompt_end(req)
-        stops = [end] if req.num_computed < end else []
-        if req.num_computed < req.turn_end:
+        stops = [end] if done < end else []
+        if done < req.turn_end:
             stops.append(req.turn_end)
         if self.checkpoint_interval:
             step = self.checkpoint_interval * self.page_size
-            if (at := (req.num_computed // step + 1) * step) <= last:
+            if (at := (done // step + 1) * step) <= last:
                 stops.append(at)
         return min(stops, default=None)
 

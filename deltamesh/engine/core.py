@@ -141,6 +141,7 @@ class EngineCore:
                 self.prefix_cache = self.scheduler.attach_prefix_caches(make)
             else:
                 self.prefix_cache = self.scheduler.prefix_cache = make(self.kv_pool, self.state_pool, self.checkpoint_pool)
+                self.scheduler.snapshots = True
         log.info(
             "engine ready", model=str(model_dir), family=mc.family, device=str(self.device), dtype=str(self.dtype),
             kv_pages=self.kv_pool.num_pages, page_size=config.page_size, state_slots=config.max_num_seqs,
@@ -335,7 +336,8 @@ class EngineCore:
             self.followers.close()
 
     def _launch(self, items: list[ScheduledItem], previous: _InFlight | None) -> _InFlight:
-        items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1))  # decode-first, as kernels expect
+        # decode-first, as kernels expect; a chunk whose state is taken in passing last (runner.host_step)
+        items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
         pending = previous.sampled.tokens if previous is not None else None
         if self.data_parallel:
             logits = data_parallel.execute(self.runner, self.followers, items, pending)
@@ -351,7 +353,7 @@ class EngineCore:
             if req.num_computed <= len(req.prompt_ids):
                 self.stats.prompt_tokens += it.num_tokens
             if in_prompt and self.prefix_cache is not None:  # queued after the step: it reads what the step wrote
-                self.prefix_cache.register(req)
+                self.prefix_cache.register(req, it.snapshot_at)
         self.stats.mixed_steps += mixed
         sampled = sample_async(
             logits, [r.params for r in sampling], [len(r.output_ids) + r.num_pending for r in sampling],

@@ -225,8 +225,8 @@ class RankPrefixCaches:
     def __init__(self, caches: list):
         self.caches = caches
 
-    def register(self, req: Request) -> None:
-        self.caches[req.dp_rank].register(req)
+    def register(self, req: Request, snapshot_at: int | None = None) -> None:
+        self.caches[req.dp_rank].register(req, snapshot_at)
 
     def register_finished(self, req: Request) -> None:
         self.caches[req.dp_rank].register_finished(req)

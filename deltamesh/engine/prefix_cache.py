@@ -360,13 +360,17 @@ class PrefixCache:
                 self._drop_tail(key, evicted=False)
 
     # ---- filling (stepping thread, right after a prefill chunk is launched) ------------------------------------
-    def register(self, req: Request) -> None:
-        """Cache the request's newly computed full prompt pages, and checkpoint its state if its prefill
-        has just stopped at a checkpoint position."""
+    def register(self, req: Request, snapshot_at: int | None = None) -> None:
+        """Cache the request's newly computed full prompt pages, and checkpoint its state if its prefill has just
+        stopped at a checkpoint position, or passed `snapshot_at`, whose state the step left in the scratch slot."""
         pos = req.num_computed
         with self._lock:
             keys = self._insert_pages(req, min(pos, len(req.prompt_ids)) // self.kv_pool.page_size)
-            if keys is not None and self.positions.is_checkpoint(req, pos):
+            if keys is None:
+                return
+            if snapshot_at is not None:
+                self._save_state(req, snapshot_at, keys, StatePool.SCRATCH)
+            elif self.positions.is_checkpoint(req, pos):
                 self._save_state(req, pos, keys)
 
     def register_finished(self, req: Request) -> None:
@@ -392,17 +396,19 @@ class PrefixCache:
         self._touch(keys[::-1])
         return keys
 
-    def _save_state(self, req: Request, pos: int, keys: list[int]) -> None:
-        """Keep the request's state after its first `pos` tokens (`keys`: its full blocks): a checkpoint on the
-        block ending there, or a tail past the last full block."""
+    def _save_state(self, req: Request, pos: int, keys: list[int], src: int | None = None) -> None:
+        """Keep the request's state after its first `pos` tokens (`keys`: its full blocks, at least up to there),
+        read from state slot `src` (default: the request's own): a checkpoint on the block ending there, or a
+        tail past the last full block."""
         full = pos // self.kv_pool.page_size
+        src = req.slot if src is None else src
         if pos == full * self.kv_pool.page_size:
-            self._save_checkpoint(keys[full - 1], req.slot, keys[:full])
+            self._save_checkpoint(keys[full - 1], src, keys[:full])
         else:
             tokens = tuple(req.ids_between(full * self.kv_pool.page_size, pos))
-            self._save_tail((keys[full - 1] if full else None, tokens), req, full)
+            self._save_tail((keys[full - 1] if full else None, tokens), req, full, src)
 
-    def _save_tail(self, key: TailKey, req: Request, depth: int) -> None:
+    def _save_tail(self, key: TailKey, req: Request, depth: int, src: int) -> None:
         if key in self._tails:
             self._last_use[self._tails[key].page] = next(self._clock)
             self._checkpointed.move_to_end(key)
@@ -421,7 +427,7 @@ class PrefixCache:
             self.kv_pool.free([page])
             return
         self.kv_pool.copy_page(page, req.pages[depth])
-        self.checkpoints.copy_slot(slot, self.state_pool, req.slot)
+        self.checkpoints.copy_slot(slot, self.state_pool, src)
         self._tails[key] = _Tail(key[1], page, slot, depth)
         self._hold(key, page, depth)
         if key[0] is not None:

@@ -11,7 +11,7 @@ from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.models import HybridLM
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.kernels import Kernels
-from deltamesh.kernels.batch import StepBatch
+from deltamesh.kernels.batch import StateSnapshot, StepBatch
 
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
@@ -23,12 +23,13 @@ class HostStep:
 
     # input ids (a 0 where a pending token goes), sequence lengths, block tables, slot mapping, state slots,
     # positions, prefill chunk offsets, the pending tokens' [2, n] (where in the ids, which sampled row), and the
-    # rows of the tokens whose logits are sampled
+    # rows of the tokens whose logits are sampled, then the snapshot's prefill offsets (head, tail: see below)
     arrays: list[np.ndarray]
     query_lens: list[int]
     context_lens: list[int]
     has_pending: bool
     sample_rows: list[int]  # the tokens whose logits are sampled
+    snapshot: tuple[int, int] | None = None  # the last chunk's (head, tail) lengths around its state snapshot
 
 
 class ModelRunner:
@@ -55,8 +56,8 @@ class ModelRunner:
         return self.device_inputs(self.host_step(items), pending_tokens)
 
     def host_step(self, items: list[ScheduledItem]) -> HostStep:
-        """Items must be ordered decode-first (single-token items before chunks). Vectorised over items:
-        at batch 256 with 9k-token contexts this is host time on every decode step."""
+        """Items must be ordered decode-first (single-token items before chunks), an item with a snapshot last.
+        Vectorised over items: at batch 256 with 9k-token contexts this is host time on every decode step."""
         ps = self.kv_pool.page_size
         n = len(items)
         starts = np.fromiter((it.request.num_computed for it in items), np.int64, n)
@@ -83,6 +84,13 @@ class ModelRunner:
         prefill_lens = [q for q in q_list if q != 1] or [0]
         last = np.cumsum(q_lens) - 1
         sample_rows = [int(last[i]) for i, it in enumerate(items) if it.samples]
+        prefill_cu = np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32)
+        snapshot, head_cu = None, prefill_cu
+        if items[-1].snapshot_at is not None:
+            head = items[-1].snapshot_at - int(starts[-1])
+            snapshot = (head, q_list[-1] - head)
+            head_cu = prefill_cu.copy()
+            head_cu[-1] -= snapshot[1]
         return HostStep(
             arrays=[
                 np.asarray(ids, dtype=np.int64),
@@ -91,19 +99,22 @@ class ModelRunner:
                 slot_mapping,
                 np.fromiter((it.request.slot for it in items), np.int32, n),
                 positions,
-                np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32),
+                prefill_cu,
                 np.asarray([fill_at, fill_from], dtype=np.int64).reshape(2, -1),
                 np.asarray(sample_rows, dtype=np.int64),
+                head_cu,
+                np.asarray([0, snapshot[1] if snapshot else 0], dtype=np.int32),
             ],
             query_lens=q_list, context_lens=starts.tolist(), has_pending=bool(fill_at), sample_rows=sample_rows,
+            snapshot=snapshot,
         )  # fmt: skip
 
     def device_inputs(self, step: HostStep, pending_tokens: torch.Tensor | None) -> tuple[torch.Tensor, StepBatch]:
         """An item whose last input is still pending (sampled by the step before, not yet on the host) takes it
         from `pending_tokens[request.pending_row]`, on the device. A tensor-parallel follower has no pending
         tokens: it receives the leader's filled input ids."""
-        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill, sample_index = self._upload(
-            step.arrays
+        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill, sample_index, head_cu, tail_cu = (
+            self._upload(step.arrays)
         )
         if step.has_pending:
             if pending_tokens is not None:
@@ -117,6 +128,7 @@ class ModelRunner:
             num_decode=sum(q == 1 for q in q_list), query_lens=q_list, context_lens=step.context_lens,
             seq_lens=seq_lens, block_tables=tables_t, slot_mapping=slot_mapping_t, state_slots=slots,
             positions=positions_t, prefill_cu_seqlens=cu_seqlens, sample_index=sample_index,
+            snapshot=step.snapshot and StateSnapshot(*step.snapshot, head_cu, tail_cu),
         )  # fmt: skip
         return ids_t, batch
 

@@ -35,6 +35,9 @@ log = structlog.get_logger("deltamesh.scheduler")
 class ScheduledItem:
     request: Request
     num_tokens: int
+    # A prefix-cache checkpoint position inside this chunk whose GDN state the step keeps in the scratch slot on
+    # its way to the chunk's end (models' GDN layers; at most one item per step, run last), or None.
+    snapshot_at: int | None = None
 
     @property
     def samples(self) -> bool:
@@ -51,6 +54,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache: PrefixCache | None = None
+        self.snapshots = False  # steps may take a checkpoint's state in passing (one rank's pools, a prefix cache)
 
     def alloc_pages(self, n: int, after: int | None = None) -> list[int]:
         """KV pages from the pool, evicting from the prefix cache if it is short (any thread)."""
@@ -73,11 +77,20 @@ class Scheduler:
         self.kv_pool.free(pages)
         self.state_pool.free(slot)
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens of `req` to run this step: its rest, within the budget, ending at its next checkpoint."""
+    def _chunk(self, req: Request, budget: int, snapshot: bool) -> tuple[int, int | None]:
+        """(tokens of `req` to run this step, a checkpoint position to take in passing or None): its rest, within
+        the budget, ending at its next checkpoint, or running past it to the prompt's end when `snapshot` allows
+        it and no checkpoint follows."""
         n = min(req.remaining, budget)
-        stop = self.prefix_cache.positions.next_stop(req) if self.prefix_cache is not None else None
-        return n if stop is None else min(n, stop - req.num_computed)
+        if self.prefix_cache is None:
+            return n, None
+        positions = self.prefix_cache.positions
+        stop = positions.next_stop(req)
+        if stop is None:
+            return n, None
+        passing = (snapshot and req.num_computed + n == len(req.prompt_ids) and stop % self.kv_pool.page_size == 0
+                   and positions.next_stop(req, after=stop) is None)  # fmt: skip
+        return (n, stop) if passing else (min(n, stop - req.num_computed), None)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -94,17 +107,24 @@ class Scheduler:
     def schedule(self) -> list[ScheduledItem]:
         budget = self.max_num_batched_tokens
         items: list[ScheduledItem] = []
+        snapshot = self.snapshots  # one snapshot per step at most
+
+        def add(req: Request, n: int, at: int | None) -> None:
+            nonlocal budget, snapshot
+            items.append(ScheduledItem(req, n, at))
+            budget -= n
+            snapshot &= at is None
+
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.last_token_pending:
                 i += 1
                 continue
-            n = self._chunk(req, budget)
+            n, at = self._chunk(req, budget, snapshot)
             if not self._grow(req, req.num_computed + n):
                 continue  # req itself was preempted; running[i] is now the next request
-            items.append(ScheduledItem(req, n))
-            budget -= n
+            add(req, n, at)
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -112,9 +132,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = self._chunk(req, budget)
-            items.append(ScheduledItem(req, n))
-            budget -= n
+            add(req, *self._chunk(req, budget, snapshot))
         return items
 
     def _admit(self, req: Request) -> bool:

@@ -14,6 +14,18 @@ import torch
 
 
 @dataclass
+class StateSnapshot:
+    """The step's last prefill chunk keeps its GDN state after its first `head_len` tokens (a prefix-cache
+    checkpoint) in the pools' scratch slot: its GDN layers run the head, copy the state, then the `tail_len`
+    tokens after it."""
+
+    head_len: int
+    tail_len: int
+    head_cu_seqlens: torch.Tensor  # [Np+1] int32 the prefill offsets with the last chunk cut after its head (device)
+    tail_cu_seqlens: torch.Tensor  # [2] int32: 0, tail_len (device)
+
+
+@dataclass
 class StepBatch:
     num_decode: int  # leading sequences with a single query token
     query_lens: list[int]  # tokens this step, per sequence
@@ -25,6 +37,7 @@ class StepBatch:
     positions: torch.Tensor  # [T] int64 absolute position per token (device)
     prefill_cu_seqlens: torch.Tensor | None = None  # [Np+1] int32 offsets of the prefill chunks (device)
     sample_index: torch.Tensor | None = None  # [S] int64 the tokens whose logits are sampled (device)
+    snapshot: StateSnapshot | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -253,3 +253,25 @@ def test_a_full_cache_sorts_its_eviction_order_once_per_batch_not_per_page(hf_ch
     assert evicted > 30 * cache._slack, calls  # the cache filled, then kept evicting
     assert calls["sorts"] <= evicted // cache._slack + len(waves), (calls, evicted)
     assert_cached_baseline(engine)
+
+
+@pytest.mark.parametrize("budget", [16, 27], ids=["head-12", "head-1"])
+def test_a_state_taken_in_passing_equals_a_chunk_stopped_there(model_dir, budget):
+    """The last chunk runs past the prompt's checkpoint (28) to its end and keeps the state there on the way:
+    the checkpoint is that of a chunk that stops at 28 (a head of 12 tokens, and of one, shorter than the conv's
+    history), and the prompt takes one step fewer. Equal up to float32 rounding: the tokens before 28 went
+    through the projections in batches of other sizes, which BLAS may sum in another order."""
+    engines = []
+    for snapshots in (True, False):
+        engine = core(model_dir, True, max_num_batched_tokens=budget)
+        engine.scheduler.snapshots = snapshots
+        run_waves(engine, [[P]], GREEDY)
+        engines.append(engine)
+    passing, stopped = engines
+    assert passing.stats.checkpoints_saved == stopped.stats.checkpoints_saved == 2
+    assert passing.stats.steps == stopped.stats.steps - 1
+    # the prompt's checkpoint is the one on a block (the finished sequence's is a tail)
+    [a], [b] = ([blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None] for e in engines)
+    ca, cb = passing.prefix_cache.checkpoints, stopped.prefix_cache.checkpoints
+    for x, y in ((ca.conv[a], cb.conv[b]), (ca.recurrent[a], cb.recurrent[b])):
+        assert x.abs().max() > 0.1 and torch.allclose(x, y, rtol=0, atol=1e-5)
