@@ -1,11 +1,12 @@
 """Exact prefix caching for hybrid models: shared full-attention KV pages plus GDN state checkpoints.
 
 A prompt is cut into page-sized token blocks; block i is named by a hash chain, key_i = hash((key_{i-1}, block i's
-token ids)), so a key names the whole prefix up to the end of its block. The cache keeps, per key, one full KV
-page (it holds a reference on it, see KVPagePool.share) and, at some keys, a checkpoint: a copy of a GDN state
-slot taken when a request's prefill stopped exactly at the end of that block. GDN state cannot be rebuilt from
-KV, so a cached prefix is usable only up to a point that has a checkpoint: a new request takes a reference on
-the pages of the longest such chain, copies the checkpoint into its own slot and computes only the rest.
+token ids)), so a key names the whole prefix up to the end of its block. The cache keeps, per key, one full KV page
+(it holds a reference on it, see KVPagePool.share) and, at some keys, a checkpoint: a copy of a GDN state slot
+taken when a request's prefill stopped exactly at the end of that block, or passed it in a step that kept the state
+there in the scratch slot (ScheduledItem.snapshot_at). GDN state cannot be rebuilt from KV, so a cached prefix is
+usable only up to a point that has a checkpoint: a new request takes a reference on the pages of the longest such
+chain, copies the checkpoint into its own slot and computes only the rest.
 
 A point inside a page is a tail: its tokens past the last full block, a copy of their partial page (the cache's
 own) and the state after them. A request that starts from a tail copies that page into a page of its own and

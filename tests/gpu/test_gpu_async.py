@@ -85,3 +85,31 @@ def test_an_eager_step_never_waits_for_the_gpu(tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(done) == 3 and all(o.num_output_tokens == 6 and o.error is None for o in done) and steps >= 7
+
+
+def test_a_state_taken_in_passing_on_the_gpu(tmp_path):
+    """FlashInfer's GDN prefill and the Triton conv: the checkpoint a chunk takes in passing on its way to the
+    prompt's end (snapshots on) against the one of a chunk stopped there, within bf16 rounding (the tokens before
+    it ran in steps of other sizes); the prompt takes one step fewer."""
+    from hf_checkpoints import write_checkpoint
+
+    path = write_checkpoint("qwen3_5_moe_fp8_shapes", tmp_path / "m", seed=3)
+    prompt = [3 + (7 * j) % 200 for j in range(150)]  # checkpoint at 144; chunks of 100: a head of 44, a tail of 6
+    engines = []
+    for snapshots in (True, False):
+        core = EngineCore(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=2,
+                                       max_num_batched_tokens=100, page_size=16))  # fmt: skip
+        core.scheduler.snapshots = snapshots
+        core.submit(core.make_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "a"),
+                    lambda out: None)  # fmt: skip
+        core.process_commands()
+        while core.has_work:
+            core.step()
+        engines.append(core)
+    passing, stopped = engines
+    assert passing.stats.steps == stopped.stats.steps - 1
+    [a], [b] = ([blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None] for e in engines)
+    ca, cb = passing.prefix_cache.checkpoints, stopped.prefix_cache.checkpoints
+    for x, y in ((ca.conv[a], cb.conv[b]), (ca.recurrent[a], cb.recurrent[b])):
+        x, y = x.float(), y.float()
+        assert y.abs().max() > 0.01 and (x - y).abs().max() <= 0.02 * y.abs().max()
