@@ -59,10 +59,12 @@ Sink = Callable[[RequestOutput], None]
 
 @dataclass
 class _InFlight:
-    """A launched step: the requests that sample in it (in row order) and their tokens on the way."""
+    """A launched step: the requests that sample in it (in row order) and their tokens on the way; on CUDA, events
+    around its forward pass (the GPU's time on it: step_report.py)."""
 
     requests: list[Request]
     sampled: SampledTokens
+    span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 @dataclass
@@ -77,6 +79,9 @@ class EngineStats:
     checkpoints_saved: int = 0
     checkpoints_evicted: int = 0
     pulled_prefix_tokens: int = 0  # prompt tokens whose state was pulled from another worker, not computed
+    # CUDA: the GPU's time from the start to the end of each step's forward pass, summed. Steps queue behind each
+    # other, so wall time minus this is time the GPU had no step to run (host work not hidden behind the GPU).
+    gpu_step_ms: float = 0.0
 
 
 class EngineCore:
@@ -86,6 +91,7 @@ class EngineCore:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.device = config.torch_device()
+        self.gpu_timed = self.device.type == "cuda"  # each step's GPU time (EngineStats.gpu_step_ms)
         self.dtype = config.torch_dtype()
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -339,10 +345,15 @@ class EngineCore:
         # decode-first, as kernels expect; a chunk whose state is taken in passing last (runner.host_step)
         items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
         pending = previous.sampled.tokens if previous is not None else None
+        span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.gpu_timed else None
+        if span:
+            span[0].record()
         if self.data_parallel:
             logits = data_parallel.execute(self.runner, self.followers, items, pending)
         else:
             logits = self.runner.execute(items, pending)
+        if span:
+            span[1].record()
         sampling = [it.request for it in items if it.samples]
         mixed = False
         for it in items:
@@ -363,12 +374,15 @@ class EngineCore:
             req.num_pending += 1
             req.pending_row = row
         self.stats.steps += 1
-        return _InFlight(sampling, sampled)
+        return _InFlight(sampling, sampled, span)
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Take a launched step's tokens to the host and into its requests (skipping requests that ended
         meanwhile: aborted, or stopped by the token of the step before)."""
         tokens, logprobs = step.sampled.result()
+        if step.span is not None:
+            step.span[1].synchronize()  # returns at once: both events precede the tokens' copy on the stream
+            self.stats.gpu_step_ms += step.span[0].elapsed_time(step.span[1])
         now = time.monotonic()
         outputs = []
         for req, tok, lp in zip(step.requests, tokens, logprobs):

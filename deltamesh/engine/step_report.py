@@ -2,8 +2,10 @@
 last line were and cost, so that a worker that slows down shows why in its own log.
 
 Per window: steps, of which mixed (carrying prompt tokens beside decodes: eager) and CUDA-graph replays; the mean
-wall time of a step on the stepping thread; prompt and generated tokens per second; running and waiting
-requests; KV pages in use by requests and cached; prefix-cache hits; preemptions."""
+wall time of a step on the stepping thread; on CUDA, the share of the window the GPU spent inside steps (the rest
+it waited for the host: work between steps that async scheduling did not hide, or no work at all); prompt and
+generated tokens per second; running and waiting requests; KV pages in use by requests and cached; prefix-cache
+hits; preemptions."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class StepReport:
         s = self.core.stats
         return {"steps": s.steps, "mixed": s.mixed_steps, "graphs": self.core.runner.graph_steps,
                 "prompt": s.prompt_tokens, "generated": s.generation_tokens, "hits": s.prefix_cache_hits,
-                "preemptions": self.core.scheduler.num_preemptions}  # fmt: skip
+                "preemptions": self.core.scheduler.num_preemptions, "gpu_ms": s.gpu_step_ms}  # fmt: skip
 
     def maybe_log(self) -> dict | None:
         """Log (and return) the window's line once `interval_s` has passed and some step ran in it."""
@@ -49,5 +51,7 @@ class StepReport:
             "kv_pages_cached": loads["kv_pages_cached"], "kv_pages_total": loads["kv_pages_total"],
             "prefix_cache_hits": delta["hits"], "preemptions": delta["preemptions"],
         }  # fmt: skip
+        if self.core.gpu_timed:
+            line["gpu_busy_pct"] = round(delta["gpu_ms"] / (10 * seconds), 1)  # ms over s x 1000, in percent
         log.info("engine steps", **line)
         return line

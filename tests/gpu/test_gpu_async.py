@@ -6,6 +6,7 @@ import torch
 
 from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
+from deltamesh.engine.step_report import StepReport
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["The Python language", "A list is", "In this tutorial, we", "The module provides"]
@@ -76,6 +77,7 @@ def test_an_eager_step_never_waits_for_the_gpu(tmp_path):
         core.submit(core.make_request([3 + (5 * i + j) % 200 for j in range(n)], p, f"r{i}"),
                     lambda out: done.append(out) if out.finished else None)  # fmt: skip
     core.dispatch(core.process_commands())
+    report = StepReport(core, interval_s=0.0)
     steps = 0
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -85,6 +87,8 @@ def test_an_eager_step_never_waits_for_the_gpu(tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(done) == 3 and all(o.num_output_tokens == 6 and o.error is None for o in done) and steps >= 7
+    line = report.maybe_log()  # the GPU's share of the window: inside steps, measured with CUDA events
+    assert core.stats.gpu_step_ms > 0 and 0 < line["gpu_busy_pct"] <= 100.5
 
 
 def test_a_state_taken_in_passing_on_the_gpu(tmp_path):

@@ -24,4 +24,5 @@ def test_a_window_reports_its_own_steps_and_tokens():
     assert line["steps"] == core.stats.steps and line["mixed_steps"] == core.stats.mixed_steps >= 5
     assert line["steps"] > line["mixed_steps"] and line["graph_steps"] == 0
     assert line["prompt_tok_s"] > 0 and line["generated_tok_s"] > 0 and line["running"] == 0
+    assert "gpu_busy_pct" not in line and core.stats.gpu_step_ms == 0  # GPU time is measured on CUDA only
     assert report.maybe_log() is None  # nothing ran since
