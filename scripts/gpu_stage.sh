@@ -24,7 +24,8 @@
 #            flags (e.g. --no-prefix-cache); the log has the engine's "engine steps" lines
 #   stage x: the mixed step (two 8k prefill chunks beside 63 decodes at 9k context) against its parts alone, with
 #            kernel groups: 9B shape, then 35B-A3B (bench/gpu_model.py --mixed); then a lone 8k prompt's first token
-#            through the engine loop, prefix cache on and off (--ttft)
+#            through the engine loop, prefix cache on and off (--ttft); an eager 16-token step's host launch time
+#            and its cProfile (--host-profile)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
 set -u
 stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r or x}
@@ -135,6 +136,7 @@ x)
   TAIL=70 run gpu_mixed_35b 300 python bench/gpu_model.py --mixed --profile --dense bench/configs/qwen3.5-35b-a3b \
     --out "$OUT/gpu_mixed_35b.json"
   TAIL=12 run gpu_ttft 240 python bench/gpu_model.py --ttft --out "$OUT/gpu_ttft.json"
+  TAIL=40 run gpu_host 180 python bench/gpu_model.py --host-profile --out "$OUT/gpu_host.json"
   ;;
 r)
   model=bench/configs/qwen3.5-9b
