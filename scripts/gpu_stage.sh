@@ -26,7 +26,10 @@
 #            kernel groups: 9B shape, then 35B-A3B (bench/gpu_model.py --mixed); then a lone 8k prompt's first token
 #            through the engine loop, prefix cache on and off (--ttft); an eager 16-token step's host launch time
 #            and its cProfile (--host-profile)
-# GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts)
+# GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
+# A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
+# split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
+# one per folder qN with a copy of p1's install.sh and env.sh, its "part 1 of" count unchanged if N stays 3).
 set -u
 stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r or x}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
