@@ -29,7 +29,7 @@
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
-# one per folder qN with a copy of p1's install.sh and env.sh, its "part 1 of" count unchanged if N stays 3).
+# one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
 stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r or x}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
