@@ -54,7 +54,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache: PrefixCache | None = None
-        self.snapshots = False  # steps may take a checkpoint's state in passing (one rank's pools, a prefix cache)
+        self.snapshots = False  # steps may take a checkpoint's state in passing (set with a prefix cache)
 
     def alloc_pages(self, n: int, after: int | None = None) -> list[int]:
         """KV pages from the pool, evicting from the prefix cache if it is short (any thread)."""

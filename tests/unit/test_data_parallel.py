@@ -149,6 +149,29 @@ def test_prefix_cache_on_each_rank_and_conversations_return_to_their_rank(hf_che
     assert [c.token_ids for c in follow_up] == [c.token_ids for c in want_follow_up]
 
 
+def test_each_rank_takes_its_prompts_checkpoints_in_passing(hf_checkpoints):
+    """With the cache on, a rank's chunk that reaches its prompt's end keeps the state at the prompt's checkpoint
+    in that rank's scratch slot: fewer steps than stopping there, and the same prompts again start from those
+    checkpoints on their ranks with the one-rank engine's tokens."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    path = hf_checkpoints["qwen3_5"]
+    runs = []
+    for snapshots in (True, False):
+        with dp_engine(path, prefix_cache=True) as e:
+            assert all(rank.snapshots for rank in e.core.scheduler.ranks)  # on by default with the cache
+            for rank in e.core.scheduler.ranks:
+                rank.snapshots = snapshots
+            first = e.generate(prompts(), params)
+            steps = e.core.stats.steps
+            again = e.generate(prompts(), params)
+            runs.append((first, again, steps, e.core.stats.prefix_cache_hits))
+    with Engine(engine_config(path, 1)) as e:
+        want = [c.token_ids for c in e.generate(prompts(), params)]
+    (first, again, steps, hits), (_, _, stopped_steps, stopped_hits) = runs
+    assert [c.token_ids for c in first] == [c.token_ids for c in again] == want
+    assert steps < stopped_steps and hits == stopped_hits == 2  # the two prompts past a page boundary
+
+
 def test_preemption_and_aborts_on_every_rank_leave_the_others_exact(hf_checkpoints):
     """Pools too small for the load preempt requests on both ranks (their slots zeroed and refilled through the
     rank's next steps), and requests aborted on both ranks (running or waiting) free their space: the others
