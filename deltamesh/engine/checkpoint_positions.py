@@ -2,11 +2,11 @@
 prompt's last token (a request always computes and samples from at least one token; not for a chat prompt that
 finishes on this worker, whose finished sequence serves its next turn), the end of a chat prompt's first message
 (the system prompt other users' conversations share; a tail there) and, optionally, every `checkpoint_interval`
-pages; the scheduler ends prefill chunks exactly there (`next_stop`), except at a prompt's last such position,
-on a page boundary, when the chunk runs on to the prompt's end: that step takes the state there in passing (a
-snapshot, see ScheduledItem.snapshot_at), so the prompt's last few tokens need no step of their own. The cache
-queues its copies on the engine's stream right after the step that reached the position, so stream order makes
-them exact under async scheduling.
+pages; the scheduler ends prefill chunks exactly there (`next_stop`), except at a prompt's last such position when
+the chunk runs on to the prompt's end: that step takes the state there in passing (a snapshot, see
+ScheduledItem.snapshot_at), so the prompt's last tokens need no step of their own. The cache queues its copies on
+the engine's stream right after the step that reached the position, so stream order makes them exact under async
+scheduling.
 
 A pure function of the request's tokens and the settings: the cache's own structures play no part."""
 
