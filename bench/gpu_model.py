@@ -30,7 +30,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CONFIGS, RESULTS, decode_items, ints, prefill_items, print_table, write_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    CONFIGS,
+    RESULTS,
+    decode_items,
+    ints,
+    median,
+    prefill_items,
+    print_table,
+    write_result,
+)
 from bench.gpu_common import (  # noqa: E402
     core_for,
     gpu_ms,
@@ -138,7 +147,6 @@ def ttft_rows(config_dir: str, tokens: int, repeats: int = 3) -> list[dict]:
     import time
 
     rows = []
-    vocab = None
     for cache in (True, False):
         core = core_for(config_dir, 2, tokens, prefix_cache=cache, max_num_batched_tokens=max(16384, tokens))
         vocab = core.model_config.vocab_size
@@ -193,7 +201,7 @@ def host_profile_rows(config_dir: str, tokens: int = 16, steps: int = 20) -> lis
         core.runner.execute(items)
         prof.disable()
         torch.cuda.synchronize()
-    print(f"{Path(config_dir).name}: eager {tokens}-token step, host launch {sorted(launch)[steps // 2]:.2f} ms, "
+    print(f"{Path(config_dir).name}: eager {tokens}-token step, host launch {median(launch):.2f} ms, "
           f"GPU {gpu:.2f} ms; cProfile over {steps} steps:")  # fmt: skip
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
@@ -202,7 +210,7 @@ def host_profile_rows(config_dir: str, tokens: int = 16, steps: int = 20) -> lis
     gc.collect()
     torch.cuda.empty_cache()
     return [{"bench": "host launch", "model": Path(config_dir).name, "tokens": tokens,
-             "host_launch_ms": sorted(launch)[steps // 2], "gpu_ms": gpu}]  # fmt: skip
+             "host_launch_ms": median(launch), "gpu_ms": gpu}]  # fmt: skip
 
 
 def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
@@ -264,8 +272,6 @@ def main() -> None:
     p.add_argument("--ttft-tokens", type=int, default=8192)
     p.add_argument("--out", default=str(RESULTS / "gpu_model.json"))
     args = p.parse_args()
-    bandwidth, peak = hbm_bandwidth(), matmul_rate()
-    print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     if args.host_profile:
         for config in (args.moe, args.dense):
@@ -279,6 +285,9 @@ def main() -> None:
             print_table(rows, ["bench", "model", "tokens", "prefix_cache", "ttft_ms", "steps", "step_ms"])
         write_result(args.out, {"rows": rows}, machine_info())
         return
+    # the ceilings the rows below are compared against (the rows above need none)
+    bandwidth, peak = hbm_bandwidth(), matmul_rate()
+    print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     if args.mixed:
         prompts, chunk = ints(args.mixed_prefill.replace("x", ","))
         rows += mixed_rows(args.dense, prompts, chunk, args.mixed_decodes, args.context, args.profile)

@@ -70,9 +70,9 @@ def main() -> None:
         client = Client(f"127.0.0.1:{grpc_port}")
         kw = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         rows.append(summary("router gRPC (SDK)", timed(lambda: client.generate(prompt, **kw), args.requests)))
-        body = {"model": "", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as http:
-            body["model"] = http.get("/v1/models").json()["data"][0]["id"]
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
 
             def rest(stream: bool):
                 r = http.post("/v1/completions", json=body | {"stream": stream})

@@ -147,7 +147,6 @@ class EngineCore:
                 self.prefix_cache = self.scheduler.attach_prefix_caches(make)
             else:
                 self.prefix_cache = self.scheduler.prefix_cache = make(self.kv_pool, self.state_pool, self.checkpoint_pool)
-                self.scheduler.snapshots = True
         log.info(
             "engine ready", model=str(model_dir), family=mc.family, device=str(self.device), dtype=str(self.dtype),
             kv_pages=self.kv_pool.num_pages, page_size=config.page_size, state_slots=config.max_num_seqs,

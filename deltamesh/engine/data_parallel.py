@@ -165,7 +165,6 @@ class DataParallelScheduler:
         """A prefix cache per rank, over that rank's pools (`make(kv, states, checkpoints)`)."""
         for scheduler, pools in zip(self.ranks, self.pools):
             scheduler.prefix_cache = make(pools.kv, pools.states, pools.checkpoints)
-            scheduler.snapshots = True  # each rank's step keeps its snapshot in that rank's scratch slot
         return RankPrefixCaches([s.prefix_cache for s in self.ranks])
 
     def add_running(self, request: Request) -> None:

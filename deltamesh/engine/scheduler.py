@@ -54,7 +54,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache: PrefixCache | None = None
-        self.snapshots = False  # steps may take a checkpoint's state in passing (set with a prefix cache)
+        self.snapshots = True  # steps may take a checkpoint's state in passing (with a prefix cache: `_chunk`)
 
     def alloc_pages(self, n: int, after: int | None = None) -> list[int]:
         """KV pages from the pool, evicting from the prefix cache if it is short (any thread)."""
