@@ -9,8 +9,9 @@
 - `--mixed`: what a serving step at high concurrency runs, prompts' prefill chunks beside a decode batch
   (`--mixed-prefill`, `--mixed-decodes` at `--context`), eager, against the same prefill alone and the decode
   batch alone; with `--profile`, the kernel groups of the prefill alone and of the mixed step;
-- `--host-profile`: the host's side of an eager step (a 16-token prefill, as a prompt's last tokens run), timed
-  and under cProfile: where the Python time that launching ~2,000 kernels costs goes (`--dense`, `--moe` shapes);
+- `--host-profile`: the host's side of a step of a 16-token and of a 1024-token prefill (a prompt's last tokens, a
+  short prompt), eager and from piecewise CUDA graphs, timed and under cProfile: where the Python time that
+  launching ~2,000 kernels costs goes, and what the graphs leave of it (`--dense`, `--moe` shapes);
 - `--ttft`: one prompt (`--ttft-tokens`) alone through the engine's own loop (submit, steps, first token), prefix
   cache on and off, each step's wall time: what the engine adds to the bare prefill before the first token.
 
@@ -176,41 +177,47 @@ def ttft_rows(config_dir: str, tokens: int, repeats: int = 3) -> list[dict]:
     return rows
 
 
-def host_profile_rows(config_dir: str, tokens: int = 16, steps: int = 20) -> list[dict]:
-    """Host time to launch one eager step of a `tokens`-token prefill (the GPU left to catch up between steps),
-    then the same steps under cProfile, whose top functions are printed."""
+def host_profile_rows(config_dir: str, token_counts=(16, 1024), steps: int = 20) -> list[dict]:
+    """Host time to launch one step of a `tokens`-token prefill (the GPU left to catch up between steps), eager
+    and from piecewise CUDA graphs, and each step's GPU time; then the 16-token steps under cProfile, whose top
+    functions are printed."""
     import cProfile
     import pstats
     import time
 
-    core = core_for(config_dir, 2, 1024)
-    items = prefill_items(core, 1, tokens)
-    for _ in range(3):
-        core.runner.execute(items)
-    torch.cuda.synchronize()
-    launch = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        core.runner.execute(items)
-        launch.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
-    gpu = gpu_ms(lambda: core.runner.execute(items))
-    prof = cProfile.Profile()
-    for _ in range(steps):
-        prof.enable()
-        core.runner.execute(items)
-        prof.disable()
-        torch.cuda.synchronize()
-    print(f"{Path(config_dir).name}: eager {tokens}-token step, host launch {median(launch):.2f} ms, "
-          f"GPU {gpu:.2f} ms; cProfile over {steps} steps:")  # fmt: skip
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
-    core.scheduler.free(items[0].request)
-    del core
-    gc.collect()
-    torch.cuda.empty_cache()
-    return [{"bench": "host launch", "model": Path(config_dir).name, "tokens": tokens,
-             "host_launch_ms": median(launch), "gpu_ms": gpu}]  # fmt: skip
+    rows = []
+    for mode, limit in (("eager", 0), ("piecewise", max(token_counts))):
+        core = core_for(config_dir, 2, max(token_counts), piecewise_cuda_graph_max_tokens=limit)
+        for tokens in token_counts:
+            items = prefill_items(core, 1, tokens)
+            for _ in range(3):
+                core.runner.execute(items)
+            torch.cuda.synchronize()
+            launch = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                core.runner.execute(items)
+                launch.append((time.perf_counter() - t) * 1e3)
+                torch.cuda.synchronize()
+            gpu = gpu_ms(lambda: core.runner.execute(items))
+            rows.append({"bench": "host launch", "model": Path(config_dir).name, "mode": mode, "tokens": tokens,
+                         "host_launch_ms": median(launch), "gpu_ms": gpu})  # fmt: skip
+            if tokens == token_counts[0]:
+                prof = cProfile.Profile()
+                for _ in range(steps):
+                    prof.enable()
+                    core.runner.execute(items)
+                    prof.disable()
+                    torch.cuda.synchronize()
+                print(f"{Path(config_dir).name}: {mode} {tokens}-token step, host launch {median(launch):.2f} ms, "
+                      f"GPU {gpu:.2f} ms; cProfile over {steps} steps:")  # fmt: skip
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+            core.scheduler.free(items[0].request)
+        del core
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
 
 
 def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
@@ -267,7 +274,7 @@ def main() -> None:
     p.add_argument("--mixed", action="store_true", help="the mixed-step rows only (the dense model)")
     p.add_argument("--mixed-prefill", default="2x8192", help="prompts x chunk tokens of the mixed step")
     p.add_argument("--mixed-decodes", type=int, default=63, help="decode items of the mixed step, at --context")
-    p.add_argument("--host-profile", action="store_true", help="the eager step's host time under cProfile only")
+    p.add_argument("--host-profile", action="store_true", help="the host time of steps with prompt tokens only")
     p.add_argument("--ttft", action="store_true", help="the lone-prompt first-token rows only (dense, then MoE)")
     p.add_argument("--ttft-tokens", type=int, default=8192)
     p.add_argument("--out", default=str(RESULTS / "gpu_model.json"))
@@ -276,7 +283,7 @@ def main() -> None:
     if args.host_profile:
         for config in (args.moe, args.dense):
             rows += host_profile_rows(config)
-        print_table(rows, ["bench", "model", "tokens", "host_launch_ms", "gpu_ms"])
+        print_table(rows, ["bench", "model", "mode", "tokens", "host_launch_ms", "gpu_ms"])
         write_result(args.out, {"rows": rows}, machine_info())
         return
     if args.ttft:

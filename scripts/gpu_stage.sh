@@ -26,12 +26,14 @@
 #            kernel groups: 9B shape, then 35B-A3B (bench/gpu_model.py --mixed); then a lone 8k prompt's first token
 #            through the engine loop, prefix cache on and off (--ttft); an eager 16-token step's host launch time
 #            and its cProfile (--host-profile)
+#   stage w: piecewise CUDA graphs: the async-scheduling GPU tests (their piecewise test among them), then the host
+#            time of 16- and 1024-token prefill steps, eager and piecewise (--host-profile)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r or x}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w or x}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -140,6 +142,11 @@ x)
     --out "$OUT/gpu_mixed_35b.json"
   TAIL=12 run gpu_ttft 240 python bench/gpu_model.py --ttft --out "$OUT/gpu_ttft.json"
   TAIL=40 run gpu_host 180 python bench/gpu_model.py --host-profile --out "$OUT/gpu_host.json"
+  ;;
+w)
+  TAIL=20 run gpu_async_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_async.py -rfE
+  TAIL=30 run gpu_host 280 python bench/gpu_model.py --host-profile --out "$OUT/gpu_host.json"
+  grep -E "^\|" "$OUT/gpu_host.log" | head -12
   ;;
 r)
   model=bench/configs/qwen3.5-9b

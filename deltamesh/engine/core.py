@@ -72,7 +72,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
-    mixed_steps: int = 0  # steps that carried prompt tokens (run eagerly, never from a CUDA graph)
+    mixed_steps: int = 0  # steps that carried prompt tokens (eager, or piecewise CUDA graphs: cuda_graphs.py)
     finished: dict[str, int] = field(default_factory=dict)
     prefix_cache_hits: int = 0  # admissions that started from a cached prefix
     prefix_cache_hit_tokens: int = 0  # prompt tokens those admissions did not compute
@@ -136,6 +136,11 @@ class EngineCore:
                 if self.followers:
                     self.followers.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
                 self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+                piecewise = config.resolved_piecewise_max_tokens()
+                if piecewise and self.followers:
+                    log.warning("piecewise CUDA graphs off: not built for tensor-parallel workers")
+                elif piecewise:
+                    self.runner.capture_piecewise_graphs(piecewise)
         # Made after the warm-up, whose repeated prompts must run (and compile) every step shape in full.
         if self.checkpoint_pool is not None:
             turn_start = self.tokenizer.token_id(TURN_START) if self.tokenizer else None

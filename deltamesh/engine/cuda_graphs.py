@@ -1,4 +1,5 @@
-"""CUDA graphs of decode-only steps, one per bucketed batch size.
+"""CUDA graphs: whole decode-only steps (`DecodeGraphs`), and steps with prompt tokens piece by piece
+(`PiecewiseGraphs`).
 
 A decode step at batch B is replayed from the graph of the smallest bucket >= B. Inputs are copied into
 static buffers; rows past B are padding that points at the scratch KV page and the scratch state slot
@@ -9,6 +10,8 @@ inside the graph, so the only sync of a steady-state decode step is reading the 
 from __future__ import annotations
 
 import bisect
+import time
+from typing import Callable
 
 import structlog
 import torch
@@ -89,3 +92,96 @@ class DecodeGraphs:
         self.block_tables[b:bucket] = 0
         self.graphs[bucket].replay()
         return self.outputs[bucket][:b]
+
+
+def piecewise_buckets(max_tokens: int) -> list[int]:
+    """Token counts a piecewise graph is captured for, up to `max_tokens`: powers of two to 512, then every 256
+    tokens to 2048, then every 512 (a step's rows past its tokens are computed too: from a few hundred tokens on
+    they cost GPU time)."""
+    steps = [16, 32, 64, 128, 256, 512] + list(range(768, 2048, 256)) + list(range(2048, max_tokens, 512))
+    return [b for b in steps if b < max_tokens] + [max_tokens]
+
+
+class PiecewiseGraphs:
+    """Steps that carry prompt tokens, replayed from CUDA graphs piece by piece, as vLLM's piecewise graphs: per
+    bucket of token counts, the embedding and each layer's `after_mix` (output projection, MLP or MoE, norms: row
+    by row) are graphs; each layer's `mix` (its input projection and attention or GDN over the step's sequences,
+    whose launches depend on how the tokens split into sequences) runs eagerly between them. A step of T tokens
+    replays the smallest bucket >= T. Eager, such a step costs the host ~40-70 ms of launches on the 35B-A3B and
+    9B shapes (docs/notes/eager-step-host-cost.md), which a short prompt's GPU work does not cover.
+
+    The pieces read and write only static buffers (ids, the normed layer input `x`, the residual stream, the mix
+    outputs), so nothing they allocate outlives them and every piece of every bucket shares one memory pool. Rows
+    past T hold what an earlier step left there: finite values whose results no real row reads (no piece mixes
+    rows). `capture=False` runs the same pieces as plain calls (the CPU tests check the plumbing with it)."""
+
+    def __init__(self, runner, max_tokens: int, capture: bool = True):
+        self.runner = runner
+        self.buckets = piecewise_buckets(max_tokens)
+        model, dev, n = runner.model, runner.device, self.buckets[-1]
+        dtype, hidden = model.embed.dtype, model.cfg.hidden_size
+        self.widths = [layer.mixer.mix_width for layer in model.layers]
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.x = torch.zeros(n, hidden, dtype=dtype, device=dev)
+        self.residual = torch.zeros(n, hidden, dtype=dtype, device=dev)
+        self.mixed = {w: torch.zeros(n, w, dtype=dtype, device=dev) for w in set(self.widths)}
+        self.pieces: dict[int, list[Callable[[], None]]] = {}
+        self.pool = None
+        if capture:
+            self._capture()
+        else:
+            self.pieces = {b: self._pieces(b) for b in self.buckets}
+
+    def _pieces(self, b: int) -> list[Callable[[], None]]:
+        model, kernels = self.runner.model, self.runner.kernels
+
+        def keep(x: torch.Tensor, residual: torch.Tensor) -> None:
+            self.x[:b].copy_(x)
+            self.residual[:b].copy_(residual)
+
+        def head() -> None:
+            keep(*model.head(self.ids[:b], kernels))
+
+        def after_mix(i: int) -> Callable[[], None]:
+            return lambda: keep(*model.after_mix(i, self.mixed[self.widths[i]][:b], self.residual[:b], kernels))
+
+        return [head] + [after_mix(i) for i in range(len(self.widths))]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        dev, start = self.runner.device, time.monotonic()
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                replays = []
+                for piece in self._pieces(b):
+                    piece()  # warm up: kernel compilation and autotuning stay out of the graph
+                    piece()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        piece()
+                    self.pool = graph.pool()
+                    replays.append(graph.replay)
+                self.pieces[b] = replays
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        log.info("piecewise graphs captured", buckets=self.buckets, pieces=len(self.widths) + 1,
+                 seconds=round(time.monotonic() - start, 1))  # fmt: skip
+
+    def fits(self, batch: StepBatch) -> bool:
+        return batch.num_tokens <= self.buckets[-1]
+
+    def run(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm (a view of a static buffer: read it before the next step
+        runs)."""
+        r, t = self.runner, input_ids.shape[0]
+        model = r.model
+        pieces = self.pieces[self.buckets[bisect.bisect_left(self.buckets, t)]]
+        self.ids[:t].copy_(input_ids)
+        pieces[0]()
+        context = model.mix_context(batch, r.state_pool, self.x.dtype)
+        for i, width in enumerate(self.widths):
+            mixed = model.mix(i, self.x[:t], batch, context, r.kv_pool, r.state_pool, r.kernels)
+            self.mixed[width][:t].copy_(mixed)
+            pieces[i + 1]()
+        return self.x[:t]

@@ -71,6 +71,12 @@ class EngineConfig:
     seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
     cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")
+    # steps with prompt tokens: cuda_graphs.PiecewiseGraphs. Past 4096 tokens a step's GPU time covers its eager
+    # launches (which async scheduling overlaps with the step before), so the default stops there.
+    piecewise_cuda_graph_max_tokens: int | None = _setting(None, "CUDA only: replay steps that carry prompt tokens, "
+                                                                 "up to this many tokens, from CUDA graphs piece by "
+                                                                 "piece (0: run them eagerly; default: 4096 or the "
+                                                                 "step's token budget if smaller)")  # fmt: skip
     # schedule and launch step N+1 before reading step N's tokens on the host
     async_scheduling: bool = _setting(True, "Schedule and launch each engine step before the previous step's tokens "
                                             "reach the host (off: finish every step first)")  # fmt: skip
@@ -115,6 +121,10 @@ class EngineConfig:
         if self.handoff_states is not None:
             return self.handoff_states
         return self.max_num_seqs if self.device == "cpu" else 4
+
+    def resolved_piecewise_max_tokens(self) -> int:
+        limit = self.piecewise_cuda_graph_max_tokens
+        return min(4096 if limit is None else limit, self.resolved_max_num_batched_tokens())
 
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
@@ -166,6 +176,8 @@ class EngineConfig:
         if self.prefix_cache_memory_gb is not None and not 0 < self.prefix_cache_memory_gb < math.inf:
             raise ValueError(f"prefix_cache_memory_gb (--prefix-cache-memory) must be a positive number of GiB, "
                              f"got {self.prefix_cache_memory_gb}")  # fmt: skip
+        if (self.piecewise_cuda_graph_max_tokens or 0) < 0:
+            raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0")
         if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be >= 1 pages")
         self.torch_dtype()

@@ -39,6 +39,8 @@ class ModelRunner:
         self.followers = None  # on a tensor-parallel leader: tp_workers.Followers, sent every step
         self.graphs = None  # DecodeGraphs once captured
         self.graph_steps = 0  # steps replayed from them (step_report.py)
+        self.pieces = None  # PiecewiseGraphs once captured: steps with prompt tokens
+        self.piecewise_steps = 0  # steps replayed from those
         self._page_rows: dict[str, tuple[list[int], np.ndarray]] = {}  # request id -> (pages list, as array)
         self._staging: torch.Tensor | None = None  # pinned host buffer of the step's index arrays (CUDA)
         self._staged: torch.cuda.Event | None = None  # recorded after its last copy to the device
@@ -48,6 +50,11 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(self, max_batch, self.kv_pool.pages_for(max_context))
         self.graphs.capture()
+
+    def capture_piecewise_graphs(self, max_tokens: int) -> None:
+        from deltamesh.engine.cuda_graphs import PiecewiseGraphs
+
+        self.pieces = PiecewiseGraphs(self, max_tokens)
 
     def prepare(
         self, items: list[ScheduledItem], pending_tokens: torch.Tensor | None = None
@@ -190,7 +197,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             self.graph_steps += 1
             return self.graphs.run(input_ids, batch)  # decode-only: every item samples
-        hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels)
+        if self.pieces is not None and self.pieces.fits(batch):
+            self.piecewise_steps += 1
+            hidden = self.pieces.run(input_ids, batch)
+        else:
+            hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels)
         if not step.sample_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[batch.sample_index])

@@ -1,7 +1,8 @@
 """A periodic line on the engine's work (as vLLM logs its throughput every few seconds): what the steps since the
 last line were and cost, so that a worker that slows down shows why in its own log.
 
-Per window: steps, of which mixed (carrying prompt tokens beside decodes: eager) and CUDA-graph replays; the mean
+Per window: steps, of which mixed (carrying prompt tokens beside decodes), decode steps replayed from CUDA graphs
+and mixed steps replayed piece by piece (cuda_graphs.py); the mean
 wall time of a step on the stepping thread; on CUDA, the share of the window the GPU spent inside steps (the rest
 it waited for the host: work between steps that async scheduling did not hide, or no work at all); prompt and
 generated tokens per second; running and waiting requests; KV pages in use by requests and cached; prefix-cache
@@ -28,6 +29,7 @@ class StepReport:
     def _counters(self) -> dict:
         s = self.core.stats
         return {"steps": s.steps, "mixed": s.mixed_steps, "graphs": self.core.runner.graph_steps,
+                "piecewise": self.core.runner.piecewise_steps,
                 "prompt": s.prompt_tokens, "generated": s.generation_tokens, "hits": s.prefix_cache_hits,
                 "preemptions": self.core.scheduler.num_preemptions, "gpu_ms": s.gpu_step_ms}  # fmt: skip
 
@@ -45,6 +47,7 @@ class StepReport:
         loads = self.core.loads()
         line = {
             "steps": delta["steps"], "mixed_steps": delta["mixed"], "graph_steps": delta["graphs"],
+            "piecewise_steps": delta["piecewise"],
             "step_ms": round(1e3 * step_seconds / delta["steps"], 3),
             "prompt_tok_s": round(delta["prompt"] / seconds, 1), "generated_tok_s": round(delta["generated"] / seconds, 1),
             "running": loads["running"], "waiting": loads["waiting"], "kv_pages_used": loads["kv_pages_used"],

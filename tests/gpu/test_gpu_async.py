@@ -117,3 +117,41 @@ def test_a_state_taken_in_passing_on_the_gpu(tmp_path):
     for x, y in ((ca.conv[a], cb.conv[b]), (ca.recurrent[a], cb.recurrent[b])):
         x, y = x.float(), y.float()
         assert y.abs().max() > 0.01 and (x - y).abs().max() <= 0.02 * y.abs().max()
+
+
+def test_piecewise_graphs_match_the_eager_steps(tmp_path):
+    """Steps with prompt tokens replayed from piecewise CUDA graphs (padded to their bucket: other GEMM shapes)
+    against the same steps run eagerly: the same greedy tokens, log-probabilities within bf16 rounding, and no
+    host synchronisation inside such a step (torch's sync debug mode raises on one)."""
+    from hf_checkpoints import write_checkpoint
+
+    path = write_checkpoint("qwen3_5_moe_fp8_shapes", tmp_path / "m", seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    results = []
+    for limit in (0, 256):
+        core = EngineCore(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=4,
+                                       max_num_batched_tokens=256, piecewise_cuda_graph_max_tokens=limit))  # fmt: skip
+        assert (core.runner.pieces is not None) == bool(limit)
+        out = {}
+
+        def sink(o, out=out):
+            tokens, logprobs = out.setdefault(o.request_id, ([], []))
+            tokens.extend(o.new_token_ids)
+            logprobs.extend(lp.logprob for lp in o.logprobs or [])
+
+        for i, n in enumerate((200, 37, 90, 300)):  # the last spans two chunks beside the others' decodes
+            core.submit(core.make_request([3 + (5 * i + j) % 200 for j in range(n)], params, f"r{i}"), sink)
+        core.dispatch(core.process_commands())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            while core.has_work:
+                core.dispatch(core.step())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append(out)
+        if limit:
+            assert core.runner.piecewise_steps == core.stats.mixed_steps >= 3
+    eager, piecewise = results
+    assert {r: t for r, (t, _) in piecewise.items()} == {r: t for r, (t, _) in eager.items()}
+    for r, (_, logprobs) in eager.items():
+        assert max(abs(a - b) for a, b in zip(logprobs, piecewise[r][1])) < 0.05

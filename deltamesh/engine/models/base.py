@@ -113,6 +113,9 @@ class HybridLM(nn.Module, ABC):
         return out
 
     # -- forward -----------------------------------------------------------------------------------------
+    # A step runs `head`, then for each layer `mix` (attention or GDN over the step's sequences: what depends on
+    # how its tokens split into sequences) and `after_mix` (everything up to the next layer's mix, row by row).
+    # cuda_graphs.PiecewiseGraphs replays `head` and each `after_mix` from CUDA graphs and runs the mixes eagerly.
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -122,31 +125,47 @@ class HybridLM(nn.Module, ABC):
         kernels: Kernels,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
-        tp, dp = self.tp, self.dp
-        residual = tp.embed(input_ids, self.embed) if tp else F.embedding(input_ids, self.embed)
-        rope = self.rotary.cos_sin(batch.positions, residual.dtype)
-        state_rows = state_pool.layer_rows(batch.state_slots)
-        h = None  # the last block's output, not yet added to the residual stream
-        for layer in self.layers:
-            # each residual add is fused with the norm that reads its result
-            if h is None:
-                x = layer.input_norm(residual, kernels)
-            else:
-                x, residual = kernels.add_rms_norm(h, residual, layer.input_norm.weight, layer.input_norm.eps)
-            if isinstance(layer.mixer, GatedAttention):
-                h = layer.mixer(x, batch, rope, kv_pool, kernels)
-            else:
-                h = layer.mixer(x, batch, state_pool, state_rows, kernels)
-            if tp:  # each rank's heads gave a partial sum of the output projection
-                h = tp.all_reduce(h)
-            x, residual = kernels.add_rms_norm(h, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps)
-            if dp and isinstance(layer.mlp, SparseMoE):  # on every rank's tokens
-                h = dp.moe(layer.mlp, x, kernels)
-            else:
-                h = layer.mlp(x, kernels)
-            if tp:  # likewise each rank's intermediate columns
-                h = tp.all_reduce(h)
-        return kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
+        x, residual = self.head(input_ids, kernels)
+        context = self.mix_context(batch, state_pool, residual.dtype)
+        for i in range(len(self.layers)):
+            mixed = self.mix(i, x, batch, context, kv_pool, state_pool, kernels)
+            x, residual = self.after_mix(i, mixed, residual, kernels)
+        return x
+
+    def head(self, input_ids: torch.Tensor, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first layer's normed input, the residual stream): the embedding."""
+        residual = self.tp.embed(input_ids, self.embed) if self.tp else F.embedding(input_ids, self.embed)
+        return self.layers[0].input_norm(residual, kernels), residual
+
+    def mix_context(self, batch: StepBatch, state_pool: StatePool, dtype: torch.dtype) -> tuple:
+        """What every layer's mix reads besides its input: the rotary tables and the state pools' rows."""
+        return self.rotary.cos_sin(batch.positions, dtype), state_pool.layer_rows(batch.state_slots)
+
+    def mix(self, i: int, x: torch.Tensor, batch: StepBatch, context: tuple, kv_pool: KVPagePool,
+            state_pool: StatePool, kernels: Kernels) -> torch.Tensor:  # fmt: skip
+        rope, state_rows = context
+        mixer = self.layers[i].mixer
+        if isinstance(mixer, GatedAttention):
+            return mixer.mix(x, batch, rope, kv_pool, kernels)
+        return mixer.mix(x, batch, state_pool, state_rows, kernels)
+
+    def after_mix(self, i: int, mixed: torch.Tensor, residual: torch.Tensor,
+                  kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Layer i's output projection and MLP, then the next layer's input norm (the final norm after the last
+        layer): (its normed output, the residual stream). Each residual add is fused with the norm that reads it."""
+        tp, dp, layer = self.tp, self.dp, self.layers[i]
+        h = layer.mixer.output(mixed, kernels)
+        if tp:  # each rank's heads gave a partial sum of the output projection
+            h = tp.all_reduce(h)
+        x, residual = kernels.add_rms_norm(h, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps)
+        if dp and isinstance(layer.mlp, SparseMoE):  # on every rank's tokens
+            h = dp.moe(layer.mlp, x, kernels)
+        else:
+            h = layer.mlp(x, kernels)
+        if tp:  # likewise each rank's intermediate columns
+            h = tp.all_reduce(h)
+        norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+        return kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
 
     def idle(self, kernels: Kernels) -> None:
         """A data-parallel rank with no tokens in a step: its part of each MoE layer for the other ranks' tokens."""

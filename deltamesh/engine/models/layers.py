@@ -140,6 +140,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.splits = (q_rows, kv_rows, kv_rows)
+        self.mix_width = self.heads * self.head_dim  # of `mix`'s output
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         names = [f"{prefix}.{p}_proj" for p in "qkv"]
@@ -152,7 +153,8 @@ class GatedAttention(nn.Module):
         slots[f"{prefix}.k_norm.weight"] = WeightSlot(self.k_norm.weight)
         return slots
 
-    def forward(self, x, batch: StepBatch, rope: tuple, kv_pool: KVPagePool, kernels: Kernels):
+    def mix(self, x, batch: StepBatch, rope: tuple, kv_pool: KVPagePool, kernels: Kernels):
+        """The gated attention output, [T, heads * head_dim]: what the output projection reads."""
         t, d = x.shape[0], self.head_dim
         qkv = kernels.linear(x, linear_weight(self, "qkv"), self.qkv_bias)
         k_cache, v_cache = kv_pool.layer(self.kv_layer)
@@ -160,7 +162,10 @@ class GatedAttention(nn.Module):
                                      k_cache, v_cache, batch.slot_mapping)  # fmt: skip
         attn = kernels.paged_attention(q, k_cache, v_cache, batch, d**-0.5)
         gate = qkv[:, : self.splits[0]].view(t, self.heads, 2 * d)[..., d:]
-        return kernels.linear(kernels.sigmoid_gate(attn, gate), linear_weight(self, "o_proj"), self.o_bias)
+        return kernels.sigmoid_gate(attn, gate)
+
+    def output(self, mixed: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.linear(mixed, linear_weight(self, "o_proj"), self.o_bias)
 
 
 class GatedDeltaNet(nn.Module):
@@ -173,6 +178,7 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv_dim, self.value_dim = cfg.conv_dim, cfg.linear_value_dim
+        self.mix_width = self.value_dim  # of `mix`'s output
         self.splits = (self.conv_dim, self.value_dim, self.hv, self.hv)  # qkv | z | b | a
         if fp8:  # qkv | z in FP8; the b | a gates stay in the model dtype, as the checkpoints keep them
             _linear_param(self, "in_proj", self.conv_dim + self.value_dim, cfg.hidden_size, fp8=True)
@@ -212,9 +218,10 @@ class GatedDeltaNet(nn.Module):
             recent = torch.cat([conv_pool.index_select(0, row)[0, :, recent.shape[1] - hist :], recent], dim=-1)
         conv_pool[self.state_layer].copy_(recent)
 
-    def forward(self, x, batch: StepBatch, state_pool: StatePool, state_rows: torch.Tensor, kernels: Kernels):
-        """state_rows: StatePool.layer_rows of the step's slots. A step with a snapshot leaves the state after the
-        last chunk's head in the scratch slot (StatePool.SCRATCH, whose row for this layer is `state_layer`)."""
+    def mix(self, x, batch: StepBatch, state_pool: StatePool, state_rows: torch.Tensor, kernels: Kernels):
+        """The normed, gated GDN output, [T, value_dim]: what the output projection reads. state_rows:
+        StatePool.layer_rows of the step's slots. A step with a snapshot leaves the state after the last chunk's
+        head in the scratch slot (StatePool.SCRATCH, whose row for this layer is `state_layer`)."""
         t, nd = x.shape[0], batch.num_decode
         if self.in_proj_ba is None:
             mixed, z, b, a = kernels.linear(x, self.in_proj).split(self.splits, dim=-1)
@@ -260,8 +267,10 @@ class GatedDeltaNet(nn.Module):
             core.append(kernels.gdn_prefill(q[end:], k[end:], v[end:], a[end:], b[end:], *gates, [snap.tail_len],
                                             snap.tail_cu_seqlens, rec_pool, idx[-1:]))  # fmt: skip
         core = torch.cat(core) if len(core) > 1 else core[0]
-        out = self.norm(core, z.view(t, self.hv, self.dv), kernels).reshape(t, self.value_dim)
-        return kernels.linear(out, linear_weight(self, "out_proj"))
+        return self.norm(core, z.view(t, self.hv, self.dv), kernels).reshape(t, self.value_dim)
+
+    def output(self, mixed: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.linear(mixed, linear_weight(self, "out_proj"))
 
 
 # ---------------------------------------------------------------------------------------------------
