@@ -12,6 +12,8 @@
 - `--host-profile`: the host's side of a step of a 16-token and of a 1024-token prefill (a prompt's last tokens, a
   short prompt), eager and from piecewise CUDA graphs, timed and under cProfile: where the Python time that
   launching ~2,000 kernels costs goes, and what the graphs leave of it (`--dense`, `--moe` shapes);
+- `--burst`: 64 prompts of 1024 tokens arriving at once (a serving point's first wave) through the engine's loop:
+  each step's wall time and prompt tokens, and when the prompts' first tokens came;
 - `--ttft`: one prompt (`--ttft-tokens`) alone through the engine's own loop (submit, steps, first token), prefix
   cache on and off, each step's wall time: what the engine adds to the bare prefill before the first token.
 
@@ -177,6 +179,42 @@ def ttft_rows(config_dir: str, tokens: int, repeats: int = 3) -> list[dict]:
     return rows
 
 
+def burst_rows(config_dir: str, prompts: int = 64, tokens: int = 1024, budget: int = 16384) -> list[dict]:
+    """`prompts` prompts of `tokens` arriving at once (a serving point's first wave), through EngineCore.step with
+    the prefix cache on, as a worker runs them: each step's wall time and prompt tokens, and when each prompt's
+    first token came. Two bursts of distinct prompts: the first meets every step shape for the first time."""
+    import time
+
+    core = core_for(config_dir, prompts, tokens, extra_tokens=80, prefix_cache=True, max_num_batched_tokens=budget)
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    rows = []
+    for burst in range(2):
+        first: dict[str, float] = {}
+        for i in range(prompts):
+            prompt = [3 + (7919 * (burst * prompts + i) + 31 * j) % (vocab - 3) for j in range(tokens)]
+            rid = f"b{burst}r{i}"
+            core.submit(core.make_request(prompt, params, rid),
+                        lambda out, rid=rid: first.setdefault(rid, time.perf_counter()))  # fmt: skip
+        start, steps = time.perf_counter(), []
+        core.dispatch(core.process_commands())
+        while len(first) < prompts:
+            t, before = time.perf_counter(), core.stats.prompt_tokens
+            core.dispatch(core.step())
+            steps.append((round((time.perf_counter() - t) * 1e3, 1), core.stats.prompt_tokens - before))
+        while core.has_work:
+            core.dispatch(core.step())
+        ttfts = sorted((f - start) * 1e3 for f in first.values())
+        rows.append({"bench": "burst", "model": Path(config_dir).name, "burst": burst, "prompts": prompts,
+                     "tokens": tokens, "ttft_min_ms": ttfts[0], "ttft_median_ms": ttfts[len(ttfts) // 2],
+                     "ttft_max_ms": ttfts[-1], "steps_ms_and_prompt_tokens": steps})  # fmt: skip
+        print(rows[-1], flush=True)
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def host_profile_rows(config_dir: str, token_counts=(16, 1024), steps: int = 20) -> list[dict]:
     """Host time to launch one step of a `tokens`-token prefill (the GPU left to catch up between steps), eager
     and from piecewise CUDA graphs, and each step's GPU time; then the 16-token steps under cProfile, whose top
@@ -275,11 +313,19 @@ def main() -> None:
     p.add_argument("--mixed-prefill", default="2x8192", help="prompts x chunk tokens of the mixed step")
     p.add_argument("--mixed-decodes", type=int, default=63, help="decode items of the mixed step, at --context")
     p.add_argument("--host-profile", action="store_true", help="the host time of steps with prompt tokens only")
+    p.add_argument("--burst", action="store_true", help="64 prompts of 1024 tokens at once: steps and first tokens")
     p.add_argument("--ttft", action="store_true", help="the lone-prompt first-token rows only (dense, then MoE)")
     p.add_argument("--ttft-tokens", type=int, default=8192)
     p.add_argument("--out", default=str(RESULTS / "gpu_model.json"))
     args = p.parse_args()
     rows = []
+    if args.burst:
+        for config in (args.dense, args.moe):
+            rows += burst_rows(config)
+        print_table(rows, ["bench", "model", "burst", "prompts", "tokens", "ttft_min_ms", "ttft_median_ms",
+                           "ttft_max_ms"])  # fmt: skip
+        write_result(args.out, {"rows": rows}, machine_info())
+        return
     if args.host_profile:
         for config in (args.moe, args.dense):
             rows += host_profile_rows(config)
