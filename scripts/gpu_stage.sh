@@ -19,7 +19,7 @@
 #   stage d: whole 35B-A3B decode steps, bf16, then FP8 with the one-token GEMV and with cuBLAS instead
 #   stage u: multi-turn chat with and without the prefix cache (9B shape, 8k-token conversations)
 #   stage o: colocated serving of the 35B-A3B shape at concurrency 1 and 16 (async scheduling)
-#   stage r: one long-lived 9B worker (bench/RESULTS.md, "A worker that slowed tenfold"): 8192/1024 at 16, the
+#   stage r: one long-lived 9B worker (docs/notes/results-history.md, "A worker that slowed tenfold"): 8192/1024 at 16, the
 #            same prompts again at 64 (its first 32 are cache hits), then 1024/1024 at 16; SERVE_FLAGS adds serve
 #            flags (e.g. --no-prefix-cache); the log has the engine's "engine steps" lines
 #   stage x: the mixed step (two 8k prefill chunks beside 63 decodes at 9k context) against its parts alone, with
