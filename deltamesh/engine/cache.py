@@ -182,7 +182,7 @@ class KVPagePool:
 
 
 class StatePool:
-    SCRATCH = 0  # the slot that padded rows of a batch use, never handed out; also a step's state snapshot
+    SCRATCH = 0  # the slot that padded rows of a batch use, never handed out; also a step's first state snapshot
 
     def __init__(
         self,

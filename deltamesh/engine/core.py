@@ -346,7 +346,7 @@ class EngineCore:
             self.followers.close()
 
     def _launch(self, items: list[ScheduledItem], previous: _InFlight | None) -> _InFlight:
-        # decode-first, as kernels expect; a chunk whose state is taken in passing last (runner.host_step)
+        # decode-first, as kernels expect; the chunks that take a state in passing last (runner.host_step)
         items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
         pending = previous.sampled.tokens if previous is not None else None
         span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.gpu_timed else None
@@ -368,7 +368,8 @@ class EngineCore:
             if req.num_computed <= len(req.prompt_ids):
                 self.stats.prompt_tokens += it.num_tokens
             if in_prompt and self.prefix_cache is not None:  # queued after the step: it reads what the step wrote
-                self.prefix_cache.register(req, it.snapshot_at)
+                self.prefix_cache.register(req, it.snapshot_at, it.snapshot_slot)
+        self.scheduler.release_snapshot_slots(items)
         self.stats.mixed_steps += mixed
         sampled = sample_async(
             logits, [r.params for r in sampling], [len(r.output_ids) + r.num_pending for r in sampling],

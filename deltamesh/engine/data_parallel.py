@@ -174,6 +174,10 @@ class DataParallelScheduler:
         """Every rank's items, rank by rank (each rank under its own token budget)."""
         return [it for s in self.ranks for it in s.schedule()]
 
+    def release_snapshot_slots(self, items: list[ScheduledItem]) -> None:
+        for s in self.ranks:
+            s.release_snapshot_slots([it for it in items if self.ranks[it.request.dp_rank] is s])
+
     def remove(self, req: Request) -> None:
         self.ranks[req.dp_rank].remove(req)
 
@@ -225,8 +229,8 @@ class RankPrefixCaches:
     def __init__(self, caches: list):
         self.caches = caches
 
-    def register(self, req: Request, snapshot_at: int | None = None) -> None:
-        self.caches[req.dp_rank].register(req, snapshot_at)
+    def register(self, req: Request, snapshot_at: int | None = None, snapshot_slot: int | None = None) -> None:
+        self.caches[req.dp_rank].register(req, snapshot_at, snapshot_slot)
 
     def register_finished(self, req: Request) -> None:
         self.caches[req.dp_rank].register_finished(req)

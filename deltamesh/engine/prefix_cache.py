@@ -4,7 +4,7 @@ A prompt is cut into page-sized token blocks; block i is named by a hash chain, 
 token ids)), so a key names the whole prefix up to the end of its block. The cache keeps, per key, one full KV page
 (it holds a reference on it, see KVPagePool.share) and, at some keys, a checkpoint: a copy of a GDN state slot
 taken when a request's prefill stopped exactly at the end of that block, or passed it in a step that kept the state
-there in the scratch slot (ScheduledItem.snapshot_at). GDN state cannot be rebuilt from KV, so a cached prefix is
+there in a snapshot slot (ScheduledItem.snapshot_at, snapshot_slot). GDN state cannot be rebuilt from KV, so a cached prefix is
 usable only up to a point that has a checkpoint: a new request takes a reference on the pages of the longest such
 chain, copies the checkpoint into its own slot and computes only the rest.
 
@@ -361,16 +361,16 @@ class PrefixCache:
                 self._drop_tail(key, evicted=False)
 
     # ---- filling (stepping thread, right after a prefill chunk is launched) ------------------------------------
-    def register(self, req: Request, snapshot_at: int | None = None) -> None:
+    def register(self, req: Request, snapshot_at: int | None = None, snapshot_slot: int | None = None) -> None:
         """Cache the request's newly computed full prompt pages, and checkpoint its state if its prefill has just
-        stopped at a checkpoint position, or passed `snapshot_at`, whose state the step left in the scratch slot."""
+        stopped at a checkpoint position, or passed `snapshot_at`, whose state the step left in `snapshot_slot`."""
         pos = req.num_computed
         with self._lock:
             keys = self._insert_pages(req, min(pos, len(req.prompt_ids)) // self.kv_pool.page_size)
             if keys is None:
                 return
             if snapshot_at is not None:
-                self._save_state(req, snapshot_at, keys, StatePool.SCRATCH)
+                self._save_state(req, snapshot_at, keys, snapshot_slot)
             elif self.positions.is_checkpoint(req, pos):
                 self._save_state(req, pos, keys)
 

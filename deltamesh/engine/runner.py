@@ -11,7 +11,7 @@ from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.models import HybridLM
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.kernels import Kernels
-from deltamesh.kernels.batch import StateSnapshot, StepBatch
+from deltamesh.kernels.batch import StateSnapshots, StepBatch
 
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
@@ -23,13 +23,13 @@ class HostStep:
 
     # input ids (a 0 where a pending token goes), sequence lengths, block tables, slot mapping, state slots,
     # positions, prefill chunk offsets, the pending tokens' [2, n] (where in the ids, which sampled row), and the
-    # rows of the tokens whose logits are sampled, then the snapshot's prefill offsets (head, tail: see below)
+    # rows of the tokens whose logits are sampled, then the tails' offsets and the snapshots' slots (see below)
     arrays: list[np.ndarray]
     query_lens: list[int]
     context_lens: list[int]
     has_pending: bool
     sample_rows: list[int]  # the tokens whose logits are sampled
-    snapshot: tuple[int, int] | None = None  # the last chunk's (head, tail) lengths around its state snapshot
+    snapshots: int = 0  # the last sequences are this many tails of chunks that keep a state snapshot (host_step)
 
 
 class ModelRunner:
@@ -63,64 +63,72 @@ class ModelRunner:
         return self.device_inputs(self.host_step(items), pending_tokens)
 
     def host_step(self, items: list[ScheduledItem]) -> HostStep:
-        """Items must be ordered decode-first (single-token items before chunks), an item with a snapshot last.
-        Vectorised over items: at batch 256 with 9k-token contexts this is host time on every decode step."""
+        """Items must be ordered decode-first (single-token items before chunks), the items that take a checkpoint
+        in passing (`snapshot_at`) last. Each of those runs as two sequences of the step: its head, up to the
+        checkpoint, and its tail, placed after every other sequence (the GDN layers run the tails in a pass of
+        their own, once the heads' states are kept: models/layers.py). Vectorised over sequences: at batch 256
+        with 9k-token contexts this is host time on every decode step."""
         ps = self.kv_pool.page_size
-        n = len(items)
-        starts = np.fromiter((it.request.num_computed for it in items), np.int64, n)
-        q_lens = np.fromiter((it.num_tokens for it in items), np.int64, n)
+        snaps = [it for it in items if it.snapshot_at is not None]
+        reqs = [it.request for it in items] + [it.request for it in snaps]
+        n = len(reqs)
+        starts = np.fromiter((r.num_computed for r in reqs[: len(items)]), np.int64, n - len(snaps))
+        q_lens = np.fromiter((it.num_tokens for it in items), np.int64, len(items))
+        last_seq = np.arange(len(items))  # each item's sequence that ends it (a tail, for a snapshot's item)
+        if snaps:
+            at = np.fromiter((it.snapshot_at for it in snaps), np.int64, len(snaps))
+            first = len(items) - len(snaps)  # the snapshot items' rows: their heads
+            tails = starts[first:] + q_lens[first:] - at
+            q_lens[first:] = at - starts[first:]
+            starts, q_lens = np.concatenate((starts, at)), np.concatenate((q_lens, tails))
+            last_seq[first:] = np.arange(len(items), n)
         page_counts = -(-(starts + q_lens) // ps)
-        self._page_rows = rows = {it.request.request_id: self._page_row(it.request) for it in items}
+        self._page_rows = rows = {r.request_id: self._page_row(r) for r in reqs}
         tables = np.full((n, int(page_counts.max())), -1, dtype=np.int32)
-        for row, (it, count) in enumerate(zip(items, page_counts)):
-            tables[row, :count] = rows[it.request.request_id][1][:count]
+        for row, (r, count) in enumerate(zip(reqs, page_counts)):
+            tables[row, :count] = rows[r.request_id][1][:count]
         seq_of_token = np.repeat(np.arange(n), q_lens)
         first_token = np.cumsum(q_lens) - q_lens
         positions = np.arange(int(q_lens.sum())) - first_token[seq_of_token] + starts[seq_of_token]
         slot_mapping = tables[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps
         ids: list[int] = []
         fill_at, fill_from = [], []  # where in `ids` a pending token goes, and its row in `pending_tokens`
-        for it, s in zip(items, starts.tolist()):
-            ids += it.request.ids_between(s, s + it.num_tokens)
-            if it.request.num_pending and s + it.num_tokens > it.request.num_tokens - it.request.num_pending:
+        for r, s, q in zip(reqs, starts.tolist(), q_lens.tolist()):
+            ids += r.ids_between(s, s + q)
+            if r.num_pending and s + q > r.num_tokens - r.num_pending:
                 fill_at.append(len(ids))
-                fill_from.append(it.request.pending_row)
+                fill_from.append(r.pending_row)
                 ids.append(0)  # a placeholder, overwritten on the device
 
         q_list = q_lens.tolist()
         prefill_lens = [q for q in q_list if q != 1] or [0]
         last = np.cumsum(q_lens) - 1
-        sample_rows = [int(last[i]) for i, it in enumerate(items) if it.samples]
+        sample_rows = [int(last[last_seq[i]]) for i, it in enumerate(items) if it.samples]
         prefill_cu = np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32)
-        snapshot, head_cu = None, prefill_cu
-        if items[-1].snapshot_at is not None:
-            head = items[-1].snapshot_at - int(starts[-1])
-            snapshot = (head, q_list[-1] - head)
-            head_cu = prefill_cu.copy()
-            head_cu[-1] -= snapshot[1]
+        tail_cu = np.concatenate(([0], np.cumsum(q_list[len(items):]))).astype(np.int32)
         return HostStep(
             arrays=[
                 np.asarray(ids, dtype=np.int64),
                 (starts + q_lens).astype(np.int32),
                 tables,
                 slot_mapping,
-                np.fromiter((it.request.slot for it in items), np.int32, n),
+                np.fromiter((r.slot for r in reqs), np.int32, n),
                 positions,
                 prefill_cu,
                 np.asarray([fill_at, fill_from], dtype=np.int64).reshape(2, -1),
                 np.asarray(sample_rows, dtype=np.int64),
-                head_cu,
-                np.asarray([0, snapshot[1] if snapshot else 0], dtype=np.int32),
+                tail_cu,
+                np.fromiter((it.snapshot_slot for it in snaps), np.int64, len(snaps)),  # index_copy_ wants int64
             ],
             query_lens=q_list, context_lens=starts.tolist(), has_pending=bool(fill_at), sample_rows=sample_rows,
-            snapshot=snapshot,
+            snapshots=len(snaps),
         )  # fmt: skip
 
     def device_inputs(self, step: HostStep, pending_tokens: torch.Tensor | None) -> tuple[torch.Tensor, StepBatch]:
         """An item whose last input is still pending (sampled by the step before, not yet on the host) takes it
         from `pending_tokens[request.pending_row]`, on the device. A tensor-parallel follower has no pending
         tokens: it receives the leader's filled input ids."""
-        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill, sample_index, head_cu, tail_cu = (
+        ids_t, seq_lens, tables_t, slot_mapping_t, slots, positions_t, cu_seqlens, fill, sample_index, tail_cu, kept = (
             self._upload(step.arrays)
         )
         if step.has_pending:
@@ -135,7 +143,7 @@ class ModelRunner:
             num_decode=sum(q == 1 for q in q_list), query_lens=q_list, context_lens=step.context_lens,
             seq_lens=seq_lens, block_tables=tables_t, slot_mapping=slot_mapping_t, state_slots=slots,
             positions=positions_t, prefill_cu_seqlens=cu_seqlens, sample_index=sample_index,
-            snapshot=step.snapshot and StateSnapshot(*step.snapshot, head_cu, tail_cu),
+            snapshot=StateSnapshots(step.snapshots, tail_cu, kept) if step.snapshots else None,
         )  # fmt: skip
         return ids_t, batch
 

@@ -35,9 +35,10 @@ log = structlog.get_logger("deltamesh.scheduler")
 class ScheduledItem:
     request: Request
     num_tokens: int
-    # A prefix-cache checkpoint position inside this chunk whose GDN state the step keeps in the scratch slot on
-    # its way to the chunk's end (models' GDN layers; at most one item per step, run last), or None.
+    # A prefix-cache checkpoint position inside this chunk whose GDN state the step keeps in state slot
+    # `snapshot_slot` on its way to the chunk's end (runner.host_step, models' GDN layers), or None.
     snapshot_at: int | None = None
+    snapshot_slot: int | None = None
 
     @property
     def samples(self) -> bool:
@@ -54,7 +55,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache: PrefixCache | None = None
-        self.snapshots = True  # steps may take a checkpoint's state in passing (with a prefix cache: `_chunk`)
+        self.snapshots = True  # steps may take checkpoints' states in passing (with a prefix cache: `_chunk`)
 
     def alloc_pages(self, n: int, after: int | None = None) -> list[int]:
         """KV pages from the pool, evicting from the prefix cache if it is short (any thread)."""
@@ -110,13 +111,11 @@ class Scheduler:
     def schedule(self) -> list[ScheduledItem]:
         budget = self.max_num_batched_tokens
         items: list[ScheduledItem] = []
-        snapshot = self.snapshots  # one snapshot per step at most
 
         def add(req: Request, n: int, at: int | None) -> None:
-            nonlocal budget, snapshot
+            nonlocal budget
             items.append(ScheduledItem(req, n, at))
             budget -= n
-            snapshot &= at is None
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -124,7 +123,7 @@ class Scheduler:
             if req.last_token_pending:
                 i += 1
                 continue
-            n, at = self._chunk(req, budget, snapshot)
+            n, at = self._chunk(req, budget, self.snapshots)
             if not self._grow(req, req.num_computed + n):
                 continue  # req itself was preempted; running[i] is now the next request
             add(req, n, at)
@@ -135,8 +134,31 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            add(req, *self._chunk(req, budget, snapshot))
+            add(req, *self._chunk(req, budget, self.snapshots))
+        self._snapshot_slots(items)
         return items
+
+    def _snapshot_slots(self, items: list[ScheduledItem]) -> None:
+        """A state slot for each chunk that takes a checkpoint in passing: the scratch slot for the first, free
+        slots (once admission has taken what it needs) for the others; a chunk left without one stops at its
+        checkpoint instead, as it would without snapshots."""
+        scratch = True
+        for it in items:
+            if it.snapshot_at is None:
+                continue
+            if scratch:
+                it.snapshot_slot, scratch = StatePool.SCRATCH, False
+            elif self.state_pool.num_free:
+                it.snapshot_slot = self.state_pool.alloc(zeroed=False)
+            else:
+                it.num_tokens, it.snapshot_at = it.snapshot_at - it.request.num_computed, None
+
+    def release_snapshot_slots(self, items: list[ScheduledItem]) -> None:
+        """Give back the free slots `_snapshot_slots` lent, once the copies out of them are queued (the stream
+        runs them before any later use of the slots)."""
+        for it in items:
+            if it.snapshot_slot not in (None, StatePool.SCRATCH):
+                self.state_pool.free(it.snapshot_slot)
 
     def _admit(self, req: Request) -> bool:
         if req.slot is not None:

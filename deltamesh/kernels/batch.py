@@ -14,15 +14,14 @@ import torch
 
 
 @dataclass
-class StateSnapshot:
-    """The step's last prefill chunk keeps its GDN state after its first `head_len` tokens (a prefix-cache
-    checkpoint) in the pools' scratch slot: its GDN layers run the head, copy the state, then the `tail_len`
-    tokens after it."""
+class StateSnapshots:
+    """The step's last `count` sequences are tails: each continues a chunk of the same step (an earlier sequence,
+    its head) that ends at a prefix-cache checkpoint. The GDN layers run everything but the tails, keep each head's
+    state in its snapshot slot, then run the tails from their heads' states."""
 
-    head_len: int
-    tail_len: int
-    head_cu_seqlens: torch.Tensor  # [Np+1] int32 the prefill offsets with the last chunk cut after its head (device)
-    tail_cu_seqlens: torch.Tensor  # [2] int32: 0, tail_len (device)
+    count: int
+    tail_cu_seqlens: torch.Tensor  # [count+1] int32 the tails' offsets among themselves (device)
+    slots: torch.Tensor  # [count] int64 the state slot each tail's head state is kept in (device)
 
 
 @dataclass
@@ -37,7 +36,7 @@ class StepBatch:
     positions: torch.Tensor  # [T] int64 absolute position per token (device)
     prefill_cu_seqlens: torch.Tensor | None = None  # [Np+1] int32 offsets of the prefill chunks (device)
     sample_index: torch.Tensor | None = None  # [S] int64 the tokens whose logits are sampled (device)
-    snapshot: StateSnapshot | None = None
+    snapshot: StateSnapshots | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -91,32 +91,39 @@ def test_an_eager_step_never_waits_for_the_gpu(tmp_path):
     assert core.stats.gpu_step_ms > 0 and 0 < line["gpu_busy_pct"] <= 100.5
 
 
-def test_a_state_taken_in_passing_on_the_gpu(tmp_path):
-    """FlashInfer's GDN prefill and the Triton conv: the checkpoint a chunk takes in passing on its way to the
-    prompt's end (snapshots on) against the one of a chunk stopped there, within bf16 rounding (the tokens before
-    it ran in steps of other sizes); the prompt takes one step fewer."""
+@pytest.mark.parametrize("prompts", [1, 3])
+def test_states_taken_in_passing_on_the_gpu(tmp_path, prompts):
+    """FlashInfer's GDN prefill and the Triton conv: the checkpoints chunks take in passing on their way to their
+    prompts' ends (snapshots on; with three prompts, three in one step: the scratch slot and two free slots, the
+    tails in a pass of their own) against those of chunks stopped there, within bf16 rounding (the tokens before
+    them ran in steps of other sizes); the prompts take one step fewer."""
     from hf_checkpoints import write_checkpoint
 
     path = write_checkpoint("qwen3_5_moe_fp8_shapes", tmp_path / "m", seed=3)
-    prompt = [3 + (7 * j) % 200 for j in range(150)]  # checkpoint at 144; chunks of 100: a head of 44, a tail of 6
+    # checkpoint at 144; one prompt in chunks of 100 (a head of 44, a tail of 6), three in one step of 450
+    texts = [[3 + (7 * j + 11 * i) % 200 for j in range(150)] for i in range(prompts)]
     engines = []
     for snapshots in (True, False):
-        core = EngineCore(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=2,
-                                       max_num_batched_tokens=100, page_size=16))  # fmt: skip
+        core = EngineCore(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8,
+                                       max_num_batched_tokens=100 if prompts == 1 else 450, page_size=16))  # fmt: skip
         core.scheduler.snapshots = snapshots
-        core.submit(core.make_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "a"),
-                    lambda out: None)  # fmt: skip
+        for i, text in enumerate(texts):
+            core.submit(core.make_request(text, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), f"r{i}"),
+                        lambda out: None)  # fmt: skip
         core.process_commands()
         while core.has_work:
             core.step()
         engines.append(core)
     passing, stopped = engines
     assert passing.stats.steps == stopped.stats.steps - 1
-    [a], [b] = ([blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None] for e in engines)
+    a, b = ({blk.tokens: blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None}
+            for e in engines)  # fmt: skip
+    assert set(a) == set(b) and len(a) == prompts
     ca, cb = passing.prefix_cache.checkpoints, stopped.prefix_cache.checkpoints
-    for x, y in ((ca.conv[a], cb.conv[b]), (ca.recurrent[a], cb.recurrent[b])):
-        x, y = x.float(), y.float()
-        assert y.abs().max() > 0.01 and (x - y).abs().max() <= 0.02 * y.abs().max()
+    for key in a:
+        for x, y in ((ca.conv[a[key]], cb.conv[b[key]]), (ca.recurrent[a[key]], cb.recurrent[b[key]])):
+            x, y = x.float(), y.float()
+            assert y.abs().max() > 0.01 and (x - y).abs().max() <= 0.02 * y.abs().max()
 
 
 def test_piecewise_graphs_match_the_eager_steps(tmp_path):

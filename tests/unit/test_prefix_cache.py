@@ -288,3 +288,34 @@ def test_a_one_token_head_stops_at_the_checkpoint(hf_checkpoints):
         run_waves(engine, [[P]], GREEDY)
         steps.append(engine.stats.steps)
     assert steps[0] == steps[1]
+
+
+@pytest.mark.parametrize("max_seqs", [8, 3], ids=["free-slots", "scratch-only"])
+def test_several_states_taken_in_passing_in_one_step(model_dir, max_seqs):
+    """Three prompts in one step, each running past its checkpoint (28) to its end: each keeps its state there in
+    a snapshot slot of its own (the scratch slot, then free state slots) and the step runs their tails after
+    everything else. The checkpoints equal those of chunks stopped there, the outputs are the same, and the
+    prompts take one step fewer. With no free slot (every slot a request's), only the first takes its state in
+    passing and the others stop at their checkpoints, as before; the lent slots are given back either way."""
+    prompts = [tokens(30, seed) for seed in (11, 12, 13)]
+    engines, outs = [], []
+    for snapshots in (True, False):
+        engine = core(model_dir, True, max_num_batched_tokens=96, max_num_seqs=max_seqs)
+        engine.scheduler.snapshots = snapshots
+        outs.append(run_waves(engine, [prompts], GREEDY))
+        engines.append(engine)
+    passing, stopped = engines
+    assert outs[0] == outs[1]
+    assert passing.stats.steps == stopped.stats.steps - (1 if max_seqs > 3 else 0)
+
+    def checkpoints(engine):  # each prompt's checkpoint on its block ending at 28, by that block's tokens
+        return {blk.tokens: blk.checkpoint for blk in engine.prefix_cache._blocks.values() if blk.checkpoint is not None}
+
+    a, b = checkpoints(passing), checkpoints(stopped)
+    assert set(a) == set(b) == {tuple(p[24:28]) for p in prompts}
+    ca, cb = passing.prefix_cache.checkpoints, stopped.prefix_cache.checkpoints
+    for key in a:
+        for x, y in ((ca.conv[a[key]], cb.conv[b[key]]), (ca.recurrent[a[key]], cb.recurrent[b[key]])):
+            assert x.abs().max() > 0.1 and torch.allclose(x, y, rtol=0, atol=1e-5)
+    for engine in engines:
+        assert_cached_baseline(engine)

@@ -138,16 +138,19 @@ class HybridLM(nn.Module, ABC):
         return self.layers[0].input_norm(residual, kernels), residual
 
     def mix_context(self, batch: StepBatch, state_pool: StatePool, dtype: torch.dtype) -> tuple:
-        """What every layer's mix reads besides its input: the rotary tables and the state pools' rows."""
-        return self.rotary.cos_sin(batch.positions, dtype), state_pool.layer_rows(batch.state_slots)
+        """What every layer's mix reads besides its input: the rotary tables and the state pools' rows (of the
+        step's sequences, and of its snapshot slots)."""
+        snap = batch.snapshot
+        kept = state_pool.layer_rows(snap.slots) if snap is not None else None
+        return self.rotary.cos_sin(batch.positions, dtype), state_pool.layer_rows(batch.state_slots), kept
 
     def mix(self, i: int, x: torch.Tensor, batch: StepBatch, context: tuple, kv_pool: KVPagePool,
             state_pool: StatePool, kernels: Kernels) -> torch.Tensor:  # fmt: skip
-        rope, state_rows = context
+        rope, state_rows, snapshot_rows = context
         mixer = self.layers[i].mixer
         if isinstance(mixer, GatedAttention):
             return mixer.mix(x, batch, rope, kv_pool, kernels)
-        return mixer.mix(x, batch, state_pool, state_rows, kernels)
+        return mixer.mix(x, batch, state_pool, state_rows, snapshot_rows, kernels)
 
     def after_mix(self, i: int, mixed: torch.Tensor, residual: torch.Tensor,
                   kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -19,7 +19,7 @@ from torch import nn
 from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.config import ModelConfig
 from deltamesh.kernels import Kernels
-from deltamesh.kernels.batch import StateSnapshot, StepBatch
+from deltamesh.kernels.batch import StepBatch
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight
 
 
@@ -207,21 +207,12 @@ class GatedDeltaNet(nn.Module):
         slots[f"{prefix}.out_proj.weight"] = WeightSlot(self.out_proj)
         return slots
 
-    def _snapshot_conv(self, inputs: torch.Tensor, snap: StateSnapshot, conv_pool: torch.Tensor, row: torch.Tensor):
-        """The conv state after the last prefill chunk's head (its last W-1 inputs, older ones from the pooled
-        state when the head is shorter) into the scratch slot's row of this layer. `inputs`: the step's prefill
-        rows before the conv; `row`: the chunk's pooled row, still holding the state it starts from."""
-        hist = conv_pool.shape[-1]
-        end = inputs.shape[0] - snap.tail_len
-        recent = inputs[max(end - hist, end - snap.head_len) : end].T.to(conv_pool.dtype)
-        if recent.shape[1] < hist:
-            recent = torch.cat([conv_pool.index_select(0, row)[0, :, recent.shape[1] - hist :], recent], dim=-1)
-        conv_pool[self.state_layer].copy_(recent)
-
-    def mix(self, x, batch: StepBatch, state_pool: StatePool, state_rows: torch.Tensor, kernels: Kernels):
+    def mix(self, x, batch: StepBatch, state_pool: StatePool, state_rows: torch.Tensor,
+            snapshot_rows: torch.Tensor | None, kernels: Kernels):  # fmt: skip
         """The normed, gated GDN output, [T, value_dim]: what the output projection reads. state_rows:
-        StatePool.layer_rows of the step's slots. A step with a snapshot leaves the state after the last chunk's
-        head in the scratch slot (StatePool.SCRATCH, whose row for this layer is `state_layer`)."""
+        StatePool.layer_rows of the step's slots; snapshot_rows: those of its snapshot slots (batch.snapshot).
+        With snapshots, the conv and the delta rule run in two passes: every prefill sequence but the tails, then
+        each head's state is copied to its snapshot slot, then the tails, which continue from those states."""
         t, nd = x.shape[0], batch.num_decode
         if self.in_proj_ba is None:
             mixed, z, b, a = kernels.linear(x, self.in_proj).split(self.splits, dim=-1)
@@ -231,17 +222,23 @@ class GatedDeltaNet(nn.Module):
         idx = state_rows[self.state_layer]
         conv_pool, rec_pool = state_pool.conv_flat, state_pool.recurrent_flat
         prefill_lens = batch.query_lens[nd:]
+        snap = batch.snapshot
+        tails = snap.count if snap is not None else 0
+        first = prefill_lens[: len(prefill_lens) - tails]  # the first pass's sequences, then the tails
+        cut = t - sum(prefill_lens[len(first) :])  # where the tails' tokens start
+        passes = [(slice(nd, cut), first, batch.prefill_cu_seqlens[: len(first) + 1], idx[nd : idx.shape[0] - tails])]
+        if tails:
+            passes.append((slice(cut, t), prefill_lens[len(first) :], snap.tail_cu_seqlens, idx[-tails:]))
+            kept = snapshot_rows[self.state_layer]
 
         conv_out = []
         if nd:
             conv_out.append(kernels.conv1d_update(mixed[:nd], conv_pool, idx[:nd], self.conv_weight, self.activation))
-        if batch.snapshot is not None:  # before the conv replaces the last chunk's state
-            self._snapshot_conv(mixed[nd:], batch.snapshot, conv_pool, idx[-1:])
-        if prefill_lens:
-            conv_out.append(
-                kernels.conv1d_prefill(mixed[nd:], prefill_lens, batch.prefill_cu_seqlens, conv_pool, idx[nd:],
-                                       self.conv_weight, self.activation)  # fmt: skip
-            )
+        for i, (rows, lens, cu, seq_idx) in enumerate(passes if prefill_lens else []):
+            if i:  # the heads' conv states, before the tails move them on
+                conv_pool.index_copy_(0, kept, conv_pool.index_select(0, seq_idx))
+            conv_out.append(kernels.conv1d_prefill(mixed[rows], lens, cu, conv_pool, seq_idx, self.conv_weight,
+                                                   self.activation))  # fmt: skip
         mixed = torch.cat(conv_out) if len(conv_out) > 1 else conv_out[0]
 
         key_dim = self.hk * self.dk
@@ -251,21 +248,11 @@ class GatedDeltaNet(nn.Module):
         core = []
         if nd:
             core.append(kernels.gdn_decode(q[:nd], k[:nd], v[:nd], a[:nd], b[:nd], *gates, rec_pool, idx[:nd]))
-        if prefill_lens and batch.snapshot is None:
-            core.append(
-                kernels.gdn_prefill(q[nd:], k[nd:], v[nd:], a[nd:], b[nd:], *gates, prefill_lens,
-                                    batch.prefill_cu_seqlens, rec_pool, idx[nd:])
-            )
-        elif prefill_lens:
-            # the last chunk's head, its state kept in the scratch slot, then its tail from that state
-            snap = batch.snapshot
-            end = t - snap.tail_len
-            head_lens = prefill_lens[:-1] + [snap.head_len]
-            core.append(kernels.gdn_prefill(q[nd:end], k[nd:end], v[nd:end], a[nd:end], b[nd:end], *gates, head_lens,
-                                            snap.head_cu_seqlens, rec_pool, idx[nd:]))  # fmt: skip
-            rec_pool[self.state_layer].copy_(rec_pool.index_select(0, idx[-1:])[0])
-            core.append(kernels.gdn_prefill(q[end:], k[end:], v[end:], a[end:], b[end:], *gates, [snap.tail_len],
-                                            snap.tail_cu_seqlens, rec_pool, idx[-1:]))  # fmt: skip
+        for i, (rows, lens, cu, seq_idx) in enumerate(passes if prefill_lens else []):
+            if i:  # the heads' recurrent states
+                rec_pool.index_copy_(0, kept, rec_pool.index_select(0, seq_idx))
+            core.append(kernels.gdn_prefill(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, lens, cu, rec_pool,
+                                            seq_idx))  # fmt: skip
         core = torch.cat(core) if len(core) > 1 else core[0]
         return self.norm(core, z.view(t, self.hv, self.dv), kernels).reshape(t, self.value_dim)
 
