@@ -26,8 +26,9 @@
 #            kernel groups: 9B shape, then 35B-A3B (bench/gpu_model.py --mixed); then a lone 8k prompt's first token
 #            through the engine loop, prefix cache on and off (--ttft); an eager 16-token step's host launch time
 #            and its cProfile (--host-profile)
-#   stage w: piecewise CUDA graphs: the async-scheduling GPU tests (their piecewise test among them), then the host
-#            time of 16- and 1024-token prefill steps, eager and piecewise (--host-profile)
+#   stage w: piecewise CUDA graphs: the async-scheduling GPU tests (their piecewise and snapshot tests among them),
+#            the host time of 16- and 1024-token prefill steps, eager and piecewise (--host-profile), then 64
+#            prompts arriving at once (--burst)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
@@ -147,6 +148,7 @@ w)
   TAIL=20 run gpu_async_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_async.py -rfE
   TAIL=30 run gpu_host 280 python bench/gpu_model.py --host-profile --out "$OUT/gpu_host.json"
   grep -E "^\|" "$OUT/gpu_host.log" | head -12
+  TAIL=8 run gpu_burst 200 python bench/gpu_model.py --burst --out "$OUT/gpu_burst.json"
   ;;
 r)
   model=bench/configs/qwen3.5-9b
