@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, print_table, stop_group, write_result  # noqa: E402
+from bench.server_side import PointObserver, metrics_urls  # noqa: E402
 
 
 def serve_command(model: str, http_port: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -67,19 +68,23 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300
 
 
 def run_point(base_url: str, model_dir: str, input_len: int, output_len: int, concurrency: int, num_prompts: int,
-              result_file: Path, timeout: float, gpus: int = 1) -> dict:
+              result_file: Path, timeout: float, gpus: int = 1, observer: PointObserver | None = None) -> dict:
     """One load point with bench/serve.py (random prompts, one warm-up request): per-GPU throughput, TTFT and
     TPOT, or {"error": ...}. Each point draws its own prompts (a seed of its own), so that points run one after
-    another on one server never reuse each other's prompts through its prefix cache."""
+    another on one server never reuse each other's prompts through its prefix cache. `observer`: the server
+    side's figures of the point (bench/server_side.py) go into the row too."""
     seed = (input_len * 1_000_003 + output_len) * 1_009 + concurrency
     cmd = [sys.executable, "bench/serve.py", "--backend", "openai", "--base-url", base_url, "--model-dir", model_dir,
            "--input-len", str(input_len), "--output-len", str(output_len), "--num-prompts", str(num_prompts),
            "--max-concurrency", str(concurrency), "--disable-tqdm", "--result-file", str(result_file),
            "--num-warmups", "1", "--seed", str(seed)]  # fmt: skip
+    if observer is not None:
+        observer.start()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"concurrency": concurrency, "error": f"point not done within {timeout:g} s"}
+    server = observer.finish() if observer is not None else {}
     if done.returncode != 0 or not result_file.is_file():
         return {"concurrency": concurrency, "error": (done.stderr or done.stdout)[-800:]}
     m = json.loads(result_file.read_text())
@@ -88,7 +93,8 @@ def run_point(base_url: str, model_dir: str, input_len: int, output_len: int, co
         "concurrency": concurrency, "completed": m["completed"], "failed": m["failed"],
         "total_tok_s_per_gpu": m["total_token_throughput"] / gpus, "output_tok_s_per_gpu": m["output_throughput"] / gpus,
         "ttft_median_ms": m["median_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"],
-        "tpot_median_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
+        "tpot_median_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"], "ttft_mean_ms": m["mean_ttft_ms"],
+        **server,
     }  # fmt: skip
 
 
@@ -101,8 +107,10 @@ def sweep(args, colocated: bool) -> list[dict]:
         wait_ready(proc, f"http://127.0.0.1:{http_port}/ready", log)
         for c in args.concurrency:
             result_file = Path(args.log_dir) / f"serve-{'colo' if colocated else 'disagg'}-c{c}.json"
-            row = run_point(f"http://127.0.0.1:{http_port}", args.model, args.input_len, args.output_len, c,
-                            args.waves * c, result_file, args.point_timeout, gpus)  # fmt: skip
+            base = f"http://127.0.0.1:{http_port}"
+            observer = PointObserver(proc.pid, [f"{base}/metrics", *metrics_urls(log)])
+            row = run_point(base, args.model, args.input_len, args.output_len, c, args.waves * c, result_file,
+                            args.point_timeout, gpus, observer)  # fmt: skip
             rows.append({"setup": setup, "max_num_batched_tokens": args.max_num_batched_tokens, **row})
             if "error" in row:
                 break

@@ -36,6 +36,7 @@ from bench.common import (  # noqa: E402
     write_result,
 )
 from bench.disagg_sweep import run_point, serve_command, wait_ready  # noqa: E402
+from bench.server_side import PointObserver, metrics_urls  # noqa: E402
 
 
 def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen, str, str]:
@@ -70,11 +71,12 @@ def measure(engine: str, shape: Path, args) -> list[dict]:
     rows = []
     try:
         wait_ready(proc, ready, log, args.ready_timeout)
+        observer = PointObserver(proc.pid, [f"{base}/metrics", *metrics_urls(log)])
         for input_len, output_len in args.loads:
             for c in args.concurrency:
                 result = work / f"peers-{engine}-{shape.name}-{input_len}-{output_len}-c{c}.json"
                 row = run_point(base, str(folder), input_len, output_len, c, max(args.waves * c, args.min_prompts),
-                                result, args.point_timeout)  # fmt: skip
+                                result, args.point_timeout, observer=observer)  # fmt: skip
                 rows.append({"engine": engine, "shape": shape.name, "load": f"{input_len}/{output_len}", **row})
                 print(rows[-1], flush=True)
     finally:

@@ -48,6 +48,34 @@ class Completion:
             self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
 
 
+class _Mailbox:
+    """One request's outputs on their way from the stepping thread to the coroutine that streams them. Outputs it
+    has not taken yet merge into one (RequestOutput.then): the event loop is woken once per request per step at
+    most, and a consumer that falls behind (a slow client, a loop busy with many streams) takes what piled up in
+    one go, its cost per step, not per token, so a backlog cannot grow (as vLLM's RequestOutputCollector)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._out: RequestOutput | None = None
+        self._ready = asyncio.Event()  # set (on the loop) once an output waits
+
+    def put(self, out: RequestOutput) -> None:
+        """The stepping thread's sink."""
+        with self._lock:
+            first = self._out is None
+            self._out = out if first else self._out.then(out)
+        if first:
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        with self._lock:
+            out, self._out = self._out, None
+            self._ready.clear()
+        return out
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = config or EngineConfig(**overrides)
@@ -237,14 +265,13 @@ class Engine:
             yield out
 
     async def stream(self, request: Request, submit=None) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        sink = lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)  # noqa: E731
-        (submit or self.submit)(request, sink)
+        """The request's outputs as they come; those that arrive while the consumer is busy come merged as one."""
+        mailbox = _Mailbox(asyncio.get_running_loop())
+        (submit or self.submit)(request, mailbox.put)
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
+                out = await mailbox.get()
                 finished = out.finished
                 yield out
         finally:

@@ -59,6 +59,14 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same request's next one as one (what a consumer that fell behind takes at once)."""
+        return RequestOutput(
+            self.request_id, self.new_token_ids + later.new_token_ids, self.new_text + later.new_text,
+            self.logprobs + later.logprobs, later.finished, later.finish_reason, later.stop_reason,
+            later.num_prompt_tokens, later.num_output_tokens, later.error,
+        )  # fmt: skip
+
 
 @dataclass
 class Request:

@@ -99,7 +99,7 @@ def test_leaving_a_stream_early_aborts_and_frees(model_dir):
         got = 0
         async for out in engine.generate_stream([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)):
             got += len(out.new_token_ids)
-            if got == 3:
+            if got >= 3:
                 break
         for _ in range(100):
             if engine.core.state_pool.num_used == 0:
@@ -108,7 +108,7 @@ def test_leaving_a_stream_early_aborts_and_frees(model_dir):
         return got
 
     with Engine(EngineConfig(model=model_dir)) as engine:
-        assert asyncio.run(main(engine)) == 3
+        assert 3 <= asyncio.run(main(engine)) < 200
         assert engine.core.state_pool.num_used == 0 and engine.core.kv_pool.num_used == 0
 
 

@@ -41,6 +41,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         req = await engine_request(self.engine, request, context)
         submit = None
         started = last = time.monotonic()
+        colocated = not request.HasField("source")  # this worker makes the first token too
         if request.HasField("source"):
             reservation = await self._receive_state(request, context)
             first = request.source.first_token_id
@@ -51,12 +52,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{uncached} prompt tokens are not in this "
                                     f"worker's prefix cache (at most {request.max_uncached_tokens} asked)")  # fmt: skip
         async for out in self.engine.stream(req, submit):
-            if out.new_token_ids:
+            if out.new_token_ids:  # one token, or several when this stream fell behind (Engine.stream)
                 now = time.monotonic()
-                if out.num_output_tokens == 1:  # colocated: this worker made the first token too
+                if colocated and out.num_output_tokens == len(out.new_token_ids):
                     metrics.TTFT.observe(now - started)
                 else:
-                    metrics.TPOT.observe(now - last)
+                    metrics.TPOT.observe((now - last) / len(out.new_token_ids))
                 last = now
             yield delta_from_output(out)
 

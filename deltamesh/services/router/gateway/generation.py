@@ -37,6 +37,32 @@ async def _produce(mesh: Mesh, choice: Choice, out: asyncio.Queue) -> None:
         await out.put((choice.index, None))
 
 
+def _merged(items: list, queue: asyncio.Queue) -> list:
+    """`items` and all else waiting in `queue`, each choice's consecutive deltas merged into one: a stream that
+    fell behind (a slow client, a busy loop) sends what piled up as one event, not a growing backlog."""
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    out, open_delta = [], {}  # choice -> its delta in `out` that later ones still merge into
+    for index, item in items:
+        if isinstance(item, common_pb2.TokenDelta) and index in open_delta:
+            merge_delta(open_delta[index], item)
+            continue
+        out.append((index, item))
+        if isinstance(item, common_pb2.TokenDelta):
+            open_delta[index] = item
+        else:
+            open_delta.pop(index, None)
+    return out
+
+
+def merge_delta(delta: common_pb2.TokenDelta, later: common_pb2.TokenDelta) -> None:
+    """`later` (the same choice's next delta) appended to `delta`: tokens, text and logprobs added, the rest
+    (finish, stop reason, running usage) taken from `later`."""
+    text = delta.text + later.text
+    delta.MergeFrom(later)  # repeated fields append; set scalars, the usage and the stop reason overwrite
+    delta.text = text
+
+
 async def run_choices(mesh: Mesh, choices: list[Choice]) -> AsyncIterator[tuple[int, common_pb2.TokenDelta]]:
     """Deltas of all choices as they arrive; raises ApiError on the first failure. Leaving early
     (client gone) cancels every choice in the mesh."""
@@ -46,17 +72,17 @@ async def run_choices(mesh: Mesh, choices: list[Choice]) -> AsyncIterator[tuple[
     finished: set[int] = set()
     try:
         while open_choices:
-            index, item = await queue.get()
-            if item is None:
-                open_choices -= 1
-                if index not in finished:  # never end a choice silently
-                    raise ApiError(502, "a worker stream ended before the request finished", "server_error")
-            elif isinstance(item, ApiError):
-                raise item
-            else:
-                if item.finished:
-                    finished.add(index)
-                yield index, item
+            for index, item in _merged([await queue.get()], queue):
+                if item is None:
+                    open_choices -= 1
+                    if index not in finished:  # never end a choice silently
+                        raise ApiError(502, "a worker stream ended before the request finished", "server_error")
+                elif isinstance(item, ApiError):
+                    raise item
+                else:
+                    if item.finished:
+                        finished.add(index)
+                    yield index, item
     finally:
         for t in tasks:
             t.cancel()
