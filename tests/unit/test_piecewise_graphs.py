@@ -8,7 +8,7 @@ import torch
 
 from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
-from deltamesh.engine.cuda_graphs import PiecewiseGraphs, piecewise_buckets
+from deltamesh.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, piecewise_buckets
 from hf_checkpoints import VOCAB
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -58,3 +58,15 @@ def test_buckets():
     assert piecewise_buckets(4096) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072,
                                        3584, 4096]  # fmt: skip
     assert piecewise_buckets(100) == [16, 32, 64, 100] and piecewise_buckets(8) == [8]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_decode_graphs_batch_runs_through_the_forward(family, hf_checkpoints):
+    """What DecodeGraphs.capture runs (a decode-only batch with no prefill offsets, padding rows on the scratch page
+    and slot), here uncaptured on the CPU: each family's forward takes it."""
+    core = EngineCore(EngineConfig(model=str(hf_checkpoints[family]), page_size=4, max_num_seqs=4, num_kv_pages=96))
+    r = core.runner
+    graphs = DecodeGraphs(r, 4, max_pages=8)
+    for b in graphs.buckets:
+        hidden = r.model(graphs.input_ids[:b], graphs._batch(b), r.kv_pool, r.state_pool, r.kernels)
+        assert r.model.logits(hidden).shape == (b, VOCAB)

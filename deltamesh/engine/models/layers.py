@@ -226,7 +226,9 @@ class GatedDeltaNet(nn.Module):
         tails = snap.count if snap is not None else 0
         first = prefill_lens[: len(prefill_lens) - tails]  # the first pass's sequences, then the tails
         cut = t - sum(prefill_lens[len(first) :])  # where the tails' tokens start
-        passes = [(slice(nd, cut), first, batch.prefill_cu_seqlens[: len(first) + 1], idx[nd : idx.shape[0] - tails])]
+        passes = []  # (token rows, lengths, cumulative lengths, state rows) of each prefill pass
+        if prefill_lens:  # (a decode-only batch has no prefill_cu_seqlens)
+            passes.append((slice(nd, cut), first, batch.prefill_cu_seqlens[: len(first) + 1], idx[nd : idx.shape[0] - tails]))
         if tails:
             passes.append((slice(cut, t), prefill_lens[len(first) :], snap.tail_cu_seqlens, idx[-tails:]))
             kept = snapshot_rows[self.state_layer]
@@ -234,7 +236,7 @@ class GatedDeltaNet(nn.Module):
         conv_out = []
         if nd:
             conv_out.append(kernels.conv1d_update(mixed[:nd], conv_pool, idx[:nd], self.conv_weight, self.activation))
-        for i, (rows, lens, cu, seq_idx) in enumerate(passes if prefill_lens else []):
+        for i, (rows, lens, cu, seq_idx) in enumerate(passes):
             if i:  # the heads' conv states, before the tails move them on
                 conv_pool.index_copy_(0, kept, conv_pool.index_select(0, seq_idx))
             conv_out.append(kernels.conv1d_prefill(mixed[rows], lens, cu, conv_pool, seq_idx, self.conv_weight,
@@ -248,7 +250,7 @@ class GatedDeltaNet(nn.Module):
         core = []
         if nd:
             core.append(kernels.gdn_decode(q[:nd], k[:nd], v[:nd], a[:nd], b[:nd], *gates, rec_pool, idx[:nd]))
-        for i, (rows, lens, cu, seq_idx) in enumerate(passes if prefill_lens else []):
+        for i, (rows, lens, cu, seq_idx) in enumerate(passes):
             if i:  # the heads' recurrent states
                 rec_pool.index_copy_(0, kept, rec_pool.index_select(0, seq_idx))
             core.append(kernels.gdn_prefill(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, lens, cu, rec_pool,
