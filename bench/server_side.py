@@ -1,6 +1,8 @@
 """What a serving point looks like from inside the server: each server process's CPU use (a process near 100 % of
-a core is where a stream waits) and the mean time to first token as the router and the workers saw it (against
-the client's: the difference is the REST gateway and the client; router minus worker is the router's own legs)."""
+a core is where a stream waits) and the mean time to first token as the router, the workers' servicers and their
+engines saw it, and the engines' mean queue time (arrival to first scheduled step). Against the client's mean TTFT:
+client minus router is the REST gateway and the client, router minus worker the router's own legs, worker minus
+engine the worker's event loop, engine minus queue the prefill steps and the first token's way to the host."""
 
 from __future__ import annotations
 
@@ -38,8 +40,14 @@ def metrics_urls(serve_log: Path) -> list[str]:
     return re.findall(r"http://\S+/metrics", line)
 
 
-def ttft_totals(urls: list[str]) -> dict[str, tuple[float, float]]:
-    """(sum, count) of every *_time_to_first_token_seconds histogram at these /metrics URLs, by metric name."""
+# latency families whose mean a point reports, by the end of their name: (suffix, short name)
+_LATENCIES = (("time_to_first_token_seconds", "ttft"), ("request_queue_seconds", "queue"),
+              ("request_queue_time_seconds", "queue"))  # fmt: skip
+
+
+def latency_totals(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each latency histogram or summary in _LATENCIES at these /metrics URLs, by a short name:
+    where it is measured (router, worker, engine; vllm) and what (ttft, queue)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -50,11 +58,13 @@ def ttft_totals(urls: list[str]) -> dict[str, tuple[float, float]]:
         except httpx.HTTPError:
             continue
         for family in text_string_to_metric_families(text):
-            if not family.name.endswith("time_to_first_token_seconds"):
+            what = next((short for suffix, short in _LATENCIES if family.name.endswith(suffix)), None)
+            if what is None:
                 continue
+            where = family.name.split(":")[0] if ":" in family.name else family.name.split("_")[1]
             for s in family.samples:
                 if s.name.endswith(("_sum", "_count")):
-                    totals.setdefault(family.name, [0.0, 0.0])[s.name.endswith("_count")] += s.value
+                    totals.setdefault(f"{where}_{what}", [0.0, 0.0])[s.name.endswith("_count")] += s.value
     return {k: (v[0], v[1]) for k, v in totals.items()}
 
 
@@ -67,16 +77,15 @@ class PointObserver:
     def start(self) -> None:
         self.t0 = time.monotonic()
         self.cpu0 = group_cpu_seconds(self.pgid) if self.pgid else {}
-        self.ttft0 = ttft_totals(self.urls)
+        self.latency0 = latency_totals(self.urls)
 
     def finish(self) -> dict:
         wall = time.monotonic() - self.t0
         cpu = group_cpu_seconds(self.pgid) if self.pgid else {}
         out = {"cpu_pct": {k: round(100 * (v - self.cpu0.get(k, 0.0)) / wall, 1) for k, v in cpu.items()
                            if v - self.cpu0.get(k, 0.0) > 0.01 * wall}}  # fmt: skip
-        for name, (s, n) in ttft_totals(self.urls).items():
-            s0, n0 = self.ttft0.get(name, (0.0, 0.0))
+        for name, (s, n) in latency_totals(self.urls).items():
+            s0, n0 = self.latency0.get(name, (0.0, 0.0))
             if n > n0:
-                where = name.split(":")[0] if ":" in name else name.removeprefix("deltamesh_").split("_")[0]
-                out[f"{where}_ttft_mean_ms"] = round(1000 * (s - s0) / (n - n0), 1)
+                out[f"{name}_mean_ms"] = round(1000 * (s - s0) / (n - n0), 1)
         return out

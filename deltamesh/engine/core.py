@@ -65,6 +65,7 @@ class _InFlight:
     requests: list[Request]
     sampled: SampledTokens
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    taken: bool = False  # its tokens went into their requests during the next step's launch (EngineCore._take_early)
 
 
 @dataclass
@@ -82,6 +83,12 @@ class EngineStats:
     # CUDA: the GPU's time from the start to the end of each step's forward pass, summed. Steps queue behind each
     # other, so wall time minus this is time the GPU had no step to run (host work not hidden behind the GPU).
     gpu_step_ms: float = 0.0
+    # Requests the engine prefilled itself (not transferred in): from arrival to their first scheduled step (queue)
+    # and to their first token on the host, summed, and how many of each
+    queue_seconds: float = 0.0
+    queued: int = 0
+    first_token_seconds: float = 0.0
+    first_tokens: int = 0
 
 
 class EngineCore:
@@ -122,6 +129,9 @@ class EngineCore:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens the host has not read yet
+        # during a launch: requests ended meanwhile, whose state is freed once the launch (which may write it) is
+        # queued (_take_early)
+        self._deferred: list[tuple[Request, FinishReason]] | None = None
         self._waiting_holds: deque[tuple[Request, RequestOutput]] = deque()  # for room in the hand-off area
         self.stats = EngineStats()
         self.prefix_cache: PrefixCache | None = None  # data parallel: data_parallel.RankPrefixCaches
@@ -261,6 +271,7 @@ class EngineCore:
                 self.requests[arg.request_id] = arg
                 self._sinks[arg.request_id] = sink
                 if kind == "add":
+                    arg.arrival_time = time.monotonic()
                     self.scheduler.add(arg)
                 elif (failed := self._place_arrived(arg)) is None:
                     self.scheduler.add_running(arg)
@@ -317,6 +328,7 @@ class EngineCore:
         items = self.scheduler.schedule()
         failed: list[tuple[Request, str]] = []
         if items:
+            self._deferred = []
             try:
                 self._in_flight = self._launch(items, previous)
             except Exception as e:  # a failed step must not take down other requests' bookkeeping
@@ -324,7 +336,11 @@ class EngineCore:
                 if self.followers is not None and (reason := self.followers.failure_within(1.0)):
                     return self._fail_all(reason)
                 failed = [(it.request, f"engine step failed: {e}") for it in items]
-        outputs = self._complete(previous) if previous is not None else []
+            finally:
+                deferred, self._deferred = self._deferred, None
+                for req, reason in deferred:
+                    self._release_state(req, reason)
+        outputs = self._complete(previous) if previous is not None and not previous.taken else []
         outputs += [self._finish(r, FinishReason.ERROR, error=m) for r, m in failed if r.status != Status.FINISHED]
         if self._in_flight is not None and not self.config.async_scheduling:
             outputs += self._complete(self._in_flight)
@@ -348,6 +364,7 @@ class EngineCore:
     def _launch(self, items: list[ScheduledItem], previous: _InFlight | None) -> _InFlight:
         # decode-first, as kernels expect; the chunks that take a state in passing last (runner.host_step)
         items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
+        started = time.monotonic()
         pending = previous.sampled.tokens if previous is not None else None
         span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.gpu_timed else None
         if span:
@@ -355,13 +372,22 @@ class EngineCore:
         if self.data_parallel:
             logits = data_parallel.execute(self.runner, self.followers, items, pending)
         else:
-            logits = self.runner.execute(items, pending)
+            # not with tensor-parallel followers: handing a held state over there is a collective, which must not
+            # come between a forward pass's own
+            early = None
+            if previous is not None and self.followers is None:
+                early = lambda: self._take_early(previous)  # noqa: E731
+            logits = self.runner.execute(items, pending, between_layers=early)
         if span:
             span[1].record()
         sampling = [it.request for it in items if it.samples]
         mixed = False
         for it in items:
             req = it.request
+            if req.scheduled_time is None and req.arrival_time is not None:
+                req.scheduled_time = started
+                self.stats.queue_seconds += started - req.arrival_time
+                self.stats.queued += 1
             in_prompt = req.num_computed < len(req.prompt_ids)
             mixed |= in_prompt
             req.num_computed += it.num_tokens
@@ -381,6 +407,15 @@ class EngineCore:
         self.stats.steps += 1
         return _InFlight(sampling, sampled, span)
 
+    def _take_early(self, step: _InFlight) -> None:
+        """Called between the layers of the next step's launch. A long launch (a step with prompt tokens) blocks
+        whenever the GPU's queue is full, so the GPU finishes `step` well before the launch is done: once `step`'s
+        tokens are on the host, stream them then, not after the launch. A request they end keeps its state until
+        the launch, which may still write it, is queued (`_deferred`)."""
+        if not step.taken and step.sampled.ready():
+            step.taken = True
+            self.dispatch(self._complete(step))
+
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Take a launched step's tokens to the host and into its requests (skipping requests that ended
         meanwhile: aborted, or stopped by the token of the step before)."""
@@ -398,7 +433,11 @@ class EngineCore:
 
     def _append_token(self, req: Request, token: int, lp, now: float) -> RequestOutput:
         req.output_ids.append(token)
-        req.first_token_time = req.first_token_time or now
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if req.arrival_time is not None:
+                self.stats.first_token_seconds += now - req.arrival_time
+                self.stats.first_tokens += 1
         self.stats.generation_tokens += 1
         # A stop token ends the text without adding its own.
         stop_token = (not req.params.ignore_eos and token in req.eos_token_ids) or token in req.params.stop_token_ids
@@ -453,9 +492,10 @@ class EngineCore:
         self.scheduler.remove(req)
         if any(r is req for r, _ in self._waiting_holds):  # aborted while waiting for the hand-off area
             self._waiting_holds = deque(w for w in self._waiting_holds if w[0] is not req)
-        if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.prefix_cache.register_finished(req)  # the next turn of a conversation starts from here
-        self.scheduler.free(req)
+        if self._deferred is not None:  # a launch in progress may still write its state
+            self._deferred.append((req, reason))
+        else:
+            self._release_state(req, reason)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.requests.pop(req.request_id, None)
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
@@ -464,6 +504,11 @@ class EngineCore:
                                 num_output_tokens=len(req.output_ids))  # fmt: skip
         out.finished, out.finish_reason, out.stop_reason, out.error = True, reason, req.stop_reason, error
         return out
+
+    def _release_state(self, req: Request, reason: FinishReason) -> None:
+        if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.prefix_cache.register_finished(req)  # the next turn of a conversation starts from here
+        self.scheduler.free(req)
 
     def dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its request's sink (stepping thread); a finished request's sink is dropped."""

@@ -171,9 +171,10 @@ class PiecewiseGraphs:
     def fits(self, batch: StepBatch) -> bool:
         return batch.num_tokens <= self.buckets[-1]
 
-    def run(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, batch: StepBatch, between_layers: Callable[[], None] | None = None
+            ) -> torch.Tensor:  # fmt: skip
         """Hidden states [T, hidden] after the final norm (a view of a static buffer: read it before the next step
-        runs)."""
+        runs). `between_layers`: as in HybridLM.forward."""
         r, t = self.runner, input_ids.shape[0]
         model = r.model
         pieces = self.pieces[self.buckets[bisect.bisect_left(self.buckets, t)]]
@@ -184,4 +185,6 @@ class PiecewiseGraphs:
             mixed = model.mix(i, self.x[:t], batch, context, r.kv_pool, r.state_pool, r.kernels)
             self.mixed[width][:t].copy_(mixed)
             pieces[i + 1]()
+            if between_layers is not None:
+                between_layers()
         return self.x[:t]

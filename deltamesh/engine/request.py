@@ -99,6 +99,9 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # time.monotonic() when the engine took it in (its commands), first scheduled it, and read its first token
+    arrival_time: float | None = None
+    scheduled_time: float | None = None
     first_token_time: float | None = None
 
     def ids_between(self, start: int, stop: int) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -184,13 +185,15 @@ class ModelRunner:
         return req.pages, np.asarray(req.pages, dtype=np.int64)
 
     @torch.inference_mode()
-    def execute(self, items: list[ScheduledItem], pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, items: list[ScheduledItem], pending_tokens: torch.Tensor | None = None,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:  # fmt: skip
         """Run one step; returns float32 logits [num sampling items, vocab], in item order. `pending_tokens`:
-        the previous step's sampled tokens, on the device (see `device_inputs`)."""
+        the previous step's sampled tokens, on the device (see `device_inputs`). `between_layers`: called after
+        each layer is queued (not in a decode step replayed from a CUDA graph, which is one launch)."""
         step = self.host_step(items)
         if self.followers is not None:
             self.followers.send_step(step)
-        return self.run(step, pending_tokens)
+        return self.run(step, pending_tokens, between_layers)
 
     @torch.inference_mode()
     def idle(self) -> torch.Tensor:
@@ -199,7 +202,8 @@ class ModelRunner:
         return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32, device=self.device)
 
     @torch.inference_mode()
-    def run(self, step: HostStep, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, step: HostStep, pending_tokens: torch.Tensor | None = None,
+            between_layers: Callable[[], None] | None = None) -> torch.Tensor:  # fmt: skip
         """`execute` from the host inputs: what every tensor-parallel rank runs for the leader's step."""
         input_ids, batch = self.device_inputs(step, pending_tokens)
         if self.graphs is not None and self.graphs.fits(batch):
@@ -207,9 +211,9 @@ class ModelRunner:
             return self.graphs.run(input_ids, batch)  # decode-only: every item samples
         if self.pieces is not None and self.pieces.fits(batch):
             self.piecewise_steps += 1
-            hidden = self.pieces.run(input_ids, batch)
+            hidden = self.pieces.run(input_ids, batch, between_layers)
         else:
-            hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels)
+            hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels, between_layers)
         if not step.sample_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[batch.sample_index])

@@ -153,6 +153,10 @@ class SampledTokens:
             self._done = torch.cuda.Event()
             self._done.record(torch.cuda.current_stream(tokens.device))
 
+    def ready(self) -> bool:
+        """Whether `result` would return without waiting."""
+        return self._done is None or self._done.query()
+
     def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """(token per row, logprobs per row or None); waits for the copy with the GIL released."""
         if self._done is not None:

@@ -123,3 +123,25 @@ def test_a_step_runs_ahead_of_its_tokens(model_dir):
     engine.dispatch(engine.step())  # reads the in-flight token of an aborted request: dropped
     assert len(req.output_ids) == 1 and req.num_pending == 0 and not engine.has_work
     assert engine.kv_pool.num_used == 0 and engine.state_pool.num_used == 0
+
+
+def test_a_steps_tokens_stream_during_the_next_launch(model_dir):
+    """A step with prompt tokens takes the previous step's tokens between its layers once they are on the host
+    (on the CPU at once): they reach the sink before that step's launch is over, not in what step() returns."""
+    engine = core(model_dir, True)
+    outs = []
+    engine.submit(engine.make_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "a"),
+                  outs.append)  # fmt: skip
+    engine.process_commands()
+    engine.step()  # a's prompt
+    engine.submit(engine.make_request(list(range(1, 20)), GREEDY4, "b"), outs.append)
+    engine.process_commands()
+    layers = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda items, pending, between_layers: execute(
+        items, pending, lambda: (layers.append(len(outs)), between_layers()))  # fmt: skip
+    assert engine.step() == []  # a's decode beside b's prompt: a's first token went out during the launch
+    assert layers[0] == 0 and layers[1:] == [1] * (len(layers) - 1) and [o.request_id for o in outs] == ["a"]
+
+
+GREEDY4 = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

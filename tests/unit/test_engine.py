@@ -168,7 +168,8 @@ def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
     core = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_seqs=4))
     steps = []
     execute = core.runner.execute
-    core.runner.execute = lambda items, *a: steps.append(sorted(it.num_tokens for it in items)) or execute(items, *a)
+    core.runner.execute = lambda items, *a, **kw: (steps.append(sorted(it.num_tokens for it in items))
+                                                   or execute(items, *a, **kw))  # fmt: skip
     core._warm_up()
     # a decode beside three prefills, one of them a short tail: the shape whose first use cost seconds on a GPU
     assert any(s[0] == 1 and sum(n > 1 for n in s) == 3 and 1 < s[1] <= 2 for s in steps), steps

@@ -4,7 +4,7 @@ checkpoint names map onto this stack's weights."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -123,13 +123,17 @@ class HybridLM(nn.Module, ABC):
         kv_pool: KVPagePool,
         state_pool: StatePool,
         kernels: Kernels,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        """Hidden states [T, hidden] after the final norm, for every token of the step. `between_layers`: host
+        work to do after each layer is queued (EngineCore takes the previous step's tokens there)."""
         x, residual = self.head(input_ids, kernels)
         context = self.mix_context(batch, state_pool, residual.dtype)
         for i in range(len(self.layers)):
             mixed = self.mix(i, x, batch, context, kv_pool, state_pool, kernels)
             x, residual = self.after_mix(i, mixed, residual, kernels)
+            if between_layers is not None:
+                between_layers()
         return x
 
     def head(self, input_ids: torch.Tensor, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ transfer figures are observed by the servicers."""
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BYTES = tuple(2**i for i in range(10, 36, 2))
@@ -70,6 +70,15 @@ class EngineCollector:
             c = CounterMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             c.add_metric([role], value)
             yield c
+        for name, total, count, doc in (
+            ("request_queue_seconds", stats.queue_seconds, stats.queued,
+             "Requests this worker prefills: from arrival in the engine to their first scheduled step"),
+            ("time_to_first_token_seconds", stats.first_token_seconds, stats.first_tokens,
+             "Requests this worker prefills: from arrival in the engine to their first token on the host"),
+        ):  # fmt: skip
+            s = SummaryMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
+            s.add_metric([role], count_value=count, sum_value=total)
+            yield s
         finished = CounterMetricFamily("deltamesh_engine_requests_finished", "Requests finished by reason",
                                        labels=["role", "reason"])  # fmt: skip
         for reason, n in stats.finished.items():
