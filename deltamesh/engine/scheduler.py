@@ -140,8 +140,10 @@ class Scheduler:
 
     def _snapshot_slots(self, items: list[ScheduledItem]) -> None:
         """A state slot for each chunk that takes a checkpoint in passing: the scratch slot for the first, free
-        slots (once admission has taken what it needs) for the others; a chunk left without one stops at its
-        checkpoint instead, as it would without snapshots."""
+        slots (once admission has taken what it needs) for the others. A chunk left without one (every slot a
+        request's: a full batch) runs on to its prompt's end without that checkpoint, as stopping there would
+        cost its first token a whole step; but a chat's first message (a system prompt other users' conversations
+        share) is worth the step: that chunk stops at its checkpoint."""
         scratch = True
         for it in items:
             if it.snapshot_at is None:
@@ -150,8 +152,10 @@ class Scheduler:
                 it.snapshot_slot, scratch = StatePool.SCRATCH, False
             elif self.state_pool.num_free:
                 it.snapshot_slot = self.state_pool.alloc(zeroed=False)
-            else:
+            elif it.snapshot_at == it.request.turn_end:
                 it.num_tokens, it.snapshot_at = it.snapshot_at - it.request.num_computed, None
+            else:
+                it.snapshot_at = None
 
     def release_snapshot_slots(self, items: list[ScheduledItem]) -> None:
         """Give back the free slots `_snapshot_slots` lent, once the copies out of them are queued (the stream
