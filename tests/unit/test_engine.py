@@ -146,6 +146,7 @@ def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
         decode.dispatch(decode.process_commands())
         decode.dispatch(decode.step())
     assert {rid: first[rid] + got[rid] for rid in got} == ref
+    assert prefill.stats.first_tokens == 4 and decode.stats.queued == decode.stats.first_tokens == 0
     assert_idle(prefill)
     assert_idle(decode)
 
@@ -189,3 +190,17 @@ def test_final_text_is_the_decode_of_the_output_ids():
         detok = IncrementalDetokenizer(tok, prompt, stop=[])
         text = "".join(detok.add(t) for t in out[:cut]) + detok.flush()
         assert text == tok.decode(out[:cut]), cut
+
+
+def test_the_engine_times_each_requests_queue_and_first_token(model_dir):
+    """EngineStats (the worker's deltamesh_engine_request_queue_seconds and _time_to_first_token_seconds): every
+    request the engine prefills is counted once in each, a preempted one too, its first token after its first
+    step; a transferred-in request (first token made elsewhere) in neither."""
+    core = EngineCore(EngineConfig(model=model_dir, page_size=4, num_kv_pages=24, max_num_batched_tokens=16))
+    reqs = [core.make_request(p, GREEDY, f"r{i}") for i, p in enumerate(prompts(6, seed=1))]
+    run_all(core, reqs)
+    s = core.stats
+    assert core.scheduler.num_preemptions > 0  # the small pool makes some start twice
+    assert s.queued == s.first_tokens == len(reqs)
+    assert 0 < s.queue_seconds < s.first_token_seconds
+    assert all(r.arrival_time <= r.scheduled_time < r.first_token_time for r in reqs)
