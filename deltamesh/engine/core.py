@@ -317,7 +317,8 @@ class EngineCore:
         return self.scheduler.has_work or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Launch the next step, then finish the one before it, and return that one's outputs.
+        """Launch the next step, then finish the one before it, and return that one's outputs (those a long
+        launch already dispatched between its layers, `_take_early`, excepted).
 
         With async scheduling (the default) the host reads step N-1's tokens, checks stops, detokenises and
         streams them while the device runs step N, which was scheduled before those tokens were known (see the
