@@ -104,11 +104,11 @@ def sweep(args, colocated: bool) -> list[dict]:
     setup = f"colocated {gpus} GPU" if colocated else f"1P+1D {gpus} GPUs"
     rows = []
     try:
-        wait_ready(proc, f"http://127.0.0.1:{http_port}/ready", log)
+        base = f"http://127.0.0.1:{http_port}"
+        wait_ready(proc, f"{base}/ready", log)
+        observer = PointObserver(proc.pid, [f"{base}/metrics", *metrics_urls(log)])
         for c in args.concurrency:
             result_file = Path(args.log_dir) / f"serve-{'colo' if colocated else 'disagg'}-c{c}.json"
-            base = f"http://127.0.0.1:{http_port}"
-            observer = PointObserver(proc.pid, [f"{base}/metrics", *metrics_urls(log)])
             row = run_point(base, args.model, args.input_len, args.output_len, c, args.waves * c, result_file,
                             args.point_timeout, gpus, observer)  # fmt: skip
             rows.append({"setup": setup, "max_num_batched_tokens": args.max_num_batched_tokens, **row})

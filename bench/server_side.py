@@ -71,17 +71,17 @@ def latency_totals(urls: list[str]) -> dict[str, tuple[float, float]]:
 class PointObserver:
     """Around one load point: `start()`, run it, then `finish()` gives the server side's figures."""
 
-    def __init__(self, pgid: int | None, urls: list[str]):
+    def __init__(self, pgid: int, urls: list[str]):
         self.pgid, self.urls = pgid, urls
 
     def start(self) -> None:
         self.t0 = time.monotonic()
-        self.cpu0 = group_cpu_seconds(self.pgid) if self.pgid else {}
+        self.cpu0 = group_cpu_seconds(self.pgid)
         self.latency0 = latency_totals(self.urls)
 
     def finish(self) -> dict:
         wall = time.monotonic() - self.t0
-        cpu = group_cpu_seconds(self.pgid) if self.pgid else {}
+        cpu = group_cpu_seconds(self.pgid)
         out = {"cpu_pct": {k: round(100 * (v - self.cpu0.get(k, 0.0)) / wall, 1) for k, v in cpu.items()
                            if v - self.cpu0.get(k, 0.0) > 0.01 * wall}}  # fmt: skip
         for name, (s, n) in latency_totals(self.urls).items():

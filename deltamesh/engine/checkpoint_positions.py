@@ -5,9 +5,9 @@ finishes on this worker, whose finished sequence serves its next turn), the end 
 pages; the scheduler ends prefill chunks exactly there (`next_stop`), except at a prompt's last such position when
 the chunk runs on to the prompt's end: that step takes the state there in passing (a snapshot, see
 ScheduledItem.snapshot_at), so the prompt's last tokens need no step of their own (in a full batch, with no state
-slot to keep it in, the step skips that checkpoint rather than stop: Scheduler._snapshot_slots). The cache queues its copies on
-the engine's stream right after the step that reached the position, so stream order makes them exact under async
-scheduling.
+slot to keep it in, the step skips that checkpoint rather than stop: Scheduler._snapshot_slots). The cache queues
+its copies on the engine's stream right after the step that reached the position, so stream order makes them
+exact under async scheduling.
 
 A pure function of the request's tokens and the settings: the cache's own structures play no part."""
 

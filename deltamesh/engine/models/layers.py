@@ -228,7 +228,8 @@ class GatedDeltaNet(nn.Module):
         cut = t - sum(prefill_lens[len(first) :])  # where the tails' tokens start
         passes = []  # (token rows, lengths, cumulative lengths, state rows) of each prefill pass
         if prefill_lens:  # (a decode-only batch has no prefill_cu_seqlens)
-            passes.append((slice(nd, cut), first, batch.prefill_cu_seqlens[: len(first) + 1], idx[nd : idx.shape[0] - tails]))
+            heads_cu = batch.prefill_cu_seqlens[: len(first) + 1]
+            passes.append((slice(nd, cut), first, heads_cu, idx[nd : idx.shape[0] - tails]))
         if tails:
             passes.append((slice(cut, t), prefill_lens[len(first) :], snap.tail_cu_seqlens, idx[-tails:]))
             kept = snapshot_rows[self.state_layer]
