@@ -130,8 +130,10 @@ class EngineCore:
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens the host has not read yet
         # during a launch: requests ended meanwhile, whose state is freed once the launch (which may write it) is
-        # queued (_take_early)
+        # queued (_take_early), and their last outputs, sent only then: a client that sees its reply end may send
+        # the next turn at once, and that turn should find this one in the prefix cache
         self._deferred: list[tuple[Request, FinishReason]] | None = None
+        self._ended_early: list[RequestOutput] = []
         self._waiting_holds: deque[tuple[Request, RequestOutput]] = deque()  # for room in the hand-off area
         self.stats = EngineStats()
         self.prefix_cache: PrefixCache | None = None  # data parallel: data_parallel.RankPrefixCaches
@@ -318,7 +320,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the one before it, and return that one's outputs (those a long
-        launch already dispatched between its layers, `_take_early`, excepted).
+        launch already dispatched between its layers, `_take_early`, excepted: it leaves only the last outputs of
+        the requests it ended).
 
         With async scheduling (the default) the host reads step N-1's tokens, checks stops, detokenises and
         streams them while the device runs step N, which was scheduled before those tokens were known (see the
@@ -341,7 +344,9 @@ class EngineCore:
                 deferred, self._deferred = self._deferred, None
                 for req, reason in deferred:
                     self._release_state(req, reason)
-        outputs = self._complete(previous) if previous is not None and not previous.taken else []
+        outputs, self._ended_early = self._ended_early, []
+        if previous is not None and not previous.taken:
+            outputs += self._complete(previous)
         outputs += [self._finish(r, FinishReason.ERROR, error=m) for r, m in failed if r.status != Status.FINISHED]
         if self._in_flight is not None and not self.config.async_scheduling:
             outputs += self._complete(self._in_flight)
@@ -412,10 +417,13 @@ class EngineCore:
         """Called between the layers of the next step's launch. A long launch (a step with prompt tokens) blocks
         whenever the GPU's queue is full, so the GPU finishes `step` well before the launch is done: once `step`'s
         tokens are on the host, stream them then, not after the launch. A request they end keeps its state until
-        the launch, which may still write it, is queued (`_deferred`)."""
+        the launch, which may still write it, is queued (`_deferred`), and its last output waits until then."""
         if not step.taken and step.sampled.ready():
             step.taken = True
-            self.dispatch(self._complete(step))
+            outputs = self._complete(step)
+            ended = {req.request_id for req, _ in self._deferred}
+            self.dispatch([out for out in outputs if out.request_id not in ended])
+            self._ended_early += [out for out in outputs if out.request_id in ended]
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Take a launched step's tokens to the host and into its requests (skipping requests that ended

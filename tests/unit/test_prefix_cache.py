@@ -327,14 +327,28 @@ def test_several_states_taken_in_passing_in_one_step(model_dir, max_seqs):
 def test_a_request_ended_during_a_launch_is_cached_after_it(family, hf_checkpoints):
     """A request stopped by a stop token has its stop token's decode already launched beside another prompt's
     chunk; the token is read during that launch (EngineCore._take_early), and the request's finished sequence is
-    cached only once the launch is queued, so the next turn from the cache gives the uncached engine's tokens."""
+    cached only once the launch is queued, and its last output is sent only then; the next turn from the cache gives
+    the uncached engine's tokens."""
     model, prompt, other = hf_checkpoints[family], tokens(9, 11), tokens(40, 12)
     ref = run_waves(core(model, False), [[prompt]], SamplingParams(max_tokens=8, temperature=0))["w0r0"]
     stop = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
     params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[ref[stop]])
     engine = core(model, True, max_num_batched_tokens=8)  # the other prompt's chunks outlast the first request
+    cached_when_it_ended = []
+    submit = engine.submit
+
+    def submit_watched(req, sink):
+        def watched(out):  # a client that sees its reply end may send the next turn at once: it must be cached
+            if out.finished and out.request_id == "w0r0":
+                cached_when_it_ended.append(engine.prefix_cache.cached_tokens(prompt + req.output_ids + [1]))
+            sink(out)
+
+        submit(req, watched)
+
+    engine.submit = submit_watched
     first = run_waves(engine, [[prompt, other]], params)["w0r0"]
     assert first == ref[: stop + 1] and engine.stats.mixed_steps > stop + 2
+    assert cached_when_it_ended[0] >= len(prompt) + stop
     follow = prompt + first + tokens(5, 13)
     assert run_waves(engine, [[follow]], GREEDY)["w0r0"] == run_waves(core(model, False), [[follow]], GREEDY)["w0r0"]
     assert engine.stats.prefix_cache_hit_tokens >= len(prompt) + stop
