@@ -171,14 +171,15 @@ class EngineCore:
         )  # fmt: skip
 
     def _warm_up(self) -> None:
-        """Run each kind of step once: a prefill, then a mixed step (that request's decode next to three prefills,
-        one a 2-token tail), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning happen
-        before the worker serves, not inside a client's request (a first use of a step shape can cost seconds; a
-        colocated worker meets the mixed shape with its first concurrent requests)."""
+        """Run each kind of step once: a prefill, then a mixed step (that request's decode next to four prefills,
+        one a 2-token tail, two taking their checkpoints in passing: the scratch slot's and a free slot's, their
+        tails in a pass of their own), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning
+        happen before the worker serves, not inside a client's request (a first use of a step shape can cost
+        seconds; a colocated worker meets the mixed shape with its first concurrent requests)."""
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         longest = self.max_model_len - params.max_tokens  # a tiny max_model_len only shortens the prompts
         n = 2 * self.config.page_size + 1
-        for lengths in ([n], [n - 1, n + 3, 2]):
+        for lengths in ([n], [n - 1, n + 3, 2, n + 5]):
             for token, k in enumerate(lengths, start=1):  # no two share a prefix: none starts from the cache
                 prompt = [token] * max(1, min(k, longest))
                 self.submit(self.make_request(prompt, params, f"warm-up-{next(self._ids)}"), lambda out: None)

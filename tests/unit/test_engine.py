@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams
+from deltamesh.engine.cache import StatePool
 from deltamesh.engine.core import EngineCore
 from hf_checkpoints import VOCAB
 from idle_pools import assert_idle
@@ -165,15 +166,23 @@ def copy_state(src: EngineCore, dst: EngineCore, rid: str, res, n_tokens: int):
 
 def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
     """GPU workers warm up before serving so that kernel compilation and autotuning stay out of requests; that
-    must cover a step mixing decodes and prefills (a colocated worker's normal step), and leave nothing behind."""
-    core = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_seqs=4))
-    steps = []
+    must cover a step mixing decodes and prefills (a colocated worker's normal step), among them chunks that take
+    checkpoints in passing from the scratch slot and from a free one, and leave nothing behind."""
+    core = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_seqs=6))  # a slot to lend
+    steps, passing = [], []
     execute = core.runner.execute
-    core.runner.execute = lambda items, *a, **kw: (steps.append(sorted(it.num_tokens for it in items))
-                                                   or execute(items, *a, **kw))  # fmt: skip
+
+    def watched(items, *a, **kw):
+        steps.append(sorted(it.num_tokens for it in items))
+        passing.append({it.snapshot_slot for it in items if it.snapshot_at is not None and it.num_tokens > 1
+                        and it.request.num_computed + it.num_tokens > it.snapshot_at})  # fmt: skip
+        return execute(items, *a, **kw)
+
+    core.runner.execute = watched
     core._warm_up()
-    # a decode beside three prefills, one of them a short tail: the shape whose first use cost seconds on a GPU
-    assert any(s[0] == 1 and sum(n > 1 for n in s) == 3 and 1 < s[1] <= 2 for s in steps), steps
+    # a decode beside four prefills, one of them a short tail: the shape whose first use cost seconds on a GPU
+    assert any(s[0] == 1 and sum(n > 1 for n in s) == 4 and 1 < s[1] <= 2 for s in steps), steps
+    assert any(StatePool.SCRATCH in slots and len(slots) == 2 for slots in passing), passing
     assert core.kv_pool.num_used == 0 and core.state_pool.num_used == 0
     assert not core.requests and not core.scheduler.has_work and core.stats.steps == 0
 
@@ -204,3 +213,15 @@ def test_the_engine_times_each_requests_queue_and_first_token(model_dir):
     assert s.queued == s.first_tokens == len(reqs)
     assert 0 < s.queue_seconds < s.first_token_seconds
     assert all(r.arrival_time <= r.scheduled_time < r.first_token_time for r in reqs)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_prefix_cache_takes_the_kv_memory_the_requests_cannot_use(model_dir, prefix_cache):
+    """A KV memory budget larger than every request at its longest: with the prefix cache the pool takes it all
+    (the pages past the requests' keep prefixes for later ones), without it only what the requests can use."""
+    cfg = EngineConfig(model=model_dir, page_size=4, max_num_seqs=2, max_model_len=64, kv_cache_memory_gb=0.002,
+                       prefix_cache=prefix_cache)  # fmt: skip
+    core = EngineCore(cfg)
+    usable = 2 * 64 // 4
+    budget = int(0.002 * 2**30) // core.kv_pool.page_bytes
+    assert budget > usable and core.kv_pool.num_pages == (budget if prefix_cache else usable)
