@@ -98,11 +98,7 @@ def _handoff_area_bytes(c: EngineConfig, full: ModelConfig, max_model_len: int, 
 
 def _num_kv_pages(c: EngineConfig, page_bytes: int, max_model_len: int, device: torch.device,
                   left_free: int = 0) -> int:  # fmt: skip
-    """The KV pool's pages: those asked for, else as many as the memory budget holds (`left_free`: bytes of GPU
-    memory the pool sized from what is free must leave). Without the prefix cache no more than every request
-    at its longest can use; with it, pages past that keep finished prefixes for later requests, as vLLM and
-    SGLang give their caches all the memory. The CPU's default budget is no more than a guess of what the
-    machine can spare: there the pool stays within what the requests can use."""
+    """`left_free`: bytes of GPU memory the pool sized from what is free must leave."""
     if c.num_kv_pages:
         return c.num_kv_pages
     if c.kv_cache_memory_gb is not None:
@@ -110,6 +106,5 @@ def _num_kv_pages(c: EngineConfig, page_bytes: int, max_model_len: int, device: 
     elif device.type == "cuda":
         budget = 0.85 * torch.cuda.mem_get_info(device)[0] - left_free
     else:
-        return max(1, min(_most_kv_pages(c, max_model_len), 2**30 // page_bytes))
-    pages = int(budget // page_bytes)
-    return max(1, pages if c.prefix_cache else min(_most_kv_pages(c, max_model_len), pages))
+        budget = 2**30
+    return max(1, min(_most_kv_pages(c, max_model_len), int(budget // page_bytes)))

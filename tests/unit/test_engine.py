@@ -214,14 +214,3 @@ def test_the_engine_times_each_requests_queue_and_first_token(model_dir):
     assert 0 < s.queue_seconds < s.first_token_seconds
     assert all(r.arrival_time <= r.scheduled_time < r.first_token_time for r in reqs)
 
-
-@pytest.mark.parametrize("prefix_cache", [True, False])
-def test_the_prefix_cache_takes_the_kv_memory_the_requests_cannot_use(model_dir, prefix_cache):
-    """A KV memory budget larger than every request at its longest: with the prefix cache the pool takes it all
-    (the pages past the requests' keep prefixes for later ones), without it only what the requests can use."""
-    cfg = EngineConfig(model=model_dir, page_size=4, max_num_seqs=2, max_model_len=64, kv_cache_memory_gb=0.002,
-                       prefix_cache=prefix_cache)  # fmt: skip
-    core = EngineCore(cfg)
-    usable = 2 * 64 // 4
-    budget = int(0.002 * 2**30) // core.kv_pool.page_bytes
-    assert budget > usable and core.kv_pool.num_pages == (budget if prefix_cache else usable)
