@@ -18,6 +18,7 @@ Both pools count what is in use, so tests can prove that nothing leaks.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
 
@@ -76,8 +77,11 @@ class KVPagePool:
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self._free = np.ones(num_pages + 1, dtype=bool)
         self._free[0] = False  # the scratch page
+        self._runs = FreeRuns(1, num_pages)  # the same free pages as runs: finding room never scans the pool
         self._refs = np.zeros(num_pages + 1, dtype=np.int32)  # holders of each page (requests, the prefix cache)
         self._num_free = num_pages  # kept with _free: the prefix cache asks after every page it evicts
+        self._cached = np.zeros(num_pages + 1, dtype=bool)  # pages the prefix cache holds (note_cached)
+        self._num_cached_alone = 0  # of those, the ones no request holds too: what eviction could free
         self._lock = threading.Lock()
         self.mirror: list | None = None  # tensor parallelism: writes outside model steps, as StatePool.mirror
 
@@ -124,6 +128,20 @@ class KVPagePool:
     def num_used(self) -> int:
         return self.num_pages - self.num_free
 
+    @property
+    def num_cached_alone(self) -> int:
+        """Pages the prefix cache holds and nothing else does (kept as references change: admission asks for it
+        whenever the pool is short)."""
+        return self._num_cached_alone
+
+    def note_cached(self, page: int, cached: bool) -> None:
+        """The prefix cache takes a page it holds a reference on (True), or is about to free its reference
+        (False)."""
+        with self._lock:
+            if self._cached[page] != cached:
+                self._cached[page] = cached
+                self._num_cached_alone += (1 if cached else -1) * int(self._refs[page] == 1)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -134,10 +152,10 @@ class KVPagePool:
         with self._lock:
             if n > self._num_free:
                 raise PoolExhausted(f"need {n} KV pages, {self._num_free} free")
-            if after is not None and after + 1 + n <= self.num_pages + 1 and self._free[after + 1 : after + 1 + n].all():
-                pages = list(range(after + 1, after + 1 + n))
+            if after is not None and self._runs.length_at(after + 1) >= n:  # `after` is taken: a run starts there
+                pages = self._runs.take(after + 1, n)
             else:
-                pages = self._best_fit(n)
+                pages = self._runs.best_fit(n)
             self._free[pages] = False
             self._refs[pages] = 1
             self._num_free -= n
@@ -148,37 +166,34 @@ class KVPagePool:
         if not pages:
             return
         with self._lock:
+            pages = np.unique(pages)  # each page once, as numpy's indexed updates count it
             if self._free[pages].any():
                 raise RuntimeError(f"sharing free KV pages {[p for p in pages if self._free[p]]}")
+            self._num_cached_alone -= int(np.count_nonzero(self._cached[pages] & (self._refs[pages] == 1)))
             self._refs[pages] += 1
 
     def refs(self, page: int) -> int:
         return int(self._refs[page])
 
-    def _best_fit(self, n: int) -> list[int]:
-        starts, lengths = free_runs(self._free)
-        fits = np.flatnonzero(lengths >= n)
-        if fits.size:  # smallest run that holds all n pages
-            best = fits[np.argmin(lengths[fits])]
-            return list(range(int(starts[best]), int(starts[best]) + n))
-        pages: list[int] = []  # fragmented: largest runs first
-        for i in np.argsort(-lengths, kind="stable"):
-            take = min(int(lengths[i]), n - len(pages))
-            pages.extend(range(int(starts[i]), int(starts[i]) + take))
-            if len(pages) == n:
-                break
-        return sorted(pages)
-
     def free(self, pages: list[int]) -> None:
         if not pages:
             return
         with self._lock:
+            pages = np.unique(pages)
             if self._free[pages].any():
                 raise RuntimeError(f"double free of KV pages {[p for p in pages if self._free[p]]}")
-            self._refs[pages] -= 1
-            freed = self._refs[pages] == 0
+            refs = self._refs[pages] - 1
+            cached = self._cached[pages]
+            if (cached & (refs == 0)).any():  # the cache says note_cached(page, False) before it lets a page go
+                raise RuntimeError(f"KV pages the prefix cache holds freed by their last holder: "
+                                   f"{pages[cached & (refs == 0)].tolist()}")  # fmt: skip
+            self._refs[pages] = refs
+            self._num_cached_alone += int(np.count_nonzero(cached & (refs == 1)))
+            freed = refs == 0
             self._free[pages] = freed
-            self._num_free += len(np.unique(np.asarray(pages)[freed]))
+            back = pages[freed]
+            self._num_free += len(back)
+            self._runs.give_back(back.tolist())
 
 
 class StatePool:
@@ -285,12 +300,77 @@ class StatePool:
             self._free.append(slot)
 
 
-def free_runs(free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of the runs of True in a bool array."""
-    padded = np.concatenate(([False], free, [False])).astype(np.int8)
-    edges = np.diff(padded)
-    starts = np.flatnonzero(edges == 1)
-    return starts, np.flatnonzero(edges == -1) - starts
+class FreeRuns:
+    """A pool's free pages as maximal runs of consecutive ids, kept as pages are taken and given back, so that
+    finding room costs as much as the runs it touches, not a pass over the whole pool (a GPU's pool holds
+    hundreds of thousands of pages). Pages are always taken from the start of a run."""
+
+    def __init__(self, first: int, count: int):
+        self._length_at: dict[int, int] = {}  # run start -> its length
+        self._start_ending_at: dict[int, int] = {}  # run end (exclusive) -> its start
+        self._starts_of: dict[int, set[int]] = {}  # length -> the starts of the runs that long
+        self._lengths: list[int] = []  # the lengths present, ascending
+        if count:
+            self._add(first, count)
+
+    def length_at(self, start: int) -> int:
+        """The length of the free run starting at `start` (0: none does)."""
+        return self._length_at.get(start, 0)
+
+    def take(self, start: int, n: int) -> list[int]:
+        """The first n pages of the run starting at `start`."""
+        length = self._remove(start)
+        if length > n:
+            self._add(start + n, length - n)
+        return list(range(start, start + n))
+
+    def best_fit(self, n: int) -> list[int]:
+        """n pages: the shortest run that holds them all, else the longest runs first (ascending ids); the caller
+        knows that n pages are free."""
+        i = bisect.bisect_left(self._lengths, n)
+        if i < len(self._lengths):
+            return self.take(self._any_start(self._lengths[i]), n)
+        pages: list[int] = []
+        while len(pages) < n:
+            length = self._lengths[-1]
+            pages += self.take(self._any_start(length), min(length, n - len(pages)))
+        return sorted(pages)
+
+    def give_back(self, pages: list[int]) -> None:
+        """Pages (ascending, each free again) rejoin the runs beside them."""
+        for start, count in page_runs(pages):
+            end = start + count
+            if end in self._length_at:
+                count += self._remove(end)
+            if start in self._start_ending_at:
+                left = self._start_ending_at[start]
+                count += self._remove(left)
+                start = left
+            self._add(start, count)
+
+    def _any_start(self, length: int) -> int:
+        starts = self._starts_of[length]
+        start = starts.pop()  # set.pop stays cheap however many were taken before
+        starts.add(start)
+        return start
+
+    def _add(self, start: int, length: int) -> None:
+        self._length_at[start] = length
+        self._start_ending_at[start + length] = start
+        if length not in self._starts_of:
+            self._starts_of[length] = set()
+            bisect.insort(self._lengths, length)
+        self._starts_of[length].add(start)
+
+    def _remove(self, start: int) -> int:
+        length = self._length_at.pop(start)
+        del self._start_ending_at[start + length]
+        starts = self._starts_of[length]
+        starts.discard(start)
+        if not starts:
+            del self._starts_of[length]
+            del self._lengths[bisect.bisect_left(self._lengths, length)]
+        return length
 
 
 def page_runs(pages: list[int]) -> list[tuple[int, int]]:

@@ -137,9 +137,7 @@ class PrefixCache:
 
     def reclaimable(self) -> int:
         """Pages that eviction can return to the pool: those only the cache holds."""
-        with self._lock:
-            pages = np.fromiter(self._key_of, dtype=np.int64, count=len(self._key_of))
-            return int(np.count_nonzero(self.kv_pool.ref_counts[pages] == 1))
+        return self.kv_pool.num_cached_alone
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         ps = self.kv_pool.page_size
@@ -182,6 +180,7 @@ class PrefixCache:
 
     def _hold(self, key: int | TailKey, page: int, depth: int) -> None:
         self._key_of[page] = key
+        self.kv_pool.note_cached(page, True)
         self._last_use[page] = next(self._clock)
         self._depth[page] = depth
         self._is_block[page] = isinstance(key, int)
@@ -340,6 +339,7 @@ class PrefixCache:
             self._free_checkpoint(key, b)
             self.stats.checkpoints_evicted += evicted
         del self._key_of[b.page]
+        self.kv_pool.note_cached(b.page, False)
         self.kv_pool.free([b.page])
 
     def _drop_tail(self, key: TailKey, evicted: bool) -> None:
@@ -350,6 +350,7 @@ class PrefixCache:
         del self._checkpointed[key]
         self.stats.checkpoints_evicted += evicted
         del self._key_of[tail.page]
+        self.kv_pool.note_cached(tail.page, False)
         self.kv_pool.free([tail.page])
 
     def clear(self) -> None:

@@ -71,3 +71,64 @@ def test_state_slots_are_zeroed_and_slot_major():
     pool.alloc(), pool.alloc()
     with pytest.raises(PoolExhausted):
         pool.alloc()
+
+
+
+def _free_pages(pool) -> list[int]:
+    return [p for p in range(1, pool.num_pages + 1) if pool._free[p]]
+
+
+def test_the_free_runs_follow_every_allocation_and_free():
+    """Random allocations (growing after a held page, or best fit) and frees: the runs the pool keeps are the
+    runs of its free pages, and an allocation comes whole from one run wherever one is long enough."""
+    import random
+
+    rng = random.Random(7)
+    pool = kv_pool(200)
+    held: list[list[int]] = []
+    for _ in range(2000):
+        if rng.random() < (0.6 if pool.num_free > 50 else 0.3) and pool.num_free:
+            n = rng.randint(1, min(12, pool.num_free))
+            after = rng.choice(held)[-1] if held and rng.random() < 0.5 else None
+            fits = max((length for _, length in page_runs(_free_pages(pool))), default=0) >= n
+            pages = pool.alloc(n, after)
+            assert len(set(pages)) == n and (len(page_runs(pages)) == 1 or not fits)
+            held.append(pages)
+        elif held:
+            pool.free(held.pop(rng.randrange(len(held))))
+        free = _free_pages(pool)
+        assert pool.num_free == len(free) and sorted(pool._runs._length_at.items()) == page_runs(free)
+
+
+def test_the_pages_only_the_cache_holds_are_counted_as_references_change():
+    """Requests allocating, sharing (cache hits among them) and freeing pages while the prefix cache takes and
+    drops references of its own: the count of pages only the cache holds (what admission may reclaim) equals the
+    count from the reference counts after every change."""
+    import random
+
+    rng = random.Random(3)
+    pool = kv_pool(100)
+    held: list[list[int]] = []
+    cached: set[int] = set()
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.3 and pool.num_free > 10:
+            held.append(pool.alloc(rng.randint(1, 4)))
+        elif op < 0.45 and (held or cached):  # another request shares a request's pages, or hits the cache
+            pages = [rng.choice(sorted(cached))] if cached and (rng.random() < 0.5 or not held) else rng.choice(held)
+            pool.share(pages)
+            held.append(list(pages))
+        elif op < 0.65 and held:  # the cache takes a reference on a request's page
+            page = rng.choice(rng.choice(held))
+            if page not in cached:
+                pool.share([page])
+                pool.note_cached(page, True)
+                cached.add(page)
+        elif op < 0.75 and cached:  # the cache drops one
+            page = rng.choice(sorted(cached))
+            pool.note_cached(page, False)
+            pool.free([page])
+            cached.discard(page)
+        elif held:
+            pool.free(held.pop(rng.randrange(len(held))))
+        assert pool.num_cached_alone == sum(pool.refs(p) == 1 for p in cached)
