@@ -125,6 +125,11 @@ class KVPagePool:
         return view
 
     @property
+    def cached_pages(self) -> np.ndarray:
+        """The pages the prefix cache holds (note_cached), ascending."""
+        return np.flatnonzero(self._cached)
+
+    @property
     def num_used(self) -> int:
         return self.num_pages - self.num_free
 

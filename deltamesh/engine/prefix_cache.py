@@ -63,6 +63,31 @@ class _Tail:
 
 TailKey = tuple[int | None, tuple[int, ...]]  # (key of the full block before it, its tokens)
 EVICTION_SLACK = 64  # an eviction frees 1/EVICTION_SLACK of the cache's pages more than it needs
+EVICTION_CHUNK = 1024  # entries _eviction_order sorts first
+_DEPTH_BITS = 21
+
+
+def eviction_rank(shared: np.ndarray, last_use: np.ndarray, depth: np.ndarray, is_block: np.ndarray) -> np.ndarray:
+    """One int64 per cache entry that orders as `np.lexsort((is_block, -depth, last_use, shared))`: unshared
+    first, then least recently used, deepest, tails before blocks. Last uses are clock ticks (below 2**40);
+    depths past 2**21 pages compare as equal."""
+    most = (1 << _DEPTH_BITS) - 1
+    rank = shared.astype(np.int64) << 62
+    rank |= last_use.astype(np.int64) << (_DEPTH_BITS + 1)
+    rank |= (most - np.minimum(depth, most).astype(np.int64)) << 1
+    return rank | is_block.astype(np.int64)
+
+
+def in_rank_order(items: np.ndarray, rank: np.ndarray, chunk: int = EVICTION_CHUNK):
+    """`items` by ascending rank (ties in their given order), as a stable sort would give them, but sorting only a
+    first chunk of the lowest ranks, and a twice larger one whenever the caller reads past it."""
+    done = 0
+    while done < len(items):
+        k = min(len(items), max(2 * done, chunk))
+        first = np.flatnonzero(rank <= np.partition(rank, k - 1)[k - 1])  # every rank up to the k-th, ties too
+        first = first[np.argsort(rank[first], kind="stable")]
+        yield from items[first[done:]].tolist()
+        done = len(first)
 TURN_START = "<|im_start|>"  # the token that opens every message of the chat template (Qwen's)
 
 
@@ -308,14 +333,17 @@ class PrefixCache:
     def _eviction_order(self, only_unshared: bool):
         """Block and tail keys, those only the cache holds first, then least recently used first; among entries
         used together, the deepest first (tails before their blocks). Pinned entries are left out. A generator:
-        an entry dropped meanwhile (with an evicted parent) is skipped."""
-        pinned = {self._page_of(k) for k in self._pinned}
-        pages = np.fromiter((p for p in self._key_of if p not in pinned), dtype=np.int64)
+        an entry dropped meanwhile (with an evicted parent) is skipped. An eviction mostly needs a few of a
+        large cache's entries: only as many of the lowest ranks are sorted as are read (`in_rank_order`)."""
+        pages = self.kv_pool.cached_pages
+        if self._pinned:
+            pinned = [p for p in map(self._page_of, self._pinned) if p is not None]
+            pages = pages[~np.isin(pages, pinned)]
         shared = self.kv_pool.ref_counts[pages] > 1
         if only_unshared:
             pages, shared = pages[~shared], shared[~shared]
-        order = np.lexsort((self._is_block[pages], -self._depth[pages], self._last_use[pages], shared))
-        for page in pages[order].tolist():
+        rank = eviction_rank(shared, self._last_use[pages], self._depth[pages], self._is_block[pages])
+        for page in in_rank_order(pages, rank):
             key = self._key_of.get(page)
             if key is not None:
                 yield key

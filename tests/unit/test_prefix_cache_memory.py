@@ -1,13 +1,16 @@
 """`--prefix-cache-memory`: one budget for the prefix cache's KV pages and GDN checkpoints together. Under it
 the cache never holds more bytes than the budget after any step, makes room by evicting its least recently used
 entries of either kind (never a pinned one), and outputs stay token-for-token those without a cache; the
-checkpoint pool is sized from the budget; bad values are refused."""
+checkpoint pool is sized from the budget; bad values are refused. The eviction order's packed rank and its
+sort a chunk at a time give the order of a full sort."""
 
 import math
 
+import numpy as np
 import pytest
 
 from deltamesh.engine import EngineConfig
+from deltamesh.engine.prefix_cache import eviction_rank, in_rank_order
 from test_prefix_cache import FAMILIES, GREEDY, assert_cached_baseline, conversation, core, run_waves, tokens
 
 PAGE_BYTES, SLOT_BYTES = 2048, 16896  # the test models' (fp32, page_size 4): checked in `budgeted`
@@ -102,3 +105,30 @@ def test_a_budget_that_is_not_a_positive_size_is_refused(gb):
         EngineConfig(prefix_cache=True, prefix_cache_memory_gb=gb).validate()
     EngineConfig(prefix_cache=True, prefix_cache_memory_gb=0.5).validate()
 
+
+
+def test_the_packed_eviction_rank_orders_as_the_four_keys_do():
+    """Random entries with many ties in each key: sorting by the packed rank gives np.lexsort's order of
+    (shared, last use, deepest first, tails before blocks)."""
+    gen = np.random.default_rng(5)
+    n = 5000
+    shared, is_block = gen.random(n) < 0.3, gen.random(n) < 0.7
+    last_use, depth = gen.integers(1, 50, n), gen.integers(0, 40, n).astype(np.int32)
+    last_use[:3], depth[:3] = 2**40 - 1, 2**21 - 1  # the largest each keeps apart
+    order = np.lexsort((is_block, -depth.astype(np.int64), last_use, shared))
+    rank = eviction_rank(shared, last_use, depth, is_block)
+    assert (np.argsort(rank, kind="stable") == order).all()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
+def test_eviction_reads_the_same_order_a_chunk_at_a_time(chunk):
+    """`in_rank_order` sorts only the lowest ranks it is read to (ties across a chunk's edge included): read to
+    any depth it gives the stable sort's order, each item once."""
+    gen = np.random.default_rng(chunk)
+    items = gen.permutation(3000)
+    rank = gen.integers(0, 200, 3000)  # ~15 ties per rank
+    expected = items[np.argsort(rank, kind="stable")].tolist()
+    assert list(in_rank_order(items, rank, chunk)) == expected
+    some = min(chunk + 3, 3000)  # past the first chunk's edge
+    read = in_rank_order(items, rank, chunk)
+    assert [next(read) for _ in range(some)] == expected[:some]
