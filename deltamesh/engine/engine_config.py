@@ -180,7 +180,24 @@ class EngineConfig:
             raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0")
         if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be >= 1 pages")
+        self.check_device()
         self.torch_dtype()
+
+    def check_device(self) -> None:
+        """The device exists on this machine: a clear error now rather than torch's, deep in model loading."""
+        import torch
+
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device {self.device!r}: {e}") from None
+        if device.type != "cuda":
+            return
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: torch {torch.__version__} finds no CUDA GPU on this machine "
+                             "(--device cpu runs on the CPU)")  # fmt: skip
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r}: this machine shows torch {torch.cuda.device_count()} GPU(s)")
 
 
 def _dtype(name: str) -> torch.dtype:

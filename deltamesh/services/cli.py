@@ -15,12 +15,13 @@ import typer
 
 from deltamesh.client.cli import generate
 from deltamesh.services.common.logs import write_line
-from deltamesh.services.common.options import Option, hand_over, handed_settings, options, settings_from, with_options
+from deltamesh.services.common.options import (SETTINGS_PARENT_ENV, Option, hand_over, handed_settings, options,
+                                               settings_from, with_options)  # fmt: skip
 from deltamesh.services.common.ports import free_port
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
 from deltamesh.services.ready_notice import announce_when_ready
-from deltamesh.services.supervisor import ChildSpec, Supervisor
+from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor, die_with_parent
 
 # plain help (rich_markup_mode=None): rich tables cut long option names at 80 columns; plain help wraps them
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
@@ -70,6 +71,20 @@ def _transport_known(name: str) -> None:
                                  param_hint="--transport")  # fmt: skip
 
 
+def _servable(command: str, model: str, engine=None, code: int = CONFIG_ERROR) -> None:
+    """A model directory (and engine settings, device included) this machine can serve, or one line saying why
+    and exit `code`: at once, not after imports and a model load, and not once per restart."""
+    from deltamesh.engine.config import ModelConfig
+
+    try:
+        ModelConfig.from_dir(model)
+        if engine is not None:
+            engine.validate()
+    except (ValueError, OSError) as e:
+        print(f"deltamesh {command}: {e}", file=sys.stderr)
+        raise typer.Exit(code) from None
+
+
 def _mesh_secret(secret_file: str | None, create: bool = False):
     from deltamesh.services.common.auth import MissingSecret, load_mesh_secret
 
@@ -84,6 +99,8 @@ def _start(name: str, settings, serve) -> None:
     from deltamesh.services.common.server import run
     from deltamesh.services.common.settings import print_settings
 
+    if os.environ.get(SETTINGS_PARENT_ENV) == str(os.getppid()):  # started by `deltamesh serve`
+        die_with_parent(os.getppid())
     configure_logging(name, settings.log_level)
     print_settings(name, settings)
     run(lambda stop: serve(settings, stop))
@@ -97,6 +114,7 @@ def _worker_command(role: str):
         _ports_free(role, settings.host, {"--port": settings.port, "--metrics-port": settings.metrics_port})
         _transport_known(settings.transport)
         _check_tls(settings.tls)
+        _servable(role, settings.engine.model, settings.engine)
         if role == "prefill":
             from deltamesh.services.prefill.main import serve
         else:
@@ -124,6 +142,7 @@ def router(**values) -> None:
     _ports_free("router", settings.host, {"--grpc-port": settings.grpc_port, "--control-port": settings.control_port,
                                           "--http-port": settings.http_port})  # fmt: skip
     _check_tls(settings.tls)
+    _servable("router", settings.model)
     from deltamesh.services.router.main import serve
 
     _start("router", settings, serve)
@@ -192,6 +211,8 @@ def serve(**values) -> None:
     has_secret = values["mesh_secret_file"] or os.environ.get("DELTAMESH_MESH_SECRET")
     secret = _mesh_secret(values["mesh_secret_file"], create=True) if has_secret else secrets.token_urlsafe(32)
     router, roles, gpus = _plan(values, secret)
+    engine = settings_from(WorkerSettings, WORKER, values, role=roles[0], mesh_secret=secret).engine
+    _servable("serve", engine.model, engine, code=2)  # every worker runs the same model on the same kind of device
     specs, metrics_urls = _children(values, secret, router, roles, gpus)
     where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
     write_line(sys.stderr, f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}")

@@ -5,10 +5,13 @@ A crashed worker is restarted with the same command line and environment (where 
 so it comes back on the same gRPC and metrics ports and the router's registry entry (keyed by address) stays valid;
 the other processes keep serving meanwhile.
 A process that cannot start at all (a bad flag, a port in use) is not retried forever: after
-MAX_START_FAILURES quick exits in a row the supervisor gives up and stops the mesh."""
+MAX_START_FAILURES quick exits in a row the supervisor gives up and stops the mesh; at once when it exits with
+CONFIG_ERROR (a model directory or device this machine cannot serve: no retry would change that)."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +25,7 @@ BACKOFF_MAX_S = 30.0
 STABLE_S = 60.0  # up this long: the next crash starts the back-off from the beginning again
 START_WINDOW_S = 15.0  # an exit this soon after starting counts as a failure to start (imports + model load)
 MAX_START_FAILURES = 5
+CONFIG_ERROR = 78  # the exit status of a process whose configuration cannot be served (sysexits' EX_CONFIG)
 STOP_DEADLINE_S = 10.0  # SIGTERM, then SIGKILL for whatever is still running after this long
 POLL_S = 0.1
 
@@ -45,6 +49,19 @@ class Child:
     start_failures: int = 0  # quick exits in a row
     restart_at: float | None = None  # when a dead child is due to start again
     restarts: int = 0
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child of `deltamesh serve`: get SIGTERM (a graceful stop) when serve goes, however it goes, SIGKILL
+    included, so that no worker outlives it holding its ports (Linux's parent-death signal). If serve is gone
+    already, stop now."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def log(message: str) -> None:
@@ -112,6 +129,11 @@ class Supervisor:
         up_s = now - child.started_at
         child.popen = None
         child.start_failures = child.start_failures + 1 if up_s < START_WINDOW_S else 0
+        if returncode == CONFIG_ERROR:
+            log(f"{child.spec.name} cannot serve this configuration (its error above); stopping the mesh")
+            self.gave_up = True
+            self.stopping = True
+            return
         # one that cannot start at all (a bad flag, a port in use) would only crash-loop: give up on the mesh
         if child.start_failures >= MAX_START_FAILURES:
             log(f"{child.spec.name} {describe_exit(returncode)} {child.start_failures} times in a row within "

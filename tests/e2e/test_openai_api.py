@@ -213,6 +213,30 @@ def test_unknown_parameters_are_refused_as_openai_does_and_known_ones_pass(base_
         assert r.status_code == 200, r.text
 
 
+def test_null_means_the_default_and_dependent_parameters_are_checked(base_url, client):
+    """Clients that send every field send null for those unset: null is the default (as OpenAI and vLLM take
+    it). Parameters that need another one (stream_options needs stream, top_logprobs needs logprobs) and empty
+    stop strings are refused naming the parameter. A model is described under its id, as openai's
+    models.retrieve asks."""
+    nulls = {"n": None, "stream": None, "stop": None, "seed": None, "temperature": 0}
+    for path, body in (("/v1/completions", {"prompt": "x", "echo": None, "logprobs": None}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": None,
+                                                 "top_logprobs": None})):  # fmt: skip
+        r = httpx.post(f"{base_url}{path}", json={"model": MODEL_ID, "max_tokens": 2, **nulls, **body}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    chat = {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    for path, body, param in (("/v1/completions", {"model": MODEL_ID, "prompt": "x", "stop": ""}, "stop"),
+                              ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "stop": ["a", ""]}, "stop"),
+                              ("/v1/completions", {"model": MODEL_ID, "prompt": "x",
+                                                   "stream_options": {"include_usage": True}}, "stream_options"),
+                              ("/v1/chat/completions", chat | {"top_logprobs": 2}, "top_logprobs")):  # fmt: skip
+        r = httpx.post(f"{base_url}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
 @pytest.mark.parametrize("field,value", [("temperature", 5), ("top_p", 0), ("top_k", -1), ("min_p", 2), ("seed", -3)])
 def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, field, value):
     from deltamesh.client import InvalidRequest

@@ -51,13 +51,21 @@ def test_requests_wait_for_the_first_workers_then_get_503_with_retry_after(tmp_p
         mesh.stop()
 
 
-def test_a_mesh_without_workers_answers_503_with_retry_after(tmp_path):
+def test_a_mesh_without_workers_answers_503_with_retry_after_naming_what_is_missing(tmp_path):
     mesh, url = router_alone(tmp_path, 1)
     try:
         started = time.monotonic()
         r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL.name, "prompt": "x"}, timeout=10)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert "no healthy workers" in r.json()["error"]["message"] and 0.9 < time.monotonic() - started < 5
+        # with a prefill worker up, the answer names the role still missing (/ready says it too)
+        mesh.start_worker("prefill")
+        deadline = time.monotonic() + 60
+        while "decode" not in (why := httpx.get(f"{url}/ready", timeout=5).json()["error"]["message"]):
+            assert time.monotonic() < deadline, why
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL.name, "prompt": "x"}, timeout=10)
+        assert r.status_code == 503 and "no healthy decode worker" in r.json()["error"]["message"], r.text
     finally:
         mesh.stop()
 

@@ -215,3 +215,20 @@ def test_serve_gives_up_on_a_process_that_cannot_start(tmp_path):
     assert "router exited with status 2 5 times in a row" in log, log[-3000:]
     assert "giving up and stopping the mesh" in log
     assert serve.pids_left() == []
+
+
+def test_a_killed_serve_leaves_no_process_behind(tmp_path):
+    """SIGKILL of serve itself (no chance to stop its children): each child gets SIGTERM from the kernel and stops,
+    so that no worker holds the mesh's ports for a next `serve`."""
+    serve = Serve(tmp_path, prefill=1, decode=1)
+    try:
+        serve.wait_ready(workers=2)
+        assert len(serve.children()) == 3
+        serve.popen.kill()
+        serve.popen.wait(10)
+        deadline = time.monotonic() + 30
+        while serve.pids_left() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert serve.pids_left() == [], "children of a SIGKILLed serve kept running"
+    finally:
+        serve.stop()

@@ -129,3 +129,41 @@ def test_serve_hands_each_child_its_settings_in_the_environment_and_never_a_secr
     assert (worker.engine.page_size, worker.engine.cuda_graphs, worker.transfer_timeout_s) == (32, False, 5.0)
     assert worker.router == "127.0.0.1:50052" and worker.port and worker.metrics_port and worker.engine.torch_threads
 
+
+
+def test_a_model_or_device_this_machine_cannot_serve_is_named_at_once(tmp_path):
+    """A wrong --model (or --device cuda on a machine without a GPU): one line, before anything starts and before
+    any model loads; a worker or router exits with the configuration-error status, so that `serve` would not
+    restart it, and `serve` itself refuses with a usage error."""
+    import torch
+
+    from deltamesh.services.supervisor import CONFIG_ERROR
+
+    missing = str(tmp_path / "no-such-model")
+    cases = [(["prefill", "--model", missing, "--port", "0", "--metrics-port", "0"], CONFIG_ERROR, "no config.json"),
+             (["router", "--model", missing, "--grpc-port", "0", "--control-port", "0", "--http-port", "0"],
+              CONFIG_ERROR, "no config.json"),
+             (["serve", "--model", missing, "--grpc-port", "0", "--control-port", "0", "--http-port", "0"], 2,
+              "no config.json")]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases.append((["serve", "--device", "cuda", "--grpc-port", "0", "--control-port", "0", "--http-port", "0"],
+                      2, "finds no CUDA GPU"))  # fmt: skip
+    for argv, code, why in cases:
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "deltamesh.services.cli", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60, env={"DELTAMESH_MESH_SECRET": "s" * 32, "PATH": "/usr/bin:/bin"})  # fmt: skip
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == code and len(lines) == 1 and why in lines[0], (argv, done.stderr)
+        assert time.monotonic() - started < 15, argv  # the process's start-up; no model loads
+
+
+def test_the_sdk_script_without_its_cli_extra_says_how_to_install_it():
+    """`pip install deltamesh-client` alone installs the library and the `deltamesh-client` script but not typer:
+    the script says which extra it needs instead of a traceback (typer hidden from the import system here)."""
+    hide = "import sys; sys.modules['typer'] = None; from deltamesh.client.command import main; main()"
+    done = subprocess.run([sys.executable, "-c", hide, "hi"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "deltamesh-client: the command line needs the package's cli extra: pip install 'deltamesh-client[cli]'")
+    done = subprocess.run([sys.executable, "-c", "from deltamesh.client.command import main; main()", "--help"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and "--max-tokens" in done.stdout, done.stderr

@@ -84,17 +84,24 @@ class Mesh:
     def colocated(self) -> bool:
         return bool(self.registry.healthy("colocated")) and not self.registry.healthy("prefill")
 
-    def ready(self) -> bool:
+    def missing(self) -> str:
+        """What the mesh lacks to serve a request ("" when nothing): a user told only "no healthy workers" while
+        the prefill workers are up would look in the wrong place."""
         r = self.registry
-        return bool(r.healthy("colocated") or (r.healthy("prefill") and r.healthy("decode")))
+        if r.healthy("colocated") or (r.healthy("prefill") and r.healthy("decode")):
+            return ""
+        lacking = [role for role in ("prefill", "decode") if not r.healthy(role)]
+        if len(lacking) == 2:
+            return "no healthy workers to serve requests"
+        return f"no healthy {lacking[0]} worker (and no colocated one) to serve requests"
 
     async def _until_ready(self) -> None:
         """Hold a request while no worker can serve it, as a server that is still starting would; bounded."""
         deadline = time.monotonic() + self.ready_timeout_s
-        while not self.ready():
+        while missing := self.missing():
             if time.monotonic() >= deadline:
-                raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy workers to serve requests (waited "
-                                f"{self.ready_timeout_s:g} s); retry shortly")  # fmt: skip
+                raise MeshError(grpc.StatusCode.UNAVAILABLE, f"{missing} (waited {self.ready_timeout_s:g} s); "
+                                "retry shortly")  # fmt: skip
             await asyncio.sleep(0.05)
 
     def _pick(self, role: str, exclude: set[str], prompt_ids=()) -> WorkerHandle:

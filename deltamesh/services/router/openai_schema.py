@@ -11,7 +11,8 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_serializer,
+                      model_validator)  # fmt: skip
 
 from deltamesh.services.common.settings import RequestLimits
 
@@ -67,6 +68,30 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's API takes null for any optional parameter (clients that send every field send it): null
+        where this schema has a default other than None means that default."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, stop):
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_with_stream(cls, options, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -132,6 +157,13 @@ class ChatCompletionRequest(_Sampling):
     def _few_enough_messages(cls, data):
         _check_count(data, "messages", LIMITS.get().max_messages, "chat messages")
         return data
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_with_logprobs(cls, top, info: ValidationInfo):
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return top
 
 
 class Usage(BaseModel):

@@ -119,7 +119,7 @@ async def _invalid(request: Request, e: RequestValidationError):
         return ApiError(400, shared, param=loc[-1]).response()
     if err.get("type") == "extra_forbidden":  # OpenAI's wording for a parameter it does not know
         return ApiError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=".".join(loc)).response()
-    message = err.get("msg", "invalid request")
+    message = err.get("msg", "invalid request").removeprefix("Value error, ")  # our validators' own words
     return ApiError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None).response()
 
 

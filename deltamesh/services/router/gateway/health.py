@@ -22,8 +22,8 @@ async def health() -> dict:
 @router.get("/ready", summary="Readiness: healthy workers to serve requests",
             responses={503: {"model": oa.ErrorResponse}})  # fmt: skip
 async def ready(gateway: GatewayDep):
-    if not gateway.mesh.ready():
-        return ApiError(503, "no healthy workers to serve requests", "service_unavailable").response()
+    if missing := gateway.mesh.missing():
+        return ApiError(503, missing, "service_unavailable").response()
     healthy = [w.role for w in gateway.mesh.registry.workers.values() if w.healthy]
     return {"status": "ready", "workers": {role: healthy.count(role) for role in sorted(set(healthy))}}
 
@@ -35,5 +35,17 @@ async def metrics() -> Response:
 
 @router.get("/v1/models", response_model=oa.ModelList)
 async def models(gateway: GatewayDep) -> oa.ModelList:
+    return oa.ModelList(data=[_card(gateway)])
+
+
+@router.get("/v1/models/{model:path}", response_model=oa.ModelCard, responses={404: {"model": oa.ErrorResponse}})
+async def model(model: str, gateway: GatewayDep):
+    if model != gateway.frontend.model_id:
+        return ApiError(404, f"The model {model[:200]!r} does not exist (this server serves "
+                             f"{gateway.frontend.model_id!r})", param="model", code="model_not_found").response()  # fmt: skip
+    return _card(gateway)
+
+
+def _card(gateway) -> oa.ModelCard:
     f = gateway.frontend
-    return oa.ModelList(data=[oa.ModelCard(id=f.model_id, created=0, max_model_len=f.max_model_len)])
+    return oa.ModelCard(id=f.model_id, created=0, max_model_len=f.max_model_len)
