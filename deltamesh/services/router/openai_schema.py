@@ -32,6 +32,18 @@ def _check_count(data, field: str, limit: int, what: str) -> None:
         raise ValueError(f"too many {what}: {len(items)} (this server takes at most {limit} per request)")
 
 
+def _only_with(name: str, needed: str):
+    """A field validator: parameter `name` may be set only when parameter `needed` (declared before it) is true,
+    as OpenAI's API requires."""
+
+    def check(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get(needed):
+            raise ValueError(f"{name} is only allowed when {needed} is true")
+        return value
+
+    return field_validator(name)(check)
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -86,12 +98,7 @@ class _Sampling(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return stop
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_with_stream(cls, options, info: ValidationInfo):
-        if options is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return options
+    _stream_options_need_stream = _only_with("stream_options", "stream")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -158,12 +165,7 @@ class ChatCompletionRequest(_Sampling):
         _check_count(data, "messages", LIMITS.get().max_messages, "chat messages")
         return data
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_with_logprobs(cls, top, info: ValidationInfo):
-        if top is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return top
+    _top_logprobs_need_logprobs = _only_with("top_logprobs", "logprobs")
 
 
 class Usage(BaseModel):

@@ -45,7 +45,8 @@ class ApiError(Exception):
         return cls(status, e.message, kind)
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 503 else None  # nothing to serve with yet: come back soon
+        # nothing to serve with yet (503), or no room for the request now (429): come back soon
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
         return _AsciiJSON(oa.ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=headers)
 
 
