@@ -173,7 +173,7 @@ class KVPagePool:
         with self._lock:
             pages = np.unique(pages)  # each page once, as numpy's indexed updates count it
             if self._free[pages].any():
-                raise RuntimeError(f"sharing free KV pages {[p for p in pages if self._free[p]]}")
+                raise RuntimeError(f"sharing free KV pages {pages[self._free[pages]].tolist()}")
             self._num_cached_alone -= int(np.count_nonzero(self._cached[pages] & (self._refs[pages] == 1)))
             self._refs[pages] += 1
 
@@ -186,7 +186,7 @@ class KVPagePool:
         with self._lock:
             pages = np.unique(pages)
             if self._free[pages].any():
-                raise RuntimeError(f"double free of KV pages {[p for p in pages if self._free[p]]}")
+                raise RuntimeError(f"double free of KV pages {pages[self._free[pages]].tolist()}")
             refs = self._refs[pages] - 1
             cached = self._cached[pages]
             if (cached & (refs == 0)).any():  # the cache says note_cached(page, False) before it lets a page go
