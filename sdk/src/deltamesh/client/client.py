@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from typing import AsyncIterator, Iterator, Sequence
@@ -41,6 +42,19 @@ def build_request(
                       ignore_eos, model, request_id)  # fmt: skip
     except (ValueError, TypeError) as e:
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {e}") from None
+
+
+_KEYWORDS = [name for name in inspect.signature(build_request).parameters if name != "prompt"]
+
+
+def _request(prompt: Prompt, kwargs: dict) -> router_pb2.GenerateRequest:
+    """build_request for the clients' generate and stream, whose `**kwargs` are its keywords: an unknown one is
+    named with the list of those taken."""
+    unknown = sorted(set(kwargs) - set(_KEYWORDS))
+    if unknown:
+        raise TypeError(f"unknown keyword argument(s) {', '.join(unknown)}; generate and stream take the prompt, "
+                        f"timeout and {', '.join(_KEYWORDS)} (see build_request)")  # fmt: skip
+    return build_request(prompt, **kwargs)
 
 
 def _build(prompt, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, logprobs, ignore_eos,
@@ -133,7 +147,9 @@ class Client:
                 time.sleep(0.1 * 2**attempt)
 
     def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
-        request = build_request(prompt, **kwargs)
+        """The whole result. `kwargs`: build_request's sampling keywords (max_tokens, temperature, top_p, top_k,
+        min_p, seed, stop, stop_token_ids, logprobs, ignore_eos, model, request_id)."""
+        request = _request(prompt, kwargs)
         for attempt in range(self.retries + 1):
             result = Result(request.request_id)
             try:
@@ -148,7 +164,8 @@ class Client:
         raise AssertionError("unreachable")
 
     def stream(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Stream:
-        return Stream(self, build_request(prompt, **kwargs), timeout or self.timeout)
+        """The deltas as they come (`kwargs` as for generate)."""
+        return Stream(self, _request(prompt, kwargs), timeout or self.timeout)
 
     def abort(self, request_id: str, abort_token: bytes) -> bool:
         """Abort a request of this client's from elsewhere, with the `abort_token` of its stream."""
@@ -232,7 +249,8 @@ class AsyncClient:
                 await asyncio.sleep(0.1 * 2**attempt)
 
     async def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
-        request = build_request(prompt, **kwargs)
+        """The whole result (`kwargs` as for Client.generate: build_request's sampling keywords)."""
+        request = _request(prompt, kwargs)
         for attempt in range(self.retries + 1):
             result = Result(request.request_id)
             try:
@@ -246,7 +264,8 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     def stream(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> AsyncStream:
-        return AsyncStream(self, build_request(prompt, **kwargs), timeout or self.timeout)
+        """The deltas as they come (`kwargs` as for Client.generate)."""
+        return AsyncStream(self, _request(prompt, kwargs), timeout or self.timeout)
 
     async def abort(self, request_id: str, abort_token: bytes) -> bool:
         """Abort a request of this client's from elsewhere, with the `abort_token` of its stream."""
