@@ -46,12 +46,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, UINT64)
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
-        for s in self.stop:
-            check_text(s, "a stop string")
+        check_stop_strings(self.stop)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         bad = [t for t in self.stop_token_ids if not is_int(t) or not 0 <= t < vocab_size]
@@ -64,6 +59,17 @@ class SamplingParams:
 UINT32, UINT64 = 2**32, 2**64
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024  # a generous cap: each one is checked on every generated token
+
+
+def check_stop_strings(stop) -> None:
+    """Raise ValueError unless `stop` is a short enough list of non-empty, well-formed strings (also checked by
+    the REST gateway before anything is tokenised, so that its error names the parameter)."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError("stop strings must be non-empty strings")
+    for s in stop:
+        check_text(s, "a stop string")
 
 
 def is_int(x) -> bool:

@@ -15,8 +15,8 @@ import typer
 
 from deltamesh.client.cli import generate
 from deltamesh.services.common.logs import write_line
-from deltamesh.services.common.options import (SETTINGS_PARENT_ENV, Option, hand_over, handed_settings, options,
-                                               settings_from, with_options)  # fmt: skip
+from deltamesh.services.common.options import (Option, hand_over, handed_settings, options, settings_from,
+                                               started_by_serve, with_options)  # fmt: skip
 from deltamesh.services.common.ports import free_port
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
@@ -99,7 +99,7 @@ def _start(name: str, settings, serve) -> None:
     from deltamesh.services.common.server import run
     from deltamesh.services.common.settings import print_settings
 
-    if os.environ.get(SETTINGS_PARENT_ENV) == str(os.getppid()):  # started by `deltamesh serve`
+    if started_by_serve():
         die_with_parent(os.getppid())
     configure_logging(name, settings.log_level)
     print_settings(name, settings)

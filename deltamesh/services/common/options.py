@@ -116,13 +116,18 @@ def hand_over(settings: BaseModel) -> dict[str, str]:
             SETTINGS_PARENT_ENV: str(os.getpid())}  # fmt: skip
 
 
+def started_by_serve() -> bool:
+    """This process is a child of the `deltamesh serve` that handed it its settings (not of a copied shell)."""
+    return os.environ.get(SETTINGS_PARENT_ENV) == str(os.getppid())
+
+
 def handed_settings() -> dict:
     """What `deltamesh serve` handed this process: empty when started by hand, and when the variable was handed
     to a child of another process (then ignored, with a warning)."""
     handed = os.environ.get(SETTINGS_ENV)
     if not handed:
         return {}
-    if os.environ.get(SETTINGS_PARENT_ENV) != str(os.getppid()):
+    if not started_by_serve():
         print(f"deltamesh: ignoring {SETTINGS_ENV}: it was handed to a child of `deltamesh serve` (pid "
               f"{os.environ.get(SETTINGS_PARENT_ENV) or 'unknown'}), not to this process; its flags and "
               "DELTAMESH_* variables apply", file=sys.stderr)  # fmt: skip

@@ -91,13 +91,6 @@ class _Sampling(BaseModel):
             data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
         return data
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings_not_empty(cls, stop):
-        if stop == "" or (isinstance(stop, list) and "" in stop):
-            raise ValueError("stop strings must be non-empty")
-        return stop
-
     _stream_options_need_stream = _only_with("stream_options", "stream")
 
     def stop_list(self) -> list[str]:

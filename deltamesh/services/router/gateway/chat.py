@@ -11,7 +11,8 @@ from fastapi.responses import Response
 from deltamesh.v1 import common_pb2
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
-from deltamesh.services.router.gateway.choices import Choice, build_choices, check_model_and_sampling, check_sizes
+from deltamesh.services.router.gateway.choices import (Choice, build_choices, check_model_and_sampling, check_sizes,
+                                                       check_stop)  # fmt: skip
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
@@ -36,6 +37,8 @@ async def chat_choices(frontend: Frontend, rid: str, body: oa.ChatCompletionRequ
         raise ApiError(400, "tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type") != "text":
         raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+    with as_api_error("stop"):
+        check_stop(frontend, body)
     with as_api_error("messages"):
         check_sizes(frontend, 1, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltamesh.engine import SamplingParams
-from deltamesh.engine.sampling import MAX_STOP_STRINGS
+from deltamesh.engine import RequestError, SamplingParams
+from deltamesh.engine.sampling import check_stop_strings
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway.errors import ApiError
@@ -27,10 +27,14 @@ class Choice:
     params: SamplingParams
 
 
+def unknown_model(frontend: Frontend, model: str) -> ApiError:
+    return ApiError(404, f"The model {model[:200]!r} does not exist (this server serves {frontend.model_id!r})",
+                    param="model", code="model_not_found")  # fmt: skip
+
+
 def check_model_and_sampling(frontend: Frontend, body: oa._Sampling) -> None:
     if body.model != frontend.model_id:
-        raise ApiError(404, f"The model {body.model[:200]!r} does not exist (this server serves "
-                            f"{frontend.model_id!r})", param="model", code="model_not_found")  # fmt: skip
+        raise unknown_model(frontend, body.model)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
             raise ApiError(400, f"{name} is not supported (only 0)", param=name)
@@ -42,9 +46,17 @@ def check_sizes(frontend: Frontend, prompt_count: int, body: oa._Sampling) -> No
     f = frontend
     f.check_count(prompt_count, f.limits.max_prompts, "prompts")
     f.check_count(prompt_count * body.n, f.limits.max_choices, "choices (prompts x n)")
-    f.check_count(len(body.stop_list()), MAX_STOP_STRINGS, "stop strings")
-    for text in body.stop_list():
-        f.check_text(text, "a stop string")
+
+
+def check_stop(frontend: Frontend, body: oa._Sampling) -> None:
+    """The stop strings, before anything is tokenised: the engine's rule and the context's length."""
+    stop = body.stop_list()
+    try:
+        check_stop_strings(stop)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    for text in stop:
+        frontend.check_text(text, "a stop string")
 
 
 def _params(body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:

@@ -10,7 +10,8 @@ from fastapi.responses import Response
 from deltamesh.v1 import common_pb2
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
-from deltamesh.services.router.gateway.choices import Choice, build_choices, check_model_and_sampling, check_sizes
+from deltamesh.services.router.gateway.choices import (Choice, build_choices, check_model_and_sampling, check_sizes,
+                                                       check_stop)  # fmt: skip
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
@@ -38,6 +39,8 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
     p = body.prompt
     texts = [p] if isinstance(p, str) else p if p and all(isinstance(x, str) for x in p) else None
     id_lists = None if texts is not None else [p] if p and isinstance(p[0], int) else p or [[]]
+    with as_api_error("stop"):
+        check_stop(frontend, body)
     with as_api_error("prompt"):
         check_sizes(frontend, len(texts if texts is not None else id_lists), body)
         for text in texts or ():

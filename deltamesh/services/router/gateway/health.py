@@ -8,6 +8,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from deltamesh.services.router import openai_schema as oa
+from deltamesh.services.router.gateway.choices import unknown_model
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError
 
@@ -41,8 +42,7 @@ async def models(gateway: GatewayDep) -> oa.ModelList:
 @router.get("/v1/models/{model:path}", response_model=oa.ModelCard, responses={404: {"model": oa.ErrorResponse}})
 async def model(model: str, gateway: GatewayDep):
     if model != gateway.frontend.model_id:
-        return ApiError(404, f"The model {model[:200]!r} does not exist (this server serves "
-                             f"{gateway.frontend.model_id!r})", param="model", code="model_not_found").response()  # fmt: skip
+        return unknown_model(gateway.frontend, model).response()
     return _card(gateway)
 
 
