@@ -7,7 +7,7 @@ PROTO_SRC := protos
 PROTO_OUT := sdk/src
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup protos run test test-fast test-gpu reliability bench-cpu bench-transfer bench-soak bench-multi-turn bench-multi-turn-gpu \
+.PHONY: setup protos run test lint test-fast test-gpu reliability bench-cpu bench-transfer bench-soak bench-multi-turn bench-multi-turn-gpu \
 	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity bench-peers bench-host-gap \
 	bench-parallel bench-disagg-parallel clean help
 
@@ -15,6 +15,7 @@ help:
 	@echo "make setup     create .venv and install everything ($(TORCH_PIN) from pip's index: README, Quickstart)"
 	@echo "make run       start the mesh (router + 1 prefill + 1 decode) on the embedded default model"
 	@echo "make test      run the test suite (what CI runs)"
+	@echo "make lint      ruff (lint + format check); CI runs it before the tests"
 	@echo "make protos    regenerate gRPC stubs from protos/"
 	@echo "make reliability  fault-injection and attack suites; rewrites docs/RELIABILITY.md with the measured times"
 	@echo "make bench-cpu      CPU engine benchmark (bench/results/engine_cpu.json)"
@@ -47,6 +48,10 @@ run:
 test:  # in-process tests on every core (up to 4), then the real-process ones alone (they time their streams)
 	$(BIN)/pytest -q -n auto --maxprocesses 4 tests/unit tests/fidelity tests/gpu
 	$(BIN)/pytest -q tests/e2e
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-fast:
 	$(BIN)/pytest -q -m "not e2e and not fidelity and not fault"

@@ -13,8 +13,9 @@ import signal
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from deltamesh.services.common.ports import free_port  # noqa: F401  (re-exported for the bench scripts)
 
@@ -43,7 +44,7 @@ def rel(path: str | Path) -> str:
 
 
 def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def _cpu_model() -> str:
@@ -120,8 +121,9 @@ def write_json(path: str | Path, payload: dict) -> Path:
 def write_result(path: str | Path, payload: dict, machine: dict | None = None) -> Path:
     """A benchmark's JSON result: the exact command, the UTC date and the machine (`machine_info()` unless
     given), then `payload` (whose keys win), so that every file says how it was made."""
-    return write_json(path, {"command": command_line(), "date_utc": utc_now(), "machine": machine or machine_info(),
-                             **payload})  # fmt: skip
+    return write_json(
+        path, {"command": command_line(), "date_utc": utc_now(), "machine": machine or machine_info(), **payload}
+    )
 
 
 def median(xs: Sequence[float]) -> float:
@@ -255,4 +257,3 @@ def with_tokenizer(shape: Path, work: Path) -> Path:
         if (DEFAULT_MODEL / name).is_file():
             shutil.copy(DEFAULT_MODEL / name, folder / name)
     return folder
-

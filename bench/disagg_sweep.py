@@ -24,19 +24,52 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, print_table, stop_group, write_result  # noqa: E402
-from bench.server_side import PointObserver, metrics_urls  # noqa: E402
+from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, print_table, stop_group, write_result
+from bench.server_side import PointObserver, metrics_urls
 
 
-def serve_command(model: str, http_port: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                  colocated: bool, extra: list[str] = (), gpus_per_worker: int = 1) -> list[str]:  # fmt: skip
+def serve_command(
+    model: str,
+    http_port: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    colocated: bool,
+    extra: list[str] = (),
+    gpus_per_worker: int = 1,
+) -> list[str]:
     """`deltamesh serve` on dummy bf16 weights: colocated on the first `gpus_per_worker` GPUs, or 1P+1D on twice
     as many. Logged at info, so that the log shows the engine's periodic "engine steps" lines."""
-    cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--model", model, "--load-format", "dummy",
-           "--device", "cuda", "--dtype", "bfloat16", "--grpc-port", str(free_port()),
-           "--control-port", str(free_port()), "--http-port", str(http_port), "--max-model-len", str(max_model_len),
-           "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
-           "--no-ucx-error-handling", "--log-level", "info", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltamesh.services.cli",
+        "serve",
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--grpc-port",
+        str(free_port()),
+        "--control-port",
+        str(free_port()),
+        "--http-port",
+        str(http_port),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-num-batched-tokens",
+        str(max_num_batched_tokens),
+        "--no-ucx-error-handling",
+        "--log-level",
+        "info",
+        *extra,
+    ]
     gpus = ",".join(str(g) for g in range(gpus_per_worker * (1 if colocated else 2)))
     return cmd + (["--colocated", "--decode-workers", "1"] if colocated else []) + ["--gpus", gpus]
 
@@ -44,8 +77,16 @@ def serve_command(model: str, http_port: int, max_model_len: int, max_num_seqs: 
 def start_mesh(args, colocated: bool) -> tuple[subprocess.Popen, int, Path]:
     http_port = free_port()
     log = Path(args.log_dir) / f"serve-{'colocated' if colocated else 'disagg'}.log"
-    cmd = serve_command(args.model, http_port, args.input_len + args.output_len + 16, max(args.concurrency),
-                        args.max_num_batched_tokens, colocated, args.serve_flag, args.gpus_per_worker)  # fmt: skip
+    cmd = serve_command(
+        args.model,
+        http_port,
+        args.input_len + args.output_len + 16,
+        max(args.concurrency),
+        args.max_num_batched_tokens,
+        colocated,
+        args.serve_flag,
+        args.gpus_per_worker,
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, http_port, log
 
@@ -67,17 +108,48 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300
     raise TimeoutError(f"server not ready after {timeout:g} s:\n{log.read_text()[-4000:]}")
 
 
-def run_point(base_url: str, model_dir: str, input_len: int, output_len: int, concurrency: int, num_prompts: int,
-              result_file: Path, timeout: float, gpus: int = 1, observer: PointObserver | None = None) -> dict:
+def run_point(
+    base_url: str,
+    model_dir: str,
+    input_len: int,
+    output_len: int,
+    concurrency: int,
+    num_prompts: int,
+    result_file: Path,
+    timeout: float,
+    gpus: int = 1,
+    observer: PointObserver | None = None,
+) -> dict:
     """One load point with bench/serve.py (random prompts, one warm-up request): per-GPU throughput, TTFT and
     TPOT, or {"error": ...}. Each point draws its own prompts (a seed of its own), so that points run one after
     another on one server never reuse each other's prompts through its prefix cache. `observer`: the server
     side's figures of the point (bench/server_side.py) go into the row too."""
     seed = (input_len * 1_000_003 + output_len) * 1_009 + concurrency
-    cmd = [sys.executable, "bench/serve.py", "--backend", "openai", "--base-url", base_url, "--model-dir", model_dir,
-           "--input-len", str(input_len), "--output-len", str(output_len), "--num-prompts", str(num_prompts),
-           "--max-concurrency", str(concurrency), "--disable-tqdm", "--result-file", str(result_file),
-           "--num-warmups", "1", "--seed", str(seed)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "bench/serve.py",
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url,
+        "--model-dir",
+        model_dir,
+        "--input-len",
+        str(input_len),
+        "--output-len",
+        str(output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--disable-tqdm",
+        "--result-file",
+        str(result_file),
+        "--num-warmups",
+        "1",
+        "--seed",
+        str(seed),
+    ]
     if observer is not None:
         observer.start()
     try:
@@ -90,12 +162,18 @@ def run_point(base_url: str, model_dir: str, input_len: int, output_len: int, co
     m = json.loads(result_file.read_text())
     m = m.get("metrics", m)
     return {
-        "concurrency": concurrency, "completed": m["completed"], "failed": m["failed"],
-        "total_tok_s_per_gpu": m["total_token_throughput"] / gpus, "output_tok_s_per_gpu": m["output_throughput"] / gpus,
-        "ttft_median_ms": m["median_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"],
-        "tpot_median_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"], "ttft_mean_ms": m["mean_ttft_ms"],
+        "concurrency": concurrency,
+        "completed": m["completed"],
+        "failed": m["failed"],
+        "total_tok_s_per_gpu": m["total_token_throughput"] / gpus,
+        "output_tok_s_per_gpu": m["output_throughput"] / gpus,
+        "ttft_median_ms": m["median_ttft_ms"],
+        "ttft_p99_ms": m["p99_ttft_ms"],
+        "tpot_median_ms": m["median_tpot_ms"],
+        "tpot_p99_ms": m["p99_tpot_ms"],
+        "ttft_mean_ms": m["mean_ttft_ms"],
         **server,
-    }  # fmt: skip
+    }
 
 
 def sweep(args, colocated: bool) -> list[dict]:
@@ -109,8 +187,18 @@ def sweep(args, colocated: bool) -> list[dict]:
         observer = PointObserver(proc.pid, [f"{base}/metrics", *metrics_urls(log)])
         for c in args.concurrency:
             result_file = Path(args.log_dir) / f"serve-{'colo' if colocated else 'disagg'}-c{c}.json"
-            row = run_point(base, args.model, args.input_len, args.output_len, c, args.waves * c, result_file,
-                            args.point_timeout, gpus, observer)  # fmt: skip
+            row = run_point(
+                base,
+                args.model,
+                args.input_len,
+                args.output_len,
+                c,
+                args.waves * c,
+                result_file,
+                args.point_timeout,
+                gpus,
+                observer,
+            )
             rows.append({"setup": setup, "max_num_batched_tokens": args.max_num_batched_tokens, **row})
             if "error" in row:
                 break
@@ -126,22 +214,45 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--concurrency", type=ints, default=[8, 16, 32, 64, 128])
     p.add_argument("--waves", type=int, default=1)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
-                   help="token budget of one engine step: how much prefill a step may carry beside its decodes")
-    p.add_argument("--serve-flag", action="append", default=[], help="extra flag for `deltamesh serve` (repeatable), "
-                   "e.g. --serve-flag=--no-async-scheduling")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=16384,
+        help="token budget of one engine step: how much prefill a step may carry beside its decodes",
+    )
+    p.add_argument(
+        "--serve-flag",
+        action="append",
+        default=[],
+        help="extra flag for `deltamesh serve` (repeatable), e.g. --serve-flag=--no-async-scheduling",
+    )
     p.add_argument("--gpus-per-worker", type=int, default=1, help="each worker's ranks (its layout via --serve-flag)")
     p.add_argument("--point-timeout", type=float, default=300)
-    p.add_argument("--setups", type=lambda s: s.split(","), default=["disagg", "colocated"],
-                   help="disagg (1P+1D), colocated (one worker), or both")
+    p.add_argument(
+        "--setups",
+        type=lambda s: s.split(","),
+        default=["disagg", "colocated"],
+        help="disagg (1P+1D), colocated (one worker), or both",
+    )
     p.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--out", default=str(RESULTS / "serve_sweep.json"))
     args = p.parse_args()
     rows = []
     for setup in args.setups:
         rows += sweep(args, colocated=setup == "colocated")
-    cols = ["setup", "concurrency", "completed", "failed", "total_tok_s_per_gpu", "output_tok_s_per_gpu",
-            "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "error"]  # fmt: skip
+    cols = [
+        "setup",
+        "concurrency",
+        "completed",
+        "failed",
+        "total_tok_s_per_gpu",
+        "output_tok_s_per_gpu",
+        "ttft_median_ms",
+        "ttft_p99_ms",
+        "tpot_median_ms",
+        "tpot_p99_ms",
+        "error",
+    ]
     print_table(rows, cols)
     write_result(args.out, {"rows": rows})
 

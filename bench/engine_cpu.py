@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     CONFIGS,
     RESULTS,
     ROOT,
@@ -79,10 +79,16 @@ class Case:
 
     def to_json(self) -> dict:
         return {
-            "phase": self.phase, "prompt_len": self.prompt_len, "batch": self.batch, "tokens": self.tokens,
-            "steps": self.steps, "seconds_median": self.median_s, "seconds": self.seconds,
-            "tokens_per_s": self.tok_s, "ms_per_step": self.ms_per_step,
-        }  # fmt: skip
+            "phase": self.phase,
+            "prompt_len": self.prompt_len,
+            "batch": self.batch,
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "seconds_median": self.median_s,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tok_s,
+            "ms_per_step": self.ms_per_step,
+        }
 
 
 PRESETS = {
@@ -101,8 +107,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", default="tiny,0.8b", help="presets to run, comma-separated: tiny, 0.8b")
     p.add_argument("--model", help="run this checkpoint directory instead of the presets")
     p.add_argument("--load-format", default="auto", help="with --model: auto | safetensors | dummy")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: small sizes, 1 rep, 1 torch thread unless --threads (under a minute)")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: small sizes, 1 rep, 1 torch thread unless --threads (under a minute)",
+    )
     p.add_argument("--prefill-lens", type=ints, help="prompt lengths for prefill (default per preset)")
     p.add_argument("--prefill-batches", type=ints, help="prefill batch sizes (default per preset)")
     p.add_argument("--decode-batches", type=ints, help="decode batch sizes (default per preset)")
@@ -137,10 +146,17 @@ def model_specs(args) -> list[ModelSpec]:
         steps = 32
         if args.quick:
             plens, pbatches, dbatches, steps = quick[name]
-        specs.append(ModelSpec(
-            name, model, fmt, args.prefill_lens or plens, args.prefill_batches or pbatches,
-            args.decode_batches or dbatches, args.decode_steps or steps,
-        ))  # fmt: skip
+        specs.append(
+            ModelSpec(
+                name,
+                model,
+                fmt,
+                args.prefill_lens or plens,
+                args.prefill_batches or pbatches,
+                args.decode_batches or dbatches,
+                args.decode_steps or steps,
+            )
+        )
     return specs
 
 
@@ -163,11 +179,20 @@ class Bench:
             max(spec.decode_batches) * pages_for(args.decode_context + self.decode_max_tokens),
         )
         self.config = EngineConfig(
-            model=spec.model, load_format=spec.load_format, dtype=args.dtype, state_dtype=args.state_dtype,
-            page_size=args.page_size, num_kv_pages=args.num_kv_pages or need + 8, max_num_seqs=max_batch,
-            max_model_len=longest + 16, max_num_batched_tokens=args.max_num_batched_tokens,
-            kernel_backend=args.kernels, seed=args.seed, torch_threads=args.threads, prefix_cache=False,
-        )  # fmt: skip
+            model=spec.model,
+            load_format=spec.load_format,
+            dtype=args.dtype,
+            state_dtype=args.state_dtype,
+            page_size=args.page_size,
+            num_kv_pages=args.num_kv_pages or need + 8,
+            max_num_seqs=max_batch,
+            max_model_len=longest + 16,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kernel_backend=args.kernels,
+            seed=args.seed,
+            torch_threads=args.threads,
+            prefix_cache=False,
+        )
         t0 = time.perf_counter()
         self.core = EngineCore(self.config)
         self.load_seconds = time.perf_counter() - t0
@@ -257,8 +282,11 @@ def run_model(spec: ModelSpec, args, reps: int) -> dict:
     print(f"[{spec.name}] loading {rel(spec.model)} ({spec.load_format}, {args.dtype})", flush=True)
     bench = Bench(spec, args)
     decode_steps = spec.decode_steps
-    print(f"[{spec.name}] {bench.params / 1e9:.3f}B parameters, loaded in {bench.load_seconds:.1f}s, "
-          f"{bench.core.kv_pool.num_pages} KV pages, kernels {bench.core.kernels.chosen}", flush=True)  # fmt: skip
+    print(
+        f"[{spec.name}] {bench.params / 1e9:.3f}B parameters, loaded in {bench.load_seconds:.1f}s, "
+        f"{bench.core.kv_pool.num_pages} KV pages, kernels {bench.core.kernels.chosen}",
+        flush=True,
+    )
     bench.warm_up()
     cases: list[Case] = []
     for length in spec.prefill_lens:
@@ -267,8 +295,11 @@ def run_model(spec: ModelSpec, args, reps: int) -> dict:
             for _ in range(reps):
                 s, case.steps = bench.prefill(length, batch)
                 case.seconds.append(s)
-            print(f"[{spec.name}] prefill L={length} B={batch}: {case.tok_s:,.0f} tok/s "
-                  f"({case.median_s:.3f}s, {case.steps} steps)", flush=True)  # fmt: skip
+            print(
+                f"[{spec.name}] prefill L={length} B={batch}: {case.tok_s:,.0f} tok/s "
+                f"({case.median_s:.3f}s, {case.steps} steps)",
+                flush=True,
+            )
             cases.append(case)
     for batch in spec.decode_batches:
         case = Case("decode", args.decode_context, batch, tokens=batch * decode_steps, steps=decode_steps)
@@ -278,11 +309,19 @@ def run_model(spec: ModelSpec, args, reps: int) -> dict:
         cases.append(case)
     mc = bench.core.model_config
     result = {
-        "name": spec.name, "model": rel(spec.model), "load_format": spec.load_format, "family": mc.family,
-        "params": bench.params, "dtype": args.dtype, "state_dtype": args.state_dtype,
-        "load_seconds": bench.load_seconds, "kv_pages": bench.core.kv_pool.num_pages, "decode_steps": decode_steps,
-        "kernels": bench.core.kernels.chosen, "cases": [c.to_json() for c in cases],
-    }  # fmt: skip
+        "name": spec.name,
+        "model": rel(spec.model),
+        "load_format": spec.load_format,
+        "family": mc.family,
+        "params": bench.params,
+        "dtype": args.dtype,
+        "state_dtype": args.state_dtype,
+        "load_seconds": bench.load_seconds,
+        "kv_pages": bench.core.kv_pool.num_pages,
+        "decode_steps": decode_steps,
+        "kernels": bench.core.kernels.chosen,
+        "cases": [c.to_json() for c in cases],
+    }
     del bench
     gc.collect()
     return result
@@ -316,13 +355,19 @@ def main(argv=None) -> int:
         "date_utc": started,
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "settings": {
-            "quick": args.quick, "reps": reps, "decode_context": args.decode_context,
-            "page_size": args.page_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "dtype": args.dtype, "state_dtype": args.state_dtype, "sampling": "greedy, ignore_eos",
+            "quick": args.quick,
+            "reps": reps,
+            "decode_context": args.decode_context,
+            "page_size": args.page_size,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "dtype": args.dtype,
+            "state_dtype": args.state_dtype,
+            "sampling": "greedy, ignore_eos",
             "torch_threads": torch.get_num_threads(),
             "timed": "EngineCore.step() calls only; median of reps after one warm-up per model",
-            "load_average_1m_start": load_start, "busy_warning": warning,
-        },  # fmt: skip
+            "load_average_1m_start": load_start,
+            "busy_warning": warning,
+        },
         "models": results,
     }
     out = write_result(args.out, payload, machine)
@@ -332,13 +377,23 @@ def main(argv=None) -> int:
             rows.append([m["name"], "skipped", "-", "-", "-", "-", "-", "-"])
             continue
         for c in m["cases"]:
-            rows.append([
-                m["name"], c["phase"], c["prompt_len"], c["batch"], c["tokens"], c["seconds_median"],
-                c["tokens_per_s"], c["ms_per_step"],
-            ])  # fmt: skip
+            rows.append(
+                [
+                    m["name"],
+                    c["phase"],
+                    c["prompt_len"],
+                    c["batch"],
+                    c["tokens"],
+                    c["seconds_median"],
+                    c["tokens_per_s"],
+                    c["ms_per_step"],
+                ]
+            )
     print()
-    print(f"engine_cpu  {started}  {machine['cpu_model']}  {machine['cpus_usable']} CPUs  "
-          f"torch {machine['torch']} ({machine['torch_threads']} threads)  -> {out}")  # fmt: skip
+    print(
+        f"engine_cpu  {started}  {machine['cpu_model']}  {machine['cpus_usable']} CPUs  "
+        f"torch {machine['torch']} ({machine['torch_threads']} threads)  -> {out}"
+    )
     print(table(["model", "phase", "prompt", "batch", "tokens", "time s", "tok/s", "ms/step"], rows))
     if warning:
         print(warning)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CONFIGS, RESULTS, median, write_result  # noqa: E402
-from bench.gpu_common import machine_info  # noqa: E402
-from deltamesh.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from bench.common import CONFIGS, RESULTS, median, write_result
+from bench.gpu_common import machine_info
+from deltamesh.engine import Engine, EngineConfig, SamplingParams
 
 
 def main() -> None:
@@ -29,18 +29,32 @@ def main() -> None:
     rng = random.Random(0)  # the same prompts as bench/gpu_fidelity.py
     prompts = [[rng.randrange(10, 30000) for _ in range(rng.randint(16, 512))] for _ in range(100)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2)
-    with Engine(EngineConfig(model=args.model, load_format="dummy", device="cuda", dtype="bfloat16",
-                             max_model_len=1024, prefix_cache=False)) as eng:  # fmt: skip
+    with Engine(
+        EngineConfig(
+            model=args.model,
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_model_len=1024,
+            prefix_cache=False,
+        )
+    ) as eng:
         batched = eng.generate(prompts, params)
         alone = [eng.generate(p, params)[0] for p in prompts]
     exact = sum(a.token_ids == b.token_ids for a, b in zip(batched, alone))
     margins = [lp.top[0][1] - lp.top[1][1] for r in batched for lp in r.logprobs[:1] if len(lp.top) > 1]
-    first = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-             for a, b in zip(batched, alone)]  # fmt: skip
+    first = [
+        next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        for a, b in zip(batched, alone)
+    ]
     diverged = [d for d in first if d is not None]
-    result = {"prompts": 100, "tokens": 64, "exact_sequences": exact,
-              "first_divergence_median": median(diverged) if diverged else None,
-              "first_token_top1_top2_margin_median": median(margins) if margins else None}  # fmt: skip
+    result = {
+        "prompts": 100,
+        "tokens": 64,
+        "exact_sequences": exact,
+        "first_divergence_median": median(diverged) if diverged else None,
+        "first_token_top1_top2_margin_median": median(margins) if margins else None,
+    }
     print(json.dumps(result))
     write_result(args.out, result, machine_info())
 

@@ -45,9 +45,13 @@ def matmul_rate(n: int = 8192) -> float:
 def machine_info() -> dict:
     p = torch.cuda.get_device_properties(0)
     return {
-        **common.machine_info(), "gpu": p.name, "gpus": torch.cuda.device_count(), "sm": f"{p.major}.{p.minor}",
-        "memory_gib": round(p.total_memory / 2**30, 1), "cuda": torch.version.cuda,
-    }  # fmt: skip
+        **common.machine_info(),
+        "gpu": p.name,
+        "gpus": torch.cuda.device_count(),
+        "sm": f"{p.major}.{p.minor}",
+        "memory_gib": round(p.total_memory / 2**30, 1),
+        "cuda": torch.version.cuda,
+    }
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -99,11 +103,18 @@ def core_for(config_dir: str, max_seqs: int, context: int, extra_tokens: int = 6
     from deltamesh.engine.core import EngineCore
 
     pages = max_seqs * (-(-(context + extra_tokens) // 16)) + 64
-    return EngineCore(EngineConfig(
-        model=config_dir, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=max_seqs,
-        num_kv_pages=pages, max_model_len=context + extra_tokens,
-        **{"prefix_cache": False, "max_num_batched_tokens": max(8192, context)} | kw,
-    ))  # fmt: skip
+    return EngineCore(
+        EngineConfig(
+            model=config_dir,
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=max_seqs,
+            num_kv_pages=pages,
+            max_model_len=context + extra_tokens,
+            **{"prefix_cache": False, "max_num_batched_tokens": max(8192, context)} | kw,
+        )
+    )
 
 
 def step_bytes(core, batch: int, context: int) -> dict[str, int]:

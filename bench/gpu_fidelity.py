@@ -23,11 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
+from harness import start_mesh  # noqa: E402
+
 from bench.common import CONFIGS, RESULTS, write_result  # noqa: E402
 from bench.gpu_common import machine_info  # noqa: E402
 from deltamesh.client import AsyncClient  # noqa: E402
 from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams  # noqa: E402
-from harness import start_mesh  # noqa: E402
 
 
 async def through_mesh(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -41,29 +42,52 @@ async def through_mesh(address: str, prompts: list[list[int]], max_tokens: int) 
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def compare(model: str, dtype: str, n: int, max_tokens: int, extra: list[str], log_dir: Path,
-            decode_device: str) -> dict:  # fmt: skip
+def compare(
+    model: str, dtype: str, n: int, max_tokens: int, extra: list[str], log_dir: Path, decode_device: str
+) -> dict:
     rng = random.Random(0)
     vocab = json.loads((Path(model) / "config.json").read_text())
     vocab = (vocab.get("text_config") or vocab)["vocab_size"]
     prompts = [[rng.randrange(10, min(vocab, 30000)) for _ in range(rng.randint(16, 512))] for _ in range(n)]
     args = ["--dtype", dtype, "--no-ucx-error-handling", "--max-model-len", "1024", *extra]
-    mesh = start_mesh(model, log_dir, worker_args=args, router_args=["--max-model-len", "1024"],
-                      role_args={"prefill": ["--device", "cuda:0"], "decode": ["--device", decode_device]})  # fmt: skip
+    mesh = start_mesh(
+        model,
+        log_dir,
+        worker_args=args,
+        router_args=["--max-model-len", "1024"],
+        role_args={"prefill": ["--device", "cuda:0"], "decode": ["--device", decode_device]},
+    )
     try:
         disagg = asyncio.run(through_mesh(mesh.router_address, prompts, max_tokens))
     finally:
         mesh.stop()
-    with Engine(EngineConfig(model=model, device="cuda", dtype=dtype, max_model_len=1024,
-                             load_format="dummy" if "--load-format" in extra else "auto")) as mono:  # fmt: skip
-        ref = [r.token_ids for r in mono.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                          ignore_eos=True))]  # fmt: skip
+    with Engine(
+        EngineConfig(
+            model=model,
+            device="cuda",
+            dtype=dtype,
+            max_model_len=1024,
+            load_format="dummy" if "--load-format" in extra else "auto",
+        )
+    ) as mono:
+        ref = [
+            r.token_ids
+            for r in mono.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        ]
     exact = sum(a == b for a, b in zip(disagg, ref))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(disagg, ref)]
     diverged = [d for d in first_diff if d is not None]
-    return {"model": Path(model).name, "dtype": dtype, "decode_device": decode_device, "prompts": n, "tokens": max_tokens, "exact_sequences": exact,
-            "match_rate": exact / n, "token_match_rate": sum(x == y for a, b in zip(disagg, ref) for x, y in zip(a, b))
-            / (n * max_tokens), "first_divergence_positions": sorted(diverged)}  # fmt: skip
+    return {
+        "model": Path(model).name,
+        "dtype": dtype,
+        "decode_device": decode_device,
+        "prompts": n,
+        "tokens": max_tokens,
+        "exact_sequences": exact,
+        "match_rate": exact / n,
+        "token_match_rate": sum(x == y for a, b in zip(disagg, ref) for x, y in zip(a, b)) / (n * max_tokens),
+        "first_divergence_positions": sorted(diverged),
+    }
 
 
 def main() -> None:
@@ -79,8 +103,17 @@ def main() -> None:
         rows.append(compare(str(DEFAULT_MODEL), "float32", 32, 64, [], Path(args.log_dir), decode_device))
         print(json.dumps(rows[-1]), flush=True)
     if args.only != "fp32":
-        rows.append(compare(str(CONFIGS / "qwen3.5-9b"), "bfloat16", 100, 64, ["--load-format", "dummy"],
-                            Path(args.log_dir), decode_device))  # fmt: skip
+        rows.append(
+            compare(
+                str(CONFIGS / "qwen3.5-9b"),
+                "bfloat16",
+                100,
+                64,
+                ["--load-format", "dummy"],
+                Path(args.log_dir),
+                decode_device,
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
     write_result(args.out, {"rows": rows}, machine_info())
 

@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, print_table, write_result  # noqa: E402
-from bench.gpu_common import hbm_bandwidth, machine_info  # noqa: E402
-from deltamesh.kernels import ModelShapes  # noqa: E402
-from deltamesh.kernels.registry import _BACKENDS  # noqa: E402
+from bench.common import RESULTS, print_table, write_result
+from bench.gpu_common import hbm_bandwidth, machine_info
+from deltamesh.kernels import ModelShapes
+from deltamesh.kernels.registry import _BACKENDS
 
 DEV = torch.device("cuda")
 
@@ -63,13 +63,44 @@ def prefill_rows(name, lens, hk, hv):
     cu64 = cu.long()
     cu_cpu = cu64.cpu()
     t_reg = bench(lambda: registry(q, k, v, a, b, A_log, dt_bias, lens, cu, pool, idx))
-    t_fi = bench(lambda: fi_chunk(q, k, v, g=alpha, beta=beta, initial_state=pool, output_state=pool, state_indices=idx,
-                                  cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_seqlen=max(lens)))  # fmt: skip
-    t_fla = bench(lambda: fla_chunk(q[None], k[None], v[None], g[None], beta[None], initial_state=dense,
-                                    output_final_state=True, cu_seqlens=cu64, cu_seqlens_cpu=cu_cpu,
-                                    use_qk_l2norm_in_kernel=True, state_v_first=True))  # fmt: skip
-    return {"op": "prefill", "case": name, "registry_ms": t_reg, "flashinfer_ms": t_fi, "fla_ms": t_fla,
-            "registry_vs_flashinfer": t_fi / t_reg}  # fmt: skip
+    t_fi = bench(
+        lambda: fi_chunk(
+            q,
+            k,
+            v,
+            g=alpha,
+            beta=beta,
+            initial_state=pool,
+            output_state=pool,
+            state_indices=idx,
+            cu_seqlens=cu,
+            use_qk_l2norm_in_kernel=True,
+            max_seqlen=max(lens),
+        )
+    )
+    t_fla = bench(
+        lambda: fla_chunk(
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            initial_state=dense,
+            output_final_state=True,
+            cu_seqlens=cu64,
+            cu_seqlens_cpu=cu_cpu,
+            use_qk_l2norm_in_kernel=True,
+            state_v_first=True,
+        )
+    )
+    return {
+        "op": "prefill",
+        "case": name,
+        "registry_ms": t_reg,
+        "flashinfer_ms": t_fi,
+        "fla_ms": t_fla,
+        "registry_vs_flashinfer": t_fi / t_reg,
+    }
 
 
 def decode_rows(batch, hk, hv, state_dtype, bandwidth):
@@ -81,19 +112,52 @@ def decode_rows(batch, hk, hv, state_dtype, bandwidth):
     q, k, v, a, b, A_log, dt_bias, pool, idx, _ = inputs([1] * batch, hk, hv, seed=1)
     pool = pool.to(state_dtype)
     t_reg = bench(lambda: registry(q, k, v, a, b, A_log, dt_bias, pool, idx))
-    t_fi = bench(lambda: fi_decode(q[:, None], k[:, None], v[:, None], None, A_log, a[:, None], dt_bias, b[:, None],
-                                   initial_state=pool, initial_state_indices=idx, use_qk_l2norm=True))  # fmt: skip
+    t_fi = bench(
+        lambda: fi_decode(
+            q[:, None],
+            k[:, None],
+            v[:, None],
+            None,
+            A_log,
+            a[:, None],
+            dt_bias,
+            b[:, None],
+            initial_state=pool,
+            initial_state_indices=idx,
+            use_qk_l2norm=True,
+        )
+    )
     dense = pool[idx.long()].float()
-    t_fla = bench(lambda: fla_recurrent(q[:, None], k[:, None], v[:, None], g=a[:, None], beta=b[:, None],
-                                        initial_state=dense, output_final_state=True, use_gate_in_kernel=True,
-                                        A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
-                                        use_qk_l2norm_in_kernel=True, state_v_first=True))  # fmt: skip
+    t_fla = bench(
+        lambda: fla_recurrent(
+            q[:, None],
+            k[:, None],
+            v[:, None],
+            g=a[:, None],
+            beta=b[:, None],
+            initial_state=dense,
+            output_final_state=True,
+            use_gate_in_kernel=True,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            use_beta_sigmoid_in_kernel=True,
+            use_qk_l2norm_in_kernel=True,
+            state_v_first=True,
+        )
+    )
     state_bytes = 2 * batch * hv * 128 * 128 * pool.element_size()  # read + write
     io_bytes = batch * (2 * hk + 2 * hv) * 128 * 2
     floor_ms = (state_bytes + io_bytes) / bandwidth * 1e3
-    return {"op": "decode", "case": f"B={batch} state={str(state_dtype)[6:]}", "registry_ms": t_reg,
-            "flashinfer_ms": t_fi, "fla_ms": t_fla, "hbm_floor_ms": floor_ms, "registry_vs_flashinfer": t_fi / t_reg,
-            "registry_vs_floor": floor_ms / t_reg}  # fmt: skip
+    return {
+        "op": "decode",
+        "case": f"B={batch} state={str(state_dtype)[6:]}",
+        "registry_ms": t_reg,
+        "flashinfer_ms": t_fi,
+        "fla_ms": t_fla,
+        "hbm_floor_ms": floor_ms,
+        "registry_vs_flashinfer": t_fi / t_reg,
+        "registry_vs_floor": floor_ms / t_reg,
+    }
 
 
 def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list[dict]:
@@ -117,10 +181,20 @@ def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list
         out = paged_decode(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, launch)
         agree = float((out.float() - ref.float()).abs().max())
         ms = bench(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, launch))
-        rows.append({"op": "paged decode attention", "case": f"B={batch} ctx={context}", "block_n": launch.block_n,
-                     "warps": launch.num_warps, "stages": launch.num_stages, "splits": launch.splits(batch, kv_heads),
-                     "ms": ms, "hbm_floor_ms": floor_ms, "of_floor": floor_ms / ms,
-                     "max_diff_vs_first": agree})  # fmt: skip
+        rows.append(
+            {
+                "op": "paged decode attention",
+                "case": f"B={batch} ctx={context}",
+                "block_n": launch.block_n,
+                "warps": launch.num_warps,
+                "stages": launch.num_stages,
+                "splits": launch.splits(batch, kv_heads),
+                "ms": ms,
+                "hbm_floor_ms": floor_ms,
+                "of_floor": floor_ms / ms,
+                "max_diff_vs_first": agree,
+            }
+        )
     del pool
     torch.cuda.empty_cache()
     return rows
@@ -129,8 +203,13 @@ def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list
 def attention_launches() -> list:
     from deltamesh.kernels.triton_attention import DEFAULT_LAUNCH, DecodeLaunch
 
-    sweep = [DecodeLaunch(block_n=n, num_warps=w, num_stages=st, target_programs=tp)
-             for n in (32, 64, 128) for w in (4, 8) for st in (2, 3) for tp in (2048, 8192)]  # fmt: skip
+    sweep = [
+        DecodeLaunch(block_n=n, num_warps=w, num_stages=st, target_programs=tp)
+        for n in (32, 64, 128)
+        for w in (4, 8)
+        for st in (2, 3)
+        for tp in (2048, 8192)
+    ]
     one_page = DecodeLaunch(block_n=16, num_warps=4, num_stages=3, target_programs=1024, max_splits=16)
     return [DEFAULT_LAUNCH, one_page] + [x for x in sweep if x != DEFAULT_LAUNCH]
 
@@ -153,14 +232,38 @@ def main() -> None:
             decode_rows(256, 16, 32, torch.float32, bandwidth),
             decode_rows(256, 16, 32, torch.bfloat16, bandwidth),
         ]
-        print_table(rows, ["op", "case", "registry_ms", "flashinfer_ms", "fla_ms", "hbm_floor_ms",
-                           "registry_vs_flashinfer", "registry_vs_floor"])  # fmt: skip
+        print_table(
+            rows,
+            [
+                "op",
+                "case",
+                "registry_ms",
+                "flashinfer_ms",
+                "fla_ms",
+                "hbm_floor_ms",
+                "registry_vs_flashinfer",
+                "registry_vs_floor",
+            ],
+        )
     if args.attention:
         attn = []
         for batch in (64, 256):
             attn += attention_rows(batch, 9216, bandwidth, attention_launches())
-        print_table(attn, ["op", "case", "block_n", "warps", "stages", "splits", "ms", "hbm_floor_ms", "of_floor",
-                           "max_diff_vs_first"])  # fmt: skip
+        print_table(
+            attn,
+            [
+                "op",
+                "case",
+                "block_n",
+                "warps",
+                "stages",
+                "splits",
+                "ms",
+                "hbm_floor_ms",
+                "of_floor",
+                "max_diff_vs_first",
+            ],
+        )
         rows += attn
     write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "rows": rows}, machine_info())
 

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CONFIGS, RESULTS, ints, print_table, write_result  # noqa: E402
-from bench.gpu_common import graph_ms, hbm_bandwidth, machine_info  # noqa: E402
-from deltamesh.engine.config import FULL_ATTENTION, ModelConfig  # noqa: E402
-from deltamesh.kernels import triton_linear  # noqa: E402
-from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, quantize_blocks  # noqa: E402
+from bench.common import CONFIGS, RESULTS, ints, print_table, write_result
+from bench.gpu_common import graph_ms, hbm_bandwidth, machine_info
+from deltamesh.engine.config import FULL_ATTENTION, ModelConfig
+from deltamesh.kernels import triton_linear
+from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, quantize_blocks
 
 L2_BYTES = 3 * 50 << 20  # three times the H200's L2
 
@@ -40,21 +40,29 @@ def projections(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
     full = sum(t == FULL_ATTENTION for t in cfg.layer_types)
     linear = len(cfg.layer_types) - full
     rows = [
-        ("attention qkv", 2 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim,
-         cfg.hidden_size, full),
+        (
+            "attention qkv",
+            2 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim,
+            cfg.hidden_size,
+            full,
+        ),
         ("attention o_proj", cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, full),
         ("GDN in_proj", cfg.conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads, cfg.hidden_size, linear),
         ("GDN out_proj", cfg.hidden_size, cfg.linear_value_dim, linear),
-    ]  # fmt: skip
+    ]
     if cfg.num_experts:
         inter = cfg.shared_expert_intermediate_size
         layers = len(cfg.layer_types)
-        rows += [("router + shared gate", cfg.num_experts + 1, cfg.hidden_size, layers),
-                 ("shared expert gate_up", 2 * inter, cfg.hidden_size, layers),
-                 ("shared expert down", cfg.hidden_size, inter, layers)]  # fmt: skip
+        rows += [
+            ("router + shared gate", cfg.num_experts + 1, cfg.hidden_size, layers),
+            ("shared expert gate_up", 2 * inter, cfg.hidden_size, layers),
+            ("shared expert down", cfg.hidden_size, inter, layers),
+        ]
     else:
-        rows += [("MLP gate_up", 2 * cfg.intermediate_size, cfg.hidden_size, len(cfg.layer_types)),
-                 ("MLP down", cfg.hidden_size, cfg.intermediate_size, len(cfg.layer_types))]  # fmt: skip
+        rows += [
+            ("MLP gate_up", 2 * cfg.intermediate_size, cfg.hidden_size, len(cfg.layer_types)),
+            ("MLP down", cfg.hidden_size, cfg.intermediate_size, len(cfg.layer_types)),
+        ]
     return rows
 
 
@@ -86,10 +94,17 @@ def op_rows(cfg: ModelConfig, rings: dict, tokens: list[int], bandwidth: float) 
         for t in tokens:
             x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
             io = 2 * t * (k + n)
-            row = {"bench": "op", "projection": name, "n": n, "k": k, "per_pass": count, "tokens": t,
-                   "bf16_cublas_ms": ring.ms(lambda w: F.linear(x, w), ring.bf16),
-                   "bf16_floor_ms": (2 * n * k + io) / bandwidth * 1e3,
-                   "fp8_floor_ms": (n * k + ring.fp8[0].scale.numel() * 4 + io) / bandwidth * 1e3}  # fmt: skip
+            row = {
+                "bench": "op",
+                "projection": name,
+                "n": n,
+                "k": k,
+                "per_pass": count,
+                "tokens": t,
+                "bf16_cublas_ms": ring.ms(lambda w: F.linear(x, w), ring.bf16),
+                "bf16_floor_ms": (2 * n * k + io) / bandwidth * 1e3,
+                "fp8_floor_ms": (n * k + ring.fp8[0].scale.numel() * 4 + io) / bandwidth * 1e3,
+            }
             if t <= 4:
                 row["bf16_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.bf16)
                 row["fp8_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.fp8)
@@ -106,8 +121,10 @@ def pass_rows(ops: list[dict]) -> list[dict]:
     rows = []
     for t in sorted({r["tokens"] for r in ops}):
         mine = [r for r in ops if r["tokens"] == t]
-        rows.append({"bench": "pass", "tokens": t} | {key: sum(r[key] * r["per_pass"] for r in mine)
-                                                       for key in PASS_KEYS if all(key in r for r in mine)})  # fmt: skip
+        rows.append(
+            {"bench": "pass", "tokens": t}
+            | {key: sum(r[key] * r["per_pass"] for r in mine) for key in PASS_KEYS if all(key in r for r in mine)}
+        )
     return rows
 
 
@@ -118,13 +135,22 @@ def sweep_rows(rings: dict, tokens: list[int]) -> list[dict]:
     tiles = [(4, 256), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256)]
     for t, label, tile, per_sm in itertools.product(tokens, ("bf16", "fp8"), tiles, (1, 2, 4)):
         total = 0.0
-        for (name, n, k, count), ring in rings.items():
+        for (_name, n, k, count), ring in rings.items():
             x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
             c = triton_linear.gemv_config(t, n, k, x.device, per_sm, tile)
             total += ring.ms(lambda w, c=c: triton_linear.gemv(x, w, None, c), getattr(ring, label)) * count
         chosen = tile == triton_linear.GEMV_TILE and per_sm == triton_linear.GEMV_PROGRAMS_PER_SM
-        rows.append({"bench": "sweep", "tokens": t, "weights": label, "tile": "/".join(map(str, tile)),
-                     "per_sm": per_sm, "pass_ms": total, "chosen": chosen})  # fmt: skip
+        rows.append(
+            {
+                "bench": "sweep",
+                "tokens": t,
+                "weights": label,
+                "tile": "/".join(map(str, tile)),
+                "per_sm": per_sm,
+                "pass_ms": total,
+                "chosen": chosen,
+            }
+        )
     return rows
 
 
@@ -142,8 +168,21 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(2)
     rings = {proj: Ring(*proj[1:], g) for proj in projections(cfg)}
     ops = op_rows(cfg, rings, args.tokens, bandwidth)
-    print_table(ops, ["projection", "n", "k", "tokens", "bf16_cublas_ms", "bf16_gemv_ms", "bf16_floor_ms",
-                      "fp8_cublas_ms", "fp8_gemv_ms", "fp8_floor_ms"])  # fmt: skip
+    print_table(
+        ops,
+        [
+            "projection",
+            "n",
+            "k",
+            "tokens",
+            "bf16_cublas_ms",
+            "bf16_gemv_ms",
+            "bf16_floor_ms",
+            "fp8_cublas_ms",
+            "fp8_gemv_ms",
+            "fp8_floor_ms",
+        ],
+    )
     passes = pass_rows(ops)
     print_table(passes, ["tokens", *PASS_KEYS])
     rows = ops + passes

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     CONFIGS,
     RESULTS,
     decode_items,
@@ -43,7 +43,7 @@ from bench.common import (  # noqa: E402
     print_table,
     write_result,
 )
-from bench.gpu_common import (  # noqa: E402
+from bench.gpu_common import (
     core_for,
     gpu_ms,
     hbm_bandwidth,
@@ -53,11 +53,12 @@ from bench.gpu_common import (  # noqa: E402
     step_bytes,
     time_ms,
 )
-from deltamesh.engine import SamplingParams  # noqa: E402
+from deltamesh.engine import SamplingParams
 
 
-def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: float,
-                profile: bool = False) -> list[dict]:  # fmt: skip
+def decode_rows(
+    config_dir: str, batches: list[int], context: int, bandwidth: float, profile: bool = False
+) -> list[dict]:
     core = core_for(config_dir, max(batches), context)
     rows = []
     for batch in batches:
@@ -70,10 +71,20 @@ def decode_rows(config_dir: str, batches: list[int], context: int, bandwidth: fl
             graph_ms = gpu_ms(lambda: core.runner.graphs.run(*inputs))
         parts = step_bytes(core, batch, context)
         roofline_ms = sum(parts.values()) / bandwidth * 1e3
-        row = {"bench": "decode step", "model": Path(config_dir).name, "batch": batch, "context": context,
-               "ms": ms, "host_prepare_ms": prepare_ms, "graph_gpu_ms": graph_ms, "roofline_ms": roofline_ms,
-               "of_roofline": roofline_ms / ms, "tokens_per_s": batch / ms * 1e3, "bytes": parts,
-               "graphs": core.runner.graphs is not None}  # fmt: skip
+        row = {
+            "bench": "decode step",
+            "model": Path(config_dir).name,
+            "batch": batch,
+            "context": context,
+            "ms": ms,
+            "host_prepare_ms": prepare_ms,
+            "graph_gpu_ms": graph_ms,
+            "roofline_ms": roofline_ms,
+            "of_roofline": roofline_ms / ms,
+            "tokens_per_s": batch / ms * 1e3,
+            "bytes": parts,
+            "graphs": core.runner.graphs is not None,
+        }
         if profile:
             groups, top = kernel_breakdown(core, items)
             print(f"kernel time per eager decode step, batch {batch} (sum {sum(g['ms'] for g in groups):.2f} ms):")
@@ -108,26 +119,45 @@ def prefill_row(config_dir: str, tokens: int, peak: float) -> dict:
     del core
     gc.collect()
     torch.cuda.empty_cache()
-    return {"bench": "prefill", "model": Path(config_dir).name, "tokens": tokens, "ms": ms,
-            "tflops": flops / ms / 1e9, "mfu": flops / (ms / 1e3) / peak,
-            "tokens_per_s": tokens / ms * 1e3}  # fmt: skip
+    return {
+        "bench": "prefill",
+        "model": Path(config_dir).name,
+        "tokens": tokens,
+        "ms": ms,
+        "tflops": flops / ms / 1e9,
+        "mfu": flops / (ms / 1e3) / peak,
+        "tokens_per_s": tokens / ms * 1e3,
+    }
 
 
-def mixed_rows(config_dir: str, prompts: int, chunk: int, decodes: int, context: int,
-               profile: bool = False) -> list[dict]:  # fmt: skip
+def mixed_rows(
+    config_dir: str, prompts: int, chunk: int, decodes: int, context: int, profile: bool = False
+) -> list[dict]:
     """One eager step of `prompts` prefill chunks of `chunk` tokens after `decodes` decode items at `context`
     (the order the scheduler gives them), against the chunks alone and the decodes alone (a decode-only step
     replays its CUDA graph where one fits, as in serving). `extra_ms` is what the mixed step costs beyond the
     two alone."""
-    core = core_for(config_dir, decodes + prompts, max(context, chunk),
-                    max_num_batched_tokens=prompts * chunk + decodes)  # fmt: skip
+    core = core_for(
+        config_dir, decodes + prompts, max(context, chunk), max_num_batched_tokens=prompts * chunk + decodes
+    )
     dec, pre = decode_items(core, decodes, context), prefill_items(core, prompts, chunk)
-    timed = {name: time_ms(lambda its=its: core.runner.execute(its).argmax(-1).tolist(), iters=5)
-             for name, its in (("prefill", pre), ("decode", dec), ("mixed", dec + pre))}  # fmt: skip
-    row = {"bench": "mixed step", "model": Path(config_dir).name, "prompts": prompts, "chunk": chunk,
-           "decodes": decodes, "context": context, "prefill_ms": timed["prefill"], "decode_ms": timed["decode"],
-           "mixed_ms": timed["mixed"], "extra_ms": timed["mixed"] - timed["prefill"] - timed["decode"],
-           "prefill_tokens_per_s_mixed": prompts * chunk / timed["mixed"] * 1e3}  # fmt: skip
+    timed = {
+        name: time_ms(lambda its=its: core.runner.execute(its).argmax(-1).tolist(), iters=5)
+        for name, its in (("prefill", pre), ("decode", dec), ("mixed", dec + pre))
+    }
+    row = {
+        "bench": "mixed step",
+        "model": Path(config_dir).name,
+        "prompts": prompts,
+        "chunk": chunk,
+        "decodes": decodes,
+        "context": context,
+        "prefill_ms": timed["prefill"],
+        "decode_ms": timed["decode"],
+        "mixed_ms": timed["mixed"],
+        "extra_ms": timed["mixed"] - timed["prefill"] - timed["decode"],
+        "prefill_tokens_per_s_mixed": prompts * chunk / timed["mixed"] * 1e3,
+    }
     if profile:
         for name, its in (("prefill alone", pre), ("mixed step", dec + pre)):
             groups, top = kernel_breakdown(core, its, steps=2)
@@ -158,8 +188,10 @@ def ttft_rows(config_dir: str, tokens: int, repeats: int = 3) -> list[dict]:
         for r in range(repeats + 1):  # the first is a warm-up
             prompt = [3 + (7919 * r + 31 * j) % (vocab - 3) for j in range(tokens)]
             first: list[float] = []
-            core.submit(core.make_request(prompt, params, f"t{r}"),
-                        lambda out: first.append(time.perf_counter()) if not first else None)  # fmt: skip
+            core.submit(
+                core.make_request(prompt, params, f"t{r}"),
+                lambda out: first.append(time.perf_counter()) if not first else None,
+            )
             start, steps = time.perf_counter(), []
             core.dispatch(core.process_commands())
             while not first:
@@ -171,8 +203,17 @@ def ttft_rows(config_dir: str, tokens: int, repeats: int = 3) -> list[dict]:
                 core.dispatch(core.step())
         runs = sorted(runs[1:], key=lambda x: x["ttft_ms"])
         mid = runs[len(runs) // 2]
-        rows.append({"bench": "ttft", "model": Path(config_dir).name, "tokens": tokens, "prefix_cache": cache,
-                     "ttft_ms": mid["ttft_ms"], "steps": len(mid["step_ms"]), "step_ms": mid["step_ms"]})  # fmt: skip
+        rows.append(
+            {
+                "bench": "ttft",
+                "model": Path(config_dir).name,
+                "tokens": tokens,
+                "prefix_cache": cache,
+                "ttft_ms": mid["ttft_ms"],
+                "steps": len(mid["step_ms"]),
+                "step_ms": mid["step_ms"],
+            }
+        )
         del core
         gc.collect()
         torch.cuda.empty_cache()
@@ -194,8 +235,9 @@ def burst_rows(config_dir: str, prompts: int = 64, tokens: int = 1024, budget: i
         for i in range(prompts):
             prompt = [3 + (7919 * (burst * prompts + i) + 31 * j) % (vocab - 3) for j in range(tokens)]
             rid = f"b{burst}r{i}"
-            core.submit(core.make_request(prompt, params, rid),
-                        lambda out, rid=rid: first.setdefault(rid, time.perf_counter()))  # fmt: skip
+            core.submit(
+                core.make_request(prompt, params, rid), lambda out, rid=rid: first.setdefault(rid, time.perf_counter())
+            )
         start, steps = time.perf_counter(), []
         core.dispatch(core.process_commands())
         while len(first) < prompts:
@@ -205,9 +247,19 @@ def burst_rows(config_dir: str, prompts: int = 64, tokens: int = 1024, budget: i
         while core.has_work:
             core.dispatch(core.step())
         ttfts = sorted((f - start) * 1e3 for f in first.values())
-        rows.append({"bench": "burst", "model": Path(config_dir).name, "burst": burst, "prompts": prompts,
-                     "tokens": tokens, "ttft_min_ms": ttfts[0], "ttft_median_ms": ttfts[len(ttfts) // 2],
-                     "ttft_max_ms": ttfts[-1], "steps_ms_and_prompt_tokens": steps})  # fmt: skip
+        rows.append(
+            {
+                "bench": "burst",
+                "model": Path(config_dir).name,
+                "burst": burst,
+                "prompts": prompts,
+                "tokens": tokens,
+                "ttft_min_ms": ttfts[0],
+                "ttft_median_ms": ttfts[len(ttfts) // 2],
+                "ttft_max_ms": ttfts[-1],
+                "steps_ms_and_prompt_tokens": steps,
+            }
+        )
         print(rows[-1], flush=True)
     del core
     gc.collect()
@@ -238,8 +290,16 @@ def host_profile_rows(config_dir: str, token_counts=(16, 1024), steps: int = 20)
                 launch.append((time.perf_counter() - t) * 1e3)
                 torch.cuda.synchronize()
             gpu = gpu_ms(lambda: core.runner.execute(items))
-            rows.append({"bench": "host launch", "model": Path(config_dir).name, "mode": mode, "tokens": tokens,
-                         "host_launch_ms": median(launch), "gpu_ms": gpu})  # fmt: skip
+            rows.append(
+                {
+                    "bench": "host launch",
+                    "model": Path(config_dir).name,
+                    "mode": mode,
+                    "tokens": tokens,
+                    "host_launch_ms": median(launch),
+                    "gpu_ms": gpu,
+                }
+            )
             if tokens == token_counts[0]:
                 prof = cProfile.Profile()
                 for _ in range(steps):
@@ -247,8 +307,10 @@ def host_profile_rows(config_dir: str, token_counts=(16, 1024), steps: int = 20)
                     core.runner.execute(items)
                     prof.disable()
                     torch.cuda.synchronize()
-                print(f"{Path(config_dir).name}: {mode} {tokens}-token step, host launch {median(launch):.2f} ms, "
-                      f"GPU {gpu:.2f} ms; cProfile over {steps} steps:")  # fmt: skip
+                print(
+                    f"{Path(config_dir).name}: {mode} {tokens}-token step, host launch {median(launch):.2f} ms, "
+                    f"GPU {gpu:.2f} ms; cProfile over {steps} steps:"
+                )
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
             core.scheduler.free(items[0].request)
@@ -292,9 +354,16 @@ def hf_vs_engine(config_dir: str, batch: int, prompt: int, new: int) -> dict:
 
     engine_ms = time_ms(engine_run, iters=1, warmup=1)
     tokens = batch * new
-    return {"bench": "transformers vs engine", "model": Path(config_dir).name, "batch": batch, "prompt": prompt,
-            "new_tokens": new, "hf_tokens_per_s": tokens / hf_ms * 1e3, "engine_tokens_per_s": tokens / engine_ms * 1e3,
-            "ratio": hf_ms / engine_ms}  # fmt: skip
+    return {
+        "bench": "transformers vs engine",
+        "model": Path(config_dir).name,
+        "batch": batch,
+        "prompt": prompt,
+        "new_tokens": new,
+        "hf_tokens_per_s": tokens / hf_ms * 1e3,
+        "engine_tokens_per_s": tokens / engine_ms * 1e3,
+        "ratio": hf_ms / engine_ms,
+    }
 
 
 def main() -> None:
@@ -307,8 +376,11 @@ def main() -> None:
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--only-moe", action="store_true")
     p.add_argument("--only-decode", action="store_true", help="the dense decode rows only")
-    p.add_argument("--profile", action="store_true",
-                   help="print a per-kernel breakdown of each decode step (and of the mixed steps)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print a per-kernel breakdown of each decode step (and of the mixed steps)",
+    )
     p.add_argument("--mixed", action="store_true", help="the mixed-step rows only (the dense model)")
     p.add_argument("--mixed-prefill", default="2x8192", help="prompts x chunk tokens of the mixed step")
     p.add_argument("--mixed-decodes", type=int, default=63, help="decode items of the mixed step, at --context")
@@ -322,8 +394,9 @@ def main() -> None:
     if args.burst:
         for config in (args.dense, args.moe):
             rows += burst_rows(config)
-        print_table(rows, ["bench", "model", "burst", "prompts", "tokens", "ttft_min_ms", "ttft_median_ms",
-                           "ttft_max_ms"])  # fmt: skip
+        print_table(
+            rows, ["bench", "model", "burst", "prompts", "tokens", "ttft_min_ms", "ttft_median_ms", "ttft_max_ms"]
+        )
         write_result(args.out, {"rows": rows}, machine_info())
         return
     if args.host_profile:
@@ -344,17 +417,44 @@ def main() -> None:
     if args.mixed:
         prompts, chunk = ints(args.mixed_prefill.replace("x", ","))
         rows += mixed_rows(args.dense, prompts, chunk, args.mixed_decodes, args.context, args.profile)
-        print_table(rows, ["bench", "prompts", "chunk", "decodes", "context", "prefill_ms", "decode_ms", "mixed_ms",
-                           "extra_ms", "prefill_tokens_per_s_mixed"])  # fmt: skip
-        write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "bf16_matmul_flops": peak, "rows": rows},
-                     machine_info())  # fmt: skip
+        print_table(
+            rows,
+            [
+                "bench",
+                "prompts",
+                "chunk",
+                "decodes",
+                "context",
+                "prefill_ms",
+                "decode_ms",
+                "mixed_ms",
+                "extra_ms",
+                "prefill_tokens_per_s_mixed",
+            ],
+        )
+        write_result(
+            args.out, {"hbm_copy_bytes_per_s": bandwidth, "bf16_matmul_flops": peak, "rows": rows}, machine_info()
+        )
         return
     if args.only_moe:
         args.skip_hf = True
     else:
         rows += decode_rows(args.dense, args.batches, args.context, bandwidth, args.profile)
-        print_table(rows, ["bench", "model", "batch", "context", "ms", "host_prepare_ms", "graph_gpu_ms", "roofline_ms",
-                           "of_roofline", "tokens_per_s"])  # fmt: skip
+        print_table(
+            rows,
+            [
+                "bench",
+                "model",
+                "batch",
+                "context",
+                "ms",
+                "host_prepare_ms",
+                "graph_gpu_ms",
+                "roofline_ms",
+                "of_roofline",
+                "tokens_per_s",
+            ],
+        )
         if args.only_decode:
             args.skip_hf = args.skip_moe = True
         else:
@@ -362,12 +462,14 @@ def main() -> None:
             print_table(rows[-1:], ["bench", "model", "tokens", "ms", "tflops", "mfu", "tokens_per_s"])
     if not args.skip_hf:
         rows.append(hf_vs_engine(args.dense, 64, 1024, 128))
-        print_table(rows[-1:], ["bench", "batch", "prompt", "new_tokens", "hf_tokens_per_s", "engine_tokens_per_s",
-                                "ratio"])  # fmt: skip
+        print_table(
+            rows[-1:], ["bench", "batch", "prompt", "new_tokens", "hf_tokens_per_s", "engine_tokens_per_s", "ratio"]
+        )
     if not args.skip_moe:
         rows += decode_rows(args.moe, [64], 2048, bandwidth)
-        print_table(rows[-1:], ["bench", "model", "batch", "context", "ms", "roofline_ms", "of_roofline",
-                                "tokens_per_s"])  # fmt: skip
+        print_table(
+            rows[-1:], ["bench", "model", "batch", "context", "ms", "roofline_ms", "of_roofline", "tokens_per_s"]
+        )
     payload = {"hbm_copy_bytes_per_s": bandwidth, "bf16_matmul_flops": peak, "rows": rows}
     write_result(args.out, payload, machine_info())
 

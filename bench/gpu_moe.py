@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CONFIGS, RESULTS, decode_items, ints, prefill_items, print_table, write_result  # noqa: E402
-from bench.gpu_common import (  # noqa: E402
+from bench.common import CONFIGS, RESULTS, decode_items, ints, prefill_items, print_table, write_result
+from bench.gpu_common import (
     core_for,
     gpu_ms,
     graph_ms,
@@ -40,11 +40,11 @@ from bench.gpu_common import (  # noqa: E402
     step_bytes,
     time_ms,
 )
-from deltamesh.engine.config import ModelConfig  # noqa: E402
-from deltamesh.engine.models.layers import SparseMoE, linear_weight  # noqa: E402
-from deltamesh.engine.weights import init_dummy  # noqa: E402
-from deltamesh.kernels import torch_ref, triton_linear, triton_moe  # noqa: E402
-from deltamesh.kernels.fp8 import Fp8Weight  # noqa: E402
+from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.models.layers import SparseMoE, linear_weight
+from deltamesh.engine.weights import init_dummy
+from deltamesh.kernels import torch_ref, triton_linear, triton_moe
+from deltamesh.kernels.fp8 import Fp8Weight
 
 IMPLS = {"torch": torch_ref.moe, "triton": triton_moe.moe}
 
@@ -59,8 +59,17 @@ def layer_inputs(layer: SparseMoE, tokens: int):
 def layer_args(layer: SparseMoE, tokens: int) -> tuple:
     """kernels.moe's arguments for `tokens` random hidden states."""
     x, logits, gate = layer_inputs(layer, tokens)
-    return (x, logits, linear_weight(layer, "w13"), linear_weight(layer, "w2"), layer.top_k, layer.norm_topk,
-            linear_weight(layer.shared, "gate_up"), linear_weight(layer.shared, "down"), gate)  # fmt: skip
+    return (
+        x,
+        logits,
+        linear_weight(layer, "w13"),
+        linear_weight(layer, "w2"),
+        layer.top_k,
+        layer.norm_topk,
+        linear_weight(layer.shared, "gate_up"),
+        linear_weight(layer.shared, "down"),
+        gate,
+    )
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -99,8 +108,18 @@ def op_rows(layer: SparseMoE, tokens: list[int], bandwidth: float, impls_: dict)
     return rows
 
 
-SWEEP = [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (16, 64, 128, 4, 4), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
-         (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 32, 4, 4)]
+SWEEP = [
+    (16, 64, 64, 4, 3),
+    (16, 128, 64, 4, 3),
+    (16, 64, 128, 4, 4),
+    (32, 64, 64, 4, 3),
+    (64, 64, 64, 4, 3),
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (64, 256, 64, 8, 3),
+    (128, 128, 32, 4, 4),
+]
 
 
 def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
@@ -109,18 +128,26 @@ def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
     for t in tokens:
         args = layer_args(layer, t)
         for cfg in map(lambda c: triton_moe.GemmConfig(*c), SWEEP):
+
             def fn(cfg=cfg):
                 return triton_moe.moe(*args, config=cfg)
 
-            rows.append({"bench": "sweep", "tokens": t, "config": "/".join(map(str, cfg)),
-                         "ms": graph_ms(fn) if t <= 256 else gpu_ms(fn),
-                         "chosen": cfg == triton_moe.gemm_config(t * layer.top_k)})  # fmt: skip
+            rows.append(
+                {
+                    "bench": "sweep",
+                    "tokens": t,
+                    "config": "/".join(map(str, cfg)),
+                    "ms": graph_ms(fn) if t <= 256 else gpu_ms(fn),
+                    "chosen": cfg == triton_moe.gemm_config(t * layer.top_k),
+                }
+            )
     return rows
 
 
 # Candidate tiles of each pair-wise kernel (rows per program, K step, warps), at most 64 float32 sums per thread
-GATE_UP_TILES = [triton_moe.PairTile(n, k, w) for n in (2, 4, 8) for k in (512, 1024, 2048) for w in (1, 2, 4)
-                 if n * k <= 2048 * w]  # fmt: skip
+GATE_UP_TILES = [
+    triton_moe.PairTile(n, k, w) for n in (2, 4, 8) for k in (512, 1024, 2048) for w in (1, 2, 4) if n * k <= 2048 * w
+]
 DOWN_TILES = [triton_moe.PairTile(n, 512, w) for n in (2, 4, 8, 16) for w in (1, 2, 4) if n * 512 <= 2048 * w]
 RING = 40  # calls per timed graph: a step's MoE layers
 
@@ -144,13 +171,21 @@ def pair_sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
         chosen = triton_moe.pair_config(t)
         configs = [chosen._replace(gate_up=g) for g in GATE_UP_TILES] + [chosen._replace(down=d) for d in DOWN_TILES]
         for cfg in dict.fromkeys(configs):
+
             def ring(cfg=cfg):
                 for args in calls:
                     triton_moe._moe_pairs(*args, tiles=cfg)
 
-            rows.append({"bench": "pair_sweep", "tokens": t, "gate_up": "/".join(map(str, cfg.gate_up)),
-                         "down": "/".join(map(str, cfg.down)), "ms": graph_ms(ring) / RING,
-                         "chosen": cfg == chosen})  # fmt: skip
+            rows.append(
+                {
+                    "bench": "pair_sweep",
+                    "tokens": t,
+                    "gate_up": "/".join(map(str, cfg.gate_up)),
+                    "down": "/".join(map(str, cfg.down)),
+                    "ms": graph_ms(ring) / RING,
+                    "chosen": cfg == chosen,
+                }
+            )
     return rows
 
 
@@ -162,10 +197,16 @@ def routing_rows(layer: SparseMoE, batches: list[int]) -> list[dict]:
     for t in batches:
         x = torch.randn(t, layer.w13.shape[2], device="cuda", dtype=torch.bfloat16)
         ids = torch.topk(F.linear(x, layer.router).float(), k, dim=-1).indices.flatten()
-        rows.append({"bench": "routing", "tokens": t, "experts_touched": ids.unique().numel(),
-                     "uniform_expectation": e * (1 - (1 - k / e) ** t),
-                     "busiest_expert_share": torch.bincount(ids, minlength=e).max().item() / ids.numel(),
-                     "uniform_share": k / e})  # fmt: skip
+        rows.append(
+            {
+                "bench": "routing",
+                "tokens": t,
+                "experts_touched": ids.unique().numel(),
+                "uniform_expectation": e * (1 - (1 - k / e) ** t),
+                "busiest_expert_share": torch.bincount(ids, minlength=e).max().item() / ids.numel(),
+                "uniform_share": k / e,
+            }
+        )
     return rows
 
 
@@ -222,11 +263,21 @@ def decode_rows(core, batches: list[int], context: int, bandwidth: float, impls:
             inputs = core.runner.prepare(items)
             ms = gpu_ms(lambda: core.runner.graphs.run(*inputs))
             step_ms = time_ms(lambda: core.runner.execute(items).argmax(-1).tolist())
-            rows.append({"bench": "decode step", "moe": name, "batch": batch, "context": context, "graph_gpu_ms": ms,
-                         "step_ms": step_ms, "launches": launches_per_step(core, items),
-                         "experts_touched_share": touched / all_experts,
-                         "roofline_ms": honest / bandwidth * 1e3, "of_roofline": honest / bandwidth * 1e3 / ms,
-                         "all_experts_roofline_ms": sum(parts.values()) / bandwidth * 1e3})  # fmt: skip
+            rows.append(
+                {
+                    "bench": "decode step",
+                    "moe": name,
+                    "batch": batch,
+                    "context": context,
+                    "graph_gpu_ms": ms,
+                    "step_ms": step_ms,
+                    "launches": launches_per_step(core, items),
+                    "experts_touched_share": touched / all_experts,
+                    "roofline_ms": honest / bandwidth * 1e3,
+                    "of_roofline": honest / bandwidth * 1e3 / ms,
+                    "all_experts_roofline_ms": sum(parts.values()) / bandwidth * 1e3,
+                }
+            )
         for it in items:
             core.scheduler.free(it.request)
     return rows
@@ -237,8 +288,10 @@ def print_step_kernels(core, batches: list[int], context: int) -> None:
     for batch in batches:
         items = decode_items(core, batch, context)
         groups, kernels = kernel_breakdown(core, items, steps=1, top=1000)
-        print(f"decode step, batch {batch}: {sum(k['calls'] for k in kernels)} kernel calls, "
-              f"{sum(k['ms'] for k in kernels):.2f} ms of kernel time")
+        print(
+            f"decode step, batch {batch}: {sum(k['calls'] for k in kernels)} kernel calls, "
+            f"{sum(k['ms'] for k in kernels):.2f} ms of kernel time"
+        )
         print_table(groups, ["group", "kernels", "calls", "ms"])
         print_table(sorted(kernels, key=lambda k: -k["calls"]), ["kernel", "calls", "ms"])
         for it in items:
@@ -250,8 +303,12 @@ def prefill_rows(core, tokens: int, profile: bool, impls: dict) -> list[dict]:
     for name, impl in impls.items():
         core.runner.kernels.moe = impl
         items = prefill_items(core, 1, tokens)
-        row = {"bench": "prefill", "moe": name, "tokens": tokens,
-               "ms": time_ms(lambda: core.runner.execute(items).argmax(-1).tolist(), iters=5)}  # fmt: skip
+        row = {
+            "bench": "prefill",
+            "moe": name,
+            "tokens": tokens,
+            "ms": time_ms(lambda: core.runner.execute(items).argmax(-1).tolist(), iters=5),
+        }
         if profile and name == "triton":
             groups, top = kernel_breakdown(core, items, steps=1)
             print(f"kernel time of one {tokens}-token prefill (sum {sum(g['ms'] for g in groups):.1f} ms):")
@@ -273,13 +330,24 @@ def main() -> None:
     p.add_argument("--skip-steps", action="store_true", help="the op and routing rows only")
     p.add_argument("--sweep", action="store_true", help="also time the fused kernels' block configurations")
     p.add_argument("--profile", action="store_true", help="print where the prefill's GPU time goes")
-    p.add_argument("--step-kernels", action="store_true",
-                   help="print every kernel of one eager decode step (fused MoE) at each batch, with its calls")
-    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
-                   help="fp8: FP8 experts and projections (dummy weights quantized in blocks)")
+    p.add_argument(
+        "--step-kernels",
+        action="store_true",
+        help="print every kernel of one eager decode step (fused MoE) at each batch, with its calls",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["none", "fp8"],
+        default="none",
+        help="fp8: FP8 experts and projections (dummy weights quantized in blocks)",
+    )
     p.add_argument("--moe", default="torch,triton", help="the MoE implementations to time, of torch and triton")
-    p.add_argument("--gemv-max-tokens", type=ints, default=[triton_linear.GEMV_MAX_TOKENS],
-                   help="decode steps with the FP8 layers' GEMV up to each of these token counts (0: cuBLAS)")
+    p.add_argument(
+        "--gemv-max-tokens",
+        type=ints,
+        default=[triton_linear.GEMV_MAX_TOKENS],
+        help="decode steps with the FP8 layers' GEMV up to each of these token counts (0: cuBLAS)",
+    )
     p.add_argument("--out", default=str(RESULTS / "gpu_moe.json"))
     args = p.parse_args()
     fp8 = args.quantization == "fp8"
@@ -288,8 +356,20 @@ def main() -> None:
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = dummy_layer(args.model, fp8)
     rows = op_rows(layer, args.op_tokens, bandwidth, impls)
-    print_table(rows, ["tokens", "experts_touched", "floor_ms", "torch_ms", "triton_ms", "pairs_ms", "aligned_ms",
-                       "speedup", "triton_of_floor"])  # fmt: skip
+    print_table(
+        rows,
+        [
+            "tokens",
+            "experts_touched",
+            "floor_ms",
+            "torch_ms",
+            "triton_ms",
+            "pairs_ms",
+            "aligned_ms",
+            "speedup",
+            "triton_of_floor",
+        ],
+    )
     routing = routing_rows(layer, [1, 16, 64, 256, 8192])
     print_table(routing, ["tokens", "experts_touched", "uniform_expectation", "busiest_expert_share", "uniform_share"])
     rows += routing
@@ -303,22 +383,43 @@ def main() -> None:
         rows += sweep + pair_sweep
     del layer
     if not args.skip_steps:
-        core = core_for(args.model, max(args.batches), max(args.context, args.prefill), cuda_graphs=False,
-                        quantization=args.quantization)  # fmt: skip
+        core = core_for(
+            args.model,
+            max(args.batches),
+            max(args.context, args.prefill),
+            cuda_graphs=False,
+            quantization=args.quantization,
+        )
         if args.step_kernels:
             print_step_kernels(core, args.batches, args.context)
         steps, default_gemv = [], triton_linear.GEMV_MAX_TOKENS
         for gemv in args.gemv_max_tokens:  # read when the linear layers are called, so when graphs are captured
             triton_linear.GEMV_MAX_TOKENS = gemv
-            steps += [r | {"gemv_max_tokens": gemv} for r in decode_rows(core, args.batches, args.context, bandwidth, impls)]
+            steps += [
+                r | {"gemv_max_tokens": gemv} for r in decode_rows(core, args.batches, args.context, bandwidth, impls)
+            ]
         triton_linear.GEMV_MAX_TOKENS = default_gemv
-        print_table(steps, ["moe", "gemv_max_tokens", "batch", "graph_gpu_ms", "step_ms", "launches", "experts_touched_share",
-                            "roofline_ms", "of_roofline", "all_experts_roofline_ms"])  # fmt: skip
+        print_table(
+            steps,
+            [
+                "moe",
+                "gemv_max_tokens",
+                "batch",
+                "graph_gpu_ms",
+                "step_ms",
+                "launches",
+                "experts_touched_share",
+                "roofline_ms",
+                "of_roofline",
+                "all_experts_roofline_ms",
+            ],
+        )
         prefill = prefill_rows(core, args.prefill, args.profile, impls)
         print_table(prefill, ["moe", "tokens", "ms"])
         rows += steps + prefill
-    write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "quantization": args.quantization, "rows": rows},
-                 machine_info())  # fmt: skip
+    write_result(
+        args.out, {"hbm_copy_bytes_per_s": bandwidth, "quantization": args.quantization, "rows": rows}, machine_info()
+    )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ def measure(core: EngineCore, batch: int, context: int, steps: int, async_schedu
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=steps * 3 + 16, temperature=0, ignore_eos=True)
     vocab = core.model_config.vocab_size
-    reqs = [core.make_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params) for _ in range(batch)]
+    reqs = [
+        core.make_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params) for _ in range(batch)
+    ]
     for r in reqs:
         core.submit(r, lambda out: None)
     core.process_commands()
@@ -73,9 +75,12 @@ def measure(core: EngineCore, batch: int, context: int, steps: int, async_schedu
     while core.has_work:
         core.step()
     return {
-        "batch": batch, "async_scheduling": async_scheduling, "step_ms": wall / steps * 1e3,
-        "gpu_busy_ms": busy / steps / 1e3, "gap_pct": 100 * (1 - busy / span) if span else None,
-    }  # fmt: skip
+        "batch": batch,
+        "async_scheduling": async_scheduling,
+        "step_ms": wall / steps * 1e3,
+        "gpu_busy_ms": busy / steps / 1e3,
+        "gap_pct": 100 * (1 - busy / span) if span else None,
+    }
 
 
 def main() -> None:
@@ -90,10 +95,15 @@ def main() -> None:
     batches = args.batches
     rows = []
     for model in args.models.split(","):
-        config = EngineConfig(model=str(ROOT / model) if not Path(model).is_absolute() else model,
-                              load_format="dummy", device=args.device, max_num_seqs=max(batches),
-                              max_model_len=args.context + 4 * args.steps + 64, max_num_batched_tokens=16384,
-                              prefix_cache=False)  # fmt: skip
+        config = EngineConfig(
+            model=str(ROOT / model) if not Path(model).is_absolute() else model,
+            load_format="dummy",
+            device=args.device,
+            max_num_seqs=max(batches),
+            max_model_len=args.context + 4 * args.steps + 64,
+            max_num_batched_tokens=16384,
+            prefix_cache=False,
+        )
         core = EngineCore(config)
         for batch in batches:
             for async_scheduling in (False, True):
@@ -102,11 +112,22 @@ def main() -> None:
                 print(row, flush=True)
         del core
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    print(table(
-        ["model", "batch", "async", "step ms", "GPU busy ms", "GPU idle %"],
-        [[r["model"], r["batch"], r["async_scheduling"], fmt(r["step_ms"]), fmt(r["gpu_busy_ms"]), fmt(r["gap_pct"])]
-         for r in rows],
-    ))  # fmt: skip
+    print(
+        table(
+            ["model", "batch", "async", "step ms", "GPU busy ms", "GPU idle %"],
+            [
+                [
+                    r["model"],
+                    r["batch"],
+                    r["async_scheduling"],
+                    fmt(r["step_ms"]),
+                    fmt(r["gpu_busy_ms"]),
+                    fmt(r["gap_pct"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
     if args.out:
         write_result(args.out, {"benchmark": "host_gap", "settings": vars(args), "rows": rows})
 

@@ -25,9 +25,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ROOT, free_port, stop_group, write_result  # noqa: E402
-from deltamesh.client import AsyncClient, DeltameshError  # noqa: E402
-from deltamesh.services.router.control import read_loads  # noqa: E402
+from bench.common import ROOT, free_port, stop_group, write_result
+from deltamesh.client import AsyncClient, DeltameshError
+from deltamesh.services.router.control import read_loads
 
 
 class OwnMesh:
@@ -38,11 +38,25 @@ class OwnMesh:
         self.address = f"127.0.0.1:{self.port}"
         self.secret = secrets.token_hex(16)  # given to the mesh, so that its loads can be read here
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deltamesh.services.cli", "serve", "--grpc-port", str(self.port), "--control-port",
-             str(self.control_port), "--http-port", "0", *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            cwd=ROOT, env={**os.environ, "DELTAMESH_MESH_SECRET": self.secret},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "deltamesh.services.cli",
+                "serve",
+                "--grpc-port",
+                str(self.port),
+                "--control-port",
+                str(self.control_port),
+                "--http-port",
+                "0",
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=ROOT,
+            env={**os.environ, "DELTAMESH_MESH_SECRET": self.secret},
+        )
 
     def wait_ready(self, workers: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -127,8 +141,12 @@ async def soak(address: str, duration: float, rate: float, max_tokens: int, time
 def _summary(outcomes: list[str], started: float) -> dict:
     """Requests, their outcomes counted, errors (every outcome but "ok") and the seconds since `started`."""
     counts = dict(Counter(outcomes))
-    return {"requests": len(outcomes), "outcomes": counts, "errors": len(outcomes) - counts.get("ok", 0),
-            "seconds": round(time.monotonic() - started, 2)}  # fmt: skip
+    return {
+        "requests": len(outcomes),
+        "outcomes": counts,
+        "errors": len(outcomes) - counts.get("ok", 0),
+        "seconds": round(time.monotonic() - started, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -161,8 +179,10 @@ def main(argv: list[str] | None = None) -> dict:
         if mesh:
             mesh.stop()
     result |= {"mode": args.mode, "rss_mib_start": rss_start, "rss_mib_end": rss_end}
-    print(f"{args.mode}: {result['requests']} requests in {result['seconds']}s, errors {result['errors']}, "
-          f"outcomes {result['outcomes']}")  # fmt: skip
+    print(
+        f"{args.mode}: {result['requests']} requests in {result['seconds']}s, errors {result['errors']}, "
+        f"outcomes {result['outcomes']}"
+    )
     if rss_start:
         print(f"{'process':<22}{'RSS start MiB':>15}{'RSS end MiB':>13}")
         for key in rss_start:

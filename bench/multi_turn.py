@@ -27,22 +27,45 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, ROOT, free_port, print_table, stop_group, with_tokenizer, write_result  # noqa: E402
-from bench.disagg_sweep import wait_ready  # noqa: E402
-from deltamesh.engine import DEFAULT_MODEL  # noqa: E402
-from deltamesh.engine.prefix_cache import TURN_START  # noqa: E402
-from deltamesh.engine.tokenizer import Tokenizer  # noqa: E402
+from bench.common import RESULTS, ROOT, free_port, print_table, stop_group, with_tokenizer, write_result
+from bench.disagg_sweep import wait_ready
+from deltamesh.engine import DEFAULT_MODEL
+from deltamesh.engine.prefix_cache import TURN_START
+from deltamesh.engine.tokenizer import Tokenizer
 
 
 def serve(args, cache: bool, log: Path) -> tuple[subprocess.Popen, str, list[str]]:
     """`deltamesh serve` with or without the prefix cache: (process, gRPC address, worker metrics URLs)."""
     grpc_port, http_port = free_port(), free_port()
     history = args.system_len + args.turns * (args.message_len + args.reply_len) + 16
-    cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--model", args.model, "--device", args.device,
-           "--dtype", args.dtype, "--load-format", args.load_format, "--grpc-port", str(grpc_port),
-           "--control-port", str(free_port()), "--http-port", str(http_port), "--max-model-len", str(history),
-           "--max-num-seqs", str(max(args.users, 4)), "--log-level", "warning",
-           "--prefix-cache" if cache else "--no-prefix-cache", *args.serve_flag]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltamesh.services.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--load-format",
+        args.load_format,
+        "--grpc-port",
+        str(grpc_port),
+        "--control-port",
+        str(free_port()),
+        "--http-port",
+        str(http_port),
+        "--max-model-len",
+        str(history),
+        "--max-num-seqs",
+        str(max(args.users, 4)),
+        "--log-level",
+        "warning",
+        "--prefix-cache" if cache else "--no-prefix-cache",
+        *args.serve_flag,
+    ]
     cmd += ["--colocated", "--decode-workers", "1"] if args.setup == "colocated" else []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_ready(proc, f"http://127.0.0.1:{http_port}/ready", log)
@@ -54,9 +77,11 @@ def worker_counters(urls: list[str]) -> dict[str, float]:
     """Prompt tokens the workers computed and took from a prefix cache (their own, or a decode worker's through
     the reverse pull), summed over workers."""
     total = {"computed": 0.0, "cached": 0.0}
-    names = {"deltamesh_engine_prompt_tokens_total": "computed",
-             "deltamesh_engine_prefix_cache_hit_tokens_total": "cached",
-             "deltamesh_engine_reverse_pull_tokens_total": "cached"}  # fmt: skip
+    names = {
+        "deltamesh_engine_prompt_tokens_total": "computed",
+        "deltamesh_engine_prefix_cache_hit_tokens_total": "cached",
+        "deltamesh_engine_reverse_pull_tokens_total": "cached",
+    }
     for url in urls:
         for line in httpx.get(url, timeout=5).text.splitlines():
             name, _, value = line.partition("{")
@@ -118,10 +143,17 @@ async def drive(address: str, args, urls: list[str]) -> list[dict]:
         # before this turn's message but the last reply token (sampled, never fed back before this turn)
         ideal = (args.users - 1) * args.system_len if turn == 0 else args.users * (prompt - args.message_len - 1)
         cached = after["cached"] - before["cached"]
-        rows.append({"turn": turn + 1, "prompt_tokens": prompt, "ttft_median_ms": float(np.median(ttft[turn])),
-                     "ttft_p90_ms": float(np.percentile(ttft[turn], 90)),
-                     "computed_tokens": after["computed"] - before["computed"], "cached_tokens": cached,
-                     "of_ideal": cached / ideal if ideal else None})  # fmt: skip
+        rows.append(
+            {
+                "turn": turn + 1,
+                "prompt_tokens": prompt,
+                "ttft_median_ms": float(np.median(ttft[turn])),
+                "ttft_p90_ms": float(np.percentile(ttft[turn], 90)),
+                "computed_tokens": after["computed"] - before["computed"],
+                "cached_tokens": cached,
+                "of_ideal": cached / ideal if ideal else None,
+            }
+        )
     tokens = sum(r["prompt_tokens"] for r in rows) * args.users + args.turns * args.users * args.reply_len
     for r in rows:
         r["total_tok_s"] = tokens / seconds
@@ -155,14 +187,29 @@ def main() -> None:
     args.opener = Tokenizer(args.model).token_id(TURN_START)
     rows = []
     for cache in (False, True):
-        proc, address, urls = serve(args, cache, Path(args.log_dir) / f"multi-turn-cache-{'on' if cache else 'off'}.log")
+        proc, address, urls = serve(
+            args, cache, Path(args.log_dir) / f"multi-turn-cache-{'on' if cache else 'off'}.log"
+        )
         try:
             for r in asyncio.run(drive(address, args, urls)):
                 rows.append({"setup": args.setup, "prefix_cache": cache, **r})
         finally:
             stop_group(proc)
-    print_table(rows, ["setup", "prefix_cache", "turn", "prompt_tokens", "ttft_median_ms", "ttft_p90_ms",
-                       "computed_tokens", "cached_tokens", "of_ideal", "total_tok_s"])  # fmt: skip
+    print_table(
+        rows,
+        [
+            "setup",
+            "prefix_cache",
+            "turn",
+            "prompt_tokens",
+            "ttft_median_ms",
+            "ttft_p90_ms",
+            "computed_tokens",
+            "cached_tokens",
+            "of_ideal",
+            "total_tok_s",
+        ],
+    )
     write_result(args.out, {"args": vars(args), "rows": rows})
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, machine_info, print_table, write_result  # noqa: E402
-from deltamesh.engine import EngineConfig, SamplingParams  # noqa: E402
-from deltamesh.engine.defaults import DEFAULT_MODEL  # noqa: E402
-from deltamesh.engine.engine import Engine  # noqa: E402
+from bench.common import RESULTS, machine_info, print_table, write_result
+from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine.defaults import DEFAULT_MODEL
+from deltamesh.engine.engine import Engine
 
 
 def timed(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -53,9 +53,15 @@ def layout(spec: str) -> dict:
 
 def row(args, spec: str) -> dict:
     fields = layout(spec)
-    config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device, **fields,
-                          max_num_seqs=max(args.batch, 1), max_model_len=args.prompt + args.decode_tokens + 64,
-                          prefix_cache=False)  # fmt: skip
+    config = EngineConfig(
+        model=args.model,
+        load_format=args.load_format,
+        device=args.device,
+        **fields,
+        max_num_seqs=max(args.batch, 1),
+        max_model_len=args.prompt + args.decode_tokens + 64,
+        prefix_cache=False,
+    )
     with Engine(config) as engine:
         vocab = engine.core.model_config.vocab_size
         prompts = [[(7 * i + 13 * j) % vocab for j in range(args.prompt)] for i in range(args.batch)]
@@ -63,9 +69,16 @@ def row(args, spec: str) -> dict:
         prefill_s = timed(engine, prompts, 1)
         total_s = timed(engine, prompts, 1 + args.decode_tokens)
     decode_s = max(total_s - prefill_s, 1e-9)
-    return {"layout": spec, "ranks": config.num_ranks, "batch": args.batch, "prompt": args.prompt, "prefill_s": prefill_s,
-            "prefill_tok_s": args.batch * args.prompt / prefill_s, "decode_tok_s": args.batch * args.decode_tokens / decode_s,
-            "decode_ms_per_step": decode_s / args.decode_tokens * 1e3}  # fmt: skip
+    return {
+        "layout": spec,
+        "ranks": config.num_ranks,
+        "batch": args.batch,
+        "prompt": args.prompt,
+        "prefill_s": prefill_s,
+        "prefill_tok_s": args.batch * args.prompt / prefill_s,
+        "decode_tok_s": args.batch * args.decode_tokens / decode_s,
+        "decode_ms_per_step": decode_s / args.decode_tokens * 1e3,
+    }
 
 
 def main() -> None:
@@ -73,8 +86,9 @@ def main() -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--load-format", default="auto")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--layouts", type=lambda s: s.split(","), default=["1", "tp2"],
-                   help="comma-separated: 1, tpN, epN, dpN, depN")
+    p.add_argument(
+        "--layouts", type=lambda s: s.split(","), default=["1", "tp2"], help="comma-separated: 1, tpN, epN, dpN, depN"
+    )
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=32)

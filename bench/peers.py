@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     CONFIGS,
     RESULTS,
     ROOT,
@@ -35,8 +35,8 @@ from bench.common import (  # noqa: E402
     with_tokenizer,
     write_result,
 )
-from bench.disagg_sweep import run_point, serve_command, wait_ready  # noqa: E402
-from bench.server_side import PointObserver, metrics_urls  # noqa: E402
+from bench.disagg_sweep import run_point, serve_command, wait_ready
+from bench.server_side import PointObserver, metrics_urls
 
 
 def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen, str, str]:
@@ -48,18 +48,38 @@ def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen,
         cmd = serve_command(str(folder), port, max_len, args.max_num_seqs, args.max_num_batched_tokens, colocated=True)
         ready = f"http://127.0.0.1:{port}/ready"
     else:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--served-model-name", folder.name, "--port", str(port), "--load-format", "dummy",
-               "--language-model-only", "--dtype", "bfloat16", "--max-model-len", str(max_len),
-               "--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-utilization", "0.90",
-               "--gdn-prefill-backend", "triton"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(folder),
+            "--served-model-name",
+            folder.name,
+            "--port",
+            str(port),
+            "--load-format",
+            "dummy",
+            "--language-model-only",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(max_len),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--gpu-memory-utilization",
+            "0.90",
+            "--gdn-prefill-backend",
+            "triton",
+        ]
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.vllm_site, env.get("PYTHONPATH")]))
         env.update(HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0", CUDA_VISIBLE_DEVICES="0")
         ready = f"http://127.0.0.1:{port}/v1/models"
     # vLLM starts outside the repository, so that no top-level folder of ours can shadow a package it imports
     cwd = ROOT if engine == "deltamesh" else log.parent
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     return proc, f"http://127.0.0.1:{port}", ready
 
 
@@ -75,8 +95,17 @@ def measure(engine: str, shape: Path, args) -> list[dict]:
         for input_len, output_len in args.loads:
             for c in args.concurrency:
                 result = work / f"peers-{engine}-{shape.name}-{input_len}-{output_len}-c{c}.json"
-                row = run_point(base, str(folder), input_len, output_len, c, max(args.waves * c, args.min_prompts),
-                                result, args.point_timeout, observer=observer)  # fmt: skip
+                row = run_point(
+                    base,
+                    str(folder),
+                    input_len,
+                    output_len,
+                    c,
+                    max(args.waves * c, args.min_prompts),
+                    result,
+                    args.point_timeout,
+                    observer=observer,
+                )
                 rows.append({"engine": engine, "shape": shape.name, "load": f"{input_len}/{output_len}", **row})
                 print(rows[-1], flush=True)
     finally:
@@ -93,20 +122,38 @@ def side_by_side(rows: list[dict]) -> str:
     for (shape, load, c), engines in by_point.items():
         d, v = engines.get("deltamesh", {}), engines.get("vllm", {})
         ratio = d.get("total_tok_s_per_gpu", 0) / v["total_tok_s_per_gpu"] if v.get("total_tok_s_per_gpu") else None
-        lines.append([shape, load, c] + [fmt(e.get(k)) for e in (d, v) for k in
-                     ("total_tok_s_per_gpu", "ttft_median_ms", "tpot_median_ms", "tpot_p99_ms")] + [fmt(ratio)])  # fmt: skip
-    heads = ["shape", "load", "conc."] + [f"{e} {k}" for e in ("deltamesh", "vLLM")
-                                          for k in ("tok/s/GPU", "TTFT", "TPOT", "TPOT p99")] + ["ratio"]  # fmt: skip
+        lines.append(
+            [shape, load, c]
+            + [
+                fmt(e.get(k))
+                for e in (d, v)
+                for k in ("total_tok_s_per_gpu", "ttft_median_ms", "tpot_median_ms", "tpot_p99_ms")
+            ]
+            + [fmt(ratio)]
+        )
+    heads = (
+        ["shape", "load", "conc."]
+        + [f"{e} {k}" for e in ("deltamesh", "vLLM") for k in ("tok/s/GPU", "TTFT", "TPOT", "TPOT p99")]
+        + ["ratio"]
+    )
     return table(heads, lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=lambda s: s.split(","), default=["deltamesh", "vllm"])
-    p.add_argument("--shapes", type=lambda s: s.split(","), default=["qwen3.5-35b-a3b", "qwen3.5-9b"],
-                   help="folders under bench/configs")
-    p.add_argument("--loads", type=lambda s: [tuple(ints(x.replace(":", ","))) for x in s.split(",")],
-                   default=[(8192, 1024), (1024, 1024)], help="input:output tokens, e.g. 8192:1024,1024:1024")
+    p.add_argument(
+        "--shapes",
+        type=lambda s: s.split(","),
+        default=["qwen3.5-35b-a3b", "qwen3.5-9b"],
+        help="folders under bench/configs",
+    )
+    p.add_argument(
+        "--loads",
+        type=lambda s: [tuple(ints(x.replace(":", ","))) for x in s.split(",")],
+        default=[(8192, 1024), (1024, 1024)],
+        help="input:output tokens, e.g. 8192:1024,1024:1024",
+    )
     p.add_argument("--concurrency", type=ints, default=[1, 16, 64])
     p.add_argument("--waves", type=int, default=2, help="requests per point = waves x concurrency ...")
     p.add_argument("--min-prompts", type=int, default=4, help="... and at least this many")

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, ints, median, print_table, write_result  # noqa: E402
-from deltamesh.engine.cache import KVPagePool  # noqa: E402
-from deltamesh.engine.prefix_cache import EVICTION_SLACK, eviction_rank, in_rank_order  # noqa: E402
+from bench.common import RESULTS, ints, median, print_table, write_result
+from deltamesh.engine.cache import KVPagePool
+from deltamesh.engine.prefix_cache import EVICTION_SLACK, eviction_rank, in_rank_order
 
 
 def fragmented_pool(num_pages: int, rng: random.Random) -> KVPagePool:
@@ -77,8 +77,13 @@ def main() -> None:
     rows = []
     for n in args.pages:
         rng, gen = random.Random(0), np.random.default_rng(0)
-        rows.append({"pages": n, "alloc_free_us": round(alloc_free_us(fragmented_pool(n, rng), rng, args.allocs), 1),
-                     "eviction_order_ms": round(eviction_order_ms(n, gen, args.reps), 2)})  # fmt: skip
+        rows.append(
+            {
+                "pages": n,
+                "alloc_free_us": round(alloc_free_us(fragmented_pool(n, rng), rng, args.allocs), 1),
+                "eviction_order_ms": round(eviction_order_ms(n, gen, args.reps), 2),
+            }
+        )
         print(rows[-1], flush=True)
     print_table(rows, ["pages", "alloc_free_us", "eviction_order_ms"])
     print(write_result(args.out, {"rows": rows}))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, free_port, median, print_table, stop_group, write_result  # noqa: E402
-from bench.disagg_sweep import wait_ready  # noqa: E402
+from bench.common import RESULTS, free_port, median, print_table, stop_group, write_result
+from bench.disagg_sweep import wait_ready
 
 
 def timed(fn, n: int) -> list[float]:
@@ -34,7 +34,12 @@ def timed(fn, n: int) -> list[float]:
 
 def summary(path: str, times: list[float]) -> dict:
     times = sorted(times)
-    return {"path": path, "requests": len(times), "median_ms": median(times), "p90_ms": times[int(0.9 * (len(times) - 1))]}
+    return {
+        "path": path,
+        "requests": len(times),
+        "median_ms": median(times),
+        "p90_ms": times[int(0.9 * (len(times) - 1))],
+    }
 
 
 def main() -> None:
@@ -42,7 +47,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--requests", type=int, default=30)
-    p.add_argument("--disaggregated", action="store_true", help="one prefill and one decode worker (default: colocated)")
+    p.add_argument(
+        "--disaggregated", action="store_true", help="one prefill and one decode worker (default: colocated)"
+    )
     p.add_argument("--out", default=str(RESULTS / "request_overhead.json"))
     args = p.parse_args()
 
@@ -58,8 +65,19 @@ def main() -> None:
         rows.append(summary("engine (in process)", timed(lambda: engine.generate([prompt], params), args.requests)))
 
     grpc_port, http_port, control_port = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--grpc-port", str(grpc_port), "--http-port",
-           str(http_port), "--control-port", str(control_port), "--no-prefix-cache"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltamesh.services.cli",
+        "serve",
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--control-port",
+        str(control_port),
+        "--no-prefix-cache",
+    ]
     cmd += [] if args.disaggregated else ["--colocated"]
     log = Path(args.out).with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +90,13 @@ def main() -> None:
         rows.append(summary("router gRPC (SDK)", timed(lambda: client.generate(prompt, **kw), args.requests)))
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
-            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
 
             def rest(stream: bool):
                 r = http.post("/v1/completions", json=body | {"stream": stream})
@@ -84,8 +108,15 @@ def main() -> None:
     finally:
         stop_group(server)
     print_table(rows, ["path", "requests", "median_ms", "p90_ms"])
-    write_result(args.out, {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                            "setup": "disaggregated" if args.disaggregated else "colocated", "rows": rows})  # fmt: skip
+    write_result(
+        args.out,
+        {
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "setup": "disaggregated" if args.disaggregated else "colocated",
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +58,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ROOT, machine_info  # noqa: E402
+from bench.common import ROOT, machine_info
 
 DEFAULT_MODEL_DIR = ROOT / "models" / "deltamesh-tiny"
 BACKENDS = ("openai", "openai-chat", "grpc")
 SLO_NAMES = ("ttft", "tpot", "e2el")
-METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-           ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))  # fmt: skip
+METRICS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
 MAX_TEXT_FIT_ROUNDS = 8  # rounds to fit random chat text to its target token count
 
 
@@ -107,8 +111,10 @@ class Vocabulary:
         if vocab_size:
             sizes.append(int(vocab_size))
         if not sizes:
-            raise ValueError(f"cannot tell the vocabulary size: no config.json or tokenizer.json in {model_dir} "
-                             "(pass --model-dir, or use --backend grpc, whose server reports it)")  # fmt: skip
+            raise ValueError(
+                f"cannot tell the vocabulary size: no config.json or tokenizer.json in {model_dir} "
+                "(pass --model-dir, or use --backend grpc, whose server reports it)"
+            )
         self.size = min(sizes)
         self.special_ids = sorted(i for i in specials if 0 <= i < self.size)
         mask = np.ones(self.size, dtype=bool)
@@ -161,8 +167,9 @@ def warmup_request(args: argparse.Namespace, vocab: Vocabulary, like: SampleRequ
     return _random_request(args, vocab, rng, like.prompt_len, like.output_len)
 
 
-def _random_request(args: argparse.Namespace, vocab: Vocabulary, rng: np.random.Generator, n_in: int,
-                    n_out: int) -> SampleRequest:  # fmt: skip
+def _random_request(
+    args: argparse.Namespace, vocab: Vocabulary, rng: np.random.Generator, n_in: int, n_out: int
+) -> SampleRequest:
     """Random text (openai-chat) or token ids of about n_in tokens, asking for n_out."""
     if args.backend == "openai-chat":
         text, n = vocab.random_text(rng, n_in)
@@ -242,10 +249,12 @@ class OpenAIBackend:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         limit = args.max_concurrency  # None: no cap (httpx's default of 100 would be a hidden one)
         self.client = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, trust_env=False,  # never through a proxy
+            base_url=self.base_url,
+            headers=headers,
+            trust_env=False,  # never through a proxy
             timeout=httpx.Timeout(None, connect=30.0),  # whole-request deadline: --request-timeout
             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-        )  # fmt: skip
+        )
         self.model = ""
 
     async def server_info(self) -> dict:
@@ -337,8 +346,12 @@ class GrpcBackend:
     async def send(self, req: SampleRequest, out: RequestOutput, args: argparse.Namespace) -> None:
         from deltamesh.client import DeltameshError
 
-        kwargs = dict(max_tokens=req.output_len, ignore_eos=args.ignore_eos, model=self.model,
-                      request_id=f"bench-{uuid.uuid4().hex}")  # fmt: skip
+        kwargs = dict(
+            max_tokens=req.output_len,
+            ignore_eos=args.ignore_eos,
+            model=self.model,
+            request_id=f"bench-{uuid.uuid4().hex}",
+        )
         if args.temperature is not None:
             kwargs["temperature"] = args.temperature
         out.start_time = time.perf_counter()
@@ -384,8 +397,9 @@ def _pword(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def calculate_metrics(outputs: list[RequestOutput], duration: float, goodput: dict[str, float],
-                      percentiles: list[float]) -> dict[str, Any]:  # fmt: skip
+def calculate_metrics(
+    outputs: list[RequestOutput], duration: float, goodput: dict[str, float], percentiles: list[float]
+) -> dict[str, Any]:
     """vLLM's serving metrics (vllm/benchmarks/serve.py calculate_metrics) over the finished requests."""
     ok = [o for o in outputs if o.success]
     ttfts = [o.ttft for o in ok]
@@ -555,19 +569,28 @@ async def run_benchmark(args: argparse.Namespace, stop: asyncio.Event | None = N
         requests = sample_requests(args, vocab)
         longest = max(r.prompt_len + r.output_len for r in requests)
         if info.get("max_model_len") and longest > info["max_model_len"]:
-            raise ValueError(f"prompt + output of up to {longest} tokens exceeds the server's max_model_len "
-                             f"{info['max_model_len']}; lower --input-len/--output-len/--range-ratio")  # fmt: skip
+            raise ValueError(
+                f"prompt + output of up to {longest} tokens exceeds the server's max_model_len "
+                f"{info['max_model_len']}; lower --input-len/--output-len/--range-ratio"
+            )
         warmup = warmup_request(args, vocab, requests[0])
         if args.ready_check_timeout > 0:
             _log(args, "Starting initial single prompt test run...")
             await _until_stopped(_ready_check(backend, warmup, args), stop)
         if args.num_warmups:
             _log(args, f"Warming up with {args.num_warmups} requests...")
-            await _until_stopped(asyncio.gather(*(_send_once(backend, warmup, args, args.request_timeout)
-                                                  for _ in range(args.num_warmups))), stop)  # fmt: skip
+            await _until_stopped(
+                asyncio.gather(
+                    *(_send_once(backend, warmup, args, args.request_timeout) for _ in range(args.num_warmups))
+                ),
+                stop,
+            )
         dist = "Poisson process" if args.burstiness == 1.0 else "gamma distribution"
-        _log(args, f"Traffic request rate: {args.request_rate}; burstiness {args.burstiness} ({dist}); "
-                   f"maximum request concurrency: {args.max_concurrency}")  # fmt: skip
+        _log(
+            args,
+            f"Traffic request rate: {args.request_rate}; burstiness {args.burstiness} ({dist}); "
+            f"maximum request concurrency: {args.max_concurrency}",
+        )
         outputs, duration, interrupted = await _issue(backend, requests, args, stop)
     finally:
         await backend.close()
@@ -579,7 +602,7 @@ async def run_benchmark(args: argparse.Namespace, stop: asyncio.Event | None = N
         config["api_key"] = "<redacted>"
     argv = _redact_argv(list(getattr(args, "_argv", sys.argv)))
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": argv,
         "command_line": shlex.join(argv),
         "backend": args.backend,
@@ -595,8 +618,9 @@ async def run_benchmark(args: argparse.Namespace, stop: asyncio.Event | None = N
         "output_lens": [o.output_tokens if o.success else 0 for o in outputs],
         "expected_output_lens": [o.expected_output_len for o in outputs],
         "ttfts": [o.ttft for o in outputs],
-        "tpots": [(o.latency - o.ttft) / (o.output_tokens - 1) if o.success and o.output_tokens > 1 else 0.0
-                  for o in outputs],  # fmt: skip
+        "tpots": [
+            (o.latency - o.ttft) / (o.output_tokens - 1) if o.success and o.output_tokens > 1 else 0.0 for o in outputs
+        ],
         "itls": [o.itl for o in outputs],
         "latencies": [o.latency for o in outputs],
         "start_times": [o.start_time - t0 if o.start_time else None for o in outputs],
@@ -698,43 +722,76 @@ def _goodput(items: list[str] | dict | None) -> dict[str, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bench/serve.py", description=__doc__.split("\n\n")[0],
+        prog="bench/serve.py",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     g = p.add_argument_group("target")
-    g.add_argument("--backend", choices=BACKENDS, default="openai",
-                   help="openai: /v1/completions; openai-chat: /v1/chat/completions; grpc: the SDK")  # fmt: skip
+    g.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="openai",
+        help="openai: /v1/completions; openai-chat: /v1/chat/completions; grpc: the SDK",
+    )
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="REST gateway (openai backends)")
     g.add_argument("--grpc-address", default="127.0.0.1:50051", help="router gRPC address (grpc backend)")
     g.add_argument("--model", default=None, help="model name to request (None: the server's first model)")
-    g.add_argument("--model-dir", "--tokenizer", dest="model_dir", default=str(DEFAULT_MODEL_DIR),
-                   help="checkpoint directory for the vocabulary (config.json) and tokenizer (tokenizer.json); "
-                        "must match the served model")  # fmt: skip
-    g.add_argument("--api-key", default=os.environ.get("DELTAMESH_API_KEY"),
-                   help="bearer token for the REST gateway (env DELTAMESH_API_KEY)")  # fmt: skip
+    g.add_argument(
+        "--model-dir",
+        "--tokenizer",
+        dest="model_dir",
+        default=str(DEFAULT_MODEL_DIR),
+        help="checkpoint directory for the vocabulary (config.json) and tokenizer (tokenizer.json); "
+        "must match the served model",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("DELTAMESH_API_KEY"),
+        help="bearer token for the REST gateway (env DELTAMESH_API_KEY)",
+    )
     g = p.add_argument_group("load")
     g.add_argument("--num-prompts", type=int, default=100, help="requests to send")
-    g.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests/s (inf: all at once; otherwise Poisson/gamma arrivals)")  # fmt: skip
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier, >1 more regular")  # fmt: skip
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s (inf: all at once; otherwise Poisson/gamma arrivals)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier, >1 more regular",
+    )
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     g.add_argument("--seed", type=int, default=0, help="seeds the prompts, lengths and arrival times")
     g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds for one request, at most")
-    g.add_argument("--ready-check-timeout", type=float, default=60.0,
-                   help="seconds to retry an initial test request (0: no test request)")  # fmt: skip
+    g.add_argument(
+        "--ready-check-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to retry an initial test request (0: no test request)",
+    )
     g.add_argument("--num-warmups", type=int, default=0, help="warm-up requests before the measured run")
     g = p.add_argument_group("prompts")
     g.add_argument("--input-len", type=int, default=1024, help="prompt tokens (mean)")
     g.add_argument("--output-len", type=int, default=128, help="tokens to generate (mean)")
-    g.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths are uniform in [len*(1-r), len*(1+r)]")  # fmt: skip
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate exactly the requested output tokens (the ignore_eos extension)")  # fmt: skip
+    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths are uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly the requested output tokens (the ignore_eos extension)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     g = p.add_argument_group("report")
-    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")  # fmt: skip
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000",
+    )
     g.add_argument("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")
     g.add_argument("--save-result", action="store_true", help="write the result JSON")
     g.add_argument("--result-file", default=None, help="result JSON path (implies --save-result)")
@@ -788,8 +845,11 @@ def main(argv: list[str] | None = None) -> int:
             if stop.is_set():  # the second Ctrl-C: give up at once
                 main_task.cancel()
                 return
-            print("\ninterrupted: no more requests; cancelling those in flight (Ctrl-C again to quit)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                "\ninterrupted: no more requests; cancelling those in flight (Ctrl-C again to quit)",
+                file=sys.stderr,
+                flush=True,
+            )
             stop.set()
 
         with contextlib.suppress(NotImplementedError, RuntimeError):

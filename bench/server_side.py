@@ -23,12 +23,17 @@ def group_cpu_seconds(pgid: int) -> dict[str, float]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
         if int(fields[2]) != pgid:
             continue
         args = [a.decode(errors="replace") for a in cmd if a]
-        name = args[args.index("deltamesh.services.cli") + 1] if "deltamesh.services.cli" in args[:-1] else \
-            Path(args[0]).name if args else "?"  # fmt: skip
+        name = (
+            args[args.index("deltamesh.services.cli") + 1]
+            if "deltamesh.services.cli" in args[:-1]
+            else Path(args[0]).name
+            if args
+            else "?"
+        )
         out[f"{name}[{pid}]"] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
@@ -41,8 +46,11 @@ def metrics_urls(serve_log: Path) -> list[str]:
 
 
 # latency families whose mean a point reports, by the end of their name: (suffix, short name)
-_LATENCIES = (("time_to_first_token_seconds", "ttft"), ("request_queue_seconds", "queue"),
-              ("request_queue_time_seconds", "queue"))  # fmt: skip
+_LATENCIES = (
+    ("time_to_first_token_seconds", "ttft"),
+    ("request_queue_seconds", "queue"),
+    ("request_queue_time_seconds", "queue"),
+)
 
 
 def latency_totals(urls: list[str]) -> dict[str, tuple[float, float]]:
@@ -82,8 +90,13 @@ class PointObserver:
     def finish(self) -> dict:
         wall = time.monotonic() - self.t0
         cpu = group_cpu_seconds(self.pgid)
-        out = {"cpu_pct": {k: round(100 * (v - self.cpu0.get(k, 0.0)) / wall, 1) for k, v in cpu.items()
-                           if v - self.cpu0.get(k, 0.0) > 0.01 * wall}}  # fmt: skip
+        out = {
+            "cpu_pct": {
+                k: round(100 * (v - self.cpu0.get(k, 0.0)) / wall, 1)
+                for k, v in cpu.items()
+                if v - self.cpu0.get(k, 0.0) > 0.01 * wall
+            }
+        }
         for name, (s, n) in latency_totals(self.urls).items():
             s0, n0 = self.latency0.get(name, (0.0, 0.0))
             if n > n0:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import CONFIGS, write_result  # noqa: E402
-from deltamesh.engine import EngineConfig, SamplingParams  # noqa: E402
-from deltamesh.engine.core import EngineCore  # noqa: E402
+from bench.common import CONFIGS, write_result
+from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine.core import EngineCore
 
 
 def main() -> None:
@@ -36,9 +36,16 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
 
-    config = EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
-                          max_num_seqs=128, max_model_len=args.prompt_len + 1040,
-                          max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache=False)  # fmt: skip
+    config = EngineConfig(
+        model=args.model,
+        load_format="dummy",
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=128,
+        max_model_len=args.prompt_len + 1040,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_cache=False,
+    )
     started = time.perf_counter()
     core = EngineCore(config)  # includes the worker's warm-up
     print(f"engine ready in {time.perf_counter() - started:.1f}s", flush=True)
@@ -67,11 +74,16 @@ def main() -> None:
         steps.clear()
         while core.has_work:
             core.step()
-        slow = [{"ms": round(s * 1e3, 1), "requests": len(shape), "tokens": shape[:4]}
-                for s, shape in steps if s * 1e3 > args.slow_ms]  # fmt: skip
+        slow = [
+            {"ms": round(s * 1e3, 1), "requests": len(shape), "tokens": shape[:4]}
+            for s, shape in steps
+            if s * 1e3 > args.slow_ms
+        ]
         waves.append({"requests": n, "max_tokens": max_tokens, "steps": len(steps), "slow_steps": slow})
-        print(f"wave of {n} x {args.prompt_len} tokens: {len(steps)} steps; slower than {args.slow_ms:g} ms: "
-              + (", ".join(f"{s['ms']} ms {s['tokens']}.. ({s['requests']} requests)" for s in slow) or "none"))
+        print(
+            f"wave of {n} x {args.prompt_len} tokens: {len(steps)} steps; slower than {args.slow_ms:g} ms: "
+            + (", ".join(f"{s['ms']} ms {s['tokens']}.. ({s['requests']} requests)" for s in slow) or "none")
+        )
     if args.out:
         write_result(args.out, {"benchmark": "step_times", "settings": vars(args), "waves": waves})
 

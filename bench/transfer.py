@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     busy_warning,
     command_line,
     human_bytes,
@@ -50,7 +50,7 @@ from bench.common import (  # noqa: E402
     utc_now,
     write_json,
 )
-from bench.transfer_floors import (  # noqa: E402
+from bench.transfer_floors import (
     DEFAULT_PAUSE_S,
     FLOORS,
     after_idle,
@@ -58,8 +58,8 @@ from bench.transfer_floors import (  # noqa: E402
     peer_copy_baseline,
     result_row,
 )
-from bench.transfer_overlap import overlap_summary  # noqa: E402
-from bench.transfer_sides import PAGE_SIZE, Options, expect, processes, state_sizes  # noqa: E402
+from bench.transfer_overlap import overlap_summary
+from bench.transfer_sides import PAGE_SIZE, Options, expect, processes, state_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["FLOORS", "PHASES", "after_idle", "main"]
@@ -75,8 +75,10 @@ PHASES = {  # where a pull's time goes: (from, to) marks of the puller (p) and t
 
 def phases(puller_marks: list[dict], holder_times: list[dict | None]) -> dict:
     """Milliseconds of each PHASES step, the worst over the requests pulled at once."""
-    pulls = [{**{f"p.{k}": v for k, v in p.items()}, **{f"h.{k}": v for k, v in (h or {}).items()}}
-             for p, h in zip(puller_marks, holder_times)]  # fmt: skip
+    pulls = [
+        {**{f"p.{k}": v for k, v in p.items()}, **{f"h.{k}": v for k, v in (h or {}).items()}}
+        for p, h in zip(puller_marks, holder_times)
+    ]
     out = {}
     for name, (a, b) in PHASES.items():
         spans = [(m[b] - m[a]) * 1e3 for m in pulls if a in m and b in m]
@@ -102,8 +104,17 @@ def run_floor(opts: Options, lengths: list[int], reps: int, pauses: list[float])
             secs, buffers = expect(p_conn, "floored", opts.timeout_s + 30)
             if kind != "tag":
                 h_conn.send(("floor-done",))
-            rows.append(result_row(after_idle(FLOORS[kind], pause), n_tokens, *sizes(n_tokens), secs,
-                                   error_handling=opts.error_handling, idle_before_s=pause, buffers=buffers))
+            rows.append(
+                result_row(
+                    after_idle(FLOORS[kind], pause),
+                    n_tokens,
+                    *sizes(n_tokens),
+                    secs,
+                    error_handling=opts.error_handling,
+                    idle_before_s=pause,
+                    buffers=buffers,
+                )
+            )
             label = after_idle(kind, pause)
             print(f"[floor, {label}] {n_tokens} tokens: {rows[-1]['seconds_median'] * 1e3:.2f} ms", flush=True)
     return rows
@@ -136,7 +147,8 @@ class ModeRun:
         self.label = f"eh-{mode}-x{o.in_flight}" + (f"-spin{o.spin_s * 1e3:g}" if self.spin else "")
         self.label += (f"-seq{o.sequence}" if o.sequence > 1 else "") + (f"-gap{o.gap_s * 1e3:g}" if o.gap_s else "")
         when = (f", {o.sequence} in a row: all but the first" if o.sequence > 1 else "") + (
-            f", each {'sequence' if o.sequence > 1 else 'pull'} after {o.gap_s * 1e3:g} ms idle" if o.gap_s else "")
+            f", each {'sequence' if o.sequence > 1 else 'pull'} after {o.gap_s * 1e3:g} ms idle" if o.gap_s else ""
+        )
         in_flight = f", {o.in_flight} pulls at once" if o.in_flight > 1 else ""
         self.mode = f"ucx error handling {mode}{in_flight}{self.spin}{when}"
 
@@ -199,12 +211,18 @@ class ModeRun:
             raise RuntimeError(f"pull of {n_tokens} tokens: received bytes differ from the sent ones")
         if set(reasons) != {"pulled"}:
             raise RuntimeError(f"leases ended as {reasons!r}, expected 'pulled'")
-        info = {"kv_bytes": made[-1].kv_bytes, "gdn_bytes": made[-1].gdn_bytes,
-                "holder_regions": len(made[-1].region_bytes), "puller_regions": res["puller_regions"],
-                "buffers": res["buffers"]}  # fmt: skip
+        info = {
+            "kv_bytes": made[-1].kv_bytes,
+            "gdn_bytes": made[-1].gdn_bytes,
+            "holder_regions": len(made[-1].region_bytes),
+            "puller_regions": res["puller_regions"],
+            "buffers": res["buffers"],
+        }
         if self.opts.sequence > 1:  # each pull its own sample but the first of each turn (it starts after a pause)
-            return [{"seconds": x, "wall_seconds": x, "marks": [m], "phases": phases([m], [h])}
-                    for x, m, h in zip(res["pull_seconds"], res["marks"], holder_times)], info  # fmt: skip
+            return [
+                {"seconds": x, "wall_seconds": x, "marks": [m], "phases": phases([m], [h])}
+                for x, m, h in zip(res["pull_seconds"], res["marks"], holder_times)
+            ], info
         return [{**res, "phases": phases(res["marks"], holder_times)}], info
 
     def _row(self, n_tokens: int, samples: list[dict], first: dict, info: dict) -> dict:
@@ -213,18 +231,34 @@ class ModeRun:
         kv_bytes, gdn_bytes = info.pop("kv_bytes"), info.pop("gdn_bytes")
         total = (kv_bytes + gdn_bytes) * o.in_flight
         row = result_row(
-            self.mode, n_tokens, kv_bytes, gdn_bytes, secs, nbytes=total,
-            error_handling=o.error_handling, rotate=o.rotate, sequence=o.sequence, idle_before_s=o.gap_s,
-            in_flight=o.in_flight, spin_ms=o.spin_s * 1e3 if self.spin else None, **info,
+            self.mode,
+            n_tokens,
+            kv_bytes,
+            gdn_bytes,
+            secs,
+            nbytes=total,
+            error_handling=o.error_handling,
+            rotate=o.rotate,
+            sequence=o.sequence,
+            idle_before_s=o.gap_s,
+            in_flight=o.in_flight,
+            spin_ms=o.spin_s * 1e3 if self.spin else None,
+            **info,
             wall_seconds=[s["wall_seconds"] for s in samples],
-            marks_ms=[[{k: round((v - m["start"]) * 1e3, 4) for k, v in m.items()} for m in s["marks"]]
-                      for s in samples],
-            phases_ms_median={k: median([s["phases"][k] for s in samples if s["phases"][k] is not None])
-                              for k in PHASES},
-            first_pull=first, verified="crc32" if o.device == "cpu" else "position-weighted sum on the GPU",
-        )  # fmt: skip
-        print(f"[{self.label}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
-              f"= {row['gb_per_s']:.2f} GB/s, {info['buffers']} buffers", flush=True)  # fmt: skip
+            marks_ms=[
+                [{k: round((v - m["start"]) * 1e3, 4) for k, v in m.items()} for m in s["marks"]] for s in samples
+            ],
+            phases_ms_median={
+                k: median([s["phases"][k] for s in samples if s["phases"][k] is not None]) for k in PHASES
+            },
+            first_pull=first,
+            verified="crc32" if o.device == "cpu" else "position-weighted sum on the GPU",
+        )
+        print(
+            f"[{self.label}] {n_tokens} tokens: {human_bytes(total)} in {row['seconds_median'] * 1e3:.2f} ms "
+            f"= {row['gb_per_s']:.2f} GB/s, {info['buffers']} buffers",
+            flush=True,
+        )
         return row
 
     def _overlap(self) -> dict:
@@ -238,8 +272,14 @@ class ModeRun:
             summary = overlap_summary(decode_steps, pulls, checks, warm_ups)
         else:
             summary = overlap_summary(prefill_steps, pulls, preps, warm_ups)
-        return {"mode": self.label, "side": o.overlap_side, "model": rel(o.overlap_model), "batch": o.overlap_batch,
-                "context": o.overlap_context, **summary}  # fmt: skip
+        return {
+            "mode": self.label,
+            "side": o.overlap_side,
+            "model": rel(o.overlap_model),
+            "batch": o.overlap_batch,
+            "context": o.overlap_context,
+            **summary,
+        }
 
 
 def tokens(s: str) -> int:
@@ -254,57 +294,120 @@ def ints(s: str) -> list[int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-config", default=str(ROOT / "bench" / "configs" / "qwen3.5-9b"),
-                   help="directory with the model's config.json (default: bench/configs/qwen3.5-9b)")  # fmt: skip
+    p.add_argument(
+        "--model-config",
+        default=str(ROOT / "bench" / "configs" / "qwen3.5-9b"),
+        help="directory with the model's config.json (default: bench/configs/qwen3.5-9b)",
+    )
     p.add_argument("--lengths", type=ints, default=None, help="prompt lengths in tokens (default 128,1k,4k,8k,16k)")
-    p.add_argument("--max-tokens", type=tokens, default=8192,
-                   help="skip lengths above this (RAM: each of the two processes holds one request's state; "
-                        "default 8k)")  # fmt: skip
+    p.add_argument(
+        "--max-tokens",
+        type=tokens,
+        default=8192,
+        help="skip lengths above this (RAM: each of the two processes holds one request's state; default 8k)",
+    )
     p.add_argument("--reps", type=int, default=None, help="timed pulls per length after one warm-up (default 5)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                   help="KV and conv state dtype (default bfloat16, as served on GPU)")  # fmt: skip
-    p.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="GDN recurrent state dtype (default float32)")  # fmt: skip
-    p.add_argument("--ucx-error-handling", dest="error_handling", action=argparse.BooleanOptionalAction,
-                   default=None, help="run only this mode (default: both, one row each)")  # fmt: skip
-    p.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[1],
-                   help="requests pulled at once, e.g. 1,4: their pulls overlap; a row per value (default 1)")
-    p.add_argument("--sequence", type=lambda s: [int(x) for x in s.split(",")], default=[1],
-                   help="requests pulled one after another, back to back, e.g. 1,4: a row per value, timing every "
-                        "pull but the first of each turn (default 1; these rows pull one request at a time)")
-    p.add_argument("--gap-ms", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
-                   help="comma list: idle milliseconds before each pull (each --sequence), the GPUs and the link "
-                        "untouched; a row per value (default 0). The raw GPU copy and the --floor RMA reads get an "
-                        "after-idle row per non-zero value (20 ms if none)")  # fmt: skip
-    p.add_argument("--overlap-model", default=None,
-                   help="also run an engine loop of this model (a checkpoint, or a config dir: dummy weights) on a "
-                        "thread, as a worker does, and compare its step times before and during the pulls")
-    p.add_argument("--overlap-side", choices=["decode", "prefill"], default="decode",
-                   help="decode: a decode loop in the puller (default); prefill: a prefill loop in the holder")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "float16"],
+        help="KV and conv state dtype (default bfloat16, as served on GPU)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="GDN recurrent state dtype (default float32)",
+    )
+    p.add_argument(
+        "--ucx-error-handling",
+        dest="error_handling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run only this mode (default: both, one row each)",
+    )
+    p.add_argument(
+        "--in-flight",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1],
+        help="requests pulled at once, e.g. 1,4: their pulls overlap; a row per value (default 1)",
+    )
+    p.add_argument(
+        "--sequence",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1],
+        help="requests pulled one after another, back to back, e.g. 1,4: a row per value, timing every "
+        "pull but the first of each turn (default 1; these rows pull one request at a time)",
+    )
+    p.add_argument(
+        "--gap-ms",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.0],
+        help="comma list: idle milliseconds before each pull (each --sequence), the GPUs and the link "
+        "untouched; a row per value (default 0). The raw GPU copy and the --floor RMA reads get an "
+        "after-idle row per non-zero value (20 ms if none)",
+    )
+    p.add_argument(
+        "--overlap-model",
+        default=None,
+        help="also run an engine loop of this model (a checkpoint, or a config dir: dummy weights) on a "
+        "thread, as a worker does, and compare its step times before and during the pulls",
+    )
+    p.add_argument(
+        "--overlap-side",
+        choices=["decode", "prefill"],
+        default="decode",
+        help="decode: a decode loop in the puller (default); prefill: a prefill loop in the holder",
+    )
     p.add_argument("--overlap-batch", type=int, default=8, help="requests in the engine loop's batch")
-    p.add_argument("--overlap-context", type=tokens, default=1024,
-                   help="decode: their context length; prefill: the prompt chunk each prefills per step")
-    p.add_argument("--spin-ms", type=lambda s: [float(x) for x in s.split(",")], default=[20.0],
-                   help="comma list: how long a GPU pull may spin on UCX progress (UcxPuller spin_s; 0: events only)")
-    p.add_argument("--warm", action="store_true",
-                   help="before the first pull, run the transport's warm-up (StatePuller.warm: a read of each of the "
-                        "holder's pools and of its lease words, a notice), as a decode worker does when a prefill "
-                        "worker joins; reported apart from the pulls")  # fmt: skip
-    p.add_argument("--rotate", type=int, default=1,
-                   help="pull into this many places of the puller's pools in turn, as a decode worker's pulls land in "
-                        "pages that change from request to request (default 1: the same pages every time)")  # fmt: skip
-    p.add_argument("--offers-first", action="store_true",
-                   help="the holder prepares every request's state before its engine loop starts (with --overlap-side "
-                        "prefill: then no seeding or summing by the benchmark runs beside the loop)")  # fmt: skip
-    p.add_argument("--floor", action="store_true",
-                   help="also move the same buffers with bare tag messages and with bare RMA reads, spinning on UCX "
-                        "progress (no lease, protocol or event loop): what UCX itself needs")  # fmt: skip
+    p.add_argument(
+        "--overlap-context",
+        type=tokens,
+        default=1024,
+        help="decode: their context length; prefill: the prompt chunk each prefills per step",
+    )
+    p.add_argument(
+        "--spin-ms",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[20.0],
+        help="comma list: how long a GPU pull may spin on UCX progress (UcxPuller spin_s; 0: events only)",
+    )
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="before the first pull, run the transport's warm-up (StatePuller.warm: a read of each of the "
+        "holder's pools and of its lease words, a notice), as a decode worker does when a prefill "
+        "worker joins; reported apart from the pulls",
+    )
+    p.add_argument(
+        "--rotate",
+        type=int,
+        default=1,
+        help="pull into this many places of the puller's pools in turn, as a decode worker's pulls land in "
+        "pages that change from request to request (default 1: the same pages every time)",
+    )
+    p.add_argument(
+        "--offers-first",
+        action="store_true",
+        help="the holder prepares every request's state before its engine loop starts (with --overlap-side "
+        "prefill: then no seeding or summing by the benchmark runs beside the loop)",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also move the same buffers with bare tag messages and with bare RMA reads, spinning on UCX "
+        "progress (no lease, protocol or event loop): what UCX itself needs",
+    )
     p.add_argument("--memcpy-threads", type=int, default=1, help="torch threads for the memcpy baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per pull / lease TTL")
     p.add_argument("--ucx-proto-info", action="store_true", help="let UCX print its protocol choices (UCX_PROTO_INFO)")
     p.add_argument("--quick", action="store_true", help="smoke run: 128 and 1k tokens, 2 reps")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cuda: pools on GPU 0 (holder) and GPU 1 (puller); baseline = raw peer copy")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: pools on GPU 0 (holder) and GPU 1 (puller); baseline = raw peer copy",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "transfer_cpu.json"), help="JSON results")
     return p.parse_args(argv)
@@ -313,22 +416,49 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_all(args: argparse.Namespace, lengths: list[int], reps: int) -> tuple[list[dict], list[dict]]:
     """Every pull row (each UCX mode x spin x turn shape x gap), then the floors and the raw copy."""
     modes = [args.error_handling] if args.error_handling is not None else [True, False]
-    base = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), modes[0], args.timeout,
-                   args.ucx_proto_info, args.device, overlap_model=args.overlap_model, overlap_side=args.overlap_side,
-                   overlap_batch=args.overlap_batch, overlap_context=args.overlap_context, warm=args.warm,
-                   rotate=args.rotate, offers_first=args.offers_first)  # fmt: skip
+    base = Options(
+        args.model_config,
+        args.dtype,
+        args.state_dtype,
+        max(lengths),
+        modes[0],
+        args.timeout,
+        args.ucx_proto_info,
+        args.device,
+        overlap_model=args.overlap_model,
+        overlap_side=args.overlap_side,
+        overlap_batch=args.overlap_batch,
+        overlap_context=args.overlap_context,
+        warm=args.warm,
+        rotate=args.rotate,
+        offers_first=args.offers_first,
+    )
     rows, overlaps = [], []
     turns = [(n, 1) for n in args.in_flight] + [(1, n) for n in args.sequence if n > 1]  # (in flight, in a row)
     for eh in modes:
         for spin_ms in args.spin_ms if args.device == "cuda" else [0.0]:
             for (in_flight, sequence), gap_ms in ((turn, gap) for turn in turns for gap in args.gap_ms):
-                opts = replace(base, error_handling=eh, spin_s=spin_ms / 1e3, in_flight=in_flight, sequence=sequence,
-                               gap_s=gap_ms / 1e3)  # fmt: skip
+                opts = replace(
+                    base,
+                    error_handling=eh,
+                    spin_s=spin_ms / 1e3,
+                    in_flight=in_flight,
+                    sequence=sequence,
+                    gap_s=gap_ms / 1e3,
+                )
                 mode_rows, overlap = ModeRun(opts, lengths, reps, args.seed).run()
                 rows += mode_rows
                 overlaps += [overlap] if overlap else []
-    plain = Options(args.model_config, args.dtype, args.state_dtype, max(lengths), modes[0], args.timeout,
-                    args.ucx_proto_info, args.device)  # fmt: skip
+    plain = Options(
+        args.model_config,
+        args.dtype,
+        args.state_dtype,
+        max(lengths),
+        modes[0],
+        args.timeout,
+        args.ucx_proto_info,
+        args.device,
+    )
     pauses = sorted({gap / 1e3 for gap in args.gap_ms if gap}) or [DEFAULT_PAUSE_S]  # the after-idle rows
     if args.floor:
         rows += run_floor(plain, lengths, reps, pauses)
@@ -340,41 +470,96 @@ def run_all(args: argparse.Namespace, lengths: list[int], reps: int) -> tuple[li
 
 
 def print_report(args: argparse.Namespace, rows: list[dict], overlaps: list[dict]) -> None:
-    print(table(
-        ["mode", "tokens", "KV bytes", "GDN bytes", "buffers", "median ms", "mean ms", "GB/s"],
-        [[r["mode"], r["tokens"], human_bytes(r["kv_bytes"]), human_bytes(r["gdn_bytes"]), r["buffers"],
-          r["seconds_median"] * 1e3, r["seconds_mean"] * 1e3, r["gb_per_s"]] for r in rows],
-    ))  # fmt: skip
+    print(
+        table(
+            ["mode", "tokens", "KV bytes", "GDN bytes", "buffers", "median ms", "mean ms", "GB/s"],
+            [
+                [
+                    r["mode"],
+                    r["tokens"],
+                    human_bytes(r["kv_bytes"]),
+                    human_bytes(r["gdn_bytes"]),
+                    r["buffers"],
+                    r["seconds_median"] * 1e3,
+                    r["seconds_mean"] * 1e3,
+                    r["gb_per_s"],
+                ]
+                for r in rows
+            ],
+        )
+    )
     pulls = [r for r in rows if "phases_ms_median" in r]
     print("\nwhere a pull's time goes (median ms; one clock for both processes)")
-    print(table(["mode", "tokens", *PHASES],
-                [[r["mode"], r["tokens"], *r["phases_ms_median"].values()] for r in pulls]))  # fmt: skip
+    print(
+        table(["mode", "tokens", *PHASES], [[r["mode"], r["tokens"], *r["phases_ms_median"].values()] for r in pulls])
+    )
     print("\nthe dropped first pull of each row (ms)")
     firsts = [r["first_pull"] for r in pulls]
-    print(table(["mode", "tokens", "pull", *PHASES],
-                [[r["mode"], r["tokens"], f["seconds"] * 1e3, *f["phases"].values()] for r, f in zip(pulls, firsts)]))
+    print(
+        table(
+            ["mode", "tokens", "pull", *PHASES],
+            [[r["mode"], r["tokens"], f["seconds"] * 1e3, *f["phases"].values()] for r, f in zip(pulls, firsts)],
+        )
+    )
     if not overlaps:
         return
     where = "a decode loop in the puller" if args.overlap_side == "decode" else "a prefill loop in the holder"
     own = "check of the pulled bytes" if args.overlap_side == "decode" else "seeding and summing of each offer"
-    print(f"\n{where} (step ms): before the first pull vs steps that overlapped a pull (median / p99 / max);"
-          f" apart: steps that overlapped a pull but not the benchmark's own {own}, and those that did")
+    print(
+        f"\n{where} (step ms): before the first pull vs steps that overlapped a pull (median / p99 / max);"
+        f" apart: steps that overlapped a pull but not the benchmark's own {own}, and those that did"
+    )
 
     def span(st: dict) -> str:
         return f"{st['median_ms']:.1f} / {st['p99_ms']:.1f} / {st['max_ms']:.1f}" if st["steps"] else "-"
 
-    print(table(
-        ["mode", "model", "batch", "context" if args.overlap_side == "decode" else "chunk", "idle steps", "idle",
-         "during steps", "during pulls", "pull, no bench work", "during bench work"],
-        [[o["mode"], o["model"], o["batch"], o["context"], o["idle"]["steps"], span(o["idle"]),
-          o["during_pulls"]["steps"], span(o["during_pulls"]), span(o["during_pulls_not_checks"]),
-          span(o["during_checks"])] for o in overlaps],
-    ))  # fmt: skip
+    print(
+        table(
+            [
+                "mode",
+                "model",
+                "batch",
+                "context" if args.overlap_side == "decode" else "chunk",
+                "idle steps",
+                "idle",
+                "during steps",
+                "during pulls",
+                "pull, no bench work",
+                "during bench work",
+            ],
+            [
+                [
+                    o["mode"],
+                    o["model"],
+                    o["batch"],
+                    o["context"],
+                    o["idle"]["steps"],
+                    span(o["idle"]),
+                    o["during_pulls"]["steps"],
+                    span(o["during_pulls"]),
+                    span(o["during_pulls_not_checks"]),
+                    span(o["during_checks"]),
+                ]
+                for o in overlaps
+            ],
+        )
+    )
     longest = "longest step during it (ms)"
-    print(table(["mode", "warm-up ms", longest, "first pull ms", longest],
-                [[o["mode"], ", ".join(map(str, o["warm_up_ms"])) or "-",
-                  ", ".join(map(str, o["max_step_ms_per_warm_up"])) or "-", o["pull_ms"][0],
-                  o["max_step_ms_per_pull"][0]] for o in overlaps]))  # fmt: skip
+    print(
+        table(
+            ["mode", "warm-up ms", longest, "first pull ms", longest],
+            [
+                [
+                    o["mode"],
+                    ", ".join(map(str, o["warm_up_ms"])) or "-",
+                    ", ".join(map(str, o["max_step_ms_per_warm_up"])) or "-",
+                    o["pull_ms"][0],
+                    o["max_step_ms_per_pull"][0],
+                ]
+                for o in overlaps
+            ],
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -403,7 +588,7 @@ def main(argv=None) -> int:
         import ucxx
 
         ucxx_version = ucxx.__version__
-    except Exception:  # noqa: BLE001
+    except Exception:
         ucxx_version = None
     payload = {
         "benchmark": "transfer_cpu",
@@ -412,21 +597,33 @@ def main(argv=None) -> int:
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "machine": {**machine_info(), "ucxx": ucxx_version},
         "settings": {
-            "model_config": rel(args.model_config), "family": mc.family, "full_attention_layers": len(mc.full_layers),
-            "gdn_layers": len(mc.linear_layers), "page_size": PAGE_SIZE, "dtype": args.dtype,
-            "state_dtype": args.state_dtype, "reps": reps, "warmup": 1, "lengths": lengths,
-            "skipped_lengths": skipped, "ucx_net_devices": "lo", "memcpy_threads": args.memcpy_threads,
-            "load_average_1m_start": load_start, "busy_warning": warning,
+            "model_config": rel(args.model_config),
+            "family": mc.family,
+            "full_attention_layers": len(mc.full_layers),
+            "gdn_layers": len(mc.linear_layers),
+            "page_size": PAGE_SIZE,
+            "dtype": args.dtype,
+            "state_dtype": args.state_dtype,
+            "reps": reps,
+            "warmup": 1,
+            "lengths": lengths,
+            "skipped_lengths": skipped,
+            "ucx_net_devices": "lo",
+            "memcpy_threads": args.memcpy_threads,
+            "load_average_1m_start": load_start,
+            "busy_warning": warning,
             "timed": "StatePuller.pull: called -> every segment received and the lease word checked; median of reps "
-                     "after 1 warm-up",
-        },  # fmt: skip
+            "after 1 warm-up",
+        },
         "results": rows,
         "overlap": overlaps,
     }
     out = write_json(args.out, payload)
     print()
-    print(f"transfer_cpu  {started}  {Path(args.model_config).name} (KV {args.dtype}, GDN state {args.state_dtype})  "
-          f"{payload['machine']['cpu_model']}  {payload['machine']['cpus_usable']} CPUs  -> {out}")  # fmt: skip
+    print(
+        f"transfer_cpu  {started}  {Path(args.model_config).name} (KV {args.dtype}, GDN state {args.state_dtype})  "
+        f"{payload['machine']['cpu_model']}  {payload['machine']['cpus_usable']} CPUs  -> {out}"
+    )
     print_report(args, rows, overlaps)
     if warning:
         print(warning)

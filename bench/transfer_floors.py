@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from bench.common import mean, median
 
 DEFAULT_PAUSE_S = 0.02  # the "after idle" rows of the raw copy and the RMA floor, when --gap-ms names no pause
-FLOORS = {"tag": "floor: bare tag messages, spinning on UCX progress",
-          "rma": "floor: bare RMA reads, spinning on UCX progress",
-          "loop": "floor: bare RMA reads through the event loop"}  # fmt: skip
+FLOORS = {
+    "tag": "floor: bare tag messages, spinning on UCX progress",
+    "rma": "floor: bare RMA reads, spinning on UCX progress",
+    "loop": "floor: bare RMA reads through the event loop",
+}
 Sizes = Callable[[int], tuple[int, int]]  # tokens -> (KV bytes, GDN state bytes) of one request's state
 
 
@@ -28,13 +30,23 @@ def after_idle(mode: str, pause_s: float) -> str:
     return f"{mode}, each after {pause_s * 1e3:g} ms idle" if pause_s else mode
 
 
-def result_row(mode: str, tokens: int, kv_bytes: int, gdn_bytes: int, secs: list[float], nbytes: int | None = None,
-               **extra) -> dict:  # fmt: skip
+def result_row(
+    mode: str, tokens: int, kv_bytes: int, gdn_bytes: int, secs: list[float], nbytes: int | None = None, **extra
+) -> dict:
     """One row of results: `secs` the timed reps; `nbytes` what they moved (default: one state)."""
     nbytes = nbytes if nbytes is not None else kv_bytes + gdn_bytes
-    return {"mode": mode, "tokens": tokens, "kv_bytes": kv_bytes, "gdn_bytes": gdn_bytes, "bytes": nbytes, **extra,
-            "seconds_median": median(secs), "seconds_mean": mean(secs), "seconds": secs,
-            "gb_per_s": nbytes / median(secs) / 1e9}  # fmt: skip
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "kv_bytes": kv_bytes,
+        "gdn_bytes": gdn_bytes,
+        "bytes": nbytes,
+        **extra,
+        "seconds_median": median(secs),
+        "seconds_mean": mean(secs),
+        "seconds": secs,
+        "gb_per_s": nbytes / median(secs) / 1e9,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -119,8 +131,9 @@ def _rma_floor(holder_address: bytes, regions, buffers, error_handling: bool):
             key.close()
 
 
-def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_handling: bool,
-                     pause_s: float = 0.0) -> list[float]:  # fmt: skip
+def floor_rma_puller(
+    holder_address: bytes, regions, buffers, reps: int, error_handling: bool, pause_s: float = 0.0
+) -> list[float]:
     """The RMA floor: the reads a pull posts (one per segment, keys unpacked once), spinning on UCX progress until
     all are done; no lease check, no event loop. `pause_s`: the process, GPUs and link idle this long before each
     rep (what a pull after a pause starts from)."""
@@ -132,16 +145,21 @@ def floor_rma_puller(holder_address: bytes, regions, buffers, reps: int, error_h
         for _ in range(reps + 1):
             time.sleep(pause_s)
             t0 = time.perf_counter()
-            reads = [rma.GetRequest(ep.handle, buffers[j].data_ptr() + dst_off, n, regions[i].address + src_off,
-                                    keys[i], memory) for i, src_off, j, dst_off, n in plan]  # fmt: skip
+            reads = [
+                rma.GetRequest(
+                    ep.handle, buffers[j].data_ptr() + dst_off, n, regions[i].address + src_off, keys[i], memory
+                )
+                for i, src_off, j, dst_off, n in plan
+            ]
             for read in reads:
                 _spin(ucx.worker, read)
             secs.append(time.perf_counter() - t0)
     return secs[1:]  # the first is the warm-up
 
 
-async def floor_rma_loop(holder_address: bytes, regions, buffers, reps: int, error_handling: bool,
-                         spin_s: float) -> list[float]:  # fmt: skip
+async def floor_rma_loop(
+    holder_address: bytes, regions, buffers, reps: int, error_handling: bool, spin_s: float
+) -> list[float]:
     """The same reads, posted and awaited through the event loop as a pull does (with its spin setting), still
     without the lease check: its distance to the RMA floor is the event loop's cost, its distance to a pull the
     check's."""
@@ -150,8 +168,12 @@ async def floor_rma_loop(holder_address: bytes, regions, buffers, reps: int, err
     with _rma_floor(holder_address, regions, buffers, error_handling) as (ucx, ep, keys, plan):
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            await asyncio.gather(*(ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off,
-                                           keys[i], spin_s=spin_s) for i, src_off, j, dst_off, n in plan))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    ucx.get(ep, buffers[j][dst_off : dst_off + n], regions[i].address + src_off, keys[i], spin_s=spin_s)
+                    for i, src_off, j, dst_off, n in plan
+                )
+            )
             secs.append(time.perf_counter() - t0)
     return secs[1:]  # the first is the warm-up
 
@@ -211,8 +233,12 @@ def peer_copy_baseline(sizes: Sizes, lengths: list[int], reps: int, pauses: list
                 raise RuntimeError("peer copy baseline copied the wrong bytes")
             name = after_idle("raw GPU0->GPU1 copy", pause_s) if pause_s else "raw GPU0->GPU1 copy (torch copy_)"
             timings = [(name, gpu_secs)] + ([(f"{name}, host-timed", host_secs)] if pause_s else [])
-            rows += [result_row(mode, n_tokens, kv_bytes, gdn_bytes, secs, error_handling=None, idle_before_s=pause_s,
-                                buffers=1) for mode, secs in timings]  # fmt: skip
+            rows += [
+                result_row(
+                    mode, n_tokens, kv_bytes, gdn_bytes, secs, error_handling=None, idle_before_s=pause_s, buffers=1
+                )
+                for mode, secs in timings
+            ]
         del src, dst
     return rows
 

@@ -21,11 +21,18 @@ class EngineLoop:
         from deltamesh.engine.core import EngineCore
 
         weights = "auto" if any(Path(model).glob("*.safetensors")) else "dummy"
-        self.core = EngineCore(EngineConfig(
-            model=model, load_format=weights, device=device, max_num_seqs=batch,
-            num_kv_pages=batch * -(-(context + 64) // 16) + 64, max_model_len=context + 64,
-            max_num_batched_tokens=max(1024, context * (batch if side == "prefill" else 1)), prefix_cache=False,
-        ))  # fmt: skip
+        self.core = EngineCore(
+            EngineConfig(
+                model=model,
+                load_format=weights,
+                device=device,
+                max_num_seqs=batch,
+                num_kv_pages=batch * -(-(context + 64) // 16) + 64,
+                max_model_len=context + 64,
+                max_num_batched_tokens=max(1024, context * (batch if side == "prefill" else 1)),
+                prefix_cache=False,
+            )
+        )
         make_items = prefill_items if side == "prefill" else decode_items
         self.items = make_items(self.core, batch, context)
         self.steps: Spans = []
@@ -72,9 +79,14 @@ def overlap_summary(steps: Spans, pulls: Spans, checks: Spans = (), warm_ups: Sp
     pull_only = [e - s for s, e in steps if _overlaps(s, e, pulls) and not _overlaps(s, e, checks)]
     checking = [end - start for start, end in steps if _overlaps(start, end, checks)]
     longest_in = lambda span: max((e - s for s, e in steps if _overlaps(s, e, [span])), default=0)  # noqa: E731
-    return {"idle": _stats(idle), "during_pulls": _stats(during), "during_pulls_not_checks": _stats(pull_only),
-            "during_checks": _stats(checking), "pulls": len(pulls),
-            "max_step_ms_per_pull": [round(max(x) * 1e3, 3) if x else None for x in overlapping],
-            "pull_ms": [round((p1 - p0) * 1e3, 3) for p0, p1 in pulls],
-            "warm_up_ms": [round((w1 - w0) * 1e3, 3) for w0, w1 in warm_ups],
-            "max_step_ms_per_warm_up": [round(longest_in(w) * 1e3, 3) for w in warm_ups]}  # fmt: skip
+    return {
+        "idle": _stats(idle),
+        "during_pulls": _stats(during),
+        "during_pulls_not_checks": _stats(pull_only),
+        "during_checks": _stats(checking),
+        "pulls": len(pulls),
+        "max_step_ms_per_pull": [round(max(x) * 1e3, 3) if x else None for x in overlapping],
+        "pull_ms": [round((p1 - p0) * 1e3, 3) for p0, p1 in pulls],
+        "warm_up_ms": [round((w1 - w0) * 1e3, 3) for w0, w1 in warm_ups],
+        "max_step_ms_per_warm_up": [round(longest_in(w) * 1e3, 3) for w in warm_ups],
+    }

@@ -78,13 +78,26 @@ def pools(opts: Options, copies: int = 1, device: str | None = None):
     where = torch.device(device or opts.device)
     requests = opts.offers_per_pull * copies
     kv = KVPagePool(
-        requests * -(-opts.max_tokens // PAGE_SIZE), PAGE_SIZE, len(mc.full_layers), mc.num_key_value_heads,
-        mc.head_dim, dtype, where,
-    )  # fmt: skip
+        requests * -(-opts.max_tokens // PAGE_SIZE),
+        PAGE_SIZE,
+        len(mc.full_layers),
+        mc.num_key_value_heads,
+        mc.head_dim,
+        dtype,
+        where,
+    )
     st = StatePool(
-        requests, len(mc.linear_layers), mc.conv_dim, mc.linear_conv_kernel_dim, mc.linear_num_value_heads,
-        mc.linear_key_head_dim, mc.linear_value_head_dim, dtype, state_dtype, where,
-    )  # fmt: skip
+        requests,
+        len(mc.linear_layers),
+        mc.conv_dim,
+        mc.linear_conv_kernel_dim,
+        mc.linear_num_value_heads,
+        mc.linear_key_head_dim,
+        mc.linear_value_head_dim,
+        dtype,
+        state_dtype,
+        where,
+    )
     return kv, st
 
 
@@ -211,8 +224,17 @@ class HolderSide(_Side):
         checksum = _checksum(tensors)
         self.preps.append((prep_started, time.perf_counter()))
         sizes = [t.numel() for t in tensors]
-        self.conn.send(("offered", LeaseKey(lease_id, lease.token), self.holder.offer(lease), sizes, checksum,
-                        sum(r.nbytes for r in kv_regions), sum(r.nbytes for r in st_regions)))  # fmt: skip
+        self.conn.send(
+            (
+                "offered",
+                LeaseKey(lease_id, lease.token),
+                self.holder.offer(lease),
+                sizes,
+                checksum,
+                sum(r.nbytes for r in kv_regions),
+                sum(r.nbytes for r in st_regions),
+            )
+        )
 
     async def on_floor(self, kind: str, n_tokens: int, reps: int, tag: int, puller_address: bytes) -> None:
         pages, slot = self.kv.alloc(self.kv.pages_for(n_tokens)), self.st.alloc()
@@ -233,7 +255,7 @@ class HolderSide(_Side):
         """How the lease ended, and when its done notice arrived."""
         try:
             reason = await asyncio.wait_for(self.ended.pop(lease_id), self.opts.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.leases.release(lease_id)
             reason = "timeout"
         times = next((t for t in self.holder.timeline if t["lease_id"] == lease_id), None)
@@ -309,8 +331,10 @@ class PullerSide(_Side):
         """Pages and a slot for each of `count` requests, as EngineCore.reserve takes them; with --rotate, after
         the places of the turns before (held for a moment), so that they change from turn to turn."""
         kv, st = self.kv, self.st
-        spacer = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False))
-                  for _ in range(self.turns % self.opts.rotate * count)]  # fmt: skip
+        spacer = [
+            (kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False))
+            for _ in range(self.turns % self.opts.rotate * count)
+        ]
         held = [(kv.alloc(kv.pages_for(n_tokens)), st.alloc(zeroed=False)) for _ in range(count)]
         for pages, slot in spacer:
             kv.free(pages)
@@ -341,8 +365,10 @@ class PullerSide(_Side):
         from deltamesh.transfer import TransferError
 
         opts = self.opts
-        pulls = [self.puller.pull(self.puller.source(descriptor, key, sizes), buffers, opts.timeout_s)
-                 for (key, descriptor, sizes, _), buffers in zip(offers, targets)]  # fmt: skip
+        pulls = [
+            self.puller.pull(self.puller.source(descriptor, key, sizes), buffers, opts.timeout_s)
+            for (key, descriptor, sizes, _), buffers in zip(offers, targets)
+        ]
         t0 = time.perf_counter()
         try:
             stats = [await pull for pull in pulls] if opts.sequence > 1 else await asyncio.gather(*pulls)
@@ -355,10 +381,16 @@ class PullerSide(_Side):
         with self._on_aux():
             ok = all(_checksum(buffers) == offer[-1] for offer, buffers in zip(offers, targets))
         self.checks.append((t0 + wall, time.perf_counter()))
-        return {"nbytes": sum(x.nbytes for x in stats), "buffers": stats[0].buffers,
-                "seconds": stats[0].seconds if len(stats) == 1 else wall, "wall_seconds": wall,
-                "pull_seconds": [x.seconds for x in stats], "marks": [x.marks for x in stats],
-                "puller_regions": len(targets[0]), "crc_ok": ok}  # fmt: skip
+        return {
+            "nbytes": sum(x.nbytes for x in stats),
+            "buffers": stats[0].buffers,
+            "seconds": stats[0].seconds if len(stats) == 1 else wall,
+            "wall_seconds": wall,
+            "pull_seconds": [x.seconds for x in stats],
+            "marks": [x.marks for x in stats],
+            "puller_regions": len(targets[0]),
+            "crc_ok": ok,
+        }
 
 
 def _side_main(side_cls, name: str, gpu: int, conn, opts: Options) -> None:

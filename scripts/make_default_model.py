@@ -39,12 +39,12 @@ import re
 import sysconfig
 import time
 from pathlib import Path
+from pydoc_data.topics import topics as PYDOC_TOPICS
 
 import jinja2
 import tokenizers
 import torch
 import transformers
-from pydoc_data.topics import topics as PYDOC_TOPICS
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -277,8 +277,11 @@ def train(model: Qwen3_5ForCausalLM, stream: torch.Tensor, steps: int) -> float:
         recent = (recent + [loss.item()])[-LOG_EVERY:]
         if (step + 1) % LOG_EVERY == 0 or step + 1 == steps:
             mean = sum(recent) / len(recent)
-            print(f"step {step + 1:5d}/{steps}  loss {mean:.4f}  lr {learning_rate(step, steps):.2e}  "
-                  f"{time.time() - start:6.0f}s", flush=True)
+            print(
+                f"step {step + 1:5d}/{steps}  loss {mean:.4f}  lr {learning_rate(step, steps):.2e}  "
+                f"{time.time() - start:6.0f}s",
+                flush=True,
+            )
     model.eval()
     return sum(recent) / len(recent)
 
@@ -397,8 +400,10 @@ def main() -> None:
     train_docs, val_docs = split_documents(build_documents())
     tokenizer = train_tokenizer(train_docs)
     train_stream, val_stream = token_stream(tokenizer, train_docs), token_stream(tokenizer, val_docs)
-    print(f"{len(train_docs)} train / {len(val_docs)} val documents, "
-          f"{len(train_stream):,} / {len(val_stream):,} tokens", flush=True)
+    print(
+        f"{len(train_docs)} train / {len(val_docs)} val documents, {len(train_stream):,} / {len(val_stream):,} tokens",
+        flush=True,
+    )
 
     config = model_config(tokenizer)
     model = Qwen3_5ForCausalLM(config)
@@ -409,8 +414,11 @@ def main() -> None:
     train_loss = train(model, train_stream, args.steps)
     print(f"trained {args.steps} steps in {time.time() - start:.0f}s", flush=True)
     val_loss = evaluate(model, val_stream)
-    print(f"final train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
-          f"(eval-mode train loss {evaluate(model, train_stream):.4f})", flush=True)
+    print(
+        f"final train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
+        f"(eval-mode train loss {evaluate(model, train_stream):.4f})",
+        flush=True,
+    )
 
     samples = list(zip(SAMPLE_PROMPTS, continuations(model, tokenizer)))
     for prompt, text in samples:
@@ -421,11 +429,20 @@ def main() -> None:
     model.generation_config = generation_config(config, tokenizer)
     model.save_pretrained(out)
     save_tokenizer(tokenizer, out)
-    write_model_card(out, {
-        "config": config, "params": params, "steps": args.steps, "out": args.out, "samples": samples,
-        "train_loss": train_loss, "val_loss": val_loss,
-        "train_tokens": len(train_stream), "val_tokens": len(val_stream),
-    })
+    write_model_card(
+        out,
+        {
+            "config": config,
+            "params": params,
+            "steps": args.steps,
+            "out": args.out,
+            "samples": samples,
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+            "train_tokens": len(train_stream),
+            "val_tokens": len(val_stream),
+        },
+    )
     print(f"saved to {out}", flush=True)
 
 

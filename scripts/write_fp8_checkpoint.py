@@ -21,8 +21,19 @@ from safetensors.torch import save_file
 from deltamesh.kernels.fp8 import quantize_blocks
 
 # Substrings of the module names Qwen's FP8 releases leave unquantized.
-KEPT = ("embed_tokens", "lm_head", "norm", "conv1d", "in_proj_a.", "in_proj_b.", "in_proj_ba.", "mlp.gate.",
-        "shared_expert_gate", "visual", "mtp")  # fmt: skip
+KEPT = (
+    "embed_tokens",
+    "lm_head",
+    "norm",
+    "conv1d",
+    "in_proj_a.",
+    "in_proj_b.",
+    "in_proj_ba.",
+    "mlp.gate.",
+    "shared_expert_gate",
+    "visual",
+    "mtp",
+)
 
 
 def quantized_name(name: str, tensor: torch.Tensor) -> bool:
@@ -38,7 +49,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 12
     for path in shards:
         tensors = {}
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f:
                 t = f.get_tensor(name)
                 if quantized_name(name, t):
                     tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t, block)
@@ -52,12 +63,20 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 12
         index = {"metadata": {}, "weight_map": weight_map}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block), "modules_to_not_convert": kept_modules}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": kept_modules,
+    }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for other in src.iterdir():  # tokenizer, generation config, chat template
-        if other.is_file() and other.suffix != ".safetensors" and other.name not in ("config.json",
-                                                                                     "model.safetensors.index.json"):  # fmt: skip
+        if (
+            other.is_file()
+            and other.suffix != ".safetensors"
+            and other.name not in ("config.json", "model.safetensors.index.json")
+        ):
             shutil.copy(other, dst / other.name)
     return dst
 

@@ -48,9 +48,14 @@ def _qwen3_next():
 
     # layers 0 and 2 dense (mlp_only_layers / sparse step), 1 and 3 MoE; norm_topk_prob off.
     cfg = Qwen3NextConfig(
-        **_COMMON, **_MOE, intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[0, 2],
-        norm_topk_prob=False, rope_parameters=_ROPE,
-    )  # fmt: skip
+        **_COMMON,
+        **_MOE,
+        intermediate_size=80,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0, 2],
+        norm_topk_prob=False,
+        rope_parameters=_ROPE,
+    )
     return Qwen3NextForCausalLM(cfg)
 
 
@@ -59,12 +64,27 @@ def _qwen3_5_moe_fp8_shapes():
     are too small), also on each of two tensor-parallel ranks: one attention and one GDN layer."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    dims = dict(_COMMON, hidden_size=128, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128)  # fmt: skip
-    cfg = Qwen3_5MoeTextConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-                               shared_expert_intermediate_size=256,
-                               rope_parameters={**_MROPE, "mrope_section": [8, 4, 4]})  # fmt: skip
+    dims = dict(
+        _COMMON,
+        hidden_size=128,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    )
+    cfg = Qwen3_5MoeTextConfig(
+        **dims,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        rope_parameters={**_MROPE, "mrope_section": [8, 4, 4]},
+    )
     return Qwen3_5MoeForCausalLM(cfg)
 
 
@@ -73,12 +93,30 @@ def _qwen3_next_fp8_shapes():
     a dense layer with GDN, a MoE layer with attention."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    dims = dict(_COMMON, hidden_size=128, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128)  # fmt: skip
-    cfg = Qwen3NextConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                          shared_expert_intermediate_size=128, intermediate_size=256, decoder_sparse_step=1,
-                          mlp_only_layers=[0], rope_parameters=_ROPE)  # fmt: skip
+    dims = dict(
+        _COMMON,
+        hidden_size=128,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    )
+    cfg = Qwen3NextConfig(
+        **dims,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        intermediate_size=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        rope_parameters=_ROPE,
+    )
     return Qwen3NextForCausalLM(cfg)
 
 
@@ -121,8 +159,9 @@ def write_replicated_kv_checkpoint(out: Path, seed: int = 5) -> Path:
     it (replicated); 2 GDN key heads with 2 value heads each, so that q, k and v conv channels split unevenly."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    cfg = Qwen3_5TextConfig(**{**_COMMON, "num_key_value_heads": 1}, intermediate_size=96, rope_parameters=_MROPE,
-                            tie_word_embeddings=True)  # fmt: skip
+    cfg = Qwen3_5TextConfig(
+        **{**_COMMON, "num_key_value_heads": 1}, intermediate_size=96, rope_parameters=_MROPE, tie_word_embeddings=True
+    )
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(cfg).eval()
     randomize(model, seed)

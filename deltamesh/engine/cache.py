@@ -56,7 +56,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def pool_views(kv: "KVPagePool", states: "StatePool") -> list[torch.Tensor]:
+def pool_views(kv: KVPagePool, states: StatePool) -> list[torch.Tensor]:
     """Each pool's whole memory as a 1-D byte view: what a prefill worker lets peers read."""
     return [byte_view(t) for t in (kv.data, states.conv, states.recurrent)]
 
@@ -86,11 +86,18 @@ class KVPagePool:
         self.mirror: list | None = None  # tensor parallelism: writes outside model steps, as StatePool.mirror
 
     @classmethod
-    def shaped_like(cls, pool: "KVPagePool", num_pages: int | None = None, device=None) -> "KVPagePool":
+    def shaped_like(cls, pool: KVPagePool, num_pages: int | None = None, device=None) -> KVPagePool:
         """A new pool of `pool`'s page shape and dtype (its page count and device unless given)."""
         d = pool.data
-        return cls(pool.num_pages if num_pages is None else num_pages, pool.page_size, pool.num_layers, d.shape[4],
-                   d.shape[5], d.dtype, d.device if device is None else device)  # fmt: skip
+        return cls(
+            pool.num_pages if num_pages is None else num_pages,
+            pool.page_size,
+            pool.num_layers,
+            d.shape[4],
+            d.shape[5],
+            d.dtype,
+            d.device if device is None else device,
+        )
 
     # -- views -------------------------------------------------------------------------------------
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,8 +197,10 @@ class KVPagePool:
             refs = self._refs[pages] - 1
             cached = self._cached[pages]
             if (cached & (refs == 0)).any():  # the cache says note_cached(page, False) before it lets a page go
-                raise RuntimeError(f"KV pages the prefix cache holds freed by their last holder: "
-                                   f"{pages[cached & (refs == 0)].tolist()}")  # fmt: skip
+                raise RuntimeError(
+                    f"KV pages the prefix cache holds freed by their last holder: "
+                    f"{pages[cached & (refs == 0)].tolist()}"
+                )
             self._refs[pages] = refs
             self._num_cached_alone += int(np.count_nonzero(cached & (refs == 1)))
             freed = refs == 0
@@ -231,11 +240,21 @@ class StatePool:
         self.name, self.mirror = "", None
 
     @classmethod
-    def shaped_like(cls, pool: "StatePool", num_slots: int | None = None, device=None) -> "StatePool":
+    def shaped_like(cls, pool: StatePool, num_slots: int | None = None, device=None) -> StatePool:
         """A new pool of `pool`'s slot shape and dtypes (its slot count and device unless given), unnamed."""
         c, r = pool.conv, pool.recurrent
-        return cls(pool.num_slots if num_slots is None else num_slots, pool.num_layers, c.shape[2], c.shape[3] + 1,
-                   r.shape[2], r.shape[4], r.shape[3], c.dtype, r.dtype, c.device if device is None else device)  # fmt: skip
+        return cls(
+            pool.num_slots if num_slots is None else num_slots,
+            pool.num_layers,
+            c.shape[2],
+            c.shape[3] + 1,
+            r.shape[2],
+            r.shape[4],
+            r.shape[3],
+            c.dtype,
+            r.dtype,
+            c.device if device is None else device,
+        )
 
     @property
     def conv_flat(self) -> torch.Tensor:
@@ -265,7 +284,9 @@ class StatePool:
 
     @property
     def slot_bytes(self) -> int:
-        return self.conv[0].numel() * self.conv.element_size() + self.recurrent[0].numel() * self.recurrent.element_size()
+        return (
+            self.conv[0].numel() * self.conv.element_size() + self.recurrent[0].numel() * self.recurrent.element_size()
+        )
 
     @property
     def num_free(self) -> int:
@@ -291,7 +312,7 @@ class StatePool:
         if self.mirror is not None:
             self.mirror.append(("zero", self.name, slot))
 
-    def copy_slot(self, dst: int, src_pool: "StatePool", src: int) -> None:
+    def copy_slot(self, dst: int, src_pool: StatePool, src: int) -> None:
         """Slot `dst` of this pool := slot `src` of `src_pool` (queued on the current stream)."""
         self.conv[dst].copy_(src_pool.conv[src], non_blocking=True)
         self.recurrent[dst].copy_(src_pool.recurrent[src], non_blocking=True)

@@ -98,28 +98,24 @@ class ModelConfig:
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
         return cls.from_hf_dict(json.loads(cfg_path.read_text()))
 
     @classmethod
-    def from_hf_dict(cls, raw: dict) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict) -> ModelConfig:
         outer_type = raw.get("model_type", "")
         text = raw.get("text_config") or raw
         family = _MODEL_TYPES.get(text.get("model_type", "")) or _MODEL_TYPES.get(outer_type)
         if family is None:
-            raise ConfigError(
-                f"unsupported model_type {outer_type!r}; this engine serves {', '.join(FAMILIES)}"
-            )
+            raise ConfigError(f"unsupported model_type {outer_type!r}; this engine serves {', '.join(FAMILIES)}")
         n_layers = int(text["num_hidden_layers"])
         layer_types = text.get("layer_types")
         if not layer_types:
             interval = int(text.get("full_attention_interval", 4))
-            layer_types = [
-                LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)
-            ]
+            layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)]
         if len(layer_types) != n_layers or set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}:
             raise ConfigError(f"layer_types must list {n_layers} of {FULL_ATTENTION!r}/{LINEAR_ATTENTION!r}")
 

@@ -29,9 +29,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import structlog
 import torch
@@ -43,8 +43,8 @@ from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import shard_config
 from deltamesh.engine.prefix_cache import TURN_START, PrefixCache
 from deltamesh.engine.rank import build_rank
-from deltamesh.engine.reservations import Reservation, Reservations
 from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, Status, validate_request
+from deltamesh.engine.reservations import Reservation, Reservations
 from deltamesh.engine.sampling import SampledTokens, SamplingParams, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.state_shards import merge
@@ -119,8 +119,7 @@ class EngineCore:
         self.model, self.kernels, self.runner = rank.runner.model, rank.kernels, rank.runner
         self.state_pool, self.checkpoint_pool, self.kv_pool = rank.state_pool, rank.checkpoint_pool, rank.kv_pool
         self.scheduler, self.handoff = data_parallel.leader_scheduling(config, self.followers, rank)
-        self.reservations = Reservations(self.scheduler, self.handoff, self.kv_pool, self.state_pool, self.device,
-                                         mc)  # fmt: skip
+        self.reservations = Reservations(self.scheduler, self.handoff, self.kv_pool, self.state_pool, self.device, mc)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, Sink] = {}
@@ -157,18 +156,33 @@ class EngineCore:
         if self.checkpoint_pool is not None:
             turn_start = self.tokenizer.token_id(TURN_START) if self.tokenizer else None
             make = lambda kv, states, checkpoints: PrefixCache(  # noqa: E731
-                kv, states, checkpoints, self.stats, config.prefix_cache_pages, config.state_checkpoint_interval,
-                turn_start, config.prefix_cache_memory_bytes(),
-            )  # fmt: skip
+                kv,
+                states,
+                checkpoints,
+                self.stats,
+                config.prefix_cache_pages,
+                config.state_checkpoint_interval,
+                turn_start,
+                config.prefix_cache_memory_bytes(),
+            )
             if self.data_parallel:
                 self.prefix_cache = self.scheduler.attach_prefix_caches(make)
             else:
-                self.prefix_cache = self.scheduler.prefix_cache = make(self.kv_pool, self.state_pool, self.checkpoint_pool)
+                self.prefix_cache = self.scheduler.prefix_cache = make(
+                    self.kv_pool, self.state_pool, self.checkpoint_pool
+                )
         log.info(
-            "engine ready", model=str(model_dir), family=mc.family, device=str(self.device), dtype=str(self.dtype),
-            kv_pages=self.kv_pool.num_pages, page_size=config.page_size, state_slots=config.max_num_seqs,
-            max_model_len=self.max_model_len, kernels=self.kernels.chosen,
-        )  # fmt: skip
+            "engine ready",
+            model=str(model_dir),
+            family=mc.family,
+            device=str(self.device),
+            dtype=str(self.dtype),
+            kv_pages=self.kv_pool.num_pages,
+            page_size=config.page_size,
+            state_slots=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            kernels=self.kernels.chosen,
+        )
 
     def _warm_up(self) -> None:
         """Run each kind of step once: a prefill, then a mixed step (that request's decode next to four prefills,
@@ -266,8 +280,16 @@ class EngineCore:
             if kind == "abort":
                 outputs.extend(self._abort(arg))
             elif arg.request_id in self.requests or self.held_request(arg.request_id) is not None:
-                sink(RequestOutput(arg.request_id, [], "", finished=True, finish_reason=FinishReason.ERROR,
-                                   error=f"duplicate request id {arg.request_id!r}"))  # fmt: skip
+                sink(
+                    RequestOutput(
+                        arg.request_id,
+                        [],
+                        "",
+                        finished=True,
+                        finish_reason=FinishReason.ERROR,
+                        error=f"duplicate request id {arg.request_id!r}",
+                    )
+                )
                 self.reservations.unstage(arg)
                 self.scheduler.free(arg)  # the state it arrived with, if any, is not used
             else:
@@ -303,8 +325,9 @@ class EngineCore:
             return None
         except Exception as e:
             log.exception("scattering an arrived state to the ranks failed", request_id=req.request_id)
-            return self._finish(req, FinishReason.ERROR, error=f"the engine's ranks could not take the arrived "
-                                                               f"state: {e}")  # fmt: skip
+            return self._finish(
+                req, FinishReason.ERROR, error=f"the engine's ranks could not take the arrived state: {e}"
+            )
         finally:
             self.reservations.unstage(req)
 
@@ -405,9 +428,11 @@ class EngineCore:
         self.scheduler.release_snapshot_slots(items)
         self.stats.mixed_steps += mixed
         sampled = sample_async(
-            logits, [r.params for r in sampling], [len(r.output_ids) + r.num_pending for r in sampling],
+            logits,
+            [r.params for r in sampling],
+            [len(r.output_ids) + r.num_pending for r in sampling],
             self.generator,
-        )  # fmt: skip
+        )
         for row, req in enumerate(sampling):
             req.num_pending += 1
             req.pending_row = row
@@ -457,9 +482,13 @@ class EngineCore:
         if req.finish_reason is not None and detok is not None:
             text += detok.flush()
         out = RequestOutput(
-            req.request_id, [token], text, [lp] if lp else [],
-            num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
-        )  # fmt: skip
+            req.request_id,
+            [token],
+            text,
+            [lp] if lp else [],
+            num_prompt_tokens=len(req.prompt_ids),
+            num_output_tokens=len(req.output_ids),
+        )
         if req.finish_reason is not None:
             self._finish(req, req.finish_reason, out=out)
         elif req.hold_state and not self._hold(req, out):
@@ -486,8 +515,9 @@ class EngineCore:
                 return False
             except Exception as e:
                 log.exception("gathering a held state from the ranks failed", request_id=req.request_id)
-                self._finish(req, FinishReason.ERROR, out=out, error=f"the engine's ranks could not hand over "
-                                                                     f"the state: {e}")  # fmt: skip
+                self._finish(
+                    req, FinishReason.ERROR, out=out, error=f"the engine's ranks could not hand over the state: {e}"
+                )
                 return True
             self.scheduler.free(req)
         self.scheduler.remove(req)
@@ -510,8 +540,9 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
         if out is None:
-            out = RequestOutput(req.request_id, [], "", num_prompt_tokens=len(req.prompt_ids),
-                                num_output_tokens=len(req.output_ids))  # fmt: skip
+            out = RequestOutput(
+                req.request_id, [], "", num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids)
+            )
         out.finished, out.finish_reason, out.stop_reason, out.error = True, reason, req.stop_reason, error
         return out
 
@@ -557,17 +588,17 @@ class EngineCore:
         bookkeeping copy of a data-parallel rank's), at the same offsets in that rank's pools."""
         (kv, _), (conv, _), (recurrent, _) = self.rank_memory[rank].pools
         starts = [kv] * (len(regions) - 2) + [conv, recurrent]
-        return [RankBytes(rank, start + r.tensor.storage_offset(), r.nbytes)
-                for start, r in zip(starts, regions)]  # fmt: skip
+        return [RankBytes(rank, start + r.tensor.storage_offset(), r.nbytes) for start, r in zip(starts, regions)]
 
     def pool_views(self) -> list[torch.Tensor | RankBytes]:
         """What a holder lets peers read: each pool's whole memory (of a parallel engine: its hand-off area's, or
         every rank's pools when the transport reads the ranks' memory)."""
         if self.rank_memory:
             return pool_views(self.kv_pool, self.state_pool) + [
-                RankBytes(rank, start, size) for rank, memory in sorted(self.rank_memory.items())
+                RankBytes(rank, start, size)
+                for rank, memory in sorted(self.rank_memory.items())
                 for start, size in memory.pools
-            ]  # fmt: skip
+            ]
         return self.handoff.views() if self.handoff is not None else pool_views(self.kv_pool, self.state_pool)
 
     def release_held(self, request_id: str) -> bool:

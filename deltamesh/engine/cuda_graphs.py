@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -42,10 +42,15 @@ class DecodeGraphs:
 
     def _batch(self, b: int) -> StepBatch:
         return StepBatch(
-            num_decode=b, query_lens=[1] * b, context_lens=[0] * b,
-            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
-            state_slots=self.state_slots[:b], positions=self.positions[:b],
-        )  # fmt: skip
+            num_decode=b,
+            query_lens=[1] * b,
+            context_lens=[0] * b,
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b],
+            state_slots=self.state_slots[:b],
+            positions=self.positions[:b],
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -165,14 +170,19 @@ class PiecewiseGraphs:
                     replays.append(graph.replay)
                 self.pieces[b] = replays
         torch.cuda.current_stream(dev).wait_stream(stream)
-        log.info("piecewise graphs captured", buckets=self.buckets, pieces=len(self.widths) + 1,
-                 seconds=round(time.monotonic() - start, 1))  # fmt: skip
+        log.info(
+            "piecewise graphs captured",
+            buckets=self.buckets,
+            pieces=len(self.widths) + 1,
+            seconds=round(time.monotonic() - start, 1),
+        )
 
     def fits(self, batch: StepBatch) -> bool:
         return batch.num_tokens <= self.buckets[-1]
 
-    def run(self, input_ids: torch.Tensor, batch: StepBatch, between_layers: Callable[[], None] | None = None
-            ) -> torch.Tensor:  # fmt: skip
+    def run(
+        self, input_ids: torch.Tensor, batch: StepBatch, between_layers: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm (a view of a static buffer: read it before the next step
         runs). `between_layers`: as in HybridLM.forward."""
         r, t = self.runner, input_ids.shape[0]

@@ -29,9 +29,9 @@ from deltamesh.engine.request import Request
 from deltamesh.engine.scheduler import ScheduledItem, Scheduler
 from deltamesh.engine.state_shards import RequestState
 from deltamesh.engine.tp_handoff import (
-    HandoffArea,
     AreaSize,
     Handoff,
+    HandoffArea,
     Staged,
     TensorParallelHandoff,
     rank_state,
@@ -80,8 +80,14 @@ class DataParallelGroup(TensorParallelGroup):
         return self.broadcast(tokens)
 
 
-def run_rank(runner, group: DataParallelGroup, steps: list, rank: int, pending_count: int,
-             pending_tokens: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+def run_rank(
+    runner,
+    group: DataParallelGroup,
+    steps: list,
+    rank: int,
+    pending_count: int,
+    pending_tokens: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """One rank's part of a data-parallel step: `steps` holds every rank's runner.HostStep (None: no requests),
     `pending_count` the number of tokens the previous step sampled when some step takes inputs from them. The
     leader gets every rank's logits, in rank order."""
@@ -124,7 +130,7 @@ class DataParallelScheduler:
 
     prefix_cache = None  # each rank's scheduler has its own (`attach_prefix_caches`)
 
-    def __init__(self, schedulers: list[Scheduler], pools: list["RankPools"]):
+    def __init__(self, schedulers: list[Scheduler], pools: list[RankPools]):
         self.ranks, self.pools = schedulers, pools
         self.kv_pool = _Totals([s.kv_pool for s in schedulers])
         self.state_pool = _Totals([s.state_pool for s in schedulers])
@@ -161,7 +167,7 @@ class DataParallelScheduler:
             request.dp_rank = self._pick([r for r, hit in enumerate(hits) if hit == best])
         self.ranks[request.dp_rank].add(request)
 
-    def attach_prefix_caches(self, make) -> "RankPrefixCaches":
+    def attach_prefix_caches(self, make) -> RankPrefixCaches:
         """A prefix cache per rank, over that rank's pools (`make(kv, states, checkpoints)`)."""
         for scheduler, pools in zip(self.ranks, self.pools):
             scheduler.prefix_cache = make(pools.kv, pools.states, pools.checkpoints)
@@ -202,6 +208,7 @@ class DataParallelScheduler:
 def leader_scheduling(config, followers, rank) -> tuple:
     """(scheduler, hand-off or None) of an engine whose leader holds `rank` (rank.Rank): one rank; tensor
     parallel, the leader's pool writes repeated by every follower; or data parallel, one scheduler per rank."""
+
     def scheduler(kv: KVPagePool, states: StatePool) -> Scheduler:
         return Scheduler(kv, states, config.max_num_seqs, config.resolved_max_num_batched_tokens())
 
@@ -213,13 +220,13 @@ def leader_scheduling(config, followers, rank) -> tuple:
         rank.runner.followers = followers
         for pool in filter(None, (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)):
             pool.mirror = followers.pool_ops
-        return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(followers, rank.kv_pool, rank.state_pool,
-                                                                               area)  # fmt: skip
+        return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(
+            followers, rank.kv_pool, rank.state_pool, area
+        )
     pools = [RankPools(rank.kv_pool, rank.state_pool, rank.checkpoint_pool)]
     pools += [pools[0].bookkeeping(ops) for ops in followers.rank_ops[1:]]
     schedulers = [scheduler(p.kv, p.states) for p in pools]
-    return DataParallelScheduler(schedulers, pools), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool,
-                                                                         area)  # fmt: skip
+    return DataParallelScheduler(schedulers, pools), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool, area)
 
 
 class RankPrefixCaches:
@@ -266,13 +273,16 @@ class RankPools:
     states: StatePool
     checkpoints: StatePool | None
 
-    def bookkeeping(self, ops: list) -> "RankPools":
+    def bookkeeping(self, ops: list) -> RankPools:
         """Pools shaped as these on the meta device (no memory): the leader's allocator of a follower's pools.
         Their writes (a slot zeroed for a new request; the prefix cache's copies) are recorded in `ops`, in
         order, for that rank to repeat before its next step."""
         meta = torch.device("meta")
-        copies = RankPools(KVPagePool.shaped_like(self.kv, device=meta), StatePool.shaped_like(self.states, device=meta),
-                           self.checkpoints and StatePool.shaped_like(self.checkpoints, device=meta))  # fmt: skip
+        copies = RankPools(
+            KVPagePool.shaped_like(self.kv, device=meta),
+            StatePool.shaped_like(self.states, device=meta),
+            self.checkpoints and StatePool.shaped_like(self.checkpoints, device=meta),
+        )
         copies.states.name = "slots"
         if copies.checkpoints is not None:
             copies.checkpoints.name = "checkpoints"
@@ -286,8 +296,10 @@ class DataParallelHandoff(Handoff):
     in the hand-off area (tp_handoff.HandoffArea), moved between there and its rank point to point."""
 
     def _make_area(self) -> HandoffArea:
-        return HandoffArea(KVPagePool.shaped_like(self.kv_pool, self.size.pages),
-                           StatePool.shaped_like(self.state_pool, self.size.states))  # fmt: skip
+        return HandoffArea(
+            KVPagePool.shaped_like(self.kv_pool, self.size.pages),
+            StatePool.shaped_like(self.state_pool, self.size.states),
+        )
 
     def gather(self, pages: list[int], slot: int, rank: int = 0) -> Staged:
         """A held request's state, from its rank into room taken in the area (stepping thread); PoolExhausted,
@@ -320,12 +332,16 @@ class DataParallelHandoff(Handoff):
 
 
 def _empty_state(kv: KVPagePool, states: StatePool, num_pages: int) -> RequestState:
-    return RequestState(kv.data.new_empty((num_pages, *kv.data.shape[1:])), torch.empty_like(states.conv[0]),
-                        torch.empty_like(states.recurrent[0]))  # fmt: skip
+    return RequestState(
+        kv.data.new_empty((num_pages, *kv.data.shape[1:])),
+        torch.empty_like(states.conv[0]),
+        torch.empty_like(states.recurrent[0]),
+    )
 
 
-def follow_point_to_point(group: DataParallelGroup, kv: KVPagePool, states: StatePool, direction: str,
-                          rank: int, pages: list[int], slot: int) -> None:  # fmt: skip
+def follow_point_to_point(
+    group: DataParallelGroup, kv: KVPagePool, states: StatePool, direction: str, rank: int, pages: list[int], slot: int
+) -> None:
     """A follower's side of a hand-off: the named rank sends its state of a request to the leader, or receives
     an arrived one from it; the other ranks have nothing to do."""
     import torch.distributed as dist

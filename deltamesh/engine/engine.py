@@ -7,20 +7,19 @@ import asyncio
 import functools
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import structlog
 import torch
 
 from deltamesh.engine.cache import RankBytes, Region
 from deltamesh.engine.core import EngineCore
-from deltamesh.engine.reservations import Reservation
+from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.handoff import check_layouts, compat_hash
 from deltamesh.engine.prefix_cache import PinnedPrefix
-from deltamesh.engine.request import RequestError
-from deltamesh.engine.engine_config import EngineConfig
-from deltamesh.engine.request import FinishReason, Request, RequestOutput
+from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput
+from deltamesh.engine.reservations import Reservation
 from deltamesh.engine.sampling import SamplingParams, TokenLogprobs
 from deltamesh.engine.step_report import StepReport
 
@@ -107,7 +106,7 @@ class Engine:
         self._thread.join(timeout=10)
         self.core.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -33,8 +33,11 @@ class EngineConfig:
     dtype: str = _setting("auto", "auto | float32 | bfloat16")  # auto = float32 on CPU, bfloat16 on CUDA
     state_dtype: str = _setting("float32", "GDN recurrent state dtype: float32 | bfloat16")
     # weights.fp8_weights says what each choice does where
-    quantization: str = _setting("auto", "auto (an FP8 checkpoint's weights stay FP8 on the GPU) | fp8 (FP8 "
-                                         "weights; a bf16 checkpoint quantized on load) | none (dequantize)")  # fmt: skip
+    quantization: str = _setting(
+        "auto",
+        "auto (an FP8 checkpoint's weights stay FP8 on the GPU) | fp8 (FP8 "
+        "weights; a bf16 checkpoint quantized on load) | none (dequantize)",
+    )
     page_size: int = _setting(16, "KV page size in tokens")
     # None: sized from kv_cache_memory_gb
     num_kv_pages: int | None = _setting(None, "KV pages per worker (default: sized from memory)")
@@ -44,25 +47,37 @@ class EngineConfig:
     max_model_len: int | None = _setting(None, "Context length (default: the model's, capped at 32768)")
     # how much prefill one step carries beside its decodes; None: 1024 on CPU, 4096 on CUDA (bench/RESULTS.md:
     # on the H200 4096 gave the lowest TTFT at 8k prompts with TPOT and throughput within a few % of 16384's)
-    max_num_batched_tokens: int | None = _setting(None, "Token budget of one engine step (default: 1024 on CPU, "
-                                                        "4096 on CUDA)")  # fmt: skip
+    max_num_batched_tokens: int | None = _setting(
+        None, "Token budget of one engine step (default: 1024 on CPU, 4096 on CUDA)"
+    )
     # None/auto | torch | flashinfer | fla | "op=backend,..."
-    kernel_backend: str | None = _setting(None, "Kernel backend: auto | torch | triton | flashinfer | fla | op=backend,...",
-                                          flag="kernels")  # fmt: skip
+    kernel_backend: str | None = _setting(
+        None, "Kernel backend: auto | torch | triton | flashinfer | fla | op=backend,...", flag="kernels"
+    )
     # one engine over this many ranks (processes; GPUs on CUDA), each holding 1/N of the heads and columns
-    tensor_parallel_size: int = _setting(1, "Ranks (GPUs on CUDA) one worker's model is split over by heads "
-                                            "and columns")  # fmt: skip
-    enable_expert_parallel: bool = _setting(False, "With --tensor-parallel-size or --data-parallel-size N: split "
-                                                   "the routed experts whole among the ranks (not each expert's "
-                                                   "columns)")  # fmt: skip
+    tensor_parallel_size: int = _setting(
+        1, "Ranks (GPUs on CUDA) one worker's model is split over by heads and columns"
+    )
+    enable_expert_parallel: bool = _setting(
+        False,
+        "With --tensor-parallel-size or --data-parallel-size N: split "
+        "the routed experts whole among the ranks (not each expert's "
+        "columns)",
+    )
     # data-parallel attention (engine/data_parallel.py): N ranks, each with its own requests and a whole copy of
     # everything but the MoE layers, whose experts the ranks share
-    data_parallel_size: int = _setting(1, "Ranks (GPUs on CUDA) that each run their own requests through "
-                                          "attention and GDN and share the MoE layers' experts")  # fmt: skip
+    data_parallel_size: int = _setting(
+        1,
+        "Ranks (GPUs on CUDA) that each run their own requests through "
+        "attention and GDN and share the MoE layers' experts",
+    )
     # where a parallel worker's held and arriving states wait on rank 0 (tp_handoff.HandoffArea); on CUDA its
     # memory is left free when the KV pool is sized
-    handoff_states: int | None = _setting(None, "Workers over several ranks: states held or arriving at once, each "
-                                                "waiting on rank 0 (default: --max-num-seqs on CPU, 4 on CUDA)")  # fmt: skip
+    handoff_states: int | None = _setting(
+        None,
+        "Workers over several ranks: states held or arriving at once, each "
+        "waiting on rank 0 (default: --max-num-seqs on CPU, 4 on CUDA)",
+    )
     # "module:function" a parallel engine's other ranks call once with their pools (1-D byte views), for a
     # transport to read held states where they are (bytes for the leader's holder); set by a prefill worker from
     # its transport. None (an engine without one, as in-process tests build): held states leave a parallel
@@ -73,30 +88,43 @@ class EngineConfig:
     cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")
     # steps with prompt tokens: cuda_graphs.PiecewiseGraphs. Past 4096 tokens a step's GPU time covers its eager
     # launches (which async scheduling overlaps with the step before), so the default stops there.
-    piecewise_cuda_graph_max_tokens: int | None = _setting(None, "CUDA only: replay steps that carry prompt tokens, "
-                                                                 "up to this many tokens, from CUDA graphs piece by "
-                                                                 "piece (0: run them eagerly; default: 4096 or the "
-                                                                 "step's token budget if smaller)")  # fmt: skip
+    piecewise_cuda_graph_max_tokens: int | None = _setting(
+        None,
+        "CUDA only: replay steps that carry prompt tokens, "
+        "up to this many tokens, from CUDA graphs piece by "
+        "piece (0: run them eagerly; default: 4096 or the "
+        "step's token budget if smaller)",
+    )
     # schedule and launch step N+1 before reading step N's tokens on the host
-    async_scheduling: bool = _setting(True, "Schedule and launch each engine step before the previous step's tokens "
-                                            "reach the host (off: finish every step first)")  # fmt: skip
+    async_scheduling: bool = _setting(
+        True,
+        "Schedule and launch each engine step before the previous step's tokens "
+        "reach the host (off: finish every step first)",
+    )
     # Prefix caching (prefix_cache.py). On, as in the peers; its cost where nothing is reused (a new prompt's
     # prefill stops where its state is checkpointed, and checkpoints take state slots) against its gain on chats
     # is in bench/RESULTS.md.
-    prefix_cache: bool = _setting(True, "Reuse the KV pages and GDN state of prompt prefixes computed before "
-                                         "(exact: same tokens as without it)")  # fmt: skip
+    prefix_cache: bool = _setting(
+        True, "Reuse the KV pages and GDN state of prompt prefixes computed before (exact: same tokens as without it)"
+    )
     prefix_cache_pages: int | None = _setting(None, "Most KV pages the prefix cache keeps (default: every free page)")
-    prefix_cache_checkpoints: int | None = _setting(None, "GDN state checkpoints the prefix cache keeps (each the "
-                                                          "size of one request's state; default: twice "
-                                                          "--max-num-seqs)")  # fmt: skip
-    state_checkpoint_interval: int | None = _setting(None, "Also checkpoint GDN state every this many KV pages of "
-                                                           "a prompt (default: only at its end)")  # fmt: skip
+    prefix_cache_checkpoints: int | None = _setting(
+        None,
+        "GDN state checkpoints the prefix cache keeps (each the "
+        "size of one request's state; default: twice "
+        "--max-num-seqs)",
+    )
+    state_checkpoint_interval: int | None = _setting(
+        None, "Also checkpoint GDN state every this many KV pages of a prompt (default: only at its end)"
+    )
     # One budget for both kinds (prefix_cache.py `num_bytes`); the page and checkpoint counts above apply beside it.
     # Every page the cache holds counts, shared with a running request or not, so the bound still holds when those
     # requests finish and the pages are the cache's alone.
-    prefix_cache_memory_gb: float | None = _setting(None, "GiB of KV pages and GDN checkpoints together that the "
-                                                          "prefix cache keeps, per GPU (default: no joint limit)",
-                                                    flag="prefix_cache_memory")  # fmt: skip
+    prefix_cache_memory_gb: float | None = _setting(
+        None,
+        "GiB of KV pages and GDN checkpoints together that the prefix cache keeps, per GPU (default: no joint limit)",
+        flag="prefix_cache_memory",
+    )
 
     def resolved_prefix_cache_checkpoints(self, slot_bytes: int, page_bytes: int, pool_pages: int) -> int:
         """A prompt's checkpoint and a finished conversation's for every request that can run at once: a
@@ -159,8 +187,10 @@ class EngineConfig:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError("data_parallel_size and tensor_parallel_size cannot both be above 1 (data-parallel "
-                             "attention runs one rank per request)")
+            raise ValueError(
+                "data_parallel_size and tensor_parallel_size cannot both be above 1 (data-parallel "
+                "attention runs one rank per request)"
+            )
         if self.max_num_seqs < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.state_dtype not in ("float32", "bfloat16"):
@@ -174,8 +204,10 @@ class EngineConfig:
         ) < 0:
             raise ValueError("prefix_cache_checkpoints must be >= 1 and prefix_cache_pages >= 0")
         if self.prefix_cache_memory_gb is not None and not 0 < self.prefix_cache_memory_gb < math.inf:
-            raise ValueError(f"prefix_cache_memory_gb (--prefix-cache-memory) must be a positive number of GiB, "
-                             f"got {self.prefix_cache_memory_gb}")  # fmt: skip
+            raise ValueError(
+                f"prefix_cache_memory_gb (--prefix-cache-memory) must be a positive number of GiB, "
+                f"got {self.prefix_cache_memory_gb}"
+            )
         if (self.piecewise_cuda_graph_max_tokens or 0) < 0:
             raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0")
         if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
@@ -194,8 +226,10 @@ class EngineConfig:
         if device.type != "cuda":
             return
         if not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: torch {torch.__version__} finds no CUDA GPU on this machine "
-                             "(--device cpu runs on the CPU)")  # fmt: skip
+            raise ValueError(
+                f"device {self.device!r}: torch {torch.__version__} finds no CUDA GPU on this machine "
+                "(--device cpu runs on the CPU)"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {self.device!r}: this machine shows torch {torch.cuda.device_count()} GPU(s)")
 

@@ -28,7 +28,7 @@ class LayoutMismatch(ValueError):
     """A sender's state layout that cannot be mapped onto this engine's."""
 
 
-def compat_hash(core: "EngineCore") -> str:
+def compat_hash(core: EngineCore) -> str:
     cfg = core.config
     blob = json.dumps(
         {

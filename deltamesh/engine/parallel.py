@@ -71,8 +71,9 @@ class Shard:
         return self.rank // (n // kv), 1
 
 
-def shard_config(cfg: ModelConfig, size: int, expert_parallel: bool = False, rank: int = 0,
-                 data_parallel: bool = False) -> ModelConfig:  # fmt: skip
+def shard_config(
+    cfg: ModelConfig, size: int, expert_parallel: bool = False, rank: int = 0, data_parallel: bool = False
+) -> ModelConfig:
     """The config of the model rank `rank` of `size` holds; ParallelConfigError when the model cannot be split so."""
     if size == 1:
         return cfg
@@ -100,8 +101,9 @@ def shard_config(cfg: ModelConfig, size: int, expert_parallel: bool = False, ran
         bad.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {size})")
     if bad:
         kind = "data-parallel" if data_parallel else "tensor-parallel"
-        raise ParallelConfigError(f"cannot split this model into {size} {kind} ranks: {', '.join(bad)} "
-                                  f"not divisible by {size}")  # fmt: skip
+        raise ParallelConfigError(
+            f"cannot split this model into {size} {kind} ranks: {', '.join(bad)} not divisible by {size}"
+        )
     heads = {} if data_parallel else {"num_key_value_heads": max(kv // size, 1)}
     return replace(cfg, **heads, **{k: v // size for k, v in needs.items()}, **experts)
 

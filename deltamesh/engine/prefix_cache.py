@@ -88,6 +88,8 @@ def in_rank_order(items: np.ndarray, rank: np.ndarray, chunk: int = EVICTION_CHU
         first = first[np.argsort(rank[first], kind="stable")]
         yield from items[first[done:]].tolist()
         done = len(first)
+
+
 TURN_START = "<|im_start|>"  # the token that opens every message of the chat template (Qwen's)
 
 

@@ -8,7 +8,7 @@ The loader dequantizes while it reads (the CPU engine, fp32 models) or, where th
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -28,13 +28,18 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     bm, bn = block
     grid = (-(-rows // bm), -(-cols // bn))
     if tuple(scale_inv.shape[-2:]) != grid or scale_inv.shape[:-2] != weight.shape[:-2]:
-        raise QuantizationError(f"scales of shape {tuple(scale_inv.shape)} do not tile a weight of shape "
-                                f"{tuple(weight.shape)} in {bm}x{bn} blocks (expected {grid})")  # fmt: skip
+        raise QuantizationError(
+            f"scales of shape {tuple(scale_inv.shape)} do not tile a weight of shape "
+            f"{tuple(weight.shape)} in {bm}x{bn} blocks (expected {grid})"
+        )
     return dequantize_blocks(weight, scale_inv, block)
 
 
-def dequantized(named_tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None,
-                keep: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def dequantized(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    block: tuple[int, int] | None,
+    keep: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with every FP8 weight replaced by its float32 value, but those whose weight name
     `keep` names: their values and scales pass as they are. A weight and its scales may come in either order
     (different shards, even): each waits for the other. `block` None: the checkpoint must hold no FP8 tensor."""
@@ -56,5 +61,6 @@ def dequantized(named_tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[
         else:
             yield name, tensor
     if weights or scales:
-        raise QuantizationError(f"FP8 weights without scales: {sorted(weights)[:4]}; scales without their FP8 "
-                                f"weight: {sorted(scales)[:4]}")  # fmt: skip
+        raise QuantizationError(
+            f"FP8 weights without scales: {sorted(weights)[:4]}; scales without their FP8 weight: {sorted(scales)[:4]}"
+        )

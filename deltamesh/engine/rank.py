@@ -30,19 +30,39 @@ class Rank:
     runner: ModelRunner
 
 
-def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device: torch.device,
-               tp: TensorParallelGroup | None = None) -> Rank:  # fmt: skip
+def build_rank(
+    config: EngineConfig,
+    mc: ModelConfig,
+    max_model_len: int,
+    device: torch.device,
+    tp: TensorParallelGroup | None = None,
+) -> Rank:
     dtype, state_dtype = config.torch_dtype(), config.torch_state_dtype()
-    model = load_model(mc, Path(config.model), device, dtype, config.load_format, config.seed, tp,
-                       fp8_weights(mc, device, dtype, tp, config.quantization))  # fmt: skip
+    model = load_model(
+        mc,
+        Path(config.model),
+        device,
+        dtype,
+        config.load_format,
+        config.seed,
+        tp,
+        fp8_weights(mc, device, dtype, tp, config.quantization),
+    )
     local = tp.shard.local if tp else mc
 
     def state_pool(num_slots: int, name: str) -> StatePool:
         pool = StatePool(
-            num_slots, len(local.linear_layers), local.conv_dim, local.linear_conv_kernel_dim,
-            local.linear_num_value_heads, local.linear_key_head_dim, local.linear_value_head_dim, dtype, state_dtype,
+            num_slots,
+            len(local.linear_layers),
+            local.conv_dim,
+            local.linear_conv_kernel_dim,
+            local.linear_num_value_heads,
+            local.linear_key_head_dim,
+            local.linear_value_head_dim,
+            dtype,
+            state_dtype,
             device,
-        )  # fmt: skip
+        )
         pool.name = name
         return pool
 
@@ -64,10 +84,17 @@ def build_rank(config: EngineConfig, mc: ModelConfig, max_model_len: int, device
         num_pages, config.page_size, len(local.full_layers), local.num_key_value_heads, local.head_dim, dtype, device
     )
     shapes = ModelShapes(
-        dtype, state_dtype, local.linear_num_key_heads, local.linear_num_value_heads, local.linear_key_head_dim,
-        local.linear_value_head_dim, local.num_attention_heads, local.num_key_value_heads, local.head_dim,
+        dtype,
+        state_dtype,
+        local.linear_num_key_heads,
+        local.linear_num_value_heads,
+        local.linear_key_head_dim,
+        local.linear_value_head_dim,
+        local.num_attention_heads,
+        local.num_key_value_heads,
+        local.head_dim,
         config.page_size,
-    )  # fmt: skip
+    )
     kernels = select_kernels(device, shapes, config.kernel_backend)
     runner = ModelRunner(model, kv_pool, slots, kernels, device)
     return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner)
@@ -84,8 +111,9 @@ def _most_kv_pages(c: EngineConfig, max_model_len: int) -> int:
     return c.num_kv_pages or c.max_num_seqs * -(-max_model_len // c.page_size)
 
 
-def _handoff_area_bytes(c: EngineConfig, full: ModelConfig, max_model_len: int, dtype: torch.dtype,
-                   state_dtype: torch.dtype) -> int:  # fmt: skip
+def _handoff_area_bytes(
+    c: EngineConfig, full: ModelConfig, max_model_len: int, dtype: torch.dtype, state_dtype: torch.dtype
+) -> int:
     """The memory of a parallel engine's hand-off area: its states at the longest context, one-rank layout."""
     size = lambda t: torch.tensor([], dtype=t).element_size()  # noqa: E731
     layers = max(len(full.linear_layers), 1)
@@ -96,8 +124,9 @@ def _handoff_area_bytes(c: EngineConfig, full: ModelConfig, max_model_len: int, 
     return states * (pages * _page_bytes(c, full, dtype) + conv + recurrent * size(state_dtype))
 
 
-def _num_kv_pages(c: EngineConfig, page_bytes: int, max_model_len: int, device: torch.device,
-                  left_free: int = 0) -> int:  # fmt: skip
+def _num_kv_pages(
+    c: EngineConfig, page_bytes: int, max_model_len: int, device: torch.device, left_free: int = 0
+) -> int:
     """`left_free`: bytes of GPU memory the pool sized from what is free must leave."""
     if c.num_kv_pages:
         return c.num_kv_pages

@@ -62,10 +62,17 @@ class RequestOutput:
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as one (what a consumer that fell behind takes at once)."""
         return RequestOutput(
-            self.request_id, self.new_token_ids + later.new_token_ids, self.new_text + later.new_text,
-            self.logprobs + later.logprobs, later.finished, later.finish_reason, later.stop_reason,
-            later.num_prompt_tokens, later.num_output_tokens, later.error,
-        )  # fmt: skip
+            self.request_id,
+            self.new_token_ids + later.new_token_ids,
+            self.new_text + later.new_text,
+            self.logprobs + later.logprobs,
+            later.finished,
+            later.finish_reason,
+            later.stop_reason,
+            later.num_prompt_tokens,
+            later.num_output_tokens,
+            later.error,
+        )
 
 
 @dataclass
@@ -133,9 +140,7 @@ class Request:
     def check_stop(self, token_id: int, max_model_len: int) -> None:
         """Decide whether the token just appended ends the request."""
         p = self.params
-        if not p.ignore_eos and token_id in self.eos_token_ids:
-            self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
-        elif token_id in p.stop_token_ids:
+        if not p.ignore_eos and token_id in self.eos_token_ids or token_id in p.stop_token_ids:
             self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
         elif self.detokenizer is not None and self.detokenizer.stopped_on is not None:
             self.finish_reason, self.stop_reason = FinishReason.STOP, self.detokenizer.stopped_on

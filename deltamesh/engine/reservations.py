@@ -61,8 +61,9 @@ class Reservations:
     under data parallelism), and on a parallel engine the place in its hand-off area where the state lands before
     the ranks take it (tp_handoff.HandoffArea)."""
 
-    def __init__(self, scheduler, handoff, kv_pool: KVPagePool, state_pool: StatePool, device: torch.device,
-                 full: ModelConfig):  # fmt: skip
+    def __init__(
+        self, scheduler, handoff, kv_pool: KVPagePool, state_pool: StatePool, device: torch.device, full: ModelConfig
+    ):
         self.scheduler, self.handoff, self.kv_pool, self.state_pool = scheduler, handoff, kv_pool, state_pool
         self.device, self.full = device, full
         self._one_rank = one_rank_template(full, kv_pool, state_pool)  # shapes of an arriving state's parts

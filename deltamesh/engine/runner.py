@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -13,7 +13,6 @@ from deltamesh.engine.models import HybridLM
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.kernels import Kernels
 from deltamesh.kernels.batch import StateSnapshots, StepBatch
-
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
@@ -34,8 +33,16 @@ class HostStep:
 
 
 class ModelRunner:
-    def __init__(self, model: HybridLM, kv_pool: KVPagePool, state_pool: StatePool, kernels: Kernels, device: torch.device):
-        self.model, self.kv_pool, self.state_pool, self.kernels, self.device = model, kv_pool, state_pool, kernels, device
+    def __init__(
+        self, model: HybridLM, kv_pool: KVPagePool, state_pool: StatePool, kernels: Kernels, device: torch.device
+    ):
+        self.model, self.kv_pool, self.state_pool, self.kernels, self.device = (
+            model,
+            kv_pool,
+            state_pool,
+            kernels,
+            device,
+        )
         self.tp = model.tp  # the tensor-parallel group, or None (one rank, or data-parallel attention)
         self.followers = None  # on a tensor-parallel leader: tp_workers.Followers, sent every step
         self.graphs = None  # DecodeGraphs once captured
@@ -106,7 +113,7 @@ class ModelRunner:
         last = np.cumsum(q_lens) - 1
         sample_rows = [int(last[last_seq[i]]) for i, it in enumerate(items) if it.samples]
         prefill_cu = np.concatenate(([0], np.cumsum(prefill_lens))).astype(np.int32)
-        tail_cu = np.concatenate(([0], np.cumsum(q_list[len(items):]))).astype(np.int32)
+        tail_cu = np.concatenate(([0], np.cumsum(q_list[len(items) :]))).astype(np.int32)
         return HostStep(
             arrays=[
                 np.asarray(ids, dtype=np.int64),
@@ -121,9 +128,12 @@ class ModelRunner:
                 tail_cu,
                 np.fromiter((it.snapshot_slot for it in snaps), np.int64, len(snaps)),  # index_copy_ wants int64
             ],
-            query_lens=q_list, context_lens=starts.tolist(), has_pending=bool(fill_at), sample_rows=sample_rows,
+            query_lens=q_list,
+            context_lens=starts.tolist(),
+            has_pending=bool(fill_at),
+            sample_rows=sample_rows,
             snapshots=len(snaps),
-        )  # fmt: skip
+        )
 
     def device_inputs(self, step: HostStep, pending_tokens: torch.Tensor | None) -> tuple[torch.Tensor, StepBatch]:
         """An item whose last input is still pending (sampled by the step before, not yet on the host) takes it
@@ -141,11 +151,18 @@ class ModelRunner:
                 self.tp.broadcast(ids_t)
         q_list = step.query_lens
         batch = StepBatch(
-            num_decode=sum(q == 1 for q in q_list), query_lens=q_list, context_lens=step.context_lens,
-            seq_lens=seq_lens, block_tables=tables_t, slot_mapping=slot_mapping_t, state_slots=slots,
-            positions=positions_t, prefill_cu_seqlens=cu_seqlens, sample_index=sample_index,
+            num_decode=sum(q == 1 for q in q_list),
+            query_lens=q_list,
+            context_lens=step.context_lens,
+            seq_lens=seq_lens,
+            block_tables=tables_t,
+            slot_mapping=slot_mapping_t,
+            state_slots=slots,
+            positions=positions_t,
+            prefill_cu_seqlens=cu_seqlens,
+            sample_index=sample_index,
             snapshot=StateSnapshots(step.snapshots, tail_cu, kept) if step.snapshots else None,
-        )  # fmt: skip
+        )
         return ids_t, batch
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -185,8 +202,12 @@ class ModelRunner:
         return req.pages, np.asarray(req.pages, dtype=np.int64)
 
     @torch.inference_mode()
-    def execute(self, items: list[ScheduledItem], pending_tokens: torch.Tensor | None = None,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:  # fmt: skip
+    def execute(
+        self,
+        items: list[ScheduledItem],
+        pending_tokens: torch.Tensor | None = None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling items, vocab], in item order. `pending_tokens`:
         the previous step's sampled tokens, on the device (see `device_inputs`). `between_layers`: called after
         each layer is queued (not in a decode step replayed from a CUDA graph, which is one launch)."""
@@ -202,8 +223,12 @@ class ModelRunner:
         return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32, device=self.device)
 
     @torch.inference_mode()
-    def run(self, step: HostStep, pending_tokens: torch.Tensor | None = None,
-            between_layers: Callable[[], None] | None = None) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        step: HostStep,
+        pending_tokens: torch.Tensor | None = None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """`execute` from the host inputs: what every tensor-parallel rank runs for the leader's step."""
         input_ids, batch = self.device_inputs(step, pending_tokens)
         if self.graphs is not None and self.graphs.fits(batch):

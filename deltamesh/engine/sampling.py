@@ -152,7 +152,7 @@ class SampledTokens:
     def __init__(self, tokens: torch.Tensor, logprob_rows: list[int], logprob_counts: list[int], lp=None):
         self.tokens = tokens  # [N] int64 on the device: the next step's inputs are gathered from here
         self._rows, self._counts = logprob_rows, logprob_counts
-        to_host = (lambda t: t.to("cpu", non_blocking=True)) if tokens.is_cuda else (lambda t: t)  # noqa: E731
+        to_host = (lambda t: t.to("cpu", non_blocking=True)) if tokens.is_cuda else (lambda t: t)
         self._host = [to_host(t) for t in (tokens, *(lp or ()))]
         self._done = None
         if tokens.is_cuda:

@@ -91,9 +91,12 @@ class Scheduler:
             return n, None
         # head and tail of 2 tokens or more: a 1-token piece would reach the GDN prefill kernels as a sequence of
         # one token, which they never get otherwise (a 1-token chunk runs as a decode)
-        passing = (snapshot and req.num_computed + n == len(req.prompt_ids)
-                   and min(stop - req.num_computed, len(req.prompt_ids) - stop) >= 2
-                   and positions.next_stop(req, after=stop) is None)  # fmt: skip
+        passing = (
+            snapshot
+            and req.num_computed + n == len(req.prompt_ids)
+            and min(stop - req.num_computed, len(req.prompt_ids) - stop) >= 2
+            and positions.next_stop(req, after=stop) is None
+        )
         return (n, stop) if passing else (min(n, stop - req.num_computed), None)
 
     def add(self, request: Request) -> None:

@@ -78,9 +78,11 @@ def part_shapes(full: ModelConfig, like: RequestState, num_pages: int, size: int
     """Ranks 0..size-1's parts of a one-rank state of `num_pages` pages, as meta tensors (shapes and dtypes only),
     `like` giving the one-rank layout's per-page KV shape, conv and recurrent shapes and dtypes."""
     meta = torch.device("meta")
-    whole = RequestState(like.kv.new_empty((num_pages, *like.kv.shape[1:]), device=meta),
-                         like.conv.new_empty(like.conv.shape, device=meta),
-                         like.recurrent.new_empty(like.recurrent.shape, device=meta))  # fmt: skip
+    whole = RequestState(
+        like.kv.new_empty((num_pages, *like.kv.shape[1:]), device=meta),
+        like.conv.new_empty(like.conv.shape, device=meta),
+        like.recurrent.new_empty(like.recurrent.shape, device=meta),
+    )
     return [split(whole, Shard(size, r, full)) for r in range(size)]
 
 

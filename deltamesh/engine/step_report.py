@@ -28,10 +28,17 @@ class StepReport:
 
     def _counters(self) -> dict:
         s = self.core.stats
-        return {"steps": s.steps, "mixed": s.mixed_steps, "graphs": self.core.runner.graph_steps,
-                "piecewise": self.core.runner.piecewise_steps,
-                "prompt": s.prompt_tokens, "generated": s.generation_tokens, "hits": s.prefix_cache_hits,
-                "preemptions": self.core.scheduler.num_preemptions, "gpu_ms": s.gpu_step_ms}  # fmt: skip
+        return {
+            "steps": s.steps,
+            "mixed": s.mixed_steps,
+            "graphs": self.core.runner.graph_steps,
+            "piecewise": self.core.runner.piecewise_steps,
+            "prompt": s.prompt_tokens,
+            "generated": s.generation_tokens,
+            "hits": s.prefix_cache_hits,
+            "preemptions": self.core.scheduler.num_preemptions,
+            "gpu_ms": s.gpu_step_ms,
+        }
 
     def maybe_log(self) -> dict | None:
         """Log (and return) the window's line once `interval_s` has passed and some step ran in it."""
@@ -46,14 +53,21 @@ class StepReport:
             return None
         loads = self.core.loads()
         line = {
-            "steps": delta["steps"], "mixed_steps": delta["mixed"], "graph_steps": delta["graphs"],
+            "steps": delta["steps"],
+            "mixed_steps": delta["mixed"],
+            "graph_steps": delta["graphs"],
             "piecewise_steps": delta["piecewise"],
             "step_ms": round(1e3 * step_seconds / delta["steps"], 3),
-            "prompt_tok_s": round(delta["prompt"] / seconds, 1), "generated_tok_s": round(delta["generated"] / seconds, 1),
-            "running": loads["running"], "waiting": loads["waiting"], "kv_pages_used": loads["kv_pages_used"],
-            "kv_pages_cached": loads["kv_pages_cached"], "kv_pages_total": loads["kv_pages_total"],
-            "prefix_cache_hits": delta["hits"], "preemptions": delta["preemptions"],
-        }  # fmt: skip
+            "prompt_tok_s": round(delta["prompt"] / seconds, 1),
+            "generated_tok_s": round(delta["generated"] / seconds, 1),
+            "running": loads["running"],
+            "waiting": loads["waiting"],
+            "kv_pages_used": loads["kv_pages_used"],
+            "kv_pages_cached": loads["kv_pages_cached"],
+            "kv_pages_total": loads["kv_pages_total"],
+            "prefix_cache_hits": delta["hits"],
+            "preemptions": delta["preemptions"],
+        }
         if self.core.gpu_timed:
             line["gpu_busy_pct"] = round(delta["gpu_ms"] / (10 * seconds), 1)  # ms over s x 1000, in percent
         log.info("engine steps", **line)

@@ -37,8 +37,9 @@ def rank_state(kv_pool: KVPagePool, state_pool: StatePool, pages: list[int], slo
     return RequestState(kv_pool.data[pages], state_pool.conv[slot].clone(), state_pool.recurrent[slot].clone())
 
 
-def store_rank_state(kv_pool: KVPagePool, state_pool: StatePool, pages: list[int], slot: int,
-                     state: RequestState) -> None:  # fmt: skip
+def store_rank_state(
+    kv_pool: KVPagePool, state_pool: StatePool, pages: list[int], slot: int, state: RequestState
+) -> None:
     kv_pool.data[pages] = state.kv
     state_pool.conv[slot].copy_(state.conv)
     state_pool.recurrent[slot].copy_(state.recurrent)
@@ -67,15 +68,32 @@ def scatter_parts(tp: TensorParallelGroup, like: RequestState, parts: list[Reque
     return RequestState(*received)
 
 
-def one_rank_pools(full: ModelConfig, like_kv: KVPagePool, like_states: StatePool, num_pages: int,
-                   num_slots: int) -> tuple[KVPagePool, StatePool]:  # fmt: skip
+def one_rank_pools(
+    full: ModelConfig, like_kv: KVPagePool, like_states: StatePool, num_pages: int, num_slots: int
+) -> tuple[KVPagePool, StatePool]:
     """Pools of a one-rank engine of the same model (dtypes, device and page size as `like_kv`, `like_states`)."""
     data, conv, recurrent = like_kv.data, like_states.conv, like_states.recurrent
-    kv = KVPagePool(num_pages, like_kv.page_size, len(full.full_layers), full.num_key_value_heads, full.head_dim,
-                    data.dtype, data.device)  # fmt: skip
-    states = StatePool(num_slots, len(full.linear_layers), full.conv_dim, full.linear_conv_kernel_dim,
-                       full.linear_num_value_heads, full.linear_key_head_dim, full.linear_value_head_dim, conv.dtype,
-                       recurrent.dtype, conv.device)  # fmt: skip
+    kv = KVPagePool(
+        num_pages,
+        like_kv.page_size,
+        len(full.full_layers),
+        full.num_key_value_heads,
+        full.head_dim,
+        data.dtype,
+        data.device,
+    )
+    states = StatePool(
+        num_slots,
+        len(full.linear_layers),
+        full.conv_dim,
+        full.linear_conv_kernel_dim,
+        full.linear_num_value_heads,
+        full.linear_key_head_dim,
+        full.linear_value_head_dim,
+        conv.dtype,
+        recurrent.dtype,
+        conv.device,
+    )
     return kv, states
 
 
@@ -83,8 +101,9 @@ def one_rank_template(full: ModelConfig, like_kv: KVPagePool, like_states: State
     """One page and one slot of a one-rank engine's state of the model (dtypes and page size as `like_kv`,
     `like_states`), as meta tensors: shapes and dtypes only."""
     meta = torch.device("meta")
-    kv, states = one_rank_pools(full, KVPagePool.shaped_like(like_kv, 1, meta),
-                                StatePool.shaped_like(like_states, 1, meta), 1, 1)  # fmt: skip
+    kv, states = one_rank_pools(
+        full, KVPagePool.shaped_like(like_kv, 1, meta), StatePool.shaped_like(like_states, 1, meta), 1, 1
+    )
     return RequestState(kv.data[:1], states.conv[0], states.recurrent[0])
 
 
@@ -137,7 +156,7 @@ class AreaSize:
     pages: int
 
     @classmethod
-    def of(cls, states: int, max_model_len: int, kv: KVPagePool, slots: StatePool) -> "AreaSize":
+    def of(cls, states: int, max_model_len: int, kv: KVPagePool, slots: StatePool) -> AreaSize:
         """`states` states of the longest context, but no more than the pools could take at once."""
         return cls(min(states, slots.num_slots), min(states * kv.pages_for(max_model_len), kv.num_pages))
 
@@ -195,8 +214,9 @@ class TensorParallelHandoff(Handoff):
         self.tp: TensorParallelGroup = followers.group
 
     def _make_area(self) -> HandoffArea:
-        return HandoffArea(*one_rank_pools(self.tp.shard.full, self.kv_pool, self.state_pool, self.size.pages,
-                                           self.size.states))  # fmt: skip
+        return HandoffArea(
+            *one_rank_pools(self.tp.shard.full, self.kv_pool, self.state_pool, self.size.pages, self.size.states)
+        )
 
     def gather(self, pages: list[int], slot: int, rank: int = 0) -> Staged:
         """The ranks' parts of a held request's state, merged into room taken in the area (stepping thread);
@@ -213,8 +233,11 @@ class TensorParallelHandoff(Handoff):
         """An arrived state, from the area into each rank's pools (stepping thread)."""
         whole = self.area.read(staged)
         shard = self.tp.shard
-        self.hand_out(pages, slot, [split(whole, Shard(shard.size, r, shard.full, shard.expert_parallel))
-                                    for r in range(shard.size)])  # fmt: skip
+        self.hand_out(
+            pages,
+            slot,
+            [split(whole, Shard(shard.size, r, shard.full, shard.expert_parallel)) for r in range(shard.size)],
+        )
 
     def takes_parts(self, size: int) -> bool:
         return size == self.tp.shard.size  # a rank holds the same heads and channels whatever the experts do

@@ -76,8 +76,19 @@ class Followers:
         store = dist.TCPStore("127.0.0.1", 0, config.num_ranks, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         settings = json.dumps(dataclasses.asdict(config))
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "deltamesh.engine.tp_workers", "--rank", str(r), "--store-port",
-                              str(store.port), "--settings", settings])  # fmt: skip
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "deltamesh.engine.tp_workers",
+                    "--rank",
+                    str(r),
+                    "--store-port",
+                    str(store.port),
+                    "--settings",
+                    settings,
+                ]
+            )
             for r in range(1, config.num_ranks)
         ]
         self._closing = False
@@ -89,10 +100,14 @@ class Followers:
         self.pool_ops: list[tuple] = []  # the leader's pool writes since its last step (cache.StatePool.mirror)
         # data parallel: each follower's own pool writes, made in the leader's bookkeeping copy of its pools
         self.rank_ops: list[list[tuple]] = [[] for _ in range(config.num_ranks)]
-        log.info("parallel ranks joined", ranks=config.num_ranks, data_parallel=config.data_parallel_size > 1,
-                 device=config.device)  # fmt: skip
+        log.info(
+            "parallel ranks joined",
+            ranks=config.num_ranks,
+            data_parallel=config.data_parallel_size > 1,
+            device=config.device,
+        )
 
-    def collect_rank_memory(self) -> dict[int, "RankMemory"]:
+    def collect_rank_memory(self) -> dict[int, RankMemory]:
         """What each follower made readable of its pools (`follow`, with an exporter): rank -> RankMemory."""
         import torch.distributed as dist
 

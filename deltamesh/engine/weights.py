@@ -9,8 +9,8 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import structlog
 import torch
@@ -33,8 +33,9 @@ class WeightError(ValueError):
     """The checkpoint's tensors do not fit the configured model."""
 
 
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                tp: TensorParallelGroup | None = None, fp8: bool = False) -> HybridLM:  # fmt: skip
+def build_model(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallelGroup | None = None, fp8: bool = False
+) -> HybridLM:
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -56,8 +57,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path, wanted: Callable[[str], bool] = lambda name: True,
-                    read: Callable | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def iter_checkpoint(
+    model_dir: Path, wanted: Callable[[str], bool] = lambda name: True, read: Callable | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor `wanted` names; the others are not read. `read(file, name)`: how a tensor
     is read from its open safetensors file (default: whole)."""
     files = checkpoint_files(model_dir)
@@ -65,7 +67,7 @@ def iter_checkpoint(model_dir: Path, wanted: Callable[[str], bool] = lambda name
     shown = len(files) > 1 and sys.stderr.isatty()
     for path in tqdm(files, desc="loading checkpoint shards", unit="shard", disable=not shown):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f:
                 if wanted(name):
                     yield name, read(f, name) if read else f.get_tensor(name)
 
@@ -79,8 +81,13 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def fp8_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallelGroup | None,
-                quantization: str = "auto") -> bool:  # fmt: skip
+def fp8_weights(
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallelGroup | None,
+    quantization: str = "auto",
+) -> bool:
     """Whether the projections hold FP8 values and block scales (the kernels compute as kernels/fp8.py says) or
     the model dtype. "none": never (an FP8 checkpoint is dequantized on load). "fp8": always, an FP8 checkpoint's
     values kept, a bf16 one's quantized on load; refused where the model does not allow it. "auto": an FP8
@@ -107,10 +114,15 @@ def _fp8_layout_unsupported(full: ModelConfig, tp: TensorParallelGroup | None) -
     cfg = tp.shard.local if tp else full
     if cfg.fp8_block not in (None, (BLOCK, BLOCK)):
         return f"the FP8 kernels take {BLOCK}x{BLOCK} weight blocks, not {cfg.fp8_block}"
-    sizes = {"hidden_size": cfg.hidden_size, "head_dim": cfg.head_dim,
-             "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
-             "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}  # fmt: skip
+    sizes = {
+        "hidden_size": cfg.hidden_size,
+        "head_dim": cfg.head_dim,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_head_dim": cfg.linear_value_head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+    }
     odd = [f"{name} {size}" for name, size in sizes.items() if size and size % BLOCK]
     if odd:
         per_rank = f" per rank of {tp.shard.size}" if tp else ""
@@ -143,6 +155,7 @@ class ShardReader:
 
 def load_checkpoint(model: HybridLM, model_dir: Path) -> ShardReader | None:
     """Fill the model from its checkpoint; on a parallel rank, the reader that read its parts."""
+
     def wanted(name: str) -> bool:
         return canonical_name(name) is not None and (model.group is None or reads_tensor(name, model.group.shard))
 
@@ -180,7 +193,9 @@ def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None, take
                     continue
                 target = slot.target()
                 if tuple(target.shape) != tuple(part.shape):
-                    raise WeightError(f"{part_name}: checkpoint shape {tuple(part.shape)}, model expects {tuple(target.shape)}")
+                    raise WeightError(
+                        f"{part_name}: checkpoint shape {tuple(part.shape)}, model expects {tuple(target.shape)}"
+                    )
                 if target.dtype == torch.float8_e4m3fn and part.dtype != target.dtype:
                     # a layer the checkpoint left unquantized, in an FP8 weight: quantized as the others are
                     part, scales = quantize_blocks(part)
@@ -253,6 +268,13 @@ def load_model(
         load_checkpoint(model, model_dir)
     else:
         raise WeightError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
-    log.info("model loaded", family=cfg.family, load_format=load_format, device=str(device), dtype=str(dtype),
-             params=sum(p.numel() for p in model.parameters()), seconds=round(time.monotonic() - started, 2))
+    log.info(
+        "model loaded",
+        family=cfg.family,
+        load_format=load_format,
+        device=str(device),
+        dtype=str(dtype),
+        params=sum(p.numel() for p in model.parameters()),
+        seconds=round(time.monotonic() - started, 2),
+    )
     return model

@@ -4,7 +4,7 @@ after each call; gates go in raw (the kernels apply softplus / sigmoid themselve
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -24,24 +24,44 @@ def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable
         return {}, f"fla-core is not installed ({e})"
 
     def gates(A_log, dt_bias):
-        return dict(use_gate_in_kernel=True, A_log=A_log.float(), dt_bias=dt_bias.float(),
-                    use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True, state_v_first=True)  # fmt: skip
+        return dict(
+            use_gate_in_kernel=True,
+            A_log=A_log.float(),
+            dt_bias=dt_bias.float(),
+            use_beta_sigmoid_in_kernel=True,
+            use_qk_l2norm_in_kernel=True,
+            state_v_first=True,
+        )
 
     def gdn_prefill(q, k, v, a, b, A_log, dt_bias, seq_lens, cu_seqlens, state_pool, state_idx):
         cu_cpu = torch.zeros(len(seq_lens) + 1, dtype=torch.long)
         cu_cpu[1:] = torch.tensor(seq_lens).cumsum(0)
         out, final = chunk_gated_delta_rule(
-            q[None], k[None], v[None], a[None], b[None], initial_state=state_pool[state_idx].float(),
-            output_final_state=True, cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=cu_cpu, **gates(A_log, dt_bias),
-        )  # fmt: skip
+            q[None],
+            k[None],
+            v[None],
+            a[None],
+            b[None],
+            initial_state=state_pool[state_idx].float(),
+            output_final_state=True,
+            cu_seqlens=cu_seqlens.long(),
+            cu_seqlens_cpu=cu_cpu,
+            **gates(A_log, dt_bias),
+        )
         state_pool[state_idx] = final.to(state_pool.dtype)
         return out[0]
 
     def gdn_decode(q, k, v, a, b, A_log, dt_bias, state_pool, state_idx):
         out, final = fused_recurrent_gated_delta_rule(
-            q[:, None], k[:, None], v[:, None], g=a[:, None], beta=b[:, None],
-            initial_state=state_pool[state_idx].float(), output_final_state=True, **gates(A_log, dt_bias),
-        )  # fmt: skip
+            q[:, None],
+            k[:, None],
+            v[:, None],
+            g=a[:, None],
+            beta=b[:, None],
+            initial_state=state_pool[state_idx].float(),
+            output_final_state=True,
+            **gates(A_log, dt_bias),
+        )
         state_pool[state_idx] = final.to(state_pool.dtype)
         return out[:, 0]
 

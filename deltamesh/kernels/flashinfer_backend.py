@@ -12,7 +12,7 @@ Both use the K-last `[slot, HV, V, K]` state layout the engine's pools already h
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -45,10 +45,18 @@ def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable
     def gdn_prefill(q, k, v, a, b, A_log, dt_bias, seq_lens, cu_seqlens, state_pool, state_idx):
         alpha, beta = gdn_gates(a, b, A_log, dt_bias)  # one fused kernel: exp(g) and sigmoid(b)
         return chunk_gated_delta_rule(
-            q.contiguous(), k.contiguous(), v.contiguous(), g=alpha, beta=beta,
-            initial_state=state_pool, output_state=state_pool, state_indices=state_idx,
-            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, max_seqlen=max(seq_lens),
-        )  # fmt: skip
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            g=alpha,
+            beta=beta,
+            initial_state=state_pool,
+            output_state=state_pool,
+            state_indices=state_idx,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=True,
+            max_seqlen=max(seq_lens),
+        )
 
     def gdn_decode(q, k, v, a, b, A_log, dt_bias, state_pool, state_idx):
         # the kernel writes every row of `output` in bf16; left to FlashInfer, its fp32-state path zero-fills a
@@ -56,10 +64,19 @@ def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable
         bf16 = v.dtype == torch.bfloat16
         output = torch.empty((v.shape[0], 1) + v.shape[1:], dtype=v.dtype, device=v.device) if bf16 else None
         out, _ = gated_delta_rule_decode_pretranspose(
-            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), None, A_log, a.unsqueeze(1), dt_bias,
-            b.unsqueeze(1), initial_state=state_pool, initial_state_indices=state_idx, use_qk_l2norm=True,
+            q.unsqueeze(1),
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            None,
+            A_log,
+            a.unsqueeze(1),
+            dt_bias,
+            b.unsqueeze(1),
+            initial_state=state_pool,
+            initial_state_indices=state_idx,
+            use_qk_l2norm=True,
             output=output,
-        )  # fmt: skip
+        )
         return out.squeeze(1)
 
     if shapes.dtype not in (torch.bfloat16, torch.float16):

@@ -39,8 +39,11 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) ->
     return q.view(*lead, gr * bm, gc * bn)[..., :rows, :cols].contiguous(), scales
 
 
-def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK),
-                      ) -> torch.Tensor:  # fmt: skip
+def dequantize_blocks(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = (BLOCK, BLOCK),
+) -> torch.Tensor:
     """float32 weight of e4m3 values [..., rows, cols] and their per-block scales (quantize_blocks' inverse)."""
     rows, cols = weight.shape[-2:]
     bm, bn = block
@@ -69,15 +72,24 @@ def reference_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = 
     """The FP8 linear layer's result in float32 arithmetic (module docstring), in x's dtype."""
     q, scales = quantize_activations(x)
     k = x.shape[-1]
-    xs = (q.float().view(x.shape[0], -1) * scales.repeat_interleave(BLOCK, dim=-1)[:, :k])
+    xs = q.float().view(x.shape[0], -1) * scales.repeat_interleave(BLOCK, dim=-1)[:, :k]
     y = xs @ dequantize(w).T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
 
 
-def reference_moe(x, router_logits, w13: Fp8Weight, w2: Fp8Weight, top_k: int, norm_topk: bool,
-                  shared_w13: Fp8Weight, shared_w2: Fp8Weight, shared_gate) -> torch.Tensor:  # fmt: skip
+def reference_moe(
+    x,
+    router_logits,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
+    top_k: int,
+    norm_topk: bool,
+    shared_w13: Fp8Weight,
+    shared_w2: Fp8Weight,
+    shared_gate,
+) -> torch.Tensor:
     """kernels.moe with FP8 experts, each expert's projections computed by `reference_linear` (the activations
     quantized before gate/up and before down), one (token, choice) pair at a time: slow, for tests."""
 

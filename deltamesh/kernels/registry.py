@@ -10,16 +10,27 @@ A backend is a loader that, given the device and the model's shapes, returns the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import structlog
 import torch
 
 OPS = (
-    "gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update", "attention_inputs", "paged_attention",
-    "sigmoid_gate", "rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "moe", "linear",
-)  # fmt: skip
+    "gdn_prefill",
+    "gdn_decode",
+    "conv1d_prefill",
+    "conv1d_update",
+    "attention_inputs",
+    "paged_attention",
+    "sigmoid_gate",
+    "rms_norm",
+    "add_rms_norm",
+    "gated_rms_norm",
+    "silu_mul",
+    "moe",
+    "linear",
+)
 
 log = structlog.get_logger("deltamesh.kernels")
 

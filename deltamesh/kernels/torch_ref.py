@@ -177,9 +177,7 @@ def conv1d_prefill(
     # New state: the last W-1 real inputs of each sequence (including the history it started from).
     lens_t = torch.tensor(seq_lens, device=x.device)
     cols = lens_t[:, None] + torch.arange(hist, device=x.device)[None, :]  # [N, W-1]
-    conv_pool[state_idx] = torch.gather(inputs, 2, cols[:, None, :].expand(-1, inputs.shape[1], -1)).to(
-        conv_pool.dtype
-    )
+    conv_pool[state_idx] = torch.gather(inputs, 2, cols[:, None, :].expand(-1, inputs.shape[1], -1)).to(conv_pool.dtype)
     seq, pos = _token_coords(seq_lens, x.device)
     return _activate(out.transpose(1, 2)[seq, pos], activation).to(x.dtype)
 
@@ -291,8 +289,18 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return F.linear(x, _dense(w, x.dtype), bias)
 
 
-def moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int, norm_topk: bool, shared_w13, shared_w2,
-        shared_gate: torch.Tensor, first_expert: int = 0) -> torch.Tensor:  # fmt: skip
+def moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13,
+    w2,
+    top_k: int,
+    norm_topk: bool,
+    shared_w13,
+    shared_w2,
+    shared_gate: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
     """A MoE layer's output from its router logits: softmax router, top_k experts per token (renormalised when
     `norm_topk`); expert e maps x to silu_mul(x w13[e]^T) w2[e]^T; outputs weighted and summed per token, plus
     the shared expert silu_mul(x shared_w13^T) shared_w2^T weighted by sigmoid(shared_gate). Under expert

@@ -48,12 +48,32 @@ def _kernels():
 
     @triton.jit
     def decode_split(
-        q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-        stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
-        stride_lb, stride_lh, scale,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    ):  # fmt: skip
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        seq_lens_ptr,
+        part_out_ptr,
+        part_lse_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_tb,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_lb,
+        stride_lh,
+        scale,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
         n_blocks = tl.cdiv(seq_len, BLOCK_N)
@@ -63,7 +83,9 @@ def _kernels():
         d = tl.arange(0, HEAD_DIM)
         n = tl.arange(0, BLOCK_N)
         q_rows = kvh * GROUP + g
-        q = tl.load(q_ptr + b * stride_qt + q_rows[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + b * stride_qt + q_rows[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
+        )
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -90,9 +112,19 @@ def _kernels():
 
     @triton.jit
     def merge_splits(
-        part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_t,
-        stride_h, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-    ):  # fmt: skip
+        part_out_ptr,
+        part_lse_ptr,
+        out_ptr,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_lb,
+        stride_lh,
+        stride_t,
+        stride_h,
+        HEAD_DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
         b, h = tl.program_id(0), tl.program_id(1)
         sp = tl.arange(0, SPLITS)
         d = tl.arange(0, HEAD_DIM)
@@ -131,17 +163,49 @@ def paged_decode(
     part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     decode_split[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), scale,
-        GROUP=group, GROUP_PAD=max(16, triton_next_pow2(group)), HEAD_DIM=dim, PAGE=page, BLOCK_N=launch.block_n,
-        SPLITS=splits, num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        scale,
+        GROUP=group,
+        GROUP_PAD=max(16, triton_next_pow2(group)),
+        HEAD_DIM=dim,
+        PAGE=page,
+        BLOCK_N=launch.block_n,
+        SPLITS=splits,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
     out = torch.empty_like(q)
     merge_splits[(batch, heads)](
-        part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
-        part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, SPLITS=splits,
-    )  # fmt: skip
+        part_out,
+        part_lse,
+        out,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=dim,
+        SPLITS=splits,
+    )
     return out
 
 
@@ -160,8 +224,9 @@ def _prefill(q, k_cache, v_cache, batch: StepBatch, scale: float) -> torch.Tenso
         v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(groups, 1)
         qi = q[start : start + n].transpose(0, 1)[None]
         mask = causal_lower_right(n, kv_len) if ctx else None
-        o = F.scaled_dot_product_attention(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, is_causal=mask is None, scale=scale)  # fmt: skip
+        o = F.scaled_dot_product_attention(
+            qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None, scale=scale
+        )
         outs.append(o[0].transpose(0, 1))
         start += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -5,7 +5,7 @@ weights (triton_linear; cuBLAS for the others)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +23,7 @@ def _load(device: torch.device, shapes: ModelShapes) -> tuple[dict[str, Callable
         return {}, f"triton is not installed ({e})"
     if shapes.dtype == torch.float32:
         return {}, "fp32 models keep the exact torch reference (Triton dots would run in tf32)"
-    from deltamesh.kernels import triton_attention, triton_linear, triton_fused, triton_moe
+    from deltamesh.kernels import triton_attention, triton_fused, triton_linear, triton_moe
 
     ops = {op: getattr(triton_fused, op) for op in FUSED_OPS} | {"moe": triton_moe.moe, "linear": triton_linear.linear}
     if shapes.head_dim & (shapes.head_dim - 1) or shapes.page_size < 16:

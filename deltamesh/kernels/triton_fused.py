@@ -40,8 +40,17 @@ def _kernels():
 
     @triton.jit
     def add_rms_norm(
-        x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_r, dim, eps, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        new_res_ptr,
+        stride_x,
+        stride_r,
+        dim,
+        eps,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         mask = d < dim
@@ -57,9 +66,20 @@ def _kernels():
 
     @triton.jit
     def gated_rms_norm(
-        x_ptr, z_ptr, w_ptr, out_ptr, heads, stride_xt, stride_xh, stride_zt, stride_zh, dim, eps,
-        ROUND_PRODUCT: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        z_ptr,
+        w_ptr,
+        out_ptr,
+        heads,
+        stride_xt,
+        stride_xh,
+        stride_zt,
+        stride_zh,
+        dim,
+        eps,
+        ROUND_PRODUCT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # Rows are (t, h) pairs of [T, H, dim] views (last dim contiguous); a 2-D input arrives as H = 1.
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
@@ -86,9 +106,20 @@ def _kernels():
 
     @triton.jit
     def conv1d_update(
-        x_ptr, pool_ptr, idx_ptr, w_ptr, out_ptr, stride_x, stride_pp, stride_pc, stride_wc, channels,
-        WIDTH: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        pool_ptr,
+        idx_ptr,
+        w_ptr,
+        out_ptr,
+        stride_x,
+        stride_pp,
+        stride_pc,
+        stride_wc,
+        channels,
+        WIDTH: tl.constexpr,
+        SILU: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         b = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < channels
@@ -109,10 +140,23 @@ def _kernels():
 
     @triton.jit
     def conv1d_prefill(
-        x_ptr, pool_ptr, idx_ptr, w_ptr, out_ptr, cu_ptr, stride_x, stride_pp, stride_pc, stride_wc, channels,
-        WIDTH: tl.constexpr, HIST_P2: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+        x_ptr,
+        pool_ptr,
+        idx_ptr,
+        w_ptr,
+        out_ptr,
+        cu_ptr,
+        stride_x,
+        stride_pp,
+        stride_pc,
+        stride_wc,
+        channels,
+        WIDTH: tl.constexpr,
+        HIST_P2: tl.constexpr,
+        SILU: tl.constexpr,
+        BLOCK_T: tl.constexpr,
         BLOCK_C: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (sequence, tile of tokens, block of channels): a long prompt spreads over the whole GPU.
         # Only a sequence's first tile reaches back into the pooled state (BLOCK_T >= WIDTH - 1), so that program
         # alone writes the new state, after its own reads.
@@ -131,11 +175,14 @@ def _kernels():
                 src = rows[:, None] - (WIDTH - 1) + k  # input position; negative: the pooled history
                 v = tl.load(x_seq + src * stride_x, mask=ok & (src >= 0), other=0.0)
                 v += tl.load(state + (WIDTH - 1) + src, mask=ok & (src < 0), other=0.0).to(v.dtype)
-                acc += v.to(tl.float32) * tl.load(w_ptr + c * stride_wc + k, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+                acc += (
+                    v.to(tl.float32) * tl.load(w_ptr + c * stride_wc + k, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+                )
             if SILU:
                 acc = acc * tl.sigmoid(acc)
-            tl.store(out_ptr + (start + rows[:, None]) * channels + c[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=ok)  # fmt: skip
+            tl.store(
+                out_ptr + (start + rows[:, None]) * channels + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok
+            )
             if tile == 0:
                 # The new state: the last WIDTH - 1 inputs, older ones from the old state when the sequence is short.
                 j = tl.arange(0, HIST_P2)[:, None]
@@ -148,10 +195,28 @@ def _kernels():
 
     @triton.jit
     def attention_inputs(
-        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t,
-        stride_cos, stride_sin, stride_kp, stride_ks, stride_kh, heads, kv_heads, eps,
-        HEAD_DIM: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
-    ):  # fmt: skip
+        qkv_ptr,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_t,
+        stride_cos,
+        stride_sin,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        heads,
+        kv_heads,
+        eps,
+        HEAD_DIM: tl.constexpr,
+        ROT: tl.constexpr,
+        PAGE: tl.constexpr,
+    ):
         # One program per (token, head): query heads 0..heads-1, then the KV heads.
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
@@ -195,10 +260,16 @@ def _kernels():
         g = tl.load(gate_ptr + t * stride_gt + h * stride_gh + d).to(tl.float32)
         tl.store(out_ptr + row * HEAD_DIM + d, (x * tl.sigmoid(g)).to(out_ptr.dtype.element_ty))
 
-    _KERNELS = SimpleNamespace(rms_norm=rms_norm, add_rms_norm=add_rms_norm, gated_rms_norm=gated_rms_norm,
-                               silu_mul=silu_mul, conv1d_update=conv1d_update, conv1d_prefill=conv1d_prefill,
-                               attention_inputs=attention_inputs,
-                               sigmoid_gate=sigmoid_gate)  # fmt: skip
+    _KERNELS = SimpleNamespace(
+        rms_norm=rms_norm,
+        add_rms_norm=add_rms_norm,
+        gated_rms_norm=gated_rms_norm,
+        silu_mul=silu_mul,
+        conv1d_update=conv1d_update,
+        conv1d_prefill=conv1d_prefill,
+        attention_inputs=attention_inputs,
+        sigmoid_gate=sigmoid_gate,
+    )
     return _KERNELS
 
 
@@ -228,8 +299,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     new_residual = torch.empty_like(out)
     block, warps = _row_block(x.shape[-1])
-    kernel[(x.shape[0],)](x, residual, weight, out, new_residual, x.stride(0), residual.stride(0), x.shape[-1], eps,
-                          BLOCK=block, num_warps=warps)  # fmt: skip
+    kernel[(x.shape[0],)](
+        x,
+        residual,
+        weight,
+        out,
+        new_residual,
+        x.stride(0),
+        residual.stride(0),
+        x.shape[-1],
+        eps,
+        BLOCK=block,
+        num_warps=warps,
+    )
     return out, new_residual
 
 
@@ -242,9 +324,21 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block, warps = _row_block(x.shape[-1])
     kernel[(x3.shape[0] * x3.shape[1],)](
-        x3, z3, weight, out, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), x.shape[-1], eps,
-        ROUND_PRODUCT=weight.dtype == x.dtype, BLOCK=block, num_warps=warps,
-    )  # fmt: skip
+        x3,
+        z3,
+        weight,
+        out,
+        x3.shape[1],
+        x3.stride(0),
+        x3.stride(1),
+        z3.stride(0),
+        z3.stride(1),
+        x.shape[-1],
+        eps,
+        ROUND_PRODUCT=weight.dtype == x.dtype,
+        BLOCK=block,
+        num_warps=warps,
+    )
     return out
 
 
@@ -272,9 +366,20 @@ def conv1d_update(
     out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     block = 256
     kernel[(batch, -(-channels // block))](
-        x, conv_pool, state_idx, weight, out, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
-        channels, WIDTH=weight.shape[-1], SILU=activation in ("silu", "swish"), BLOCK=block,
-    )  # fmt: skip
+        x,
+        conv_pool,
+        state_idx,
+        weight,
+        out,
+        x.stride(0),
+        conv_pool.stride(0),
+        conv_pool.stride(1),
+        weight.stride(0),
+        channels,
+        WIDTH=weight.shape[-1],
+        SILU=activation in ("silu", "swish"),
+        BLOCK=block,
+    )
     return out
 
 
@@ -297,10 +402,23 @@ def conv1d_prefill(
     out = torch.empty((x.shape[0], channels), dtype=x.dtype, device=x.device)
     block_t, block_c = 64, 64
     kernel[(len(seq_lens), -(-max(seq_lens) // block_t), -(-channels // block_c))](
-        x, conv_pool, state_idx, weight, out, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
-        weight.stride(0), channels, WIDTH=width, HIST_P2=triton.next_power_of_2(width - 1),
-        SILU=activation in ("silu", "swish"), BLOCK_T=block_t, BLOCK_C=block_c,
-    )  # fmt: skip
+        x,
+        conv_pool,
+        state_idx,
+        weight,
+        out,
+        cu_seqlens,
+        x.stride(0),
+        conv_pool.stride(0),
+        conv_pool.stride(1),
+        weight.stride(0),
+        channels,
+        WIDTH=width,
+        HIST_P2=triton.next_power_of_2(width - 1),
+        SILU=activation in ("silu", "swish"),
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+    )
     return out
 
 
@@ -312,10 +430,29 @@ def attention_inputs(qkv, heads, q_weight, k_weight, eps, cos, sin, k_cache, v_c
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.stride(-1) == 1
     q = torch.empty((t, heads, dim), dtype=qkv.dtype, device=qkv.device)
     kernel[(t, heads + kv_heads)](
-        qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
-        sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads, eps,
-        HEAD_DIM=dim, ROT=cos.shape[-1], PAGE=k_cache.shape[1], num_warps=2,
-    )  # fmt: skip
+        qkv,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        qkv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        heads,
+        kv_heads,
+        eps,
+        HEAD_DIM=dim,
+        ROT=cos.shape[-1],
+        PAGE=k_cache.shape[1],
+        num_warps=2,
+    )
     return q
 
 

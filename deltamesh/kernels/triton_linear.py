@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.functional import ScalingType
 import triton
 import triton.language as tl
+from torch.nn.functional import ScalingType
 
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, reference_linear
 
@@ -46,9 +46,27 @@ def quantized_vector(a, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _gemv(x, w, w_scale, bias, out, partials, arrivals, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-          FP8: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+def _gemv(
+    x,
+    w,
+    w_scale,
+    bias,
+    out,
+    partials,
+    arrivals,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     """out[t, rows] = x[t] @ w[rows]^T (+ bias) for a block of BLOCK_N rows and token t = program_id(2).
 
     With SPLIT_K > 1, program_id(1) takes one slice of K (layers with few output rows need the extra programs
@@ -70,8 +88,7 @@ def _gemv(x, w, w_scale, bias, out, partials, arrivals, N, K, stride_xm, stride_
         if FP8:  # BLOCK_N divides GROUP: the program's rows share one row of weight scales
             a = quantized_vector(a, BLOCK_K, GROUP)
             a *= tl.load(w_scale + (n0 // GROUP) * stride_sn + k // GROUP, mask=k_ok, other=0.0)
-        b = tl.load(w + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
+        b = tl.load(w + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += b.to(tl.float32) * a[None, :]
     y = tl.sum(acc, 1)
     if SPLIT_K == 1:
@@ -83,8 +100,9 @@ def _gemv(x, w, w_scale, bias, out, partials, arrivals, N, K, stride_xm, stride_
         if tl.atomic_add(counter, 1) == SPLIT_K - 1:  # acq_rel: the other slices' sums are visible
             y = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
-                y += tl.load(partials + (s * tl.num_programs(2) + t) * N + n, mask=n_ok, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
+                y += tl.load(
+                    partials + (s * tl.num_programs(2) + t) * N + n, mask=n_ok, other=0.0, cache_modifier=".cg"
+                )
             tl.atomic_xchg(counter, 0)
             _store_row(y, bias, out + t * stride_om, n, n_ok, HAS_BIAS)
 
@@ -130,15 +148,24 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def gemv_config(m: int, n: int, k: int, device: torch.device, programs_per_sm: int = GEMV_PROGRAMS_PER_SM,
-                tile: tuple[int, int] = GEMV_TILE) -> GemvConfig:  # fmt: skip
+def gemv_config(
+    m: int,
+    n: int,
+    k: int,
+    device: torch.device,
+    programs_per_sm: int = GEMV_PROGRAMS_PER_SM,
+    tile: tuple[int, int] = GEMV_TILE,
+) -> GemvConfig:
     """The GEMV's launch for m tokens of a layer [n, k]: one program per token and block of rows, K split while
     there are too few of them to keep every SM reading."""
     block_n, block_k = tile
     programs = triton.cdiv(n, block_n) * m
     split = 1
-    while (programs * split < programs_per_sm * _multiprocessors(device) and k >= 4 * split * block_k
-           and programs <= ARRIVAL_COUNTERS):  # fmt: skip
+    while (
+        programs * split < programs_per_sm * _multiprocessors(device)
+        and k >= 4 * split * block_k
+        and programs <= ARRIVAL_COUNTERS
+    ):
         split *= 2
     return GemvConfig(block_n, block_k, split, 4)
 
@@ -161,8 +188,9 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None) -> tuple[torc
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
     per_program = 4
-    _quantize_groups[(rows, triton.cdiv(groups, per_program))](x, q, scales, m, k, x.stride(0), scales.stride(1),
-                                                                 BLOCK, per_program)  # fmt: skip
+    _quantize_groups[(rows, triton.cdiv(groups, per_program))](
+        x, q, scales, m, k, x.stride(0), scales.stride(1), BLOCK, per_program
+    )
     return q, scales
 
 
@@ -190,8 +218,16 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) ->
         return reference_linear(x, w, bias)
     m = x.shape[0]
     q, scales = quantize_activations(x, -(-m // 16) * 16)
-    out = F.scaled_mm(q, w.weight.t(), scales, ScalingType.BlockWise1x128, w.scale.t(), ScalingType.BlockWise128x128,
-                      bias=bias, output_dtype=x.dtype)  # fmt: skip
+    out = F.scaled_mm(
+        q,
+        w.weight.t(),
+        scales,
+        ScalingType.BlockWise1x128,
+        w.scale.t(),
+        ScalingType.BlockWise128x128,
+        bias=bias,
+        output_dtype=x.dtype,
+    )
     return out[:m]
 
 
@@ -212,8 +248,25 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, config: GemvConfi
     partials = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
     arrivals = _arrivals(x.device) if split else out
     _gemv[(blocks, config.split_k, m)](
-        x, weight, scale, bias if bias is not None else out, out, partials, arrivals, n, k, x.stride(0),
-        weight.stride(0), scale.stride(0), out.stride(0), fp8, bias is not None, BLOCK, config.block_n,
-        config.block_k, config.split_k, num_warps=config.num_warps,
-    )  # fmt: skip
+        x,
+        weight,
+        scale,
+        bias if bias is not None else out,
+        out,
+        partials,
+        arrivals,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        fp8,
+        bias is not None,
+        BLOCK,
+        config.block_n,
+        config.block_k,
+        config.split_k,
+        num_warps=config.num_warps,
+    )
     return out

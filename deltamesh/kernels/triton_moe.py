@@ -46,9 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deltamesh.kernels import triton_linear, triton_fused
-from deltamesh.kernels.triton_linear import quantized_rows, quantized_vector
+from deltamesh.kernels import triton_fused, triton_linear
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight
+from deltamesh.kernels.triton_linear import quantized_rows, quantized_vector
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -57,8 +57,20 @@ DECODE_MAX_TOKENS = 4
 
 
 @triton.jit
-def _route(logits, ids, weights, ranks, counts, stride_l, first, local, E: tl.constexpr, BLOCK_E: tl.constexpr,
-           TOP_K: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+def _route(
+    logits,
+    ids,
+    weights,
+    ranks,
+    counts,
+    stride_l,
+    first,
+    local,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """ids: the choice's expert among this rank's [first, first + local), -1 for another rank's."""
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
@@ -82,8 +94,16 @@ def _route(logits, ids, weights, ranks, counts, stride_l, first, local, E: tl.co
 
 
 @triton.jit
-def _align(counts, starts, block_expert, max_blocks, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_B: tl.constexpr):  # fmt: skip
+def _align(
+    counts,
+    starts,
+    block_expert,
+    max_blocks,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK_E)
     c = tl.load(counts + offs, mask=offs < E, other=0)
     padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -122,10 +142,34 @@ def _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _gate_up_silu(x, x_s, w13, w13_s, inter, inter_s, block_expert, starts, counts, sorted_pairs, H, I, stride_x,
-                  stride_xs_t, stride_xs_g, stride_we, stride_wn, stride_se, stride_sn, stride_is, TOP_K: tl.constexpr,
-                  FP8: tl.constexpr, MODEL_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
+def _gate_up_silu(
+    x,
+    x_s,
+    w13,
+    w13_s,
+    inter,
+    inter_s,
+    block_expert,
+    starts,
+    counts,
+    sorted_pairs,
+    H,
+    I,
+    stride_x,
+    stride_xs_t,
+    stride_xs_g,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_is,
+    TOP_K: tl.constexpr,
+    FP8: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """FP8: x holds e4m3 activations with their scales in x_s [tokens, groups]; BLOCK_K and BLOCK_N are the scale
     group, so each program writes one group of its rows' SwiGLU output, quantized (inter_s: its scales)."""
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
@@ -141,13 +185,16 @@ def _gate_up_silu(x, x_s, w13, w13_s, inter, inter_s, block_expert, starts, coun
     w = w13 + e.to(tl.int64) * stride_we
     for k0 in range(0, H, BLOCK_K):
         k = k0 + kk
-        a = tl.load(x + tokens[:, None].to(tl.int64) * stride_x + k[None, :], mask=valid[:, None] & (k[None, :] < H),
-                    other=0.0)  # fmt: skip
+        a = tl.load(
+            x + tokens[:, None].to(tl.int64) * stride_x + k[None, :], mask=valid[:, None] & (k[None, :] < H), other=0.0
+        )
         w_mask = (k[:, None] < H) & n_ok[None, :]
         wg = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w + (n[None, :] + I) * stride_wn + k[:, None], mask=w_mask, other=0.0)
         if FP8:
-            a_s = tl.load(x_s + tokens.to(tl.int64) * stride_xs_t + (k0 // BLOCK_K) * stride_xs_g, mask=valid, other=0.0)
+            a_s = tl.load(
+                x_s + tokens.to(tl.int64) * stride_xs_t + (k0 // BLOCK_K) * stride_xs_g, mask=valid, other=0.0
+            )
             s = w13_s + e.to(tl.int64) * stride_se + k0 // BLOCK_K
             gate += tl.dot(a, wg) * (a_s[:, None] * tl.load(s + (n0 // BLOCK_K) * stride_sn))
             up += tl.dot(a, wu) * (a_s[:, None] * tl.load(s + ((n0 + I) // BLOCK_K) * stride_sn))
@@ -165,9 +212,29 @@ def _gate_up_silu(x, x_s, w13, w13_s, inter, inter_s, block_expert, starts, coun
 
 
 @triton.jit
-def _down(inter, inter_s, w2, w2_s, out, weights, block_expert, starts, counts, sorted_pairs, H, I, stride_we,
-          stride_wn, stride_se, stride_sn, stride_is, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):  # fmt: skip
+def _down(
+    inter,
+    inter_s,
+    w2,
+    w2_s,
+    out,
+    weights,
+    block_expert,
+    starts,
+    counts,
+    sorted_pairs,
+    H,
+    I,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_is,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """FP8: inter holds the e4m3 SwiGLU outputs, inter_s their scales per group of BLOCK_K."""
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
@@ -180,8 +247,9 @@ def _down(inter, inter_s, w2, w2_s, out, weights, block_expert, starts, counts, 
     w = w2 + e.to(tl.int64) * stride_we
     for k0 in range(0, I, BLOCK_K):
         k = k0 + kk
-        a = tl.load(inter + rows[:, None].to(tl.int64) * I + k[None, :], mask=valid[:, None] & (k[None, :] < I),
-                    other=0.0)  # fmt: skip
+        a = tl.load(
+            inter + rows[:, None].to(tl.int64) * I + k[None, :], mask=valid[:, None] & (k[None, :] < I), other=0.0
+        )
         b = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=(k[:, None] < I) & n_ok[None, :], other=0.0)
         if FP8:
             a_s = tl.load(inter_s + rows.to(tl.int64) * stride_is + k0 // BLOCK_K, mask=valid, other=0.0)
@@ -190,8 +258,11 @@ def _down(inter, inter_s, w2, w2_s, out, weights, block_expert, starts, counts, 
         else:
             acc = tl.dot(a, b, acc)
     acc = acc * tl.load(weights + pairs, mask=valid, other=0.0)[:, None]
-    tl.store(out + pairs[:, None].to(tl.int64) * H + n[None, :], acc.to(out.dtype.element_ty),
-             mask=valid[:, None] & n_ok[None, :])  # fmt: skip
+    tl.store(
+        out + pairs[:, None].to(tl.int64) * H + n[None, :],
+        acc.to(out.dtype.element_ty),
+        mask=valid[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit
@@ -232,10 +303,40 @@ def _choice(logits, t, j, stride_l, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_
 
 
 @triton.jit
-def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, w13_s, sw13_s, inter, ids, weights, H, I, IS, stride_x,
-                        stride_l, stride_g, stride_we, stride_wn, stride_swn, stride_se, stride_sn, stride_ssn, first,
-                        local, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr,
-                        FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _gate_up_silu_pairs(
+    x,
+    logits,
+    shared_gate,
+    w13,
+    sw13,
+    w13_s,
+    sw13_s,
+    inter,
+    ids,
+    weights,
+    H,
+    I,
+    IS,
+    stride_x,
+    stride_l,
+    stride_g,
+    stride_we,
+    stride_wn,
+    stride_swn,
+    stride_se,
+    stride_sn,
+    stride_ssn,
+    first,
+    local,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pair = tl.program_id(0)  # token * (TOP_K + 1) + choice; choice TOP_K is the shared expert
     t, j = pair // (TOP_K + 1), pair % (TOP_K + 1)
     if j < TOP_K:  # ids: the expert among this rank's [first, first + local), -2 for another rank's
@@ -279,9 +380,30 @@ def _gate_up_silu_pairs(x, logits, shared_gate, w13, sw13, w13_s, sw13_s, inter,
 
 
 @triton.jit
-def _down_combine(inter, w2, sw2, w2_s, sw2_s, ids, weights, out, H, I, IS, stride_we, stride_wn, stride_swn,
-                  stride_se, stride_sn, stride_ssn, TOP_K: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _down_combine(
+    inter,
+    w2,
+    sw2,
+    w2_s,
+    sw2_s,
+    ids,
+    weights,
+    out,
+    H,
+    I,
+    IS,
+    stride_we,
+    stride_wn,
+    stride_swn,
+    stride_se,
+    stride_sn,
+    stride_ssn,
+    TOP_K: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -320,6 +442,7 @@ class GemmConfig(NamedTuple):
 
 class PairTile(NamedTuple):
     """One pair-wise kernel's launch: output rows per program, the K step, warps per program."""
+
     block_n: int
     block_k: int
     num_warps: int
@@ -353,28 +476,49 @@ def _parts(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return (w.weight, w.scale, True) if isinstance(w, Fp8Weight) else (w, w, False)
 
 
-def moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int, norm_topk: bool, shared_w13, shared_w2,
-        shared_gate: torch.Tensor, first_expert: int = 0, config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
+def moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13,
+    w2,
+    top_k: int,
+    norm_topk: bool,
+    shared_w13,
+    shared_w2,
+    shared_gate: torch.Tensor,
+    first_expert: int = 0,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
     """deltamesh.kernels.torch_ref.moe: the MoE layer's output [T, H] for x [T, H] (rows contiguous; the logits
     and the shared expert's gate [T, 1] may be row-strided views). The four weights are all plain or all
     `Fp8Weight`s (then computed as kernels/fp8.py says). `config` forces the aligned path's blocks. Under expert
     parallelism w13 and w2 hold experts [first_expert, first_expert + len(w13)) and only their pairs count."""
     assert x.stride(1) == 1 and router_logits.stride(1) == 1
     if config is None and x.shape[0] <= DECODE_MAX_TOKENS:
-        return _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate,
-                          first_expert)  # fmt: skip
+        return _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate, first_expert)
     shared = triton_linear.linear(triton_fused.silu_mul(triton_linear.linear(x, shared_w13)), shared_w2)
     return _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config, first_expert)
 
 
-def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w2, shared_gate, first_expert=0,
-               tiles: PairConfig | None = None) -> torch.Tensor:  # fmt: skip
+def _moe_pairs(
+    x,
+    router_logits,
+    w13,
+    w2,
+    top_k,
+    norm_topk,
+    shared_w13,
+    shared_w2,
+    shared_gate,
+    first_expert=0,
+    tiles: PairConfig | None = None,
+) -> torch.Tensor:
     (w13, w13_s, fp8), (w2, w2_s, _) = _parts(w13), _parts(w2)
     (sw13, sw13_s, _), (sw2, sw2_s, _) = _parts(shared_w13), _parts(shared_w2)
     T, H = x.shape
     local, two_i, _ = w13.shape
     E = router_logits.shape[1]
-    I, IS = two_i // 2, sw13.shape[0] // 2  # noqa: E741
+    I, IS = two_i // 2, sw13.shape[0] // 2
     P = T * (top_k + 1)
     dev = x.device
     ids = torch.empty(P, dtype=torch.int32, device=dev)
@@ -383,25 +527,75 @@ def _moe_pairs(x, router_logits, w13, w2, top_k, norm_topk, shared_w13, shared_w
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
     gate_up, down = tiles or pair_config(T)
     _gate_up_silu_pairs[(P, triton.cdiv(max(I, IS), gate_up.block_n))](
-        x, router_logits, shared_gate, w13, sw13, w13_s, sw13_s, inter, ids, weights, H, I, IS, x.stride(0),
-        router_logits.stride(0), shared_gate.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
-        w13_s.stride(0), w13_s.stride(1), sw13_s.stride(0), first_expert, local, E, triton.next_power_of_2(E), top_k,
-        norm_topk, fp8, BLOCK, gate_up.block_n, gate_up.block_k, num_warps=gate_up.num_warps,
-    )  # fmt: skip
+        x,
+        router_logits,
+        shared_gate,
+        w13,
+        sw13,
+        w13_s,
+        sw13_s,
+        inter,
+        ids,
+        weights,
+        H,
+        I,
+        IS,
+        x.stride(0),
+        router_logits.stride(0),
+        shared_gate.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        sw13.stride(0),
+        w13_s.stride(0),
+        w13_s.stride(1),
+        sw13_s.stride(0),
+        first_expert,
+        local,
+        E,
+        triton.next_power_of_2(E),
+        top_k,
+        norm_topk,
+        fp8,
+        BLOCK,
+        gate_up.block_n,
+        gate_up.block_k,
+        num_warps=gate_up.num_warps,
+    )
     _down_combine[(T, triton.cdiv(H, down.block_n))](
-        inter, w2, sw2, w2_s, sw2_s, ids, weights, out, H, I, IS, w2.stride(0), w2.stride(1), sw2.stride(0),
-        w2_s.stride(0), w2_s.stride(1), sw2_s.stride(0), top_k, fp8, BLOCK, down.block_n, down.block_k,
+        inter,
+        w2,
+        sw2,
+        w2_s,
+        sw2_s,
+        ids,
+        weights,
+        out,
+        H,
+        I,
+        IS,
+        w2.stride(0),
+        w2.stride(1),
+        sw2.stride(0),
+        w2_s.stride(0),
+        w2_s.stride(1),
+        sw2_s.stride(0),
+        top_k,
+        fp8,
+        BLOCK,
+        down.block_n,
+        down.block_k,
         num_warps=down.num_warps,
-    )  # fmt: skip
+    )
     return out
 
 
-def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config,
-                 first_expert=0) -> torch.Tensor:  # fmt: skip
+def _moe_aligned(
+    x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gate, config, first_expert=0
+) -> torch.Tensor:
     (w13, w13_s, fp8), (w2, w2_s, _) = _parts(w13), _parts(w2)
     T, H = x.shape
     E, two_i, _ = w13.shape  # this rank's experts; the router's logits cover every expert
-    I = two_i // 2  # noqa: E741
+    I = two_i // 2
     P = T * top_k
     dev = x.device
     cfg = config or gemm_config(P)
@@ -432,19 +626,76 @@ def _moe_aligned(x, router_logits, w13, w2, top_k, norm_topk, shared, shared_gat
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
 
     E_all = router_logits.shape[1]
-    _route[(T,)](router_logits, ids, weights, ranks, counts, router_logits.stride(0), first_expert, E, E_all,
-                 triton.next_power_of_2(E_all), top_k, norm_topk)  # fmt: skip
+    _route[(T,)](
+        router_logits,
+        ids,
+        weights,
+        ranks,
+        counts,
+        router_logits.stride(0),
+        first_expert,
+        E,
+        E_all,
+        triton.next_power_of_2(E_all),
+        top_k,
+        norm_topk,
+    )
     _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64)
     _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256)
     _gate_up_silu[(max_blocks, triton.cdiv(I, BLOCK_N))](
-        xq, xs, w13, w13_s, inter, inter_s, block_expert, starts, counts, sorted_pairs, H, I, xq.stride(0),
-        xs.stride(0), xs.stride(1), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1), inter_s.stride(0),
-        top_k, fp8, TL_DTYPES[x.dtype], BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
-    )  # fmt: skip
+        xq,
+        xs,
+        w13,
+        w13_s,
+        inter,
+        inter_s,
+        block_expert,
+        starts,
+        counts,
+        sorted_pairs,
+        H,
+        I,
+        xq.stride(0),
+        xs.stride(0),
+        xs.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        w13_s.stride(0),
+        w13_s.stride(1),
+        inter_s.stride(0),
+        top_k,
+        fp8,
+        TL_DTYPES[x.dtype],
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        **tuning,
+    )
     _down[(max_blocks, triton.cdiv(H, BLOCK_N))](
-        inter, inter_s, w2, w2_s, pairs_out, weights, block_expert, starts, counts, sorted_pairs, H, I, w2.stride(0),
-        w2.stride(1), w2_s.stride(0), w2_s.stride(1), inter_s.stride(0), fp8, BLOCK_M, BLOCK_N, BLOCK_K, **tuning,
-    )  # fmt: skip
-    _combine[(T, triton.cdiv(H, 1024))](pairs_out, ids, shared, shared_gate, out, H, shared.stride(0),
-                                         shared_gate.stride(0), top_k, 1024)  # fmt: skip
+        inter,
+        inter_s,
+        w2,
+        w2_s,
+        pairs_out,
+        weights,
+        block_expert,
+        starts,
+        counts,
+        sorted_pairs,
+        H,
+        I,
+        w2.stride(0),
+        w2.stride(1),
+        w2_s.stride(0),
+        w2_s.stride(1),
+        inter_s.stride(0),
+        fp8,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        **tuning,
+    )
+    _combine[(T, triton.cdiv(H, 1024))](
+        pairs_out, ids, shared, shared_gate, out, H, shared.stride(0), shared_gate.stride(0), top_k, 1024
+    )
     return out

@@ -15,8 +15,15 @@ import typer
 
 from deltamesh.client.cli import generate
 from deltamesh.services.common.logs import write_line
-from deltamesh.services.common.options import (Option, hand_over, handed_settings, options, settings_from,
-                                               started_by_serve, with_options)  # fmt: skip
+from deltamesh.services.common.options import (
+    Option,
+    hand_over,
+    handed_settings,
+    options,
+    settings_from,
+    started_by_serve,
+    with_options,
+)
 from deltamesh.services.common.ports import free_port
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
@@ -28,16 +35,30 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich
 app.command("generate")(generate)
 
 # the mesh secret is read from this file (or $DELTAMESH_MESH_SECRET) into the settings' mesh_secret
-SECRET_FILE = Option("mesh_secret_file", (), Optional[str], None, "File holding the mesh secret shared by the "
-                     "router and its workers (default: $DELTAMESH_MESH_SECRET); the router makes it if it is "
-                     "missing")  # fmt: skip
+SECRET_FILE = Option(
+    "mesh_secret_file",
+    (),
+    Optional[str],  # noqa: UP045  (a value handed to typer, which reads Optional)
+    None,
+    "File holding the mesh secret shared by the "
+    "router and its workers (default: $DELTAMESH_MESH_SECRET); the router makes it if it is "
+    "missing",
+)
 TLS = options(TlsSettings, prefix="tls_")
 WORKER = options(WorkerSettings) + [SECRET_FILE]
 ROUTER = options(RouterSettings) + [SECRET_FILE]
 # serve starts workers on ports of its own choosing, registered with its router, and their threads shared out
 PER_WORKER = ("port", "router", "advertise_host", "metrics_port", "torch_threads")
-ROUTER_ONLY = ("prefill", "decode", "colocated", "max_prompts", "max_choices", "max_messages",
-               "http_header_timeout", "ready_timeout")  # fmt: skip
+ROUTER_ONLY = (
+    "prefill",
+    "decode",
+    "colocated",
+    "max_prompts",
+    "max_choices",
+    "max_messages",
+    "http_header_timeout",
+    "ready_timeout",
+)
 SERVE_ROUTER = options(RouterSettings, exclude=ROUTER_ONLY)
 SERVE_WORKER = options(WorkerSettings, exclude=PER_WORKER)
 
@@ -58,8 +79,9 @@ def _ports_free(command: str, host: str, ports: dict[str, int | None]) -> None:
         try:
             socket.create_server((host, port)).close()  # SO_REUSEADDR as the servers bind: TIME_WAIT is no clash
         except OSError as e:
-            print(f"deltamesh {command}: cannot listen on {host}:{port} ({flag}): {os.strerror(e.errno)}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"deltamesh {command}: cannot listen on {host}:{port} ({flag}): {os.strerror(e.errno)}", file=sys.stderr
+            )
             raise typer.Exit(2) from None
 
 
@@ -67,8 +89,9 @@ def _transport_known(name: str) -> None:
     from deltamesh.transfer import TRANSPORTS
 
     if name not in TRANSPORTS:
-        raise typer.BadParameter(f"unknown transport {name!r}; transports: {', '.join(TRANSPORTS)}",
-                                 param_hint="--transport")  # fmt: skip
+        raise typer.BadParameter(
+            f"unknown transport {name!r}; transports: {', '.join(TRANSPORTS)}", param_hint="--transport"
+        )
 
 
 def _servable(command: str, model: str, engine=None, code: int = CONFIG_ERROR) -> None:
@@ -109,8 +132,14 @@ def _start(name: str, settings, serve) -> None:
 def _worker_command(role: str):
     @with_options(WORKER)
     def command(**values) -> None:
-        settings = settings_from(WorkerSettings, WORKER, values, handed_settings(), role=role,
-                                 mesh_secret=_mesh_secret(values["mesh_secret_file"]))  # fmt: skip
+        settings = settings_from(
+            WorkerSettings,
+            WORKER,
+            values,
+            handed_settings(),
+            role=role,
+            mesh_secret=_mesh_secret(values["mesh_secret_file"]),
+        )
         _ports_free(role, settings.host, {"--port": settings.port, "--metrics-port": settings.metrics_port})
         _transport_known(settings.transport)
         _check_tls(settings.tls)
@@ -137,10 +166,18 @@ for _role in ("prefill", "decode", "colocated"):
 @with_options(ROUTER)
 def router(**values) -> None:
     """Run the router: gRPC client API, OpenAI-compatible REST gateway, and the workers' control plane."""
-    settings = settings_from(RouterSettings, ROUTER, values, handed_settings(),
-                             mesh_secret=_mesh_secret(values["mesh_secret_file"], create=True))  # fmt: skip
-    _ports_free("router", settings.host, {"--grpc-port": settings.grpc_port, "--control-port": settings.control_port,
-                                          "--http-port": settings.http_port})  # fmt: skip
+    settings = settings_from(
+        RouterSettings,
+        ROUTER,
+        values,
+        handed_settings(),
+        mesh_secret=_mesh_secret(values["mesh_secret_file"], create=True),
+    )
+    _ports_free(
+        "router",
+        settings.host,
+        {"--grpc-port": settings.grpc_port, "--control-port": settings.control_port, "--http-port": settings.http_port},
+    )
     _check_tls(settings.tls)
     _servable("router", settings.model)
     from deltamesh.services.router.main import serve
@@ -165,9 +202,13 @@ def health(
     tls = settings_from(TlsSettings, TLS, values)
     _check_tls(tls)
     try:
-        channel = grpc.secure_channel(address, channel_credentials(tls)) if tls.enabled else grpc.insecure_channel(address)
+        channel = (
+            grpc.secure_channel(address, channel_credentials(tls)) if tls.enabled else grpc.insecure_channel(address)
+        )
         with channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
     except grpc.RpcError as e:
         print(f"{address}: {e.code().name}", file=sys.stderr)
         raise typer.Exit(1) from None
@@ -204,8 +245,11 @@ def serve(**values) -> None:
     """Start the mesh on one box: router + N prefill + M decode worker processes, each restarted if it exits.
     Ctrl-C stops them all."""
     host, http_port = values["host"], values["http_port"]
-    _ports_free("serve", host, {"--grpc-port": values["grpc_port"], "--control-port": values["control_port"],
-                                "--http-port": http_port})  # fmt: skip
+    _ports_free(
+        "serve",
+        host,
+        {"--grpc-port": values["grpc_port"], "--control-port": values["control_port"], "--http-port": http_port},
+    )
     # one secret per mesh, made here unless given (a --mesh-secret-file that does not exist yet is made, as the
     # router makes it); children get it in their environment (never on a command line)
     has_secret = values["mesh_secret_file"] or os.environ.get("DELTAMESH_MESH_SECRET")
@@ -227,13 +271,17 @@ def _plan(values: dict, secret: str) -> tuple[RouterSettings, list[str], str | N
     mesh = settings_from(ServeSettings, options(ServeSettings), values)
     router = settings_from(RouterSettings, SERVE_ROUTER, values, mesh_secret=secret)
     _check_tls(router.tls)
-    roles = ["colocated"] * mesh.decode_workers if mesh.colocated else (
-        ["prefill"] * mesh.prefill_workers + ["decode"] * mesh.decode_workers)  # fmt: skip
+    roles = (
+        ["colocated"] * mesh.decode_workers
+        if mesh.colocated
+        else (["prefill"] * mesh.prefill_workers + ["decode"] * mesh.decode_workers)
+    )
     return router, roles, mesh.gpus
 
 
-def _children(values: dict, secret: str, router: RouterSettings, roles: list[str],
-              gpus: str | None) -> tuple[list[ChildSpec], list[str]]:  # fmt: skip
+def _children(
+    values: dict, secret: str, router: RouterSettings, roles: list[str], gpus: str | None
+) -> tuple[list[ChildSpec], list[str]]:
     """The processes `serve` starts (its router, then a worker per role), each handed its settings in its
     environment, and the workers' metrics URLs."""
     # what every child gets: the mesh's secret travels in the environment, never on a command line
@@ -246,8 +294,12 @@ def _children(values: dict, secret: str, router: RouterSettings, roles: list[str
     host, metrics_urls = router.host, []
     for i, role in enumerate(roles):
         # fixed ports, chosen once: a restarted worker comes back at the address the router knows it by
-        own = {"port": free_port(host), "router": f"{host}:{router.control_port}", "metrics_port": free_port(host),
-               "torch_threads": max(1, (os.cpu_count() or 1) // len(roles)) if values["device"] == "cpu" else None}
+        own = {
+            "port": free_port(host),
+            "router": f"{host}:{router.control_port}",
+            "metrics_port": free_port(host),
+            "torch_threads": max(1, (os.cpu_count() or 1) // len(roles)) if values["device"] == "cpu" else None,
+        }
         worker = settings_from(WorkerSettings, WORKER, {**values, **own}, role=role, mesh_secret=secret)
         env = {**base_env, **hand_over(worker)}
         if worker.engine.device.startswith("cuda"):
@@ -261,9 +313,12 @@ def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
     """The GPUs of the `worker`-th worker: `ranks` consecutive ids of the list, workers taking turns around it
     (with fewer GPUs than workers, workers share them; a worker's own ranks never do)."""
     if ranks > len(gpu_ids):
-        raise typer.BadParameter(f"a worker of {ranks} ranks (--tensor-parallel-size x --data-parallel-size) needs "
-                                 f"{ranks} GPUs; only "
-                                 f"{','.join(gpu_ids)} given", param_hint="--gpus / CUDA_VISIBLE_DEVICES")  # fmt: skip
+        raise typer.BadParameter(
+            f"a worker of {ranks} ranks (--tensor-parallel-size x --data-parallel-size) needs "
+            f"{ranks} GPUs; only "
+            f"{','.join(gpu_ids)} given",
+            param_hint="--gpus / CUDA_VISIBLE_DEVICES",
+        )
     return ",".join(gpu_ids[(worker * ranks + r) % len(gpu_ids)] for r in range(ranks))
 
 

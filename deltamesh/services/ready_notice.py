@@ -15,8 +15,9 @@ from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.tls import TlsSettings, channel_credentials
 
 
-def announce_when_ready(control: str, secret: str, roles: Counter, tls: TlsSettings, where: str,
-                        timeout_s: float = 3600.0) -> threading.Thread:  # fmt: skip
+def announce_when_ready(
+    control: str, secret: str, roles: Counter, tls: TlsSettings, where: str, timeout_s: float = 3600.0
+) -> threading.Thread:
     """Print "deltamesh: mesh ready ..." once the router at `control` sees `roles` healthy workers."""
 
     def watch() -> None:

@@ -136,8 +136,10 @@ class Supervisor:
             return
         # one that cannot start at all (a bad flag, a port in use) would only crash-loop: give up on the mesh
         if child.start_failures >= MAX_START_FAILURES:
-            log(f"{child.spec.name} {describe_exit(returncode)} {child.start_failures} times in a row within "
-                f"{START_WINDOW_S:g} s of starting; giving up and stopping the mesh")  # fmt: skip
+            log(
+                f"{child.spec.name} {describe_exit(returncode)} {child.start_failures} times in a row within "
+                f"{START_WINDOW_S:g} s of starting; giving up and stopping the mesh"
+            )
             self.gave_up = True
             self.stopping = True
             return

@@ -20,8 +20,9 @@ freed, so a one-sided transport can check, after its reads, that the memory stay
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from deltamesh.v1.common_pb2 import TransportDescriptor
 
@@ -101,8 +102,10 @@ def payload_of(descriptor: TransportDescriptor, kind: str, version: int) -> byte
     if not descriptor.kind:
         raise DescriptorError("no transport descriptor")
     if descriptor.kind != kind or descriptor.version != version:
-        raise DescriptorError(f"transport {descriptor.kind!r} version {descriptor.version} is not spoken here "
-                              f"(this worker's transport: {kind!r} version {version})")  # fmt: skip
+        raise DescriptorError(
+            f"transport {descriptor.kind!r} version {descriptor.version} is not spoken here "
+            f"(this worker's transport: {kind!r} version {version})"
+        )
     return descriptor.payload
 
 

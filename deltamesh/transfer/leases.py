@@ -23,11 +23,11 @@ import secrets
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol, Union
+from typing import Protocol
 
 import torch
-
 
 MIN_TOKEN_BYTES = 16
 
@@ -44,7 +44,7 @@ class RankBytes(Protocol):
     nbytes: int
 
 
-Held = Union[torch.Tensor, RankBytes]  # a 1-D uint8 view of this process's memory, or another rank's bytes
+Held = torch.Tensor | RankBytes  # a 1-D uint8 view of this process's memory, or another rank's bytes
 
 
 def extent(buffer: Held) -> tuple[int, int]:
@@ -92,8 +92,14 @@ class LeaseTable:
         self._lock = threading.Lock()
         self.counts = {"pulled": 0, "released": 0, "expired": 0, "aborted": 0}
 
-    def offer(self, lease_id: str, buffers: list[Held], ttl_s: float, on_end: Callable[[str], None],
-              token: bytes | None = None) -> Lease:  # fmt: skip
+    def offer(
+        self,
+        lease_id: str,
+        buffers: list[Held],
+        ttl_s: float,
+        on_end: Callable[[str], None],
+        token: bytes | None = None,
+    ) -> Lease:
         """`token`: the lease's secret (at least MIN_TOKEN_BYTES), if the caller chose it; else a random one."""
         if token is not None and len(token) < MIN_TOKEN_BYTES:
             raise LeaseRefused(f"a lease token must have at least {MIN_TOKEN_BYTES} bytes")

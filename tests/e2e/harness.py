@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 
 from deltamesh.client import Client
-from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from deltamesh.services.common.auth import MESH_SECRET_ENV, mesh_metadata
 from deltamesh.services.common.ports import free_port
 from deltamesh.services.router.control import read_loads
+from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,12 +81,19 @@ class Mesh:
     def _spawn(self, role: str, args: list[str], port: int) -> Proc:
         log = self.log_dir / f"{role}-{port}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", MESH_SECRET_ENV: self.secret}
-        popen = subprocess.Popen([sys.executable, "-m", "deltamesh.services.cli", role, *args], cwd=ROOT, env=env,
-                                 stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "deltamesh.services.cli", role, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
         creds = None
         if self.client_kwargs.get("root_certificates"):
             kw = self.client_kwargs
-            creds = grpc.ssl_channel_credentials(kw["root_certificates"], kw.get("private_key"), kw.get("certificate_chain"))
+            creds = grpc.ssl_channel_credentials(
+                kw["root_certificates"], kw.get("private_key"), kw.get("certificate_chain")
+            )
         proc = Proc(role, f"127.0.0.1:{port}", popen, log, creds, self.secret)
         self.procs.append(proc)
         return proc
@@ -96,14 +103,36 @@ class Mesh:
         port, control_port = port or free_port(), control_port or free_port()
         self.http_port = free_port() if http else 0
         self.router_address, self.control_address = f"127.0.0.1:{port}", f"127.0.0.1:{control_port}"
-        return self._spawn("router", ["--model", self.model, "--grpc-port", str(port), "--control-port",
-                                      str(control_port), "--http-port", str(self.http_port), *self.router_args],
-                           port)  # fmt: skip
+        return self._spawn(
+            "router",
+            [
+                "--model",
+                self.model,
+                "--grpc-port",
+                str(port),
+                "--control-port",
+                str(control_port),
+                "--http-port",
+                str(self.http_port),
+                *self.router_args,
+            ],
+            port,
+        )
 
     def start_worker(self, role: str, extra: list[str] = ()) -> Proc:
         port = free_port()
-        args = ["--model", self.model, "--port", str(port), "--router", self.control_address, "--torch-threads", "1",
-                *self.worker_args, *extra]  # fmt: skip
+        args = [
+            "--model",
+            self.model,
+            "--port",
+            str(port),
+            "--router",
+            self.control_address,
+            "--torch-threads",
+            "1",
+            *self.worker_args,
+            *extra,
+        ]
         return self._spawn(role, args, port)
 
     def client(self, **kwargs) -> Client:
@@ -145,8 +174,15 @@ class Mesh:
                 except grpc.RpcError as e:  # a worker too busy to answer in time is not idle yet
                     busy[p.address] = f"GetLoads: {e.code().name}"
                     continue
-                if (load.kv_pages_used or load.state_slots_used or load.held_states or load.leases
-                        or load.reservations or load.running or load.waiting):  # fmt: skip
+                if (
+                    load.kv_pages_used
+                    or load.state_slots_used
+                    or load.held_states
+                    or load.leases
+                    or load.reservations
+                    or load.running
+                    or load.waiting
+                ):
                     busy[p.address] = load
             if not busy or time.monotonic() > deadline:
                 return busy
@@ -169,17 +205,29 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait(5)
-        crashed = [f"{p.role} {p.address}: signal {-p.popen.returncode}, see {p.log}" for p in self.procs
-                   if p.popen.returncode is not None and -p.popen.returncode in _CRASH_SIGNALS]  # fmt: skip
+        crashed = [
+            f"{p.role} {p.address}: signal {-p.popen.returncode}, see {p.log}"
+            for p in self.procs
+            if p.popen.returncode is not None and -p.popen.returncode in _CRASH_SIGNALS
+        ]
         assert not crashed, f"processes crashed: {crashed}"
 
 
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 
 
-def start_mesh(model: str, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
-               worker_args: list[str] = (), router_args: list[str] = (), http: bool = False,
-               client_kwargs: dict | None = None, role_args: dict[str, list[str]] | None = None) -> Mesh:  # fmt: skip
+def start_mesh(
+    model: str,
+    log_dir: Path,
+    prefill: int = 1,
+    decode: int = 1,
+    colocated: int = 0,
+    worker_args: list[str] = (),
+    router_args: list[str] = (),
+    http: bool = False,
+    client_kwargs: dict | None = None,
+    role_args: dict[str, list[str]] | None = None,
+) -> Mesh:
     mesh = Mesh(model, log_dir, list(worker_args), list(router_args), client_kwargs or {})
     mesh.start_router(http=http)
     for role, n in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):

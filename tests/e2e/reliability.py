@@ -38,7 +38,7 @@ def render() -> str:
         "worker's pages, slots, leases and reservations return to zero (GetLoads) and that no request outlives",
         "its deadline. Times are wall-clock on the machine below; they are measurements, not limits.",
         "",
-        f"Generated {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on "
+        f"Generated {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')} on "
         f"{platform.machine()} with {os.cpu_count()} CPU cores ({platform.platform()}).",
         "",
         "| fault | expected behaviour | test | measured |",

@@ -9,13 +9,13 @@ import time
 import grpc
 import httpx
 import pytest
+from harness import ROOT, channel, start_mesh
+from reliability import record
 
 from deltamesh.client import Client, PermissionDenied
-from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2, ucx_pb2
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
-from harness import ROOT, channel, start_mesh
 from deltamesh.services.common.auth import MESH_SECRET_ENV
-from reliability import record
+from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2, ucx_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.security]
 
@@ -25,8 +25,13 @@ GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = start_mesh(str(DEFAULT_MODEL), tmp_path_factory.mktemp("attacks"), http=True,
-                   router_args=["--api-key", API_KEY], client_kwargs={"api_key": API_KEY})  # fmt: skip
+    m = start_mesh(
+        str(DEFAULT_MODEL),
+        tmp_path_factory.mktemp("attacks"),
+        http=True,
+        router_args=["--api-key", API_KEY],
+        client_kwargs={"api_key": API_KEY},
+    )
     yield m
     m.stop()
 
@@ -41,23 +46,43 @@ def test_no_one_without_the_mesh_secret_joins_the_mesh_or_reads_its_keys(mesh):
     register = control_pb2.RegisterWorkerRequest(address="127.0.0.1:1", role="decode", model="x")
     # the client API has no control-plane calls at all
     with grpc.insecure_channel(mesh.router_address) as ch:
-        assert _code(lambda: control_pb2_grpc.MeshControlStub(ch).RegisterWorker(register, timeout=5)) == \
-            grpc.StatusCode.UNIMPLEMENTED
+        assert (
+            _code(lambda: control_pb2_grpc.MeshControlStub(ch).RegisterWorker(register, timeout=5))
+            == grpc.StatusCode.UNIMPLEMENTED
+        )
     # the control plane refuses callers without the secret, or with a wrong one
     for secret in (None, "not-the-mesh-secret"):
         with channel(mesh.control_address, secret=secret) as ch:
             stub = control_pb2_grpc.MeshControlStub(ch)
             assert _code(lambda: stub.RegisterWorker(register, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
-            assert _code(lambda: stub.GetLoads(common_pb2.GetLoadsRequest(), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+            assert (
+                _code(lambda: stub.GetLoads(common_pb2.GetLoadsRequest(), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+            )
     # so do the workers' own ports: a Prefill answer holds a lease's token and the pools' remote keys
     prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
     for secret in (None, "not-the-mesh-secret"):
-        assert _code(lambda: prefill.stub(secret).Prefill(prefill_pb2.PrefillRequest(
-            request_id="x", prompt_token_ids=[1, 2, 3], sampling=GREEDY), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
-        assert _code(lambda: list(decode.stub(secret).Decode(decode_pb2.DecodeRequest(
-            request_id="x", prompt_token_ids=[1, 2, 3], sampling=GREEDY), timeout=5))) == grpc.StatusCode.UNAUTHENTICATED
-        assert _code(lambda: prefill.stub(secret).GetLoads(common_pb2.GetLoadsRequest(), timeout=5)) == \
-            grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            _code(
+                lambda: prefill.stub(secret).Prefill(
+                    prefill_pb2.PrefillRequest(request_id="x", prompt_token_ids=[1, 2, 3], sampling=GREEDY), timeout=5
+                )
+            )
+            == grpc.StatusCode.UNAUTHENTICATED
+        )
+        assert (
+            _code(
+                lambda: list(
+                    decode.stub(secret).Decode(
+                        decode_pb2.DecodeRequest(request_id="x", prompt_token_ids=[1, 2, 3], sampling=GREEDY), timeout=5
+                    )
+                )
+            )
+            == grpc.StatusCode.UNAUTHENTICATED
+        )
+        assert (
+            _code(lambda: prefill.stub(secret).GetLoads(common_pb2.GetLoadsRequest(), timeout=5))
+            == grpc.StatusCode.UNAUTHENTICATED
+        )
     # nothing registered: the router still knows exactly its own workers, all healthy, and serves
     assert {w.address for w in mesh.loads() if w.healthy} == {p.address for p in mesh.workers()}
     with mesh.client() as client:
@@ -65,10 +90,13 @@ def test_no_one_without_the_mesh_secret_joins_the_mesh_or_reads_its_keys(mesh):
     # readiness says whether the mesh serves, not where its workers are
     ready = httpx.get(f"http://127.0.0.1:{mesh.http_port}/ready", timeout=5).text
     assert not any(p.address in ready for p in mesh.workers())
-    record("a client registers a worker, reads loads, calls the workers' ports (no or a wrong mesh secret)",
-           "the client API has no control-plane calls; the control plane and every worker port answer "
-           "UNAUTHENTICATED; no address, key or lease reaches the caller", "test_no_one_without_the_mesh_secret_"
-           "joins_the_mesh_or_reads_its_keys", "refused; the registry still holds exactly the mesh's own workers")
+    record(
+        "a client registers a worker, reads loads, calls the workers' ports (no or a wrong mesh secret)",
+        "the client API has no control-plane calls; the control plane and every worker port answer "
+        "UNAUTHENTICATED; no address, key or lease reaches the caller",
+        "test_no_one_without_the_mesh_secret_joins_the_mesh_or_reads_its_keys",
+        "refused; the registry still holds exactly the mesh's own workers",
+    )
 
 
 def test_operators_read_loads_with_the_mesh_secret_only(mesh):
@@ -104,8 +132,12 @@ def test_api_key_is_checked_on_v1_routes(mesh):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     ok = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
-    assert ok.completions.create(model=DEFAULT_MODEL.name, prompt="x", max_tokens=2,
-                                 extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+    assert (
+        ok.completions.create(
+            model=DEFAULT_MODEL.name, prompt="x", max_tokens=2, extra_body={"ignore_eos": True}
+        ).usage.completion_tokens
+        == 2
+    )
     assert httpx.get(f"{url}/health").status_code == 200  # liveness needs no key
     log = "".join(p.log.read_text() for p in mesh.procs)
     assert API_KEY not in log  # never logged
@@ -123,21 +155,31 @@ def test_only_the_owner_aborts_its_request(mesh):
             last = list(deltas)[-1]
             assert last.finish_reason == "abort" and last.usage.completion_tokens < 400
     assert mesh.wait_idle() == {}
-    record("another client aborts a request by its id; a client without the API key", "PERMISSION_DENIED without "
-           "the abort token of the request's first response; UNAUTHENTICATED on the gRPC client API as on REST",
-           "test_only_the_owner_aborts_its_request", "refused; the owner's stream went on until its own abort")
+    record(
+        "another client aborts a request by its id; a client without the API key",
+        "PERMISSION_DENIED without "
+        "the abort token of the request's first response; UNAUTHENTICATED on the gRPC client API as on REST",
+        "test_only_the_owner_aborts_its_request",
+        "refused; the owner's stream went on until its own abort",
+    )
 
 
 def _prefill(prefill, rid: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
-    return prefill.stub().Prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY),
-                                  timeout=30)  # fmt: skip
+    return prefill.stub().Prefill(
+        prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY), timeout=30
+    )
 
 
 def _decode(decode, rid: str, prompt: list[int], first: prefill_pb2.PrefillResponse, transport=None):
-    source = decode_pb2.TransferSource(lease=first.lease, transport=transport or first.transport, layout=first.layout,
-                                       first_token_id=first.first.token_ids[0])  # fmt: skip
-    call = decode.stub().Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY,
-                                                         source=source), timeout=30)  # fmt: skip
+    source = decode_pb2.TransferSource(
+        lease=first.lease,
+        transport=transport or first.transport,
+        layout=first.layout,
+        first_token_id=first.first.token_ids[0],
+    )
+    call = decode.stub().Decode(
+        decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY, source=source), timeout=30
+    )
     return [t for d in call for t in d.token_ids]
 
 
@@ -150,8 +192,15 @@ def test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once(mesh, referen
     a_word = ucx_pb2.UcxLeaseDescriptor.FromString(a.transport.payload)
     a_word_b_regions.word_address, a_word_b_regions.word_rkey = a_word.word_address, a_word.word_rkey
     with pytest.raises(grpc.RpcError) as e:
-        _decode(decode, "lease-a", prompt_a, a, common_pb2.TransportDescriptor(
-            kind="ucx", version=a.transport.version, payload=a_word_b_regions.SerializeToString()))
+        _decode(
+            decode,
+            "lease-a",
+            prompt_a,
+            a,
+            common_pb2.TransportDescriptor(
+                kind="ucx", version=a.transport.version, payload=a_word_b_regions.SerializeToString()
+            ),
+        )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "regions are not the lease's" in e.value.details()
     # no lease ends without its token: a tokenless Abort, a wrong token, a TTL past the cap
     stub = prefill.stub()
@@ -159,11 +208,25 @@ def test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once(mesh, referen
     wrong = prefill_pb2.LeaseRequest(lease_id="lease-a", token=b"\0" * 16)
     assert not stub.ReleaseLease(wrong, timeout=5).ok
     for ttl_ms in (2**32 - 1, 301_000):
-        assert _code(lambda: stub.ExtendLease(prefill_pb2.LeaseRequest(lease_id="lease-a", token=a.lease.token,
-                                                                       ttl_ms=ttl_ms), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT  # fmt: skip
-        assert _code(lambda: stub.Prefill(prefill_pb2.PrefillRequest(request_id="long", prompt_token_ids=prompt_a,
-                                                                     sampling=GREEDY, lease_ttl_ms=ttl_ms), timeout=5)) \
-            == grpc.StatusCode.INVALID_ARGUMENT  # fmt: skip
+        assert (
+            _code(
+                lambda: stub.ExtendLease(
+                    prefill_pb2.LeaseRequest(lease_id="lease-a", token=a.lease.token, ttl_ms=ttl_ms), timeout=5
+                )
+            )
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
+        assert (
+            _code(
+                lambda: stub.Prefill(
+                    prefill_pb2.PrefillRequest(
+                        request_id="long", prompt_token_ids=prompt_a, sampling=GREEDY, lease_ttl_ms=ttl_ms
+                    ),
+                    timeout=5,
+                )
+            )
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
     assert prefill.load().leases == 2
     # each lease still serves its own puller, exactly, and only once
     ref = lambda p: reference_engine.generate(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]  # noqa: E731
@@ -173,18 +236,27 @@ def test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once(mesh, referen
         _decode(decode, "lease-a-again", prompt_a, a)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert mesh.wait_idle() == {}
-    record("a pull of one request's state under another's lease; tokenless or wrong-token lease ends; a 49-day TTL",
-           "the pull is refused (the lease word is a MAC of the token and the lease's exact regions) and its bytes are "
-           "unused; the lease stays for its puller; TTLs over --max-lease-ttl are INVALID_ARGUMENT",
-           "test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once",
-           "all refused; each lease then pulled exactly once, token-exact against the monolithic engine")
+    record(
+        "a pull of one request's state under another's lease; tokenless or wrong-token lease ends; a 49-day TTL",
+        "the pull is refused (the lease word is a MAC of the token and the lease's exact regions) and its bytes are "
+        "unused; the lease stays for its puller; TTLs over --max-lease-ttl are INVALID_ARGUMENT",
+        "test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once",
+        "all refused; each lease then pulled exactly once, token-exact against the monolithic engine",
+    )
 
 
 def test_abandoned_streams_free_every_lease_within_a_second(mesh):
     """Six n=16 streams, each dropped by its client after its first chunk (the review: they held all 32 prefill
     slots until their leases' TTL, and other users waited 2-26 s)."""
-    body = {"model": DEFAULT_MODEL.name, "prompt": "Once upon a time", "n": 16, "max_tokens": 200, "stream": True,
-            "ignore_eos": True, "temperature": 0.8}  # fmt: skip
+    body = {
+        "model": DEFAULT_MODEL.name,
+        "prompt": "Once upon a time",
+        "n": 16,
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.8,
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
     opened = []
     with httpx.Client(base_url=f"http://127.0.0.1:{mesh.http_port}", headers=headers, timeout=60) as http:
@@ -211,10 +283,13 @@ def test_abandoned_streams_free_every_lease_within_a_second(mesh):
         assert client.generate("next user", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
         next_user_s = time.monotonic() - started
         assert next_user_s < 2.0
-    record("six n=16 REST streams dropped by their clients after the first chunk",
-           "every choice's prefill leg, lease and decode leg ends at once (the router chose each lease's token, so "
-           "it ends leases whose answers it never read)", "test_abandoned_streams_free_every_lease_within_a_second",
-           f"leases and held states back to 0 in {freed_s:.2f}s; the next request served in {next_user_s:.2f}s")
+    record(
+        "six n=16 REST streams dropped by their clients after the first chunk",
+        "every choice's prefill leg, lease and decode leg ends at once (the router chose each lease's token, so "
+        "it ends leases whose answers it never read)",
+        "test_abandoned_streams_free_every_lease_within_a_second",
+        f"leases and held states back to 0 in {freed_s:.2f}s; the next request served in {next_user_s:.2f}s",
+    )
 
 
 def test_a_request_whose_holder_died_fails_fast(tmp_path):
@@ -233,9 +308,12 @@ def test_a_request_whose_holder_died_fails_fast(tmp_path):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and waited < 5.0
         load = decode.load()
         assert load.reservations == load.kv_pages_used == load.state_slots_used == 0
-        record("a decode request whose prefill holder was SIGKILLed after leasing", "the pull fails at once with "
-               "UNAVAILABLE and the decode worker's reservation is back", "test_a_request_whose_holder_died_fails_fast",
-               f"UNAVAILABLE after {waited * 1000:.0f} ms")
+        record(
+            "a decode request whose prefill holder was SIGKILLed after leasing",
+            "the pull fails at once with UNAVAILABLE and the decode worker's reservation is back",
+            "test_a_request_whose_holder_died_fails_fast",
+            f"UNAVAILABLE after {waited * 1000:.0f} ms",
+        )
     finally:
         mesh.stop()
 

@@ -12,22 +12,44 @@ import time
 
 import numpy as np
 import pytest
+from harness import ROOT, start_mesh
 
 from bench import serve
 from deltamesh.engine import DEFAULT_MODEL
-from harness import ROOT, start_mesh
 
 pytestmark = pytest.mark.e2e
 
 N, INPUT_LEN, OUTPUT_LEN, RANGE = 8, 32, 8, 0.25
 METRIC_KEYS = [
-    "duration", "completed", "failed", "not_sent", "total_input_tokens", "total_output_tokens", "request_throughput",
-    "request_goodput", "input_throughput", "output_throughput", "total_token_throughput",
-    "max_output_tokens_per_s", "max_concurrent_requests",
+    "duration",
+    "completed",
+    "failed",
+    "not_sent",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "input_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
     *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p90", "p99")),
-    "input_lens", "output_lens", "expected_output_lens", "ttfts", "tpots", "itls", "latencies", "start_times",
-    "errors", "date", "command", "machine", "config", "model",
-]  # fmt: skip
+    "input_lens",
+    "output_lens",
+    "expected_output_lens",
+    "ttfts",
+    "tpots",
+    "itls",
+    "latencies",
+    "start_times",
+    "errors",
+    "date",
+    "command",
+    "machine",
+    "config",
+    "model",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +61,35 @@ def mesh(tmp_path_factory):
 
 def bench_args(mesh, backend, result_file, *extra):
     return [
-        "--backend", backend, "--base-url", f"http://127.0.0.1:{mesh.http_port}", "--grpc-address",
-        mesh.router_address, "--model-dir", str(DEFAULT_MODEL), "--num-prompts", str(N), "--input-len",
-        str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--range-ratio", str(RANGE), "--max-concurrency", "4",
-        "--seed", "1", "--goodput", "ttft:60000", "tpot:60000", "--disable-tqdm", "--quiet",
-        "--result-file", str(result_file), *extra,
-    ]  # fmt: skip
+        "--backend",
+        backend,
+        "--base-url",
+        f"http://127.0.0.1:{mesh.http_port}",
+        "--grpc-address",
+        mesh.router_address,
+        "--model-dir",
+        str(DEFAULT_MODEL),
+        "--num-prompts",
+        str(N),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--range-ratio",
+        str(RANGE),
+        "--max-concurrency",
+        "4",
+        "--seed",
+        "1",
+        "--goodput",
+        "ttft:60000",
+        "tpot:60000",
+        "--disable-tqdm",
+        "--quiet",
+        "--result-file",
+        str(result_file),
+        *extra,
+    ]
 
 
 def check_result(result, backend):
@@ -63,8 +108,16 @@ def check_result(result, backend):
     assert all(t >= 0 for t in result["tpots"])
     assert all(e >= t for e, t in zip(result["latencies"], result["ttfts"]))
     assert all(len(itl) >= 1 and all(x >= 0 for x in itl) for itl in result["itls"])
-    for key in ("request_throughput", "input_throughput", "output_throughput", "total_token_throughput",
-                "request_goodput", "mean_ttft_ms", "mean_e2el_ms", "duration"):  # fmt: skip
+    for key in (
+        "request_throughput",
+        "input_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "request_goodput",
+        "mean_ttft_ms",
+        "mean_e2el_ms",
+        "duration",
+    ):
         assert result[key] > 0, key
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # SLOs of a minute
     for m in ("ttft", "tpot", "itl", "e2el"):
@@ -97,12 +150,21 @@ def test_command_line_with_poisson_arrivals_prints_the_table(mesh, tmp_path):
     path = tmp_path / "cli.json"
     args = bench_args(mesh, "openai", path, "--request-rate", "20", "--burstiness", "0.5")
     args.remove("--quiet")
-    proc = subprocess.run([sys.executable, "bench/serve.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "bench/serve.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
-    for label in ("Serving Benchmark Result", "Successful requests:", "Request throughput (req/s):",
-                  "Request goodput (req/s):", "Output token throughput (tok/s):", "Mean TTFT (ms):",
-                  "P99 TPOT (ms):", "Median ITL (ms):", "P90 E2EL (ms):"):  # fmt: skip
+    for label in (
+        "Serving Benchmark Result",
+        "Successful requests:",
+        "Request throughput (req/s):",
+        "Request goodput (req/s):",
+        "Output token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "P99 TPOT (ms):",
+        "Median ITL (ms):",
+        "P90 E2EL (ms):",
+    ):
         assert label in proc.stdout, label
     saved = json.loads(path.read_text())
     check_result(saved, "openai")
@@ -111,18 +173,35 @@ def test_command_line_with_poisson_arrivals_prints_the_table(mesh, tmp_path):
 
 
 def test_module_entry_point_reports_argument_errors():
-    proc = subprocess.run([sys.executable, "-m", "bench.serve", "--range-ratio", "1.5"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.serve", "--range-ratio", "1.5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--range-ratio" in proc.stderr
 
 
 def test_ctrl_c_stops_issuing_and_cancels_in_flight_requests(mesh, tmp_path):
     path = tmp_path / "interrupted.json"
-    args = bench_args(mesh, "openai", path, "--num-prompts", "400", "--output-len", "2000", "--request-rate", "4",
-                      "--ready-check-timeout", "0")
+    args = bench_args(
+        mesh,
+        "openai",
+        path,
+        "--num-prompts",
+        "400",
+        "--output-len",
+        "2000",
+        "--request-rate",
+        "4",
+        "--ready-check-timeout",
+        "0",
+    )
     args.remove("--quiet")
-    proc = subprocess.Popen([sys.executable, "bench/serve.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "bench/serve.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         for line in proc.stderr:  # the measured run has started
             if line.startswith("Traffic request rate"):

@@ -17,10 +17,34 @@ TINY = ["--model-config", "models/deltamesh-tiny"]
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_transfer_bench_reports_pulls_floors_phases_and_overlap(tmp_path, side):
     out = tmp_path / "deltamesh.transfer.json"
-    assert transfer.main([*TINY, "--lengths", "128", "--reps", "1", "--no-ucx-error-handling", "--floor", "--warm",
-                          "--rotate", "2", "--overlap-model", "models/deltamesh-tiny", "--overlap-side", side,
-                          "--overlap-batch", "2", "--overlap-context", "64", "--out", str(out),
-                          *(["--offers-first"] if side == "prefill" else [])]) == 0  # fmt: skip
+    assert (
+        transfer.main(
+            [
+                *TINY,
+                "--lengths",
+                "128",
+                "--reps",
+                "1",
+                "--no-ucx-error-handling",
+                "--floor",
+                "--warm",
+                "--rotate",
+                "2",
+                "--overlap-model",
+                "models/deltamesh-tiny",
+                "--overlap-side",
+                side,
+                "--overlap-batch",
+                "2",
+                "--overlap-context",
+                "64",
+                "--out",
+                str(out),
+                *(["--offers-first"] if side == "prefill" else []),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     rows = {r["mode"]: r for r in result["results"]}
     pull = rows["ucx error handling off"]
@@ -40,8 +64,26 @@ def test_transfer_bench_times_pulls_in_a_row_and_after_an_idle_gap(tmp_path):
     --gap-ms: the turn starts after that much idle time (as its second row), and the bare RMA reads of --floor
     are timed after the same pause too. Every pull verified."""
     out = tmp_path / "deltamesh.transfer.json"
-    assert transfer.main([*TINY, "--lengths", "128", "--reps", "2", "--no-ucx-error-handling", "--sequence", "3",
-                          "--gap-ms", "5", "--floor", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        transfer.main(
+            [
+                *TINY,
+                "--lengths",
+                "128",
+                "--reps",
+                "2",
+                "--no-ucx-error-handling",
+                "--sequence",
+                "3",
+                "--gap-ms",
+                "5",
+                "--floor",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads(out.read_text())["results"]
     floor_after_idle = {r["mode"]: r for r in results}[transfer.after_idle(transfer.FLOORS["rma"], 0.005)]
     assert floor_after_idle["idle_before_s"] == 0.005 and len(floor_after_idle["seconds"]) == 2

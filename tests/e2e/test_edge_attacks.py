@@ -11,12 +11,12 @@ import time
 import grpc
 import httpx
 import pytest
-
-from deltamesh.client import InvalidRequest
-from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from deltamesh.engine import DEFAULT_MODEL
 from harness import start_mesh
 from reliability import record
+
+from deltamesh.client import InvalidRequest
+from deltamesh.engine import DEFAULT_MODEL
+from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.security]
 MODEL_ID = DEFAULT_MODEL.name
@@ -25,8 +25,12 @@ HEADER_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = start_mesh(str(DEFAULT_MODEL), tmp_path_factory.mktemp("edge"), http=True,
-                   router_args=["--http-header-timeout", str(HEADER_TIMEOUT_S)])  # fmt: skip
+    m = start_mesh(
+        str(DEFAULT_MODEL),
+        tmp_path_factory.mktemp("edge"),
+        http=True,
+        router_args=["--http-header-timeout", str(HEADER_TIMEOUT_S)],
+    )
     yield m
     m.stop()
 
@@ -135,7 +139,11 @@ def test_grpc_refuses_the_same_input(mesh, stub):
     assert e.value.code() != grpc.StatusCode.INTERNAL, e.value
     # A proto string cannot carry a lone surrogate: the SDK refuses it before sending.
     with mesh.client(retries=0) as client:
-        for kwargs in (dict(prompt=LONE), dict(prompt=[{"role": "user", "content": LONE}]), dict(prompt="x", stop=[LONE])):
+        for kwargs in (
+            dict(prompt=LONE),
+            dict(prompt=[{"role": "user", "content": LONE}]),
+            dict(prompt="x", stop=[LONE]),
+        ):
             with pytest.raises(InvalidRequest):
                 client.generate(max_tokens=2, **kwargs)
 
@@ -187,8 +195,10 @@ def test_oversized_input_never_stalls_other_streams(mesh, url):
         with pytest.raises(InvalidRequest, match="characters"):
             client.generate(huge_text, max_tokens=2, timeout=30)
         took["8 MB gRPC text"] = time.monotonic() - t
-        for name, path, body in (("10k prompts", "/v1/completions", many_prompts),
-                                 ("100k-message chat", "/v1/chat/completions", long_chat)):  # fmt: skip
+        for name, path, body in (
+            ("10k prompts", "/v1/completions", many_prompts),
+            ("100k-message chat", "/v1/chat/completions", long_chat),
+        ):
             t = time.monotonic()
             r = post(url, path, body)
             took[name] = time.monotonic() - t
@@ -201,15 +211,19 @@ def test_oversized_input_never_stalls_other_streams(mesh, url):
         for s in streams:
             s.join(10)
 
-        record("an 8 MB text prompt over gRPC, 10,000 prompts and a 100k-message chat over REST, beside 4 streams",
-               "each refused with a 400 / INVALID_ARGUMENT before any tokenising; the router's loop keeps streaming",
-               "test_oversized_input_never_stalls_other_streams",
-               f"refused in {', '.join(f'{k} {v:.2f}s' for k, v in took.items())}; largest inter-token gap "
-               f"{max(gaps) * 1000:.0f} ms (without the attack {quiet * 1000:.0f} ms)")  # fmt: skip
+        record(
+            "an 8 MB text prompt over gRPC, 10,000 prompts and a 100k-message chat over REST, beside 4 streams",
+            "each refused with a 400 / INVALID_ARGUMENT before any tokenising; the router's loop keeps streaming",
+            "test_oversized_input_never_stalls_other_streams",
+            f"refused in {', '.join(f'{k} {v:.2f}s' for k, v in took.items())}; largest inter-token gap "
+            f"{max(gaps) * 1000:.0f} ms (without the attack {quiet * 1000:.0f} ms)",
+        )
         assert all(v < 2.0 for v in took.values()), took
         # A blocked loop shows as a gap of seconds (tokenising 8 MB). Parsing the 4 MB chat body (json, in C, under
         # the GIL) takes tens of ms on an idle machine and more under load, as does the quiet gap.
-        assert max(gaps) < 0.2 + 5 * quiet, f"largest inter-token gap under attack {max(gaps):.3f} s (without: {quiet:.3f} s); {took}"
+        assert max(gaps) < 0.2 + 5 * quiet, (
+            f"largest inter-token gap under attack {max(gaps):.3f} s (without: {quiet:.3f} s); {took}"
+        )
         assert all(w.healthy for w in mesh.loads())
         assert client.generate("Still serving", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
     assert mesh.wait_idle(timeout=15) == {}

@@ -8,11 +8,11 @@ import threading
 import time
 
 import pytest
+from harness import start_mesh
+from reliability import record
 
 from deltamesh.client import DeltameshError, Unavailable
 from deltamesh.engine import DEFAULT_MODEL
-from harness import start_mesh
-from reliability import record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 MODEL = str(DEFAULT_MODEL)
@@ -83,10 +83,13 @@ def test_sigkill_prefill_mid_prefill_is_retried_transparently(tmp_path):
         job.wait(60)
         assert job.error is None and job.result.usage.completion_tokens == 8
         assert mesh.wait_idle() == {}
-        record("SIGKILL a prefill worker mid-prefill", "router retries the prefill on another worker; the client "
-               "sees no error", "test_sigkill_prefill_mid_prefill_is_retried_transparently",
-               f"killed {killed_at - started:.2f}s after submit; request completed {job.ended_at - killed_at:.2f}s "
-               f"after the kill")  # fmt: skip
+        record(
+            "SIGKILL a prefill worker mid-prefill",
+            "router retries the prefill on another worker; the client sees no error",
+            "test_sigkill_prefill_mid_prefill_is_retried_transparently",
+            f"killed {killed_at - started:.2f}s after submit; request completed {job.ended_at - killed_at:.2f}s "
+            f"after the kill",
+        )
     finally:
         mesh.stop()
 
@@ -108,10 +111,12 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
         for _ in range(3):
             assert client.generate("A list is", max_tokens=5, ignore_eos=True).usage.completion_tokens == 5
         assert mesh.wait_idle() == {}
-        record("SIGKILL a decode worker mid-stream", "client gets UNAVAILABLE within 2 s; new requests go to the "
-               "surviving decode worker", "test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving",
-               f"error {error_after * 1000:.0f} ms after the kill; next 3 requests served in "
-               f"{time.monotonic() - t:.2f}s")  # fmt: skip
+        record(
+            "SIGKILL a decode worker mid-stream",
+            "client gets UNAVAILABLE within 2 s; new requests go to the surviving decode worker",
+            "test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving",
+            f"error {error_after * 1000:.0f} ms after the kill; next 3 requests served in {time.monotonic() - t:.2f}s",
+        )
     finally:
         mesh.stop()
 
@@ -139,13 +144,14 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
         assert mesh.wait_idle(timeout=15) == {}
         freed_after = time.monotonic() - resumed_at
         assert client.generate("Still serving", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
-        record("SIGSTOP the prefill worker during a state transfer, SIGCONT 1 s after the client's error",
-               "decode's pull hits its deadline (2 s here: over TCP, its reads need the stopped holder), fails the "
-               "request (UNAVAILABLE) and frees its reservation once UCX can no longer write into it; once resumed, "
-               "the prefill worker reads the abandon notice and frees the held state",
-               "test_sigstop_prefill_during_transfer_then_sigcont",
-               f"client error {error_after:.2f}s after SIGSTOP; prefill memory freed {freed_after:.2f}s after "
-               f"SIGCONT")  # fmt: skip
+        record(
+            "SIGSTOP the prefill worker during a state transfer, SIGCONT 1 s after the client's error",
+            "decode's pull hits its deadline (2 s here: over TCP, its reads need the stopped holder), fails the "
+            "request (UNAVAILABLE) and frees its reservation once UCX can no longer write into it; once resumed, "
+            "the prefill worker reads the abandon notice and frees the held state",
+            "test_sigstop_prefill_during_transfer_then_sigcont",
+            f"client error {error_after:.2f}s after SIGSTOP; prefill memory freed {freed_after:.2f}s after SIGCONT",
+        )
     finally:
         mesh.stop()
 
@@ -160,11 +166,13 @@ def test_side_channel_dropped_mid_transfer(tmp_path):
         error_after = time.monotonic() - t
         assert error_after < 5
         assert mesh.wait_idle() == {}
-        record("side-channel connection dropped by the decode worker after its reads, before the lease check "
-               "(failpoint)", "the pull fails at once: decode frees its reservation and fails the request "
-               "(UNAVAILABLE); the router releases the lease, so the prefill worker frees the state",
-               "test_side_channel_dropped_mid_transfer",
-               f"client error {error_after:.2f}s after submit; both workers back to zero")  # fmt: skip
+        record(
+            "side-channel connection dropped by the decode worker after its reads, before the lease check (failpoint)",
+            "the pull fails at once: decode frees its reservation and fails the request "
+            "(UNAVAILABLE); the router releases the lease, so the prefill worker frees the state",
+            "test_side_channel_dropped_mid_transfer",
+            f"client error {error_after:.2f}s after submit; both workers back to zero",
+        )
     finally:
         mesh.stop()
 
@@ -194,11 +202,17 @@ def test_restarted_router_and_worker_are_rejoined(tmp_path):
         assert wait_until(lambda: old.address not in {w.address for w in mesh.loads()}, timeout=10)
         assert new.address in {w.address for w in mesh.loads() if w.healthy}
         assert mesh.wait_idle() == {}
-        record("router SIGKILLed and restarted on its port", "workers re-register through their heartbeat; the "
-               "router marks them healthy and serves again", "test_restarted_router_and_worker_are_rejoined",
-               f"serving {router_back:.2f}s after the restart (process start included)")  # fmt: skip
-        record("decode worker SIGKILLed and a new one started", "the new worker registers and is used; the dead "
-               "one is dropped after 5 missed heartbeats", "test_restarted_router_and_worker_are_rejoined",
-               f"new worker serving {worker_back:.2f}s after start (model load included)")  # fmt: skip
+        record(
+            "router SIGKILLed and restarted on its port",
+            "workers re-register through their heartbeat; the router marks them healthy and serves again",
+            "test_restarted_router_and_worker_are_rejoined",
+            f"serving {router_back:.2f}s after the restart (process start included)",
+        )
+        record(
+            "decode worker SIGKILLed and a new one started",
+            "the new worker registers and is used; the dead one is dropped after 5 missed heartbeats",
+            "test_restarted_router_and_worker_are_rejoined",
+            f"new worker serving {worker_back:.2f}s after start (model load included)",
+        )
     finally:
         mesh.stop()

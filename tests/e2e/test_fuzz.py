@@ -4,12 +4,12 @@ and no worker may crash or wedge. Bounded numbers of examples; loopback only."""
 
 import pytest
 import schemathesis
+from harness import start_mesh
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltamesh.client import DeltameshError, InvalidRequest, NotFound
 from deltamesh.engine import DEFAULT_MODEL
-from harness import start_mesh
 
 pytestmark = pytest.mark.e2e
 # A short context keeps every generated request quick on a CPU.
@@ -70,8 +70,11 @@ SAMPLING = st.fixed_dictionaries(
 PROMPTS = st.one_of(
     TEXT,
     st.lists(st.integers(0, 2**32 - 1), max_size=40),
-    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]),
-                                     "content": TEXT}), min_size=1, max_size=3),  # fmt: skip
+    st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]), "content": TEXT}),
+        min_size=1,
+        max_size=3,
+    ),
 )
 
 

@@ -6,12 +6,12 @@ import signal
 import time
 
 import pytest
+from harness import start_mesh
+from reliability import record
 
 from bench import load_soak
 from deltamesh.client import AsyncClient, DeltameshError
 from deltamesh.engine import DEFAULT_MODEL
-from harness import start_mesh
-from reliability import record
 
 pytestmark = pytest.mark.e2e
 MODEL = str(DEFAULT_MODEL)
@@ -63,8 +63,9 @@ def test_mixed_load_with_cancellations_and_faults_leaks_nothing(tmp_path):
                     async with sem:
                         t0, outcome, tokens = time.monotonic(), "completed", 0
                         try:
-                            stream = client.stream(prompt, max_tokens=rng.randint(1, 16), temperature=0.7,
-                                                   seed=i, timeout=deadline_s)  # fmt: skip
+                            stream = client.stream(
+                                prompt, max_tokens=rng.randint(1, 16), temperature=0.7, seed=i, timeout=deadline_s
+                            )
                             async for delta in stream:
                                 tokens += len(delta.token_ids)
                                 if cancel and tokens >= 1 and not delta.finished:
@@ -101,10 +102,13 @@ def test_mixed_load_with_cancellations_and_faults_leaks_nothing(tmp_path):
         assert set(outcomes) <= {"completed", "cancelled", "error UNAVAILABLE"}, outcomes
         mesh.wait_ready()
         assert mesh.wait_idle(timeout=30) == {}  # zero pages, slots, leases, reservations on every live worker
-        record(f"{MIXED_REQUESTS} mixed requests, 10% cancelled, one decode and one prefill worker SIGKILLed (and "
-               "replaced)",
-               "every request ends (completed, aborted or errored) within its deadline; no page, slot, lease or "
-               "reservation leaks on any live worker", "test_mixed_load_with_cancellations_and_faults_leaks_nothing",
-               f"{total:.0f}s for {MIXED_REQUESTS} requests; outcomes {outcomes}; slowest request {slowest:.1f}s")  # fmt: skip
+        record(
+            f"{MIXED_REQUESTS} mixed requests, 10% cancelled, one decode and one prefill worker SIGKILLed (and "
+            "replaced)",
+            "every request ends (completed, aborted or errored) within its deadline; no page, slot, lease or "
+            "reservation leaks on any live worker",
+            "test_mixed_load_with_cancellations_and_faults_leaks_nothing",
+            f"{total:.0f}s for {MIXED_REQUESTS} requests; outcomes {outcomes}; slowest request {slowest:.1f}s",
+        )
     finally:
         mesh.stop()

@@ -6,11 +6,11 @@ import time
 
 import grpc
 import pytest
+from harness import start_mesh
 
 from deltamesh.client import AsyncClient, DeltameshError, InvalidRequest
-from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, ucx_pb2
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
-from harness import start_mesh
+from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, ucx_pb2
 
 pytestmark = pytest.mark.e2e
 MODEL = str(DEFAULT_MODEL)
@@ -73,8 +73,14 @@ def test_two_prefill_two_decode_workers_match_too(tmp_path, reference_engine):
 
 
 def test_a_colocated_worker_over_two_tensor_parallel_ranks_matches_too(tmp_path, reference_engine):
-    m = start_mesh(MODEL, tmp_path, prefill=0, decode=0, colocated=1,
-                   role_args={"colocated": ["--tensor-parallel-size", "2", "--torch-threads", "1"]})  # fmt: skip
+    m = start_mesh(
+        MODEL,
+        tmp_path,
+        prefill=0,
+        decode=0,
+        colocated=1,
+        role_args={"colocated": ["--tensor-parallel-size", "2", "--torch-threads", "1"]},
+    )
     try:
         check_against_reference(m, reference_engine, n_prompts=8)
     finally:
@@ -141,8 +147,11 @@ def test_cancelling_aborts_both_legs_and_frees_everything(mesh):
 
     # a client that just goes away (cancels its call, no Abort)
     channel = grpc.insecure_channel(mesh.router_address)
-    call = router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(
-        text="In this tutorial", sampling=common_pb2.SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)))
+    call = router_pb2_grpc.RouterStub(channel).Generate(
+        router_pb2.GenerateRequest(
+            text="In this tutorial", sampling=common_pb2.SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+        )
+    )
     for i, _ in enumerate(call):
         if i == 5:
             break
@@ -153,9 +162,15 @@ def test_cancelling_aborts_both_legs_and_frees_everything(mesh):
 
 def test_a_lease_never_pulled_expires_and_frees_prefill_memory(mesh):
     prefill = mesh.workers("prefill")[0]
-    reply = prefill.stub().Prefill(prefill_pb2.PrefillRequest(
-        request_id="lonely", prompt_token_ids=list(range(10, 80)), lease_ttl_ms=400,
-        sampling=common_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)), timeout=30)
+    reply = prefill.stub().Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id="lonely",
+            prompt_token_ids=list(range(10, 80)),
+            lease_ttl_ms=400,
+            sampling=common_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+        ),
+        timeout=30,
+    )
     assert reply.lease.lease_id == "lonely"
     load = prefill.load()
     assert load.held_states == 1 and load.leases == 1 and load.kv_pages_used > 0
@@ -167,15 +182,21 @@ def test_wrong_lease_layout_or_transport_is_refused_and_the_state_stays_held(mes
     prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
     prompt = list(range(20, 60))
     sampling = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    first = prefill.stub().Prefill(prefill_pb2.PrefillRequest(request_id="guarded", prompt_token_ids=prompt,
-                                                              sampling=sampling), timeout=30)  # fmt: skip
+    first = prefill.stub().Prefill(
+        prefill_pb2.PrefillRequest(request_id="guarded", prompt_token_ids=prompt, sampling=sampling), timeout=30
+    )
 
     def decode_with(lease=None, layout=None, transport=None):
-        source = decode_pb2.TransferSource(lease=lease or first.lease, transport=transport or first.transport,
-                                           layout=layout or first.layout,
-                                           first_token_id=first.first.token_ids[0])  # fmt: skip
-        call = decode.stub().Decode(decode_pb2.DecodeRequest(request_id="guarded", prompt_token_ids=prompt,
-                                                             sampling=sampling, source=source), timeout=30)  # fmt: skip
+        source = decode_pb2.TransferSource(
+            lease=lease or first.lease,
+            transport=transport or first.transport,
+            layout=layout or first.layout,
+            first_token_id=first.first.token_ids[0],
+        )
+        call = decode.stub().Decode(
+            decode_pb2.DecodeRequest(request_id="guarded", prompt_token_ids=prompt, sampling=sampling, source=source),
+            timeout=30,
+        )
         return [t for d in call for t in d.token_ids]
 
     def refused(code, text, **source):
@@ -187,8 +208,9 @@ def test_wrong_lease_layout_or_transport_is_refused_and_the_state_stays_held(mes
         payload = ucx_pb2.UcxLeaseDescriptor.FromString(first.transport.payload)
         for field in changes.pop("cleared", ()):
             payload.ClearField(field)
-        return common_pb2.TransportDescriptor(**{"kind": "ucx", "version": first.transport.version,
-                                                 "payload": payload.SerializeToString(), **changes})  # fmt: skip
+        return common_pb2.TransportDescriptor(
+            **{"kind": "ucx", "version": first.transport.version, "payload": payload.SerializeToString(), **changes}
+        )
 
     wrong_token = prefill_pb2.Lease()
     wrong_token.CopyFrom(first.lease)

@@ -8,11 +8,11 @@ import itertools
 
 import grpc
 import pytest
+from harness import start_mesh
+from hf_checkpoints import VOCAB, write_replicated_kv_checkpoint
 
 from deltamesh.engine import Engine, EngineConfig, SamplingParams
 from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2, ucx_pb2
-from harness import start_mesh
-from hf_checkpoints import VOCAB, write_replicated_kv_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
 ENGINE = {"page_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48, "num_kv_pages": 64}
@@ -41,8 +41,12 @@ def prefill(worker, rid: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
 
 
 def decode(worker, rid: str, prompt: list[int], first: prefill_pb2.PrefillResponse, layout=None) -> list[int]:
-    source = decode_pb2.TransferSource(lease=first.lease, transport=first.transport, layout=layout or first.layout,
-                                       first_token_id=first.first.token_ids[0])  # fmt: skip
+    source = decode_pb2.TransferSource(
+        lease=first.lease,
+        transport=first.transport,
+        layout=layout or first.layout,
+        first_token_id=first.first.token_ids[0],
+    )
     request = decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING, source=source)
     return [t for delta in worker.stub().Decode(request, timeout=60) for t in delta.token_ids]
 
@@ -75,8 +79,9 @@ def test_prefill_and_decode_of_every_pair_of_layouts_match_the_one_rank_engine(h
     try:
         check_every_pair(mesh, want)
         with mesh.client() as client:
-            assert [client.generate(p, max_tokens=10, temperature=0, ignore_eos=True).token_ids
-                    for p in PROMPTS] == want  # fmt: skip
+            assert [
+                client.generate(p, max_tokens=10, temperature=0, ignore_eos=True).token_ids for p in PROMPTS
+            ] == want
         assert mesh.wait_idle() == {}
     finally:
         mesh.stop()
@@ -123,8 +128,11 @@ def test_the_recipes_decode_layout_takes_states_from_a_tensor_parallel_prefill_w
         one_rank_decode = mesh.start_worker("decode")
         mesh.wait_ready()
         held_on_rank_1 = 0
-        for name, p, d in (("tp2->dep2", tp_prefill, dp_decode), ("dep2->1", dp_prefill, one_rank_decode),
-                           ("dep2->dep2", dp_prefill, dp_decode)):  # fmt: skip
+        for name, p, d in (
+            ("tp2->dep2", tp_prefill, dp_decode),
+            ("dep2->1", dp_prefill, one_rank_decode),
+            ("dep2->dep2", dp_prefill, dp_decode),
+        ):
             for i, prompt in enumerate(PROMPTS):
                 first = prefill(p, f"{name}-{i}", prompt)
                 # a state the data-parallel prefill worker's second rank computed is read from that rank's process

@@ -5,9 +5,9 @@ import json
 import httpx
 import openai
 import pytest
+from harness import start_mesh
 
 from deltamesh.engine import DEFAULT_MODEL, EngineConfig, SamplingParams
-from harness import start_mesh
 
 pytestmark = pytest.mark.e2e
 MODEL_ID = DEFAULT_MODEL.name
@@ -62,40 +62,70 @@ def test_chat_uses_the_checkpoint_template(client, reference_engine):
 
 def test_streaming_chat_with_usage(client, base_url):
     stream = client.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": "Tell me about tuples."}], max_tokens=10,
-        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "Tell me about tuples."}],
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
-    full = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Tell me about tuples."}],
-                                          max_tokens=10, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "Tell me about tuples."}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert text == full.choices[0].message.content
     # on the wire, only the first chunk names the role (the openai client reads a null one the same way)
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
     sse = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30).text.splitlines()
-    deltas = [json.loads(line[len("data: "):])["choices"][0]["delta"] for line in sse if line.startswith("data: {")]
+    deltas = [json.loads(line[len("data: ") :])["choices"][0]["delta"] for line in sse if line.startswith("data: {")]
     assert deltas[0] == {"role": "assistant", "content": ""} and all("role" not in d for d in deltas[1:]), deltas
 
 
 def test_stop_strings_n_and_logprobs(client):
-    base = client.completions.create(model=MODEL_ID, prompt="The Python language", max_tokens=24, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text  # fmt: skip
+    base = (
+        client.completions.create(
+            model=MODEL_ID, prompt="The Python language", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = base[8:11]
-    res = client.completions.create(model=MODEL_ID, prompt="The Python language", max_tokens=24, temperature=0,
-                                    stop=[stop], extra_body={"ignore_eos": True})  # fmt: skip
+    res = client.completions.create(
+        model=MODEL_ID,
+        prompt="The Python language",
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert res.choices[0].finish_reason == "stop" and res.choices[0].text == base[: base.index(stop)]
 
-    kw = dict(model=MODEL_ID, prompt="A dictionary", max_tokens=12, temperature=1.0, n=2, seed=5,
-              extra_body={"ignore_eos": True})  # fmt: skip
+    kw = dict(
+        model=MODEL_ID,
+        prompt="A dictionary",
+        max_tokens=12,
+        temperature=1.0,
+        n=2,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     two = client.completions.create(**kw)
     assert [c.index for c in two.choices] == [0, 1]
     assert two.usage.completion_tokens == 24  # both choices
-    assert two.usage.prompt_tokens == client.completions.create(model=MODEL_ID, prompt="A dictionary",
-                                                                max_tokens=1).usage.prompt_tokens  # counted once
+    assert (
+        two.usage.prompt_tokens
+        == client.completions.create(model=MODEL_ID, prompt="A dictionary", max_tokens=1).usage.prompt_tokens
+    )  # counted once
     again = client.completions.create(**kw)
     assert [c.text for c in two.choices] == [c.text for c in again.choices]  # seeded: reproducible
 
@@ -103,8 +133,14 @@ def test_stop_strings_n_and_logprobs(client):
     logprobs = lp.choices[0].logprobs
     assert len(logprobs.token_logprobs) == 5 and all(len(t) == 3 for t in logprobs.top_logprobs)
     assert all(v <= 0 for v in logprobs.token_logprobs)
-    chat = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
 
@@ -153,7 +189,9 @@ def test_chunked_oversized_body_is_refused(mesh, base_url):
             yield b"y" * (1 << 20)
         yield b'"}'
 
-    r = httpx.post(f"{base_url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{base_url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30
+    )
     assert r.status_code == 413 and r.json()["error"]["message"]
 
 
@@ -166,15 +204,22 @@ def test_health_ready_metrics_and_openapi(mesh, base_url, client):
     assert body["$ref"].endswith("ChatCompletionRequest")
 
     def scrape(url):
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in httpx.get(url).text.splitlines()
-                if line and not line.startswith("#")}  # fmt: skip
+        return {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in httpx.get(url).text.splitlines()
+            if line and not line.startswith("#")
+        }
 
     before = scrape(f"{base_url}/metrics")
     client.completions.create(model=MODEL_ID, prompt="Metrics move", max_tokens=5, temperature=0)
     after = scrape(f"{base_url}/metrics")
     assert after['deltamesh_router_requests_total{outcome="completed"}'] > before.get(
-        'deltamesh_router_requests_total{outcome="completed"}', 0)
-    assert after["deltamesh_router_time_to_first_token_seconds_count"] > before["deltamesh_router_time_to_first_token_seconds_count"]
+        'deltamesh_router_requests_total{outcome="completed"}', 0
+    )
+    assert (
+        after["deltamesh_router_time_to_first_token_seconds_count"]
+        > before["deltamesh_router_time_to_first_token_seconds_count"]
+    )
     assert after["deltamesh_router_generation_tokens_total"] >= before["deltamesh_router_generation_tokens_total"] + 5
 
 
@@ -198,8 +243,10 @@ def test_a_json_body_without_a_json_content_type_is_told_so(base_url):
 
 
 def test_unknown_parameters_are_refused_as_openai_does_and_known_ones_pass(base_url):
-    for path, body in (("/v1/completions", {"prompt": "x"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):  # fmt: skip
+    for path, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
         base = {"model": MODEL_ID, "max_tokens": 2, **body}
         r = httpx.post(f"{base_url}{path}", json=base | {"foo_bar": 1}, timeout=30)
         err = r.json()["error"]
@@ -208,7 +255,11 @@ def test_unknown_parameters_are_refused_as_openai_does_and_known_ones_pass(base_
         # OpenAI parameters that do not change the output, and a message field the server does not use
         ok = base | {"user": "u-1"}
         if "messages" in body:
-            ok |= {"store": False, "metadata": {"k": "v"}, "messages": [{"role": "user", "content": "x", "refusal": None}]}
+            ok |= {
+                "store": False,
+                "metadata": {"k": "v"},
+                "messages": [{"role": "user", "content": "x", "refusal": None}],
+            }
         r = httpx.post(f"{base_url}{path}", json=ok, timeout=60)
         assert r.status_code == 200, r.text
 
@@ -219,17 +270,26 @@ def test_null_means_the_default_and_dependent_parameters_are_checked(base_url, c
     stop strings are refused naming the parameter. A model is described under its id, as openai's
     models.retrieve asks."""
     nulls = {"n": None, "stream": None, "stop": None, "seed": None, "temperature": 0}
-    for path, body in (("/v1/completions", {"prompt": "x", "echo": None, "logprobs": None}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": None,
-                                                 "top_logprobs": None})):  # fmt: skip
+    for path, body in (
+        ("/v1/completions", {"prompt": "x", "echo": None, "logprobs": None}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": None, "top_logprobs": None},
+        ),
+    ):
         r = httpx.post(f"{base_url}{path}", json={"model": MODEL_ID, "max_tokens": 2, **nulls, **body}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
     chat = {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
-    for path, body, param in (("/v1/completions", {"model": MODEL_ID, "prompt": "x", "stop": ""}, "stop"),
-                              ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "stop": ["a", ""]}, "stop"),
-                              ("/v1/completions", {"model": MODEL_ID, "prompt": "x",
-                                                   "stream_options": {"include_usage": True}}, "stream_options"),
-                              ("/v1/chat/completions", chat | {"top_logprobs": 2}, "top_logprobs")):  # fmt: skip
+    for path, body, param in (
+        ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "stop": ""}, "stop"),
+        ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "stop": ["a", ""]}, "stop"),
+        (
+            "/v1/completions",
+            {"model": MODEL_ID, "prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        ("/v1/chat/completions", chat | {"top_logprobs": 2}, "top_logprobs"),
+    ):
         r = httpx.post(f"{base_url}{path}", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert client.models.retrieve(MODEL_ID).id == MODEL_ID
@@ -243,10 +303,15 @@ def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, 
 
     with pytest.raises(ValueError) as shared:  # the engine's own check, which the router runs for gRPC requests
         SamplingParams(**{field: value}).validate(vocab_size=1)
-    r = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL_ID, "prompt": "x", "max_tokens": 2, field: value},
-                   timeout=30)  # fmt: skip
-    assert r.status_code == 400 and r.json()["error"] == {"message": str(shared.value), "type": "invalid_request_error",
-                                                          "param": field, "code": None}, r.text  # fmt: skip
+    r = httpx.post(
+        f"{base_url}/v1/completions", json={"model": MODEL_ID, "prompt": "x", "max_tokens": 2, field: value}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": str(shared.value),
+        "type": "invalid_request_error",
+        "param": field,
+        "code": None,
+    }, r.text
     if value < 0:
         return  # an unsigned field on the wire: the SDK cannot even encode a negative value
     with mesh.client() as grpc_client, pytest.raises(InvalidRequest) as e:
@@ -254,7 +319,9 @@ def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, 
     assert str(shared.value) in str(e.value), (str(shared.value), str(e.value))
 
 
-def chat_like_the_reference(mesh, reference_engine, messages: list[dict], questions: list[str]) -> list[tuple[int, int]]:
+def chat_like_the_reference(
+    mesh, reference_engine, messages: list[dict], questions: list[str]
+) -> list[tuple[int, int]]:
     """Ask each question in turn through the mesh's REST gateway, the whole conversation every time; each answer
     must be the monolithic engine's. Returns (prompt tokens, reply tokens) per turn."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="unused", max_retries=0)
@@ -279,8 +346,9 @@ def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, refe
     turns skip the prefill worker and go to the decode worker that holds the conversation."""
     counts = dict(prefill=0, decode=0, colocated=1) if layout == "colocated" else {}
     router_args = ["--pd-direct-max-tokens", "64"] if layout.endswith("direct") else []
-    m = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], router_args=router_args, http=True,
-                   **counts)  # fmt: skip
+    m = start_mesh(
+        str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], router_args=router_args, http=True, **counts
+    )
     try:
         questions = ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]
         prompts, replies = zip(*chat_like_the_reference(m, reference_engine, [], questions))
@@ -303,9 +371,14 @@ def test_a_decode_worker_that_lost_the_conversation_refuses_and_prefill_serves_i
     """The P/D decider sends turn 2 to the decode worker that finished turn 1, but that worker's cache keeps
     almost nothing (--prefix-cache-pages 1): it refuses rather than prefill the whole prompt itself, and the
     request goes through the prefill worker, with the same answer."""
-    m = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], http=True,
-                   role_args={"decode": ["--prefix-cache-pages", "1"]},
-                   router_args=["--pd-direct-max-tokens", "64"])  # fmt: skip
+    m = start_mesh(
+        str(DEFAULT_MODEL),
+        tmp_path,
+        worker_args=["--prefix-cache"],
+        http=True,
+        role_args={"decode": ["--prefix-cache-pages", "1"]},
+        router_args=["--pd-direct-max-tokens", "64"],
+    )
     try:
         system = {"role": "system", "content": "You answer questions about Python in short sentences. " * 8}
         chat_like_the_reference(m, reference_engine, [system], ["What is a list?", "And a tuple?"])

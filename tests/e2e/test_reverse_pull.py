@@ -7,11 +7,11 @@ import time
 
 import httpx
 import pytest
+from harness import free_port, start_mesh
+from test_openai_api import chat_like_the_reference
 
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
-from harness import free_port, start_mesh
-from test_openai_api import chat_like_the_reference
 
 SYSTEM = {"role": "system", "content": "You answer questions about Python in short sentences. " * 4}
 TOKEN = b"r" * 16
@@ -31,9 +31,14 @@ def worker_counters(port: int) -> dict[str, float]:
 @pytest.fixture
 def mesh(tmp_path):
     port = free_port()
-    m = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], http=True,
-                   role_args={"prefill": ["--metrics-port", str(port)]},
-                   router_args=["--pd-direct-max-tokens", "4"])  # fmt: skip
+    m = start_mesh(
+        str(DEFAULT_MODEL),
+        tmp_path,
+        worker_args=["--prefix-cache"],
+        http=True,
+        role_args={"prefill": ["--metrics-port", str(port)]},
+        router_args=["--pd-direct-max-tokens", "4"],
+    )
     m.prefill_metrics = port
     try:
         yield m
@@ -66,8 +71,9 @@ def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_e
     prompt = reference_engine.tokenizer.encode_chat(messages)
     [decode], [prefill] = mesh.workers("decode"), mesh.workers("prefill")
     ttl_ms = 1 if gone == "expired" else 0
-    offer = decode.stub().OfferPrefix(decode_pb2.OfferPrefixRequest(prompt_token_ids=prompt, lease_token=TOKEN,
-                                                                    lease_ttl_ms=ttl_ms), timeout=10)  # fmt: skip
+    offer = decode.stub().OfferPrefix(
+        decode_pb2.OfferPrefixRequest(prompt_token_ids=prompt, lease_token=TOKEN, lease_ttl_ms=ttl_ms), timeout=10
+    )
     assert offer.layout.num_tokens > len(prompt) // 2  # the first turn's prompt and reply
     if gone == "released":
         release = prefill_pb2.LeaseRequest(lease_id=offer.lease.lease_id, token=TOKEN)
@@ -76,8 +82,12 @@ def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_e
         time.sleep(0.5)
     before = worker_counters(mesh.prefill_metrics)
     source = prefill_pb2.PrefixSource(lease=offer.lease, layout=offer.layout, transport=offer.transport)
-    ask = prefill_pb2.PrefillRequest(request_id=f"fallback-{gone}", prompt_token_ids=prompt, prefix=source,
-                                     sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0))  # fmt: skip
+    ask = prefill_pb2.PrefillRequest(
+        request_id=f"fallback-{gone}",
+        prompt_token_ids=prompt,
+        prefix=source,
+        sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
+    )
     answer = prefill.stub().Prefill(ask, timeout=60)
     expected = reference_engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0))[0]
     assert list(answer.first.token_ids) == expected.token_ids[:1]
@@ -85,8 +95,10 @@ def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_e
     assert after['deltamesh_reverse_pulls_total{outcome="failed"}'] == 1
     assert after.get('deltamesh_reverse_pulls_total{outcome="ok"}', 0) == 0
     own = 'deltamesh_engine_prefix_cache_hit_tokens_total{role="prefill"}'
-    computed = after['deltamesh_engine_prompt_tokens_total{role="prefill"}'] - \
-        before['deltamesh_engine_prompt_tokens_total{role="prefill"}']
+    computed = (
+        after['deltamesh_engine_prompt_tokens_total{role="prefill"}']
+        - before['deltamesh_engine_prompt_tokens_total{role="prefill"}']
+    )
     assert computed == len(prompt) - (after[own] - before[own])  # all but what its own cache held
     release = prefill_pb2.LeaseRequest(lease_id=ask.request_id, token=answer.lease.token)
     assert prefill.stub().ReleaseLease(release, timeout=5).ok

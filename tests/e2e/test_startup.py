@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
+from harness import ROOT, Mesh, free_port
 
 from deltamesh.engine import DEFAULT_MODEL
-from harness import ROOT, Mesh, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -38,8 +38,9 @@ def test_requests_wait_for_the_first_workers_then_get_503_with_retry_after(tmp_p
     try:
         result = {}
         body = {"model": DEFAULT_MODEL.name, "prompt": "Early", "max_tokens": 3, "ignore_eos": True}
-        early = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/v1/completions", json=body,
-                                                                            timeout=90)))  # fmt: skip
+        early = threading.Thread(
+            target=lambda: result.update(r=httpx.post(f"{url}/v1/completions", json=body, timeout=90))
+        )
         early.start()
         time.sleep(0.5)
         mesh.start_worker("prefill")
@@ -73,9 +74,24 @@ def test_a_mesh_without_workers_answers_503_with_retry_after_naming_what_is_miss
 def test_serve_stops_quickly_and_logs_json_lines(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
-    serve = subprocess.Popen([sys.executable, "-m", "deltamesh.services.cli", "serve", "--grpc-port", str(port), "--control-port",
-                              str(free_port()), "--http-port", str(free_port())], cwd=ROOT, stdout=log.open("w"),
-                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deltamesh.services.cli",
+            "serve",
+            "--grpc-port",
+            str(port),
+            "--control-port",
+            str(free_port()),
+            "--http-port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         from deltamesh.client import Client
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from deltamesh.client import Client, DeltameshError
 from harness import ROOT, free_port
 from reliability import record
+
+from deltamesh.client import Client, DeltameshError
 from deltamesh.services.common.auth import MESH_SECRET_ENV
 from deltamesh.services.common.options import SETTINGS_ENV
 from deltamesh.services.router.control import read_loads
@@ -39,9 +39,22 @@ class Serve:
         self.grpc_port, self.control_port = grpc_port or free_port(), free_port()
         self.secret = secrets.token_hex(16)  # given to serve, so that this test can read the router's loads
         self.log = log_dir / "serve.log"
-        argv = [sys.executable, "-m", "deltamesh.services.cli", "serve", "--grpc-port", str(self.grpc_port), "--control-port",
-                str(self.control_port), "--http-port", "0", "--prefill-workers", str(prefill),
-                "--decode-workers", str(decode)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "deltamesh.services.cli",
+            "serve",
+            "--grpc-port",
+            str(self.grpc_port),
+            "--control-port",
+            str(self.control_port),
+            "--http-port",
+            "0",
+            "--prefill-workers",
+            str(prefill),
+            "--decode-workers",
+            str(decode),
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", MESH_SECRET_ENV: self.secret, **(env or {})}
         self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         self.seen_pids: set[int] = set()  # every child ever started, for the orphan check
@@ -108,7 +121,10 @@ class Serve:
         for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
             pid = int(cmdline.parent.name)
             try:
-                ours = b"deltamesh.services.cli" in cmdline.read_bytes() and environ(pid).get(MESH_SECRET_ENV) == self.secret
+                ours = (
+                    b"deltamesh.services.cli" in cmdline.read_bytes()
+                    and environ(pid).get(MESH_SECRET_ENV) == self.secret
+                )
             except OSError:
                 continue
             if ours:
@@ -178,15 +194,22 @@ def test_killed_workers_are_restarted_while_the_mesh_serves(tmp_path):
         traffic.stop()
         decode_ok, decode_failed = traffic.between(decode_killed_at, decode_killed_at + decode_s)
         prefill_ok, prefill_failed = traffic.between(prefill_killed_at, prefill_killed_at + prefill_s)
-        print(f"\ndecode worker SIGKILLed: serving again (restarted, healthy, generating) after {decode_s:.2f} s; "
-              f"requests meanwhile: {decode_ok} ok, {decode_failed} failed")
-        print(f"only prefill worker SIGKILLed: serving again after {prefill_s:.2f} s; "
-              f"requests meanwhile: {prefill_ok} ok, {prefill_failed} failed")
-        record("`deltamesh serve` (1 prefill, 2 decode): a decode worker, then the only prefill worker SIGKILLed",
-               "serve restarts each on its own ports (back-off from 0.5 s); the other decode worker keeps serving; "
-               "the mesh serves again within 10 s", "test_killed_workers_are_restarted_while_the_mesh_serves",
-               f"serving again {decode_s:.2f}s after the decode kill ({decode_ok} requests ok, {decode_failed} failed "
-               f"meanwhile) and {prefill_s:.2f}s after the prefill kill")  # fmt: skip
+        print(
+            f"\ndecode worker SIGKILLed: serving again (restarted, healthy, generating) after {decode_s:.2f} s; "
+            f"requests meanwhile: {decode_ok} ok, {decode_failed} failed"
+        )
+        print(
+            f"only prefill worker SIGKILLed: serving again after {prefill_s:.2f} s; "
+            f"requests meanwhile: {prefill_ok} ok, {prefill_failed} failed"
+        )
+        record(
+            "`deltamesh serve` (1 prefill, 2 decode): a decode worker, then the only prefill worker SIGKILLed",
+            "serve restarts each on its own ports (back-off from 0.5 s); the other decode worker keeps serving; "
+            "the mesh serves again within 10 s",
+            "test_killed_workers_are_restarted_while_the_mesh_serves",
+            f"serving again {decode_s:.2f}s after the decode kill ({decode_ok} requests ok, {decode_failed} failed "
+            f"meanwhile) and {prefill_s:.2f}s after the prefill kill",
+        )
         assert serve.popen.poll() is None, "serve exited after a worker was killed"
         assert decode_s < RESTART_BOUND_S and prefill_s < RESTART_BOUND_S
         assert decode_ok > 0, "the other decode worker should have served while its peer was down"

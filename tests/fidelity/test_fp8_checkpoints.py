@@ -4,9 +4,6 @@ transformers gives for the same FP8 checkpoint (transformers dequantizes it on C
 
 import pytest
 import torch
-
-from deltamesh.engine import EngineConfig
-from deltamesh.engine.core import EngineCore
 from fidelity.test_transformers_fidelity import (  # noqa: F401  (family: the fixture)
     FAMILIES,
     assert_greedy_generation_matches,
@@ -16,6 +13,9 @@ from fidelity.test_transformers_fidelity import (  # noqa: F401  (family: the fi
     prompt,
 )
 from hf_checkpoints import load_hf
+
+from deltamesh.engine import EngineConfig
+from deltamesh.engine.core import EngineCore
 from scripts.write_fp8_checkpoint import write_fp8_checkpoint
 
 pytestmark = pytest.mark.fidelity
@@ -37,8 +37,8 @@ def test_the_checkpoint_really_is_fp8(fp8_checkpoints, hf_checkpoints, family):
     from safetensors import safe_open
 
     with safe_open(str(fp8_checkpoints[family] / "model.safetensors"), framework="pt") as f:
-        dtypes = {f.get_tensor(n).dtype for n in f.keys() if n.endswith("o_proj.weight")}
-        scales = [n for n in f.keys() if n.endswith("weight_scale_inv")]
+        dtypes = {f.get_tensor(n).dtype for n in f if n.endswith("o_proj.weight")}
+        scales = [n for n in f if n.endswith("weight_scale_inv")]
     assert dtypes == {torch.float8_e4m3fn} and len(scales) > 10
     core = EngineCore(EngineConfig(model=str(fp8_checkpoints[family]), page_size=8, max_num_seqs=2))
     orig = EngineCore(EngineConfig(model=str(hf_checkpoints[family]), page_size=8, max_num_seqs=2))
@@ -47,8 +47,9 @@ def test_the_checkpoint_really_is_fp8(fp8_checkpoints, hf_checkpoints, family):
 
 
 def test_logits_equal_transformers_on_the_same_fp8_checkpoint(fp8_checkpoints, family, hf_fp8):
-    core = EngineCore(EngineConfig(model=str(fp8_checkpoints[family]), page_size=8, max_num_seqs=4,
-                                   max_num_batched_tokens=64))  # fmt: skip
+    core = EngineCore(
+        EngineConfig(model=str(fp8_checkpoints[family]), page_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+    )
     ids = prompt(60, seed=5)
     got = engine_logits(core, ids, [40] + [1] * 20)
     assert (got - hf_logits(hf_fp8, ids)).abs().max() <= 1e-4

@@ -3,14 +3,14 @@ random checkpoints that transformers wrote with save_pretrained and the engine r
 
 import pytest
 import torch
+from hf_checkpoints import VOCAB, load_hf
+from idle_pools import assert_idle
 
 from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.engine import Engine
 from deltamesh.engine.request import Request
 from deltamesh.engine.scheduler import ScheduledItem
-from hf_checkpoints import VOCAB, load_hf
-from idle_pools import assert_idle
 
 pytestmark = pytest.mark.fidelity
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -28,8 +28,9 @@ def hf_model(hf_checkpoints, family):
 
 @pytest.fixture(scope="module")
 def core(hf_checkpoints, family):
-    return EngineCore(EngineConfig(model=str(hf_checkpoints[family]), page_size=8, max_num_seqs=8,
-                                   max_num_batched_tokens=64))
+    return EngineCore(
+        EngineConfig(model=str(hf_checkpoints[family]), page_size=8, max_num_seqs=8, max_num_batched_tokens=64)
+    )
 
 
 def prompt(n, seed=0):
@@ -86,7 +87,7 @@ def assert_greedy_generation_matches(checkpoint, hf_model, ids: list[int], n: in
     with Engine(EngineConfig(model=str(checkpoint), page_size=8)) as eng:
         [res] = eng.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    assert res.token_ids == ref[0, len(ids):].tolist()
+    assert res.token_ids == ref[0, len(ids) :].tolist()
 
 
 def test_greedy_generation_matches_transformers(hf_checkpoints, family, hf_model):
@@ -122,7 +123,7 @@ def test_continuous_batch_equals_each_request_alone(core, hf_model):
     assert max_running >= 4  # they really shared steps
     for r, m in zip(requests, max_tokens):
         ref = hf_model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=m, min_new_tokens=m, do_sample=False)
-        assert results[r.request_id] == ref[0, len(r.prompt_ids):].tolist(), r.request_id
+        assert results[r.request_id] == ref[0, len(r.prompt_ids) :].tolist(), r.request_id
     assert_idle(core)
 
 

@@ -66,16 +66,28 @@ def test_an_eager_step_never_waits_for_the_gpu(tmp_path):
     from hf_checkpoints import write_checkpoint
 
     path = write_checkpoint("qwen3_5_moe_fp8_shapes", tmp_path / "m", seed=3)
-    core = EngineCore(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=4,
-                                   max_num_batched_tokens=256, cuda_graphs=False))  # fmt: skip
+    core = EngineCore(
+        EngineConfig(
+            model=str(path),
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            cuda_graphs=False,
+        )
+    )
     assert core.kernels.chosen["gdn_prefill"] == "flashinfer"
-    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=1.0, seed=7, min_p=0.05, logprobs=3, ignore_eos=True)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=7, min_p=0.05, logprobs=3, ignore_eos=True),
+    ]
     done = []
     for i, (n, p) in enumerate(zip((200, 37, 90), params)):
-        core.submit(core.make_request([3 + (5 * i + j) % 200 for j in range(n)], p, f"r{i}"),
-                    lambda out: done.append(out) if out.finished else None)  # fmt: skip
+        core.submit(
+            core.make_request([3 + (5 * i + j) % 200 for j in range(n)], p, f"r{i}"),
+            lambda out: done.append(out) if out.finished else None,
+        )
     core.dispatch(core.process_commands())
     report = StepReport(core, interval_s=0.0)
     steps = 0
@@ -104,20 +116,32 @@ def test_states_taken_in_passing_on_the_gpu(tmp_path, prompts):
     texts = [[3 + (7 * j + 11 * i) % 200 for j in range(150)] for i in range(prompts)]
     engines = []
     for snapshots in (True, False):
-        core = EngineCore(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8,
-                                       max_num_batched_tokens=100 if prompts == 1 else 450, page_size=16))  # fmt: skip
+        core = EngineCore(
+            EngineConfig(
+                model=str(path),
+                device="cuda",
+                dtype="bfloat16",
+                max_num_seqs=8,
+                max_num_batched_tokens=100 if prompts == 1 else 450,
+                page_size=16,
+            )
+        )
         core.scheduler.snapshots = snapshots
         for i, text in enumerate(texts):
-            core.submit(core.make_request(text, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), f"r{i}"),
-                        lambda out: None)  # fmt: skip
+            core.submit(
+                core.make_request(text, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), f"r{i}"),
+                lambda out: None,
+            )
         core.process_commands()
         while core.has_work:
             core.step()
         engines.append(core)
     passing, stopped = engines
     assert passing.stats.steps == stopped.stats.steps - 1
-    a, b = ({blk.tokens: blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None}
-            for e in engines)  # fmt: skip
+    a, b = (
+        {blk.tokens: blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None}
+        for e in engines
+    )
     assert set(a) == set(b) and len(a) == prompts
     ca, cb = passing.prefix_cache.checkpoints, stopped.prefix_cache.checkpoints
     for key in a:
@@ -136,8 +160,16 @@ def test_piecewise_graphs_match_the_eager_steps(tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
     results = []
     for limit in (0, 256):
-        core = EngineCore(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=4,
-                                       max_num_batched_tokens=256, piecewise_cuda_graph_max_tokens=limit))  # fmt: skip
+        core = EngineCore(
+            EngineConfig(
+                model=str(path),
+                device="cuda",
+                dtype="bfloat16",
+                max_num_seqs=4,
+                max_num_batched_tokens=256,
+                piecewise_cuda_graph_max_tokens=limit,
+            )
+        )
         assert (core.runner.pieces is not None) == bool(limit)
         out = {}
 

@@ -35,8 +35,13 @@ def test_fp8_linear_matches_its_arithmetic(tokens):
         assert rel(triton_linear.linear(x, w, bias), ref) < 1e-2, (n, k)
         if tokens <= 4:
             # (a split call has one arrival counter per token and block of rows: gemv_config stays within them)
-            for tile in [triton_linear.GemvConfig(bn, bk, split, 4) for bn in (4, 8, 16, 32) for bk in (256, 512)
-                         for split in (1, 4) if split == 1 or -(-n // bn) * tokens <= triton_linear.ARRIVAL_COUNTERS]:  # fmt: skip
+            for tile in [
+                triton_linear.GemvConfig(bn, bk, split, 4)
+                for bn in (4, 8, 16, 32)
+                for bk in (256, 512)
+                for split in (1, 4)
+                if split == 1 or -(-n // bn) * tokens <= triton_linear.ARRIVAL_COUNTERS
+            ]:
                 assert rel(triton_linear.gemv(x, w, bias, tile), ref) < 1e-2, (n, k, tile)
         unquantized = x.float() @ dequantize(w).T + (bias.float() if with_bias else 0)
         assert rel(triton_linear.linear(x, w, bias), unquantized) < 0.1
@@ -86,10 +91,11 @@ def test_fp8_moe_matches_its_arithmetic(tokens):
 
 
 def test_an_fp8_checkpoint_serves_close_to_its_dequantized_model(tmp_path):
-    from deltamesh.engine import Engine, EngineConfig, SamplingParams
-    from deltamesh.engine.core import EngineCore
     from fidelity.test_transformers_fidelity import engine_logits, prompt
     from hf_checkpoints import write_checkpoint
+
+    from deltamesh.engine import Engine, EngineConfig, SamplingParams
+    from deltamesh.engine.core import EngineCore
     from scripts.write_fp8_checkpoint import write_fp8_checkpoint
 
     fp8 = write_fp8_checkpoint(write_checkpoint("qwen3_5_moe_fp8_shapes", tmp_path / "bf16", seed=4), tmp_path / "fp8")

@@ -42,8 +42,9 @@ def reference_prefill(q, k, v, a, b, A_log, dt_bias, lens, pool, idx):
     """The torch reference in float64 on the CPU."""
     cpu = lambda x: x.double().cpu()  # noqa: E731
     ref_pool = cpu(pool)
-    out = torch_ref.gdn_prefill(cpu(q), cpu(k), cpu(v), cpu(a), cpu(b), cpu(A_log), cpu(dt_bias), lens, None, ref_pool,
-                                idx.cpu())
+    out = torch_ref.gdn_prefill(
+        cpu(q), cpu(k), cpu(v), cpu(a), cpu(b), cpu(A_log), cpu(dt_bias), lens, None, ref_pool, idx.cpu()
+    )
     return out, ref_pool
 
 
@@ -60,8 +61,9 @@ def test_gdn_prefill_backends_match_float64(name):
     assert rel(pool[idx], ref_pool[idx.cpu()]) <= 1e-2
 
 
-@pytest.mark.parametrize("name,state_dtype", [("flashinfer", torch.float32), ("flashinfer", torch.bfloat16),
-                                              ("fla", torch.float32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,state_dtype", [("flashinfer", torch.float32), ("flashinfer", torch.bfloat16), ("fla", torch.float32)]
+)
 def test_gdn_decode_backends_match_float64(name, state_dtype):
     ops = backend(name, ModelShapes(torch.bfloat16, state_dtype, 16, 32, 128, 128, 16, 4, 256, 16))
     lens = [1] * 64
@@ -91,13 +93,23 @@ def test_triton_paged_attention_matches_reference():
         used += need
     q = torch.randn(sum(qlen), hq, d, generator=g, device=DEV).bfloat16()
     seq = torch.tensor([c + n for c, n in zip(ctx, qlen)], dtype=torch.int32, device=DEV)
-    batch = StepBatch(2, qlen, ctx, seq, tables,
-                      torch.zeros(sum(qlen), dtype=torch.long, device=DEV), torch.arange(4, device=DEV),
-                      torch.zeros(sum(qlen), dtype=torch.long, device=DEV))  # fmt: skip
+    batch = StepBatch(
+        2,
+        qlen,
+        ctx,
+        seq,
+        tables,
+        torch.zeros(sum(qlen), dtype=torch.long, device=DEV),
+        torch.arange(4, device=DEV),
+        torch.zeros(sum(qlen), dtype=torch.long, device=DEV),
+    )
     out = ops["paged_attention"](q, k_cache, v_cache, batch, d**-0.5)
-    cpu_batch = StepBatch(2, qlen, ctx, seq.cpu(), tables.cpu(), batch.slot_mapping.cpu(),
-                          batch.state_slots.cpu(), batch.positions.cpu())  # fmt: skip
-    ref = torch_ref.paged_attention(q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(), cpu_batch, d**-0.5)
+    cpu_batch = StepBatch(
+        2, qlen, ctx, seq.cpu(), tables.cpu(), batch.slot_mapping.cpu(), batch.state_slots.cpu(), batch.positions.cpu()
+    )
+    ref = torch_ref.paged_attention(
+        q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(), cpu_batch, d**-0.5
+    )
     assert rel(out, ref) <= 1e-2
 
 
@@ -131,8 +143,9 @@ def test_triton_fused_ops_match_reference():
     kv = r(40, 2, 2, 16, 4, 256).bfloat16()
     slots = torch.randperm(40 * 16, device=DEV)[:64]
     ref_kv = f64(kv)
-    ref_q = torch_ref.attention_inputs(f64(qkv), 16, f64(qw), f64(kw), 1e-6, f64(cos), f64(sin), ref_kv[:, 1, 0],
-                                       ref_kv[:, 1, 1], slots.cpu())  # fmt: skip
+    ref_q = torch_ref.attention_inputs(
+        f64(qkv), 16, f64(qw), f64(kw), 1e-6, f64(cos), f64(sin), ref_kv[:, 1, 0], ref_kv[:, 1, 1], slots.cpu()
+    )
     q = ops["attention_inputs"](qkv, 16, qw, kw, 1e-6, cos, sin, kv[:, 1, 0], kv[:, 1, 1], slots)
     assert rel(q, ref_q) <= 1e-2 and rel(kv, ref_kv) <= 1e-2
     gate = qkv[:, : 2 * 16 * 256].view(64, 16, 512)[..., 256:]

@@ -32,8 +32,9 @@ def test_gpu_logits_match_cpu_fp32(engines):
         try:
             with torch.inference_mode():
                 input_ids, batch = core.runner.prepare([ScheduledItem(req, len(ids))])
-                logits.append(core.model.logits(core.model(input_ids, batch, core.kv_pool, core.state_pool,
-                                                           core.kernels)).cpu())  # fmt: skip
+                logits.append(
+                    core.model.logits(core.model(input_ids, batch, core.kv_pool, core.state_pool, core.kernels)).cpu()
+                )
         finally:
             core.scheduler.free(req)
     assert (logits[0] - logits[1]).abs().max() <= 1e-3

@@ -35,6 +35,9 @@ def test_moe_layouts_over_two_gpus_match_one(hf_checkpoints, family):
     kernels'): what is checked here is the collectives over NCCL."""
     path, torch_kernels = hf_checkpoints[family], {"kernel_backend": "torch"}
     want = tokens(path, **torch_kernels)
-    for layout in ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True},
-                   {"data_parallel_size": 2, "enable_expert_parallel": True}):  # fmt: skip
+    for layout in (
+        {"tensor_parallel_size": 2},
+        {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+        {"data_parallel_size": 2, "enable_expert_parallel": True},
+    ):
         assert tokens(path, **layout, **torch_kernels) == want, layout

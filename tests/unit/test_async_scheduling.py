@@ -4,12 +4,12 @@ never lets a launched step and a new owner share memory."""
 
 import pytest
 import torch
+from idle_pools import assert_idle
+from test_engine import prompts, run_all
 
 from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.request import Status
-from test_engine import prompts, run_all
-from idle_pools import assert_idle
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
@@ -52,8 +52,9 @@ def test_same_outputs_as_finishing_every_step(model_dir):
         orig = engine._append_token
 
         def append(req, tok, lp, now, orig=orig, got_lps=got_lps):
-            got_lps.setdefault(req.request_id, []).append(None if lp is None else (lp.token_id, round(lp.logprob, 4),
-                                                                                   [t for t, _ in lp.top]))
+            got_lps.setdefault(req.request_id, []).append(
+                None if lp is None else (lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top])
+            )
             return orig(req, tok, lp, now)
 
         engine._append_token = append
@@ -73,8 +74,10 @@ def test_same_outputs_under_preemption_and_aborts(model_dir):
     results = []
     for async_scheduling in (False, True):
         engine = core(model_dir, async_scheduling, num_kv_pages=24, max_num_batched_tokens=16)
-        reqs = [engine.make_request(p, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True), f"r{i}")
-                for i, p in enumerate(prompts(6, seed=8))]  # fmt: skip
+        reqs = [
+            engine.make_request(p, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True), f"r{i}")
+            for i, p in enumerate(prompts(6, seed=8))
+        ]
 
         def on_step(step, engine=engine):
             if step == 6:
@@ -130,8 +133,9 @@ def test_a_steps_tokens_stream_during_the_next_launch(model_dir):
     (on the CPU at once): they reach the sink before that step's launch is over, not in what step() returns."""
     engine = core(model_dir, True)
     outs = []
-    engine.submit(engine.make_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "a"),
-                  outs.append)  # fmt: skip
+    engine.submit(
+        engine.make_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "a"), outs.append
+    )
     engine.process_commands()
     engine.step()  # a's prompt
     engine.submit(engine.make_request(list(range(1, 20)), GREEDY4, "b"), outs.append)
@@ -139,7 +143,8 @@ def test_a_steps_tokens_stream_during_the_next_launch(model_dir):
     layers = []
     execute = engine.runner.execute
     engine.runner.execute = lambda items, pending, between_layers: execute(
-        items, pending, lambda: (layers.append(len(outs)), between_layers()))  # fmt: skip
+        items, pending, lambda: (layers.append(len(outs)), between_layers())
+    )
     assert engine.step() == []  # a's decode beside b's prompt: a's first token went out during the launch
     assert layers[0] == 0 and layers[1:] == [1] * (len(layers) - 1) and [o.request_id for o in outs] == ["a"]
 

@@ -9,8 +9,9 @@ from deltamesh.engine import DEFAULT_MODEL
 
 def prompts(seed: int, n: int, length: int = 64) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """(the measured prompts, the warm-up's) bench/serve.py draws for these arguments."""
-    args = serve.parse_args(["--model-dir", str(DEFAULT_MODEL), "--num-prompts", str(n), "--input-len", str(length),
-                             "--seed", str(seed)])  # fmt: skip
+    args = serve.parse_args(
+        ["--model-dir", str(DEFAULT_MODEL), "--num-prompts", str(n), "--input-len", str(length), "--seed", str(seed)]
+    )
     vocab = serve.Vocabulary(args.model_dir)
     requests = serve.sample_requests(args, vocab)
     return [tuple(r.prompt) for r in requests], tuple(serve.warmup_request(args, vocab, requests[0]).prompt)

@@ -202,7 +202,9 @@ def test_every_service_runs_the_image_built_from_the_dockerfile(compose):
         assert (COMPOSE.parent / build.get("context", ".")).resolve() == ROOT, f"{name}: build context is not the repo"
         assert build.get("dockerfile", "Dockerfile") == "Dockerfile", f"{name}: builds another Dockerfile"
         args = build.get("args") or {}
-        assert set(args) <= declared_args, f"{name}: build args {set(args) - declared_args} are not ARGs of the Dockerfile"
+        assert set(args) <= declared_args, (
+            f"{name}: build args {set(args) - declared_args} are not ARGs of the Dockerfile"
+        )
         image = svc.get("image", "")
         assert image.startswith("deltamesh:"), f"{name}: image {image!r} is not a deltamesh image"
         assert "entrypoint" not in svc, f"{name}: overrides the image's deltamesh entrypoint"
@@ -212,7 +214,9 @@ def test_every_service_runs_the_image_built_from_the_dockerfile(compose):
         p = profile_of(name, svc)
         if p == "gpu":
             assert args.get("EXTRAS") == "gpu", f"{name}: the gpu image needs EXTRAS=gpu"
-            assert re.search(r"/whl/cu\d+", args.get("TORCH_INDEX", "")), f"{name}: the gpu image needs a CUDA torch index"
+            assert re.search(r"/whl/cu\d+", args.get("TORCH_INDEX", "")), (
+                f"{name}: the gpu image needs a CUDA torch index"
+            )
         else:
             assert not args.get("EXTRAS") and "cu" not in args.get("TORCH_INDEX", "/whl/cpu").rsplit("/", 1)[-1], (
                 f"{name}: the cpu image must keep the CPU torch build"
@@ -252,7 +256,9 @@ def test_workers_register_with_their_router_under_a_reachable_name(compose):
         # The router dials the address a worker registers; with a 0.0.0.0 bind that must be a DNS name
         # of the container on the compose network (the service name, its hostname or an alias).
         names = {name, svc.get("hostname")} | {
-            a for cfg in (svc["networks"].values() if isinstance(svc["networks"], dict) else []) if cfg
+            a
+            for cfg in (svc["networks"].values() if isinstance(svc["networks"], dict) else [])
+            if cfg
             for a in cfg.get("aliases", [])
         }
         names.discard(None)
@@ -276,11 +282,15 @@ def test_router_and_workers_share_the_mesh_secret_through_a_volume(compose):
     for name, svc in services(compose).items():
         path = cli_params(svc["command"])["mesh_secret_file"]
         router_name, router_svc = routers[profile_of(name, svc)]
-        assert path and path == cli_params(router_svc["command"])["mesh_secret_file"], f"{name}: not its router's secret"
+        assert path and path == cli_params(router_svc["command"])["mesh_secret_file"], (
+            f"{name}: not its router's secret"
+        )
         mounts = [v.split(":") for v in svc.get("volumes", []) if v.split(":")[1] == str(Path(path).parent)]
         assert len(mounts) == 1, f"{name}: the secret's folder {Path(path).parent} is not mounted"
         volume, mode = mounts[0][0], (mounts[0] + ["rw"])[2]
-        router_volume = next(v.split(":")[0] for v in router_svc["volumes"] if v.split(":")[1] == str(Path(path).parent))
+        router_volume = next(
+            v.split(":")[0] for v in router_svc["volumes"] if v.split(":")[1] == str(Path(path).parent)
+        )
         assert volume == router_volume and volume in compose["volumes"], f"{name}: another volume than its router's"
         assert (mode == "rw") == (name == router_name), f"{name}: only the router writes the secret"
     assert "chown deltamesh:deltamesh /run/deltamesh" in DOCKERFILE.read_text(), "the service user must own the mount"
@@ -312,7 +322,9 @@ def test_healthchecks_ask_each_services_own_grpc_port(compose):
         assert test[2] == "health", f"{name}: health check runs `deltamesh {test[2]}`"
         host, _, port = args["address"].rpartition(":")
         assert host in LOCAL_HOSTS, f"{name}: health check should ask the container itself, not {host}"
-        assert int(port) == grpc_port(svc), f"{name}: health check port {port} != the service's gRPC port {grpc_port(svc)}"
+        assert int(port) == grpc_port(svc), (
+            f"{name}: health check port {port} != the service's gRPC port {grpc_port(svc)}"
+        )
         for key in ("interval", "timeout", "retries", "start_period"):
             assert key in hc, f"{name}: healthcheck.{key} missing"
 
@@ -326,7 +338,9 @@ def test_cpu_profile_runs_the_embedded_model_on_cpu(compose):
             assert params["device"] == "cpu", f"{name}: --device {params['device']}"
         assert "--model" not in svc["command"], f"{name}: the cpu profile uses the model embedded in the image"
         assert "deploy" not in svc, f"{name}: the cpu profile reserves no devices"
-        assert all(v.startswith("mesh-secret:") for v in svc.get("volumes", [])), f"{name}: the cpu profile needs no model volume"
+        assert all(v.startswith("mesh-secret:") for v in svc.get("volumes", [])), (
+            f"{name}: the cpu profile needs no model volume"
+        )
 
 
 def test_gpu_profile_reserves_nvidia_devices_and_mounts_the_model_volume(compose):
@@ -338,7 +352,9 @@ def test_gpu_profile_reserves_nvidia_devices_and_mounts_the_model_volume(compose
         params = cli_params(svc["command"])
         assert params["model"].startswith("/models/"), f"{name}: --model {params['model']!r} not under /models"
         models.add(params["model"])
-        assert ("models", "/models", True) in volume_mounts(svc), f"{name}: models volume not mounted read-only at /models"
+        assert ("models", "/models", True) in volume_mounts(svc), (
+            f"{name}: models volume not mounted read-only at /models"
+        )
         if role_of(svc) in WORKER_ROLES:
             assert params["device"].startswith("cuda"), f"{name}: --device {params['device']}"
             devices = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -416,7 +432,9 @@ def test_dockerfile_base_and_build_args():
 
 def test_dockerfile_installs_pinned_torch_generates_stubs_and_installs_sdk():
     runs = " ; ".join(rest for ins, rest in dockerfile_instructions() if ins == "RUN")
-    assert dockerfile_args().get("TORCH_VERSION") == makefile_torch_pin(), "torch pin differs from the Makefile's TORCH_PIN"
+    assert dockerfile_args().get("TORCH_VERSION") == makefile_torch_pin(), (
+        "torch pin differs from the Makefile's TORCH_PIN"
+    )
     assert re.search(r'pip install "?torch==\$\{TORCH_VERSION\}"? --index-url "?\$\{TORCH_INDEX\}"?', runs), (
         "torch is not installed pinned from TORCH_INDEX"
     )
@@ -434,9 +452,7 @@ def test_dockerfile_runs_as_a_non_root_user():
 
 
 def test_dockerignore_keeps_local_environments_out_and_the_sources_in():
-    patterns = [
-        p.strip() for p in DOCKERIGNORE.read_text().splitlines() if p.strip() and not p.strip().startswith("#")
-    ]
+    patterns = [p.strip() for p in DOCKERIGNORE.read_text().splitlines() if p.strip() and not p.strip().startswith("#")]
     for needed in (".venv", ".gpu-wheels", ".git"):
         assert needed in patterns, f".dockerignore does not exclude {needed}"
 
@@ -453,7 +469,15 @@ def test_dockerignore_keeps_local_environments_out_and_the_sources_in():
         return hit
 
     assert ignored(".venv/bin/python") and ignored("deltamesh/engine/__pycache__/x.pyc")
-    for path in ("Makefile", "pyproject.toml", "protos/deltamesh/v1/router.proto", "sdk/pyproject.toml",
-                 "sdk/src/deltamesh/client/__init__.py", "deltamesh/engine/__init__.py", "deltamesh/services/cli.py",
-                 "models/deltamesh-tiny/config.json", "README.md"):  # fmt: skip
+    for path in (
+        "Makefile",
+        "pyproject.toml",
+        "protos/deltamesh/v1/router.proto",
+        "sdk/pyproject.toml",
+        "sdk/src/deltamesh/client/__init__.py",
+        "deltamesh/engine/__init__.py",
+        "deltamesh/services/cli.py",
+        "models/deltamesh-tiny/config.json",
+        "README.md",
+    ):
         assert not ignored(path), f".dockerignore excludes {path}, which the image needs"

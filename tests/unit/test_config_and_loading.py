@@ -4,23 +4,40 @@ import json
 
 import pytest
 import torch
+from hf_checkpoints import _COMMON, _MROPE, randomize
 
 from deltamesh.engine.config import ConfigError, ModelConfig
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.models.layers import Rotary
 from deltamesh.engine.weights import WeightError
-from hf_checkpoints import _COMMON, _MROPE, randomize
 
 QWEN35_9B_TEXT = {  # the text part of a released Qwen3.5 config, as published
-    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
-    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "eos_token_id": 248044,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
-                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-}  # fmt: skip
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "eos_token_id": 248044,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+}
 
 
 def test_vision_language_wrapper_reads_the_text_config():
@@ -31,8 +48,16 @@ def test_vision_language_wrapper_reads_the_text_config():
 
 
 def test_qwen3_next_top_level_rope_and_sparse_layers():
-    raw = {**QWEN35_9B_TEXT, "model_type": "qwen3_next", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
-           "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3]}  # fmt: skip
+    raw = {
+        **QWEN35_9B_TEXT,
+        "model_type": "qwen3_next",
+        "rope_theta": 1e6,
+        "partial_rotary_factor": 0.25,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    }
     del raw["rope_parameters"]
     cfg = ModelConfig.from_hf_dict(raw)
     assert cfg.rope_theta == 1e6
@@ -62,8 +87,17 @@ def test_mrope_reduces_to_plain_rope_for_text_and_matches_transformers():
 def test_sharded_vision_language_checkpoint_loads_text_weights_only(tmp_path):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)  # fmt: skip
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        num_position_embeddings=16,
+    )
     cfg = Qwen3_5Config(text_config=dict(**_COMMON, intermediate_size=96, rope_parameters=_MROPE), vision_config=vision)
     torch.manual_seed(0)
     hf = Qwen3_5ForConditionalGeneration(cfg).eval()
@@ -112,9 +146,20 @@ def test_missing_and_unexpected_weights_are_named(tmp_path, hf_checkpoints):
 
 
 def test_dummy_weights_need_only_a_config_and_are_seeded(tmp_path):
-    cfg = dict(QWEN35_9B_TEXT, hidden_size=64, intermediate_size=96, num_hidden_layers=4, vocab_size=500,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
+    cfg = dict(
+        QWEN35_9B_TEXT,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        vocab_size=500,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
     cfg["rope_parameters"] = dict(cfg["rope_parameters"], mrope_section=[2, 1, 1])
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     a = EngineCore(EngineConfig(model=str(tmp_path), load_format="dummy", seed=7))

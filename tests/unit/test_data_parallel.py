@@ -5,13 +5,13 @@ three families, with requests spread over the ranks, ranks left idle in some ste
 between data-parallel and one-rank engines."""
 
 import pytest
+from idle_pools import assert_idle
+from test_tensor_parallel import assert_same, engine_config, prompts, run
 
 from deltamesh.engine import SamplingParams
-from deltamesh.engine.request import FinishReason
 from deltamesh.engine.engine import Engine
 from deltamesh.engine.parallel import ParallelConfigError, Shard, shard_config
-from test_tensor_parallel import assert_same, engine_config, prompts, run
-from idle_pools import assert_idle
+from deltamesh.engine.request import FinishReason
 
 pytestmark = pytest.mark.parallel
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
@@ -30,8 +30,9 @@ def core_dp(path, **kw):
     return EngineCore(engine_config(path, 1, data_parallel_size=2, enable_expert_parallel=True, **kw))
 
 
-@pytest.mark.parametrize("family,expert_parallel", [("qwen3_5", False), ("qwen3_5_moe", True),
-                                                     ("qwen3_5_moe", False), ("qwen3_next", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "family,expert_parallel", [("qwen3_5", False), ("qwen3_5_moe", True), ("qwen3_5_moe", False), ("qwen3_next", True)]
+)
 def test_two_data_parallel_ranks_match_one(hf_checkpoints, family, expert_parallel):
     path = hf_checkpoints[family]
     with dp_engine(path, enable_expert_parallel=expert_parallel) as e:
@@ -85,8 +86,12 @@ def test_layouts_that_do_not_fit_are_refused(hf_checkpoints):
     path = hf_checkpoints["qwen3_5_moe"]  # 6 experts
     full = ModelConfig.from_dir(path)
     local = shard_config(full, 2, expert_parallel=True, data_parallel=True)
-    assert (local.num_attention_heads, local.num_key_value_heads, local.linear_num_value_heads, local.local_experts) \
-        == (full.num_attention_heads, full.num_key_value_heads, full.linear_num_value_heads, (0, 3))  # fmt: skip
+    assert (
+        local.num_attention_heads,
+        local.num_key_value_heads,
+        local.linear_num_value_heads,
+        local.local_experts,
+    ) == (full.num_attention_heads, full.num_key_value_heads, full.linear_num_value_heads, (0, 3))
     with pytest.raises(ParallelConfigError, match="into 4 data-parallel ranks: num_experts=6"):
         shard_config(full, 4, expert_parallel=True, data_parallel=True)
     with pytest.raises(ValueError, match="cannot both be above 1"):
@@ -209,9 +214,10 @@ def test_states_arrive_through_a_small_area_and_wait_when_it_is_full(hf_checkpoi
     """A parallel engine receives each state into its arrival area (room for --handoff-states states), not into
     a copy of its pools: with room for one, a second reservation is refused (its rank space given back) until
     the first state has gone to its rank, before the request's first step."""
-    from deltamesh.engine.cache import PoolExhausted
     from test_tp_handoff import PARAMS as HANDOFF_PARAMS
     from test_tp_handoff import held_states, one_rank_tokens
+
+    from deltamesh.engine.cache import PoolExhausted
 
     path = hf_checkpoints["qwen3_next"]
     first, held = held_states(path, 1)
@@ -230,8 +236,12 @@ def test_states_arrive_through_a_small_area_and_wait_when_it_is_full(hf_checkpoi
                 region.tensor.copy_(held[rid][offset : offset + region.nbytes])
                 offset += region.nbytes
             tokens[rid] = list(first[rid])
-            engine.submit_transferred(engine.make_request(prompt, HANDOFF_PARAMS, rid), first[rid][0], reservation,
-                                      lambda out, rid=rid: tokens[rid].extend(out.new_token_ids))  # fmt: skip
+            engine.submit_transferred(
+                engine.make_request(prompt, HANDOFF_PARAMS, rid),
+                first[rid][0],
+                reservation,
+                lambda out, rid=rid: tokens[rid].extend(out.new_token_ids),
+            )
             engine.dispatch(engine.process_commands())  # the state goes to its rank: the area is free again
         while engine.has_work:
             engine.dispatch(engine.step())
@@ -247,7 +257,6 @@ def test_held_states_wait_for_room_in_the_handoff_area(hf_checkpoints):
     prefill waits (its first token held back) until the first state is released, and each held state continues
     on a one-rank engine as the one-rank engine's own tokens."""
     import torch
-
     from test_tp_handoff import PARAMS as HANDOFF_PARAMS
     from test_tp_handoff import continued, one_rank_tokens
 
@@ -257,8 +266,10 @@ def test_held_states_wait_for_room_in_the_handoff_area(hf_checkpoints):
     first, held = {}, {}
     try:
         for i, p in enumerate(prompts()):
-            engine.submit(engine.make_request(p, HANDOFF_PARAMS, f"r{i}", hold_state=True),
-                          lambda out: outs.setdefault(out.request_id, []).append(out))  # fmt: skip
+            engine.submit(
+                engine.make_request(p, HANDOFF_PARAMS, f"r{i}", hold_state=True),
+                lambda out: outs.setdefault(out.request_id, []).append(out),
+            )
 
         def turn() -> None:
             engine.dispatch(engine.process_commands())
@@ -286,8 +297,10 @@ def test_a_prefill_aborted_while_waiting_for_the_area_frees_its_space(hf_checkpo
     outs: dict[str, list] = {}
     try:
         for i, p in enumerate(prompts()[:2]):
-            engine.submit(engine.make_request(p, HANDOFF_PARAMS, f"r{i}", hold_state=True),
-                          lambda out: outs.setdefault(out.request_id, []).append(out))  # fmt: skip
+            engine.submit(
+                engine.make_request(p, HANDOFF_PARAMS, f"r{i}", hold_state=True),
+                lambda out: outs.setdefault(out.request_id, []).append(out),
+            )
         for _ in range(20):
             engine.dispatch(engine.process_commands())
             engine.dispatch(engine.step())
@@ -302,4 +315,3 @@ def test_a_prefill_aborted_while_waiting_for_the_area_frees_its_space(hf_checkpo
         assert engine.handoff.area.states.num_used == 0
     finally:
         engine.close()
-

@@ -5,20 +5,22 @@ import asyncio
 
 import pytest
 import torch
+from hf_checkpoints import VOCAB
+from idle_pools import assert_idle
 
 from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams
 from deltamesh.engine.cache import StatePool
 from deltamesh.engine.core import EngineCore
-from hf_checkpoints import VOCAB
-from idle_pools import assert_idle
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def prompts(n, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen).tolist()
-            for _ in range(n)]  # fmt: skip
+    return [
+        torch.randint(0, VOCAB, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +52,10 @@ def run_all(core: EngineCore, reqs, on_step=None):
 def test_pools_return_to_zero_after_finished_stopped_and_aborted(model_dir):
     core = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_seqs=4, max_num_batched_tokens=32))
     ps = prompts(8)
-    reqs = [core.make_request(p, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), f"r{i}")
-            for i, p in enumerate(ps)]  # fmt: skip
+    reqs = [
+        core.make_request(p, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), f"r{i}")
+        for i, p in enumerate(ps)
+    ]
     # r1 stops on a token it is about to produce; r2 (running) and r7 (still queued) are aborted.
     alone = Engine(EngineConfig(model=model_dir)).generate(ps[1], SamplingParams(max_tokens=15, temperature=0))
     reqs[1].params.stop_token_ids = [alone[0].token_ids[3]]
@@ -98,7 +102,9 @@ def test_requests_that_cannot_fit_are_rejected_with_reasons(model_dir):
 def test_leaving_a_stream_early_aborts_and_frees(model_dir):
     async def main(engine):
         got = 0
-        async for out in engine.generate_stream([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)):
+        async for out in engine.generate_stream(
+            [5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        ):
             got += len(out.new_token_ids)
             if got >= 3:
                 break
@@ -123,7 +129,9 @@ def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
 
     prefill = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_batched_tokens=16))
     decode = EngineCore(EngineConfig(model=model_dir, page_size=8))  # other page size, other pool layout
-    first, finals = run_all(prefill, [prefill.make_request(p, params, f"r{i}", hold_state=True) for i, p in enumerate(ps)])
+    first, finals = run_all(
+        prefill, [prefill.make_request(p, params, f"r{i}", hold_state=True) for i, p in enumerate(ps)]
+    )
     assert prefill.num_held == 4 and all(len(t) == 1 for t in first.values())
     assert all(out.finish_reason is None for out in finals.values())
 
@@ -140,7 +148,9 @@ def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
         copy_state(prefill, decode, rid, res, len(p))
         assert prefill.release_held(rid)
         req = decode.make_request(p, params, rid)
-        decode.submit_transferred(req, first[rid][0], res, lambda out, rid=rid: got.setdefault(rid, []).extend(out.new_token_ids))
+        decode.submit_transferred(
+            req, first[rid][0], res, lambda out, rid=rid: got.setdefault(rid, []).extend(out.new_token_ids)
+        )
         reqs.append(req)
         assert sum(r.nbytes for r in src) > 0
     while decode.has_work or not decode._commands.empty():
@@ -174,8 +184,15 @@ def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
 
     def watched(items, *a, **kw):
         steps.append(sorted(it.num_tokens for it in items))
-        passing.append({it.snapshot_slot for it in items if it.snapshot_at is not None and it.num_tokens > 1
-                        and it.request.num_computed + it.num_tokens > it.snapshot_at})  # fmt: skip
+        passing.append(
+            {
+                it.snapshot_slot
+                for it in items
+                if it.snapshot_at is not None
+                and it.num_tokens > 1
+                and it.request.num_computed + it.num_tokens > it.snapshot_at
+            }
+        )
         return execute(items, *a, **kw)
 
     core.runner.execute = watched
@@ -213,4 +230,3 @@ def test_the_engine_times_each_requests_queue_and_first_token(model_dir):
     assert s.queued == s.first_tokens == len(reqs)
     assert 0 < s.queue_seconds < s.first_token_seconds
     assert all(r.arrival_time <= r.scheduled_time < r.first_token_time for r in reqs)
-

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from test_config_and_loading import QWEN35_9B_TEXT
 
 from deltamesh.engine.config import ConfigError, ModelConfig
 from deltamesh.engine.core import EngineCore
@@ -12,7 +13,6 @@ from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.quantization import QuantizationError, dequantize, dequantized
 from deltamesh.kernels.fp8 import quantize_blocks as quantize
 from scripts.write_fp8_checkpoint import write_fp8_checkpoint
-from test_config_and_loading import QWEN35_9B_TEXT
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -39,8 +39,13 @@ def test_quantize_round_trips_within_e4m3_precision():
 def test_weight_and_scales_pair_up_in_any_order():
     w1, s1 = quantize(torch.randn(16, 16), (8, 8))
     w2, s2 = quantize(torch.randn(16, 16), (8, 8))
-    stream = [("a.weight_scale_inv", s1), ("n.weight", torch.ones(3)), ("b.weight", w2), ("a.weight", w1),
-              ("b.weight_scale_inv", s2)]  # fmt: skip
+    stream = [
+        ("a.weight_scale_inv", s1),
+        ("n.weight", torch.ones(3)),
+        ("b.weight", w2),
+        ("a.weight", w1),
+        ("b.weight_scale_inv", s2),
+    ]
     out = dict(dequantized(stream, (8, 8)))
     assert set(out) == {"a.weight", "b.weight", "n.weight"} and torch.equal(out["n.weight"], torch.ones(3))
     assert torch.equal(out["a.weight"], dequantize(w1, s1, (8, 8)))
@@ -56,13 +61,16 @@ def test_broken_fp8_checkpoints_are_named():
         list(dequantized([("a.weight", w), ("a.weight_scale_inv", s)], (4, 4)))
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
-    ({"activation_scheme": "static"}, "activation_scheme 'static'"),
-    ({"weight_block_size": None}, "per-tensor FP8 is not supported"),
-    ({"scale_fmt": "ue8m0"}, "scale_fmt 'ue8m0'"),
-    ({"fmt": "e5m2"}, "fmt 'e5m2'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
+        ({"activation_scheme": "static"}, "activation_scheme 'static'"),
+        ({"weight_block_size": None}, "per-tensor FP8 is not supported"),
+        ({"scale_fmt": "ue8m0"}, "scale_fmt 'ue8m0'"),
+        ({"fmt": "e5m2"}, "fmt 'e5m2'"),
+    ],
+)
 def test_unsupported_quantization_configs_are_refused(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict({**QWEN35_9B_TEXT, "quantization_config": {**FP8, **change}})

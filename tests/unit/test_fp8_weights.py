@@ -5,6 +5,8 @@ tests/gpu/test_gpu_fp8.py."""
 
 import pytest
 import torch
+from fidelity.test_transformers_fidelity import engine_logits, prompt
+from hf_checkpoints import write_checkpoint
 from safetensors import safe_open
 
 from deltamesh.engine import Engine, EngineConfig
@@ -12,8 +14,6 @@ from deltamesh.engine.core import EngineCore
 from deltamesh.engine.sampling import SamplingParams
 from deltamesh.engine.weights import WeightError
 from deltamesh.kernels.fp8 import Fp8Weight, dequantize
-from fidelity.test_transformers_fidelity import engine_logits, prompt
-from hf_checkpoints import write_checkpoint
 from scripts.write_fp8_checkpoint import write_fp8_checkpoint
 
 
@@ -41,8 +41,9 @@ def test_the_checkpoints_values_and_scales_are_kept_as_written(fp8_dir):
         assert torch.equal(moe.w13_scale[2, i // 128 :], get("mlp.experts.2.up_proj.weight_scale_inv"))
         down = get("mlp.shared_expert.down_proj.weight")
         assert torch.equal(moe.shared.down.view(torch.uint8), down.view(torch.uint8))
-        assert torch.equal(gdn.in_proj[: gdn.conv_dim].view(torch.uint8),
-                           get("linear_attn.in_proj_qkv.weight").view(torch.uint8))  # fmt: skip
+        assert torch.equal(
+            gdn.in_proj[: gdn.conv_dim].view(torch.uint8), get("linear_attn.in_proj_qkv.weight").view(torch.uint8)
+        )
         assert torch.equal(gdn.in_proj_scale[gdn.conv_dim // 128 :], get("linear_attn.in_proj_z.weight_scale_inv"))
         assert torch.equal(gdn.in_proj_ba[: gdn.hv], get("linear_attn.in_proj_b.weight"))  # the gates stay float
     assert model.lm_head.dtype == torch.float32
@@ -114,4 +115,3 @@ def test_fp8_weights_split_over_two_ranks_give_the_one_rank_engines_output(fp8_d
         assert moe.w13.shape[0] == (2 if expert_parallel else 4) and mixer.out_proj_scale.shape == (1, 2)
         got = e.generate(prompts(), params)
     assert_same(got, run(fp8_dir, 1, quantization="fp8"))
-

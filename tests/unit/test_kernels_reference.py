@@ -66,8 +66,9 @@ def test_decode_step_matches_float64_recurrence():
     initial = pool.clone()
     out = torch_ref.gdn_decode(q, k, v, *gates, pool, idx)
     for i in range(3):
-        ref_out, ref_state = gdn_recurrence_f64(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1],
-                                                beta[i : i + 1], initial[idx[i]].transpose(-1, -2))  # fmt: skip
+        ref_out, ref_state = gdn_recurrence_f64(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], initial[idx[i]].transpose(-1, -2)
+        )
         assert rel_err(out[i], ref_out[0]) < 1e-6
         assert rel_err(pool[idx[i]], ref_state.transpose(-1, -2)) < 1e-6
 
@@ -88,7 +89,7 @@ def test_conv1d_prefill_and_update_match_dense_conv(lens):
         full = torch.cat([history[i], x[start : start + n].T], dim=-1).double()  # [C, W-1+n]
         ref = F.silu(F.conv1d(full[None], weight.double()[:, None], groups=c))[0].T
         assert torch.allclose(y[start : start + n].double(), ref, atol=1e-5)
-        assert torch.equal(pool[idx[i]], full[:, -(w - 1):].float())
+        assert torch.equal(pool[idx[i]], full[:, -(w - 1) :].float())
         start += n
     step = torch.randn(len(lens), c, generator=gen)
     before = pool[idx].clone()
@@ -109,8 +110,10 @@ def test_paged_attention_matches_dense_causal_attention():
     keys = [torch.randn(c + n, hkv, d, generator=gen) for c, n in zip(ctx, qlen)]
     vals = [torch.randn(c + n, hkv, d, generator=gen) for c, n in zip(ctx, qlen)]
     slot = lambda s, p: pages[s][p // page_size] * page_size + p % page_size  # noqa: E731
-    for s, (c, n) in enumerate(zip(ctx, qlen)):  # context already cached
-        torch_ref.write_kv(*kv, keys[s][:c], vals[s][:c], torch.tensor([slot(s, p) for p in range(c)], dtype=torch.long))
+    for s, (c, _n) in enumerate(zip(ctx, qlen)):  # context already cached
+        torch_ref.write_kv(
+            *kv, keys[s][:c], vals[s][:c], torch.tensor([slot(s, p) for p in range(c)], dtype=torch.long)
+        )
     new_k = torch.cat([keys[s][c:] for s, c in enumerate(ctx)])
     new_v = torch.cat([vals[s][c:] for s, c in enumerate(ctx)])
     mapping = torch.tensor([slot(s, p) for s, (c, n) in enumerate(zip(ctx, qlen)) for p in range(c, c + n)])
@@ -119,8 +122,16 @@ def test_paged_attention_matches_dense_causal_attention():
     tables = torch.full((3, 4), -1, dtype=torch.int32)
     for s, p in enumerate(pages):
         tables[s, : len(p)] = torch.tensor(p)
-    batch = StepBatch(1, qlen, ctx, torch.tensor([c + n for c, n in zip(ctx, qlen)]), tables, mapping,
-                      torch.tensor([0, 1, 2]), torch.zeros(9, dtype=torch.long))  # fmt: skip
+    batch = StepBatch(
+        1,
+        qlen,
+        ctx,
+        torch.tensor([c + n for c, n in zip(ctx, qlen)]),
+        tables,
+        mapping,
+        torch.tensor([0, 1, 2]),
+        torch.zeros(9, dtype=torch.long),
+    )
     out = torch_ref.paged_attention(q, *kv, batch, d**-0.5)
     start = 0
     for s, (c, n) in enumerate(zip(ctx, qlen)):

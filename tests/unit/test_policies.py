@@ -6,8 +6,15 @@ from deltamesh.v1 import common_pb2
 
 
 def handle(address: str, inflight: int = 0) -> WorkerHandle:
-    return WorkerHandle(address, "prefill", static=True, channel=None, healthy=True, inflight=inflight,
-                        load=common_pb2.WorkerLoad(address=address, kv_pages_total=100))  # fmt: skip
+    return WorkerHandle(
+        address,
+        "prefill",
+        static=True,
+        channel=None,
+        healthy=True,
+        inflight=inflight,
+        load=common_pb2.WorkerLoad(address=address, kv_pages_total=100),
+    )
 
 
 def test_cache_aware_sends_a_shared_prefix_where_it_went_before():

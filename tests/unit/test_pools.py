@@ -73,7 +73,6 @@ def test_state_slots_are_zeroed_and_slot_major():
         pool.alloc()
 
 
-
 def _free_pages(pool) -> list[int]:
     return [p for p in range(1, pool.num_pages + 1) if pool._free[p]]
 

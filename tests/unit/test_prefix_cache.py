@@ -4,11 +4,11 @@ and leaves every pool at its cached baseline (dropping the cache then frees ever
 
 import pytest
 import torch
+from hf_checkpoints import VOCAB
+from idle_pools import assert_idle
 
 from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
-from hf_checkpoints import VOCAB
-from idle_pools import assert_idle
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 PAGE = 4
@@ -114,7 +114,7 @@ def test_concurrent_requests_sharing_a_prefix(model_dir, params):
 def conversation(engine: EngineCore, turns: list[list[int]], params) -> list[list[int]]:
     """Each turn's prompt is the whole conversation so far (prompts and replies) plus the turn's new message."""
     history, replies = [], []
-    for t, message in enumerate(turns):
+    for _t, message in enumerate(turns):
         history = history + message
         [reply] = run_waves(engine, [[history]], params).values()
         replies.append(reply)
@@ -272,7 +272,9 @@ def test_a_state_taken_in_passing_equals_a_chunk_stopped_there(model_dir, budget
     assert passing.stats.checkpoints_saved == stopped.stats.checkpoints_saved == 2
     assert passing.stats.steps == stopped.stats.steps - 1
     # the prompt's checkpoint is the one on a block (the finished sequence's is a tail)
-    [a], [b] = ([blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None] for e in engines)
+    [a], [b] = (
+        [blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None] for e in engines
+    )
     ca, cb = passing.prefix_cache.checkpoints, stopped.prefix_cache.checkpoints
     for x, y in ((ca.conv[a], cb.conv[b]), (ca.recurrent[a], cb.recurrent[b])):
         assert x.abs().max() > 0.1 and torch.allclose(x, y, rtol=0, atol=1e-5)
@@ -310,7 +312,9 @@ def test_several_states_taken_in_passing_in_one_step(model_dir, max_seqs):
     assert passing.stats.steps == stopped.stats.steps - 1
 
     def checkpoints(engine):  # each prompt's checkpoint on its block ending at 28, by that block's tokens
-        return {blk.tokens: blk.checkpoint for blk in engine.prefix_cache._blocks.values() if blk.checkpoint is not None}
+        return {
+            blk.tokens: blk.checkpoint for blk in engine.prefix_cache._blocks.values() if blk.checkpoint is not None
+        }
 
     a, b = checkpoints(passing), checkpoints(stopped)
     assert set(b) == {tuple(p[24:28]) for p in prompts}
@@ -362,8 +366,10 @@ def test_a_full_batch_still_keeps_each_system_prompts_checkpoint():
     from deltamesh.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(DEFAULT_MODEL)
-    systems = [{"role": "system", "content": f"You are assistant number {n}, who answers in short sentences. " * 3}
-               for n in ("one", "two", "three")]  # fmt: skip
+    systems = [
+        {"role": "system", "content": f"You are assistant number {n}, who answers in short sentences. " * 3}
+        for n in ("one", "two", "three")
+    ]
     first = [tok.encode_chat([s, {"role": "user", "content": "What is a list?"}]) for s in systems]
     later = [tok.encode_chat([s, {"role": "user", "content": "And a tuple?"}]) for s in systems]
     ends = [p.index(p[0], 1) for p in first]

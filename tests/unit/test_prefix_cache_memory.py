@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 import pytest
+from test_prefix_cache import FAMILIES, GREEDY, assert_cached_baseline, conversation, core, run_waves, tokens
 
 from deltamesh.engine import EngineConfig
 from deltamesh.engine.prefix_cache import eviction_rank, in_rank_order
-from test_prefix_cache import FAMILIES, GREEDY, assert_cached_baseline, conversation, core, run_waves, tokens
 
 PAGE_BYTES, SLOT_BYTES = 2048, 16896  # the test models' (fp32, page_size 4): checked in `budgeted`
 
@@ -104,7 +104,6 @@ def test_a_budget_that_is_not_a_positive_size_is_refused(gb):
     with pytest.raises(ValueError, match="prefix-cache-memory.*positive number of GiB"):
         EngineConfig(prefix_cache=True, prefix_cache_memory_gb=gb).validate()
     EngineConfig(prefix_cache=True, prefix_cache_memory_gb=0.5).validate()
-
 
 
 def test_the_packed_eviction_rank_orders_as_the_four_keys_do():

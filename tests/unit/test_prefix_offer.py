@@ -3,7 +3,6 @@ leaves its pages and checkpoint alone while the pin lives), and a prefill worker
 reservation starts the prompt from them, computing only the rest, with the same output as without any cache."""
 
 import torch
-
 from test_prefix_cache import GREEDY, PAGE, assert_cached_baseline, conversation, core, run_waves, tokens
 
 
@@ -56,8 +55,12 @@ def test_a_prompt_started_from_pulled_state_equals_it_computed(hf_checkpoints):
     holder.prefix_cache.unpin(pinned)
 
     out = []
-    puller.submit_pulled(puller.make_request(prompt, GREEDY, "pulled"), pinned.num_tokens, reservation,
-                         lambda o: out.extend(o.new_token_ids))  # fmt: skip
+    puller.submit_pulled(
+        puller.make_request(prompt, GREEDY, "pulled"),
+        pinned.num_tokens,
+        reservation,
+        lambda o: out.extend(o.new_token_ids),
+    )
     while puller.has_work or not puller._commands.empty():
         puller.dispatch(puller.process_commands())
         puller.dispatch(puller.step())

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from deltamesh.kernels import ModelShapes, select_kernels
-from deltamesh.kernels.registry import OPS, Backend, _BACKENDS, parse_override, register_backend
+from deltamesh.kernels.registry import _BACKENDS, OPS, Backend, parse_override, register_backend
 
 SHAPES = ModelShapes(torch.float32, torch.float32, 2, 4, 16, 16, 4, 2, 32, 16)
 

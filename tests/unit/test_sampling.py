@@ -50,12 +50,28 @@ def test_sampling_follows_the_distribution():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2), dict(stop=[""]),
-     dict(stop_token_ids=[999]), dict(logprobs=21), dict(seed=-1),
-     # bounds of the wire types, booleans and floats as integers, lone surrogates (security review)
-     dict(max_tokens=2**32), dict(top_k=2**32), dict(seed=2**64), dict(seed=10**400), dict(max_tokens=True),
-     dict(stop_token_ids=[True]), dict(stop_token_ids=[2.0]), dict(logprobs=False), dict(stop=["a\ud800"]),
-     dict(stop_token_ids=[1] * 1025)],
+    [
+        dict(max_tokens=0),
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(stop=[""]),
+        dict(stop_token_ids=[999]),
+        dict(logprobs=21),
+        dict(seed=-1),
+        # bounds of the wire types, booleans and floats as integers, lone surrogates (security review)
+        dict(max_tokens=2**32),
+        dict(top_k=2**32),
+        dict(seed=2**64),
+        dict(seed=10**400),
+        dict(max_tokens=True),
+        dict(stop_token_ids=[True]),
+        dict(stop_token_ids=[2.0]),
+        dict(logprobs=False),
+        dict(stop=["a\ud800"]),
+        dict(stop_token_ids=[1] * 1025),
+    ],
 )
 def test_invalid_parameters_are_rejected(kwargs):
     with pytest.raises(ValueError):
@@ -64,8 +80,14 @@ def test_invalid_parameters_are_rejected(kwargs):
 
 def test_integer_bounds_follow_the_wire_types():
     """seed is a uint64 on the wire: every value of [0, 2**64) is accepted, and taken as is."""
-    for kwargs in (dict(seed=0), dict(seed=2**63), dict(seed=2**64 - 1), dict(top_k=2**32 - 1),
-                   dict(max_tokens=2**32 - 1), dict(stop=["\U0001F600"])):  # fmt: skip (JSON's "\\ud83d\\ude00" pair)
+    for kwargs in (
+        dict(seed=0),
+        dict(seed=2**63),
+        dict(seed=2**64 - 1),
+        dict(top_k=2**32 - 1),
+        dict(max_tokens=2**32 - 1),
+        dict(stop=["\U0001f600"]),
+    ):
         SamplingParams(**kwargs).validate(vocab_size=100)
 
 

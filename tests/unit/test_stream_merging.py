@@ -4,9 +4,9 @@ text and logprob in order, the finish last, and fewer messages than tokens."""
 import asyncio
 import time
 
-from deltamesh.v1 import common_pb2
 from deltamesh.engine import Engine, EngineConfig, SamplingParams
 from deltamesh.services.router.gateway.generation import _merged
+from deltamesh.v1 import common_pb2
 
 
 def test_an_engine_stream_that_falls_behind_gets_its_outputs_merged(hf_checkpoints):
@@ -31,8 +31,12 @@ def test_an_engine_stream_that_falls_behind_gets_its_outputs_merged(hf_checkpoin
 
 
 def delta(tokens, text, done=False):
-    d = common_pb2.TokenDelta(token_ids=tokens, text=text, finished=done,
-                              usage=common_pb2.Usage(prompt_tokens=4, completion_tokens=tokens[-1]))  # fmt: skip
+    d = common_pb2.TokenDelta(
+        token_ids=tokens,
+        text=text,
+        finished=done,
+        usage=common_pb2.Usage(prompt_tokens=4, completion_tokens=tokens[-1]),
+    )
     d.logprobs.add(token_id=tokens[0], logprob=-0.5)
     if done:
         d.finish_reason, d.stop_token_id = common_pb2.FINISH_REASON_STOP, tokens[-1]
@@ -41,14 +45,26 @@ def delta(tokens, text, done=False):
 
 def test_the_gateway_merges_each_choices_waiting_deltas():
     queue = asyncio.Queue()
-    waiting = [(1, delta([1], "a")), (0, delta([2], "x")), (0, delta([3], "y", done=True)), (0, None),
-               (1, delta([4], "b")), (1, "an error"), (1, delta([5], "c"))]  # fmt: skip
+    waiting = [
+        (1, delta([1], "a")),
+        (0, delta([2], "x")),
+        (0, delta([3], "y", done=True)),
+        (0, None),
+        (1, delta([4], "b")),
+        (1, "an error"),
+        (1, delta([5], "c")),
+    ]
     for item in waiting[1:]:
         queue.put_nowait(item)
     out = _merged([waiting[0]], queue)
     assert queue.empty()
-    assert [(i, type(x).__name__) for i, x in out] == [(1, "TokenDelta"), (0, "TokenDelta"), (0, "NoneType"),
-                                                       (1, "str"), (1, "TokenDelta")]  # fmt: skip
+    assert [(i, type(x).__name__) for i, x in out] == [
+        (1, "TokenDelta"),
+        (0, "TokenDelta"),
+        (0, "NoneType"),
+        (1, "str"),
+        (1, "TokenDelta"),
+    ]
     one, zero, last = out[0][1], out[1][1], out[4][1]
     assert list(one.token_ids) == [1, 4] and one.text == "ab" and not one.finished
     assert [lp.token_id for lp in one.logprobs] == [1, 4] and one.usage.completion_tokens == 4

@@ -42,12 +42,12 @@ def test_a_child_of_serve_stops_when_serve_is_killed(tmp_path):
         die_with_parent(int(os.environ["PARENT"]))
         print(os.getpid(), flush=True)
         time.sleep(60)
-    """)  # fmt: skip
+    """)
     parent = textwrap.dedent(f"""
         import os, subprocess, sys, time
         subprocess.Popen([sys.executable, "-c", {child!r}], env={{**os.environ, "PARENT": str(os.getpid())}})
         time.sleep(60)
-    """)  # fmt: skip
+    """)
     serve = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
     try:
         child_pid = int(serve.stdout.readline())

@@ -6,20 +6,27 @@ import json
 
 import pytest
 import torch
+from hf_checkpoints import VOCAB, randomize
 
 from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine import Engine
 from deltamesh.engine.parallel import ParallelConfigError, Shard, shard_config, shard_tensor
-from hf_checkpoints import BUILDERS, VOCAB, randomize
 
 pytestmark = pytest.mark.parallel
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
 def engine_config(path, tp: int, **kw) -> EngineConfig:
-    return EngineConfig(model=str(path), page_size=8, max_num_seqs=4, max_num_batched_tokens=48,
-                        tensor_parallel_size=tp, torch_threads=1, **kw)  # fmt: skip
+    return EngineConfig(
+        model=str(path),
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,
+        tensor_parallel_size=tp,
+        torch_threads=1,
+        **kw,
+    )
 
 
 def engine(path, tp: int, **kw) -> Engine:
@@ -66,8 +73,9 @@ def _checkpoint_for_four_ranks(tmp_path, family):
     on two ranks), 4 GDN key heads with 2 value heads each."""
     import hf_checkpoints as hc
 
-    common = dict(hc._COMMON, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
-                  linear_value_head_dim=8)  # fmt: skip
+    common = dict(
+        hc._COMMON, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8
+    )
     moe = dict(hc._MOE, moe_intermediate_size=32, shared_expert_intermediate_size=24)
     if family == "qwen3_5_moe":
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -76,8 +84,16 @@ def _checkpoint_for_four_ranks(tmp_path, family):
     else:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-        model = Qwen3NextForCausalLM(Qwen3NextConfig(**common, **moe, intermediate_size=64, decoder_sparse_step=1,
-                                                     mlp_only_layers=[0, 2], rope_parameters=hc._ROPE))  # fmt: skip
+        model = Qwen3NextForCausalLM(
+            Qwen3NextConfig(
+                **common,
+                **moe,
+                intermediate_size=64,
+                decoder_sparse_step=1,
+                mlp_only_layers=[0, 2],
+                rope_parameters=hc._ROPE,
+            )
+        )
     torch.manual_seed(3)
     randomize(model.eval(), 3)
     model.save_pretrained(tmp_path, safe_serialization=True)
@@ -150,17 +166,31 @@ def test_shards_put_back_together_give_the_full_tensors(hf_checkpoints):
     layer, experts = "model.layers.3.mlp.experts", range(cfg.num_experts)
     for r in range(2):
         shard = Shard(2, r, cfg)
-        per_expert = lambda proj: [shard_tensor(f"{layer}.{e}.{proj}.weight", tensors[f"{layer}.{e}.{proj}.weight"],  # noqa: E731
-                                                shard) for e in experts]  # fmt: skip
-        fused = torch.stack([torch.cat((tensors[f"{layer}.{e}.gate_proj.weight"], tensors[f"{layer}.{e}.up_proj.weight"]))
-                             for e in experts])  # fmt: skip
+
+        def per_expert(proj):
+            return [
+                shard_tensor(
+                    f"{layer}.{e}.{proj}.weight",
+                    tensors[f"{layer}.{e}.{proj}.weight"],
+                    shard,
+                )
+                for e in experts
+            ]
+
+        fused = torch.stack(
+            [
+                torch.cat((tensors[f"{layer}.{e}.gate_proj.weight"], tensors[f"{layer}.{e}.up_proj.weight"]))
+                for e in experts
+            ]
+        )
         want = torch.stack([torch.cat(gu) for gu in zip(per_expert("gate_proj"), per_expert("up_proj"))])
         assert torch.equal(shard_tensor(f"{layer}.gate_up_proj", fused, shard), want)
         down = torch.stack([tensors[f"{layer}.{e}.down_proj.weight"] for e in experts])
         assert torch.equal(shard_tensor(f"{layer}.down_proj", down, shard), torch.stack(per_expert("down_proj")))
     name = "lm_head.weight"
-    assert torch.equal(torch.cat([shard_tensor(name, tensors[name], Shard(3, r, cfg)) for r in range(3)])[:VOCAB],
-                       tensors[name])  # fmt: skip
+    assert torch.equal(
+        torch.cat([shard_tensor(name, tensors[name], Shard(3, r, cfg)) for r in range(3)])[:VOCAB], tensors[name]
+    )
     assert json.loads(cfg.to_json())["num_key_value_heads"] == 2
 
 

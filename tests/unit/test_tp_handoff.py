@@ -7,6 +7,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hf_checkpoints import write_replicated_kv_checkpoint
+from idle_pools import assert_idle
+from test_tensor_parallel import engine_config, prompts
 
 from deltamesh.engine import SamplingParams
 from deltamesh.engine.config import ModelConfig
@@ -14,9 +17,6 @@ from deltamesh.engine.core import EngineCore
 from deltamesh.engine.handoff import LayoutMismatch, check_layouts
 from deltamesh.engine.parallel import Shard, shard_tensor
 from deltamesh.engine.state_shards import RequestState, merge, split
-from hf_checkpoints import write_replicated_kv_checkpoint
-from test_tensor_parallel import engine_config, prompts
-from idle_pools import assert_idle
 
 pytestmark = pytest.mark.parallel
 
@@ -48,7 +48,9 @@ def test_each_rank_holds_the_state_its_weights_compute_and_the_parts_merge_back(
         assert torch.equal(part.conv[0, :, 0], channels.float())
         heads = shard_tensor("model.layers.3.self_attn.k_proj.weight", torch.arange(cfg.num_key_value_heads * d), shard)
         assert torch.equal(part.kv[0, 0, 0, 0, :, 0], (heads[::d] // d).float())
-        value_heads = shard_tensor("model.layers.0.linear_attn.dt_bias", torch.arange(cfg.linear_num_value_heads), shard)
+        value_heads = shard_tensor(
+            "model.layers.0.linear_attn.dt_bias", torch.arange(cfg.linear_num_value_heads), shard
+        )
         assert torch.equal(part.recurrent[0, :, 0, 0], value_heads.float())
     assert parts[0].kv.shape[4] == parts[1].kv.shape[4] == 1  # one KV head each: a copy, with more ranks than heads
     merged = merge(parts, cfg)
@@ -59,8 +61,10 @@ def test_a_sender_layout_that_cannot_hold_the_model_is_refused(hf_checkpoints):
     cfg = ModelConfig.from_dir(hf_checkpoints["qwen3_5_moe"])  # 2 KV heads, 2 GDN key heads
     for sender, receiver in ((1, 2), (2, 1), (2, 2), (1, 1)):
         check_layouts(cfg, sender, receiver)
-    with pytest.raises(LayoutMismatch, match="sender's layout does not fit this model: cannot split this model "
-                                             "into 3 tensor-parallel ranks"):  # fmt: skip
+    with pytest.raises(
+        LayoutMismatch,
+        match="sender's layout does not fit this model: cannot split this model into 3 tensor-parallel ranks",
+    ):
         check_layouts(cfg, 3, 2)
     with pytest.raises(LayoutMismatch, match="linear_num_key_heads=2"):
         check_layouts(cfg, 4, 1)
@@ -114,8 +118,12 @@ def continued(path, tp: int, first, held, sender_parts: int = 0, **kw) -> dict[s
             for region in reservation.regions:
                 region.tensor.copy_(held[rid][offset : offset + region.nbytes])
                 offset += region.nbytes
-            engine.submit_transferred(engine.make_request(prompt, PARAMS, rid), first[rid][0], reservation,
-                                      lambda out, rid=rid: tokens[rid].extend(out.new_token_ids))  # fmt: skip
+            engine.submit_transferred(
+                engine.make_request(prompt, PARAMS, rid),
+                first[rid][0],
+                reservation,
+                lambda out, rid=rid: tokens[rid].extend(out.new_token_ids),
+            )
         while engine.has_work or not engine._commands.empty():
             engine.dispatch(engine.process_commands())
             engine.dispatch(engine.step())

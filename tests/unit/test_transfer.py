@@ -10,9 +10,17 @@ import time
 import pytest
 import torch
 
-from deltamesh.v1.common_pb2 import TransportDescriptor
-from deltamesh.transfer import DescriptorError, LeaseKey, LeaseRefused, LeaseTable, TransferError, open_transport, segments
+from deltamesh.transfer import (
+    DescriptorError,
+    LeaseKey,
+    LeaseRefused,
+    LeaseTable,
+    TransferError,
+    open_transport,
+    segments,
+)
 from deltamesh.transfer.ucx import UcxTransport, descriptors
+from deltamesh.v1.common_pb2 import TransportDescriptor
 
 
 def test_segments_cut_both_region_lists_at_every_boundary():
@@ -102,12 +110,15 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
             leases.offer("M", [other], 10, lambda reason: None)  # another request's state
             refused = {
                 "wrong token": puller.source(descriptor, LeaseKey("L", b"x" * 16), _sizes(src)),
-                "another lease's regions": puller.source(_descriptor(holder.address, holder.regions([other]), word),
-                                                         key, [total]),
+                "another lease's regions": puller.source(
+                    _descriptor(holder.address, holder.regions([other]), word), key, [total]
+                ),
                 "an old or another lease's word": puller.source(
                     _descriptor(holder.address, regions, descriptors.RemoteRegion(8, word.address + 8, word.rkey)),
-                    key, _sizes(src)),
-            }  # fmt: skip
+                    key,
+                    _sizes(src),
+                ),
+            }
             for why, bad in refused.items():
                 with pytest.raises(TransferError, match="ended before its state was read") as e:
                     await puller.pull(bad, dst, 10)
@@ -132,18 +143,22 @@ def test_a_descriptor_of_another_transport_or_version_is_refused_before_anything
     parse or does not fit the state's regions, a missing descriptor. Nothing of UCX is started to find out."""
     puller = UcxTransport("127.0.0.1").puller()
     key = LeaseKey("L", b"t" * 16)
-    good = descriptors.lease_descriptor(b"addr", [descriptors.RemoteRegion(4, 4096, b"k")],
-                                        descriptors.RemoteRegion(8, 64, b"w"))  # fmt: skip
+    good = descriptors.lease_descriptor(
+        b"addr", [descriptors.RemoteRegion(4, 4096, b"k")], descriptors.RemoteRegion(8, 64, b"w")
+    )
     assert puller.source(good, key, [4]).regions[0].address == 4096
     bad = {
-        "is not spoken here": [TransportDescriptor(kind="tcp", version=descriptors.VERSION, payload=good.payload),
-                               TransportDescriptor(kind="ucx", version=1, payload=good.payload)],
-        "not a UcxLeaseDescriptor": [TransportDescriptor(kind="ucx", version=descriptors.VERSION,
-                                                         payload=b"\xff\xff\xff")],  # fmt: skip
+        "is not spoken here": [
+            TransportDescriptor(kind="tcp", version=descriptors.VERSION, payload=good.payload),
+            TransportDescriptor(kind="ucx", version=1, payload=good.payload),
+        ],
+        "not a UcxLeaseDescriptor": [
+            TransportDescriptor(kind="ucx", version=descriptors.VERSION, payload=b"\xff\xff\xff")
+        ],
         "one address and key per region": [good],  # for two regions
         "one peer index per region": [_with_peers(good, [b"peer"], [2])],  # no second peer
         "no transport descriptor": [TransportDescriptor()],
-    }  # fmt: skip
+    }
     for message, descriptors_ in bad.items():
         for descriptor in descriptors_:
             with pytest.raises(DescriptorError, match=message):
@@ -170,8 +185,11 @@ def test_a_region_names_the_worker_that_holds_it():
     """A region held in another process of the holder's worker (another rank) is read from that process's UCX
     worker; the lease word and the notices stay the holder's."""
     puller = UcxTransport("127.0.0.1").puller()
-    regions = [descriptors.RemoteRegion(4, 4096, b"k"), descriptors.RemoteRegion(4, 8192, b"j", b"rank1"),
-               descriptors.RemoteRegion(2, 100, b"k")]  # fmt: skip
+    regions = [
+        descriptors.RemoteRegion(4, 4096, b"k"),
+        descriptors.RemoteRegion(4, 8192, b"j", b"rank1"),
+        descriptors.RemoteRegion(2, 100, b"k"),
+    ]
     d = descriptors.lease_descriptor(b"holder", regions, descriptors.RemoteRegion(8, 64, b"w"))
     source = puller.source(d, LeaseKey("L", b"t" * 16), [4, 4, 2])
     assert source.address == b"holder" and [r.worker for r in source.regions] == [b"holder", b"rank1", b"holder"]
@@ -389,8 +407,11 @@ def test_the_wire_api_names_no_transport_field_outside_a_transports_own_messages
     """Services carry transport descriptors opaquely: no field of the gRPC API's messages is a transport's."""
     from deltamesh.v1 import common_pb2, control_pb2, decode_pb2, prefill_pb2, router_pb2
 
-    messages = [m for module in (common_pb2, control_pb2, decode_pb2, prefill_pb2, router_pb2)
-                for m in module.DESCRIPTOR.message_types_by_name.values()]  # fmt: skip
+    messages = [
+        m
+        for module in (common_pb2, control_pb2, decode_pb2, prefill_pb2, router_pb2)
+        for m in module.DESCRIPTOR.message_types_by_name.values()
+    ]
     names = {f.name for m in messages for f in m.fields}
     assert not {n for n in names if "ucx" in n or "rkey" in n or n in ("region_addresses", "word_address")}
     assert {f.name for f in common_pb2.TransportDescriptor.DESCRIPTOR.fields} == {"kind", "version", "payload"}

@@ -17,8 +17,9 @@ SM90 = GPUTarget("cuda", 90, 32)
 def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4):
     signature = signature | {name: "constexpr" for name in constexprs}
     signature = {name: signature[name] for name in kernel.arg_names}  # in the kernel's own order
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=SM90,
-                          options={"num_warps": num_warps})
+    return triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=SM90, options={"num_warps": num_warps}
+    )
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -28,23 +29,66 @@ def test_pairwise_moe_kernels_compile_for_sm90(tokens, norm, fp8):
     """With the tiles a decode step of `tokens` tokens uses."""
     gate_up_tile, down_tile = triton_moe.pair_config(tokens)
     w = "*fp8e4nv" if fp8 else "*bf16"
-    ints = dict.fromkeys(("H", "I", "IS", "stride_we", "stride_wn", "stride_swn", "stride_se", "stride_sn",
-                          "stride_ssn", "first", "local"), "i32")  # fmt: skip
+    ints = dict.fromkeys(
+        (
+            "H",
+            "I",
+            "IS",
+            "stride_we",
+            "stride_wn",
+            "stride_swn",
+            "stride_se",
+            "stride_sn",
+            "stride_ssn",
+            "first",
+            "local",
+        ),
+        "i32",
+    )
     scales = {"w13_s": "*fp32", "sw13_s": "*fp32"}
     gate_up = compile_for_sm90(
         triton_moe._gate_up_silu_pairs,
-        {"x": "*bf16", "logits": "*bf16", "shared_gate": "*bf16", "w13": w, "sw13": w, "inter": "*bf16",
-         "ids": "*i32", "weights": "*fp32"} | scales | ints | {"stride_x": "i32", "stride_l": "i32", "stride_g": "i32"},
-        {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": norm, "FP8": fp8, "GROUP": 128,
-         "BLOCK_N": gate_up_tile.block_n, "BLOCK_K": gate_up_tile.block_k}, gate_up_tile.num_warps,
-    )  # fmt: skip
+        {
+            "x": "*bf16",
+            "logits": "*bf16",
+            "shared_gate": "*bf16",
+            "w13": w,
+            "sw13": w,
+            "inter": "*bf16",
+            "ids": "*i32",
+            "weights": "*fp32",
+        }
+        | scales
+        | ints
+        | {"stride_x": "i32", "stride_l": "i32", "stride_g": "i32"},
+        {
+            "E": 256,
+            "BLOCK_E": 256,
+            "TOP_K": 8,
+            "NORM": norm,
+            "FP8": fp8,
+            "GROUP": 128,
+            "BLOCK_N": gate_up_tile.block_n,
+            "BLOCK_K": gate_up_tile.block_k,
+        },
+        gate_up_tile.num_warps,
+    )
     down = compile_for_sm90(
         triton_moe._down_combine,
-        {"inter": "*bf16", "w2": w, "sw2": w, "w2_s": "*fp32", "sw2_s": "*fp32", "ids": "*i32", "weights": "*fp32",
-         "out": "*bf16"} | {k: v for k, v in ints.items() if k not in ("first", "local")},
+        {
+            "inter": "*bf16",
+            "w2": w,
+            "sw2": w,
+            "w2_s": "*fp32",
+            "sw2_s": "*fp32",
+            "ids": "*i32",
+            "weights": "*fp32",
+            "out": "*bf16",
+        }
+        | {k: v for k, v in ints.items() if k not in ("first", "local")},
         {"TOP_K": 8, "FP8": fp8, "GROUP": 128, "BLOCK_N": down_tile.block_n, "BLOCK_K": down_tile.block_k},
         down_tile.num_warps,
-    )  # fmt: skip
+    )
     for k in (gate_up, down):
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
 
@@ -56,24 +100,69 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
     rows = {"block_expert": "*i32", "starts": "*i32", "counts": "*i32", "sorted_pairs": "*i32"}
     gemm = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}  # FP8 takes the scale group as BLOCK_N and BLOCK_K
     kernels = [
-        compile_for_sm90(triton_moe._gate_up_silu,
-                         {"x": "*fp8e4nv", "x_s": "*fp32", "w13": "*fp8e4nv", "w13_s": "*fp32", "inter": "*fp8e4nv",
-                          "inter_s": "*fp32", "stride_x": "i32", "stride_xs_t": "i32", "stride_xs_g": "i32"}
-                         | rows | ints, {"TOP_K": 8, "FP8": True, "MODEL_DTYPE": triton.language.bfloat16} | gemm),
-        compile_for_sm90(triton_moe._down,
-                         {"inter": "*fp8e4nv", "inter_s": "*fp32", "w2": "*fp8e4nv", "w2_s": "*fp32", "out": "*bf16",
-                          "weights": "*fp32"} | rows | ints, {"FP8": True} | gemm),
-        *[compile_for_sm90(triton_linear._gemv,
-                           {"x": "*bf16", "w": w, "w_scale": "*fp32", "bias": "*bf16", "out": "*bf16",
-                            "partials": "*fp32", "arrivals": "*i32"}
-                           | dict.fromkeys(("N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"), "i32"),
-                           {"FP8": w == "*fp8e4nv", "HAS_BIAS": False, "GROUP": 128, "BLOCK_N": 16, "BLOCK_K": 512,
-                            "SPLIT_K": split})
-          for w in ("*bf16", "*fp8e4nv") for split in (1, 4)],
-        compile_for_sm90(triton_linear._quantize_groups,
-                         {"x": "*bf16", "q": "*fp8e4nv", "scales": "*fp32"}
-                         | dict.fromkeys(("M", "K", "stride_xm", "stride_sg"), "i32"), {"GROUP": 128, "GROUPS": 4}),
-    ]  # fmt: skip
+        compile_for_sm90(
+            triton_moe._gate_up_silu,
+            {
+                "x": "*fp8e4nv",
+                "x_s": "*fp32",
+                "w13": "*fp8e4nv",
+                "w13_s": "*fp32",
+                "inter": "*fp8e4nv",
+                "inter_s": "*fp32",
+                "stride_x": "i32",
+                "stride_xs_t": "i32",
+                "stride_xs_g": "i32",
+            }
+            | rows
+            | ints,
+            {"TOP_K": 8, "FP8": True, "MODEL_DTYPE": triton.language.bfloat16} | gemm,
+        ),
+        compile_for_sm90(
+            triton_moe._down,
+            {
+                "inter": "*fp8e4nv",
+                "inter_s": "*fp32",
+                "w2": "*fp8e4nv",
+                "w2_s": "*fp32",
+                "out": "*bf16",
+                "weights": "*fp32",
+            }
+            | rows
+            | ints,
+            {"FP8": True} | gemm,
+        ),
+        *[
+            compile_for_sm90(
+                triton_linear._gemv,
+                {
+                    "x": "*bf16",
+                    "w": w,
+                    "w_scale": "*fp32",
+                    "bias": "*bf16",
+                    "out": "*bf16",
+                    "partials": "*fp32",
+                    "arrivals": "*i32",
+                }
+                | dict.fromkeys(("N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"), "i32"),
+                {
+                    "FP8": w == "*fp8e4nv",
+                    "HAS_BIAS": False,
+                    "GROUP": 128,
+                    "BLOCK_N": 16,
+                    "BLOCK_K": 512,
+                    "SPLIT_K": split,
+                },
+            )
+            for w in ("*bf16", "*fp8e4nv")
+            for split in (1, 4)
+        ],
+        compile_for_sm90(
+            triton_linear._quantize_groups,
+            {"x": "*bf16", "q": "*fp8e4nv", "scales": "*fp32"}
+            | dict.fromkeys(("M", "K", "stride_xm", "stride_sg"), "i32"),
+            {"GROUP": 128, "GROUPS": 4},
+        ),
+    ]
     for k in kernels:
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
 
@@ -81,16 +170,39 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
 def test_aligned_moe_routing_kernels_compile_for_sm90():
     """Routing, scatter and combine of the aligned path, with the expert-parallel bounds."""
     kernels = [
-        compile_for_sm90(triton_moe._route,
-                         {"logits": "*bf16", "ids": "*i32", "weights": "*fp32", "ranks": "*i32", "counts": "*i32",
-                          "stride_l": "i32", "first": "i32", "local": "i32"},
-                         {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": True}),
-        compile_for_sm90(triton_moe._scatter, {"ids": "*i32", "ranks": "*i32", "starts": "*i32",
-                                               "sorted_pairs": "*i32", "P": "i32"}, {"BLOCK": 256}),
-        compile_for_sm90(triton_moe._combine,
-                         {"pairs_out": "*bf16", "ids": "*i32", "shared": "*bf16", "gate": "*bf16", "out": "*bf16",
-                          "H": "i32", "stride_s": "i32", "stride_g": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024}),
-    ]  # fmt: skip
+        compile_for_sm90(
+            triton_moe._route,
+            {
+                "logits": "*bf16",
+                "ids": "*i32",
+                "weights": "*fp32",
+                "ranks": "*i32",
+                "counts": "*i32",
+                "stride_l": "i32",
+                "first": "i32",
+                "local": "i32",
+            },
+            {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": True},
+        ),
+        compile_for_sm90(
+            triton_moe._scatter,
+            {"ids": "*i32", "ranks": "*i32", "starts": "*i32", "sorted_pairs": "*i32", "P": "i32"},
+            {"BLOCK": 256},
+        ),
+        compile_for_sm90(
+            triton_moe._combine,
+            {
+                "pairs_out": "*bf16",
+                "ids": "*i32",
+                "shared": "*bf16",
+                "gate": "*bf16",
+                "out": "*bf16",
+                "H": "i32",
+                "stride_s": "i32",
+                "stride_g": "i32",
+            },
+            {"TOP_K": 8, "BLOCK_H": 1024},
+        ),
+    ]
     for k in kernels:
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
-

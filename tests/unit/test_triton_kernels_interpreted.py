@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_interpreted(code: str) -> str:
     env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

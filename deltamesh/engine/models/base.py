@@ -4,7 +4,7 @@ checkpoint names map onto this stack's weights."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +46,9 @@ class HybridLM(nn.Module, ABC):
     run on every rank's tokens. `fp8`: the projections keep an FP8 checkpoint's values and block scales
     (models/layers.py)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TensorParallelGroup | None = None,
-                 fp8: bool = False):  # fmt: skip
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device, tp: TensorParallelGroup | None = None, fp8: bool = False
+    ):
         super().__init__()
         self.cfg, self.group, self.fp8 = cfg, tp, fp8  # group: how the loader shards the weights
         data_parallel = tp is not None and tp.shard.data_parallel
@@ -148,16 +149,25 @@ class HybridLM(nn.Module, ABC):
         kept = state_pool.layer_rows(snap.slots) if snap is not None else None
         return self.rotary.cos_sin(batch.positions, dtype), state_pool.layer_rows(batch.state_slots), kept
 
-    def mix(self, i: int, x: torch.Tensor, batch: StepBatch, context: tuple, kv_pool: KVPagePool,
-            state_pool: StatePool, kernels: Kernels) -> torch.Tensor:  # fmt: skip
+    def mix(
+        self,
+        i: int,
+        x: torch.Tensor,
+        batch: StepBatch,
+        context: tuple,
+        kv_pool: KVPagePool,
+        state_pool: StatePool,
+        kernels: Kernels,
+    ) -> torch.Tensor:
         rope, state_rows, snapshot_rows = context
         mixer = self.layers[i].mixer
         if isinstance(mixer, GatedAttention):
             return mixer.mix(x, batch, rope, kv_pool, kernels)
         return mixer.mix(x, batch, state_pool, state_rows, snapshot_rows, kernels)
 
-    def after_mix(self, i: int, mixed: torch.Tensor, residual: torch.Tensor,
-                  kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def after_mix(
+        self, i: int, mixed: torch.Tensor, residual: torch.Tensor, kernels: Kernels
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then the next layer's input norm (the final norm after the last
         layer): (its normed output, the residual stream). Each residual add is fused with the norm that reads it."""
         tp, dp, layer = self.tp, self.dp, self.layers[i]

@@ -47,8 +47,9 @@ def _param(*shape: int) -> nn.Parameter:
 
 def _linear_param(module: nn.Module, name: str, *shape: int, fp8: bool = False) -> None:
     """module.<name>: a linear weight [..., out, in]; with fp8, e4m3 values and module.<name>_scale beside it."""
-    setattr(module, name, nn.Parameter(torch.empty(*shape, dtype=torch.float8_e4m3fn if fp8 else None),
-                                       requires_grad=False))  # fmt: skip
+    setattr(
+        module, name, nn.Parameter(torch.empty(*shape, dtype=torch.float8_e4m3fn if fp8 else None), requires_grad=False)
+    )
     if fp8:
         *lead, rows, cols = shape
         scales = torch.empty(*lead, -(-rows // BLOCK), -(-cols // BLOCK), dtype=torch.float32)
@@ -158,8 +159,17 @@ class GatedAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         qkv = kernels.linear(x, linear_weight(self, "qkv"), self.qkv_bias)
         k_cache, v_cache = kv_pool.layer(self.kv_layer)
-        q = kernels.attention_inputs(qkv, self.heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope,
-                                     k_cache, v_cache, batch.slot_mapping)  # fmt: skip
+        q = kernels.attention_inputs(
+            qkv,
+            self.heads,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            *rope,
+            k_cache,
+            v_cache,
+            batch.slot_mapping,
+        )
         attn = kernels.paged_attention(q, k_cache, v_cache, batch, d**-0.5)
         gate = qkv[:, : self.splits[0]].view(t, self.heads, 2 * d)[..., d:]
         return kernels.sigmoid_gate(attn, gate)
@@ -207,8 +217,15 @@ class GatedDeltaNet(nn.Module):
         slots[f"{prefix}.out_proj.weight"] = WeightSlot(self.out_proj)
         return slots
 
-    def mix(self, x, batch: StepBatch, state_pool: StatePool, state_rows: torch.Tensor,
-            snapshot_rows: torch.Tensor | None, kernels: Kernels):  # fmt: skip
+    def mix(
+        self,
+        x,
+        batch: StepBatch,
+        state_pool: StatePool,
+        state_rows: torch.Tensor,
+        snapshot_rows: torch.Tensor | None,
+        kernels: Kernels,
+    ):
         """The normed, gated GDN output, [T, value_dim]: what the output projection reads. state_rows:
         StatePool.layer_rows of the step's slots; snapshot_rows: those of its snapshot slots (batch.snapshot).
         With snapshots, the conv and the delta rule run in two passes: every prefill sequence but the tails, then
@@ -240,8 +257,9 @@ class GatedDeltaNet(nn.Module):
         for i, (rows, lens, cu, seq_idx) in enumerate(passes):
             if i:  # the heads' conv states, before the tails move them on
                 conv_pool.index_copy_(0, kept, conv_pool.index_select(0, seq_idx))
-            conv_out.append(kernels.conv1d_prefill(mixed[rows], lens, cu, conv_pool, seq_idx, self.conv_weight,
-                                                   self.activation))  # fmt: skip
+            conv_out.append(
+                kernels.conv1d_prefill(mixed[rows], lens, cu, conv_pool, seq_idx, self.conv_weight, self.activation)
+            )
         mixed = torch.cat(conv_out) if len(conv_out) > 1 else conv_out[0]
 
         key_dim = self.hk * self.dk
@@ -254,8 +272,9 @@ class GatedDeltaNet(nn.Module):
         for i, (rows, lens, cu, seq_idx) in enumerate(passes):
             if i:  # the heads' recurrent states
                 rec_pool.index_copy_(0, kept, rec_pool.index_select(0, seq_idx))
-            core.append(kernels.gdn_prefill(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, lens, cu, rec_pool,
-                                            seq_idx))  # fmt: skip
+            core.append(
+                kernels.gdn_prefill(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, lens, cu, rec_pool, seq_idx)
+            )
         core = torch.cat(core) if len(core) > 1 else core[0]
         return self.norm(core, z.view(t, self.hv, self.dv), kernels).reshape(t, self.value_dim)
 
@@ -274,7 +293,9 @@ class MLP(nn.Module):
         _linear_param(self, "down", hidden, inter, fp8=fp8)
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
-        slots = _fused_slots(self.gate_up, [(f"{prefix}.gate_proj.weight", self.inter), (f"{prefix}.up_proj.weight", self.inter)])
+        slots = _fused_slots(
+            self.gate_up, [(f"{prefix}.gate_proj.weight", self.inter), (f"{prefix}.up_proj.weight", self.inter)]
+        )
         slots[f"{prefix}.down_proj.weight"] = WeightSlot(self.down)
         return slots
 
@@ -320,6 +341,15 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         logits = kernels.linear(x, self.gates)
         e = self.num_experts
-        return kernels.moe(x, logits[:, :e], linear_weight(self, "w13"), linear_weight(self, "w2"), self.top_k,
-                           self.norm_topk, linear_weight(self.shared, "gate_up"), linear_weight(self.shared, "down"),
-                           logits[:, e:], first_expert=self.first_expert)  # fmt: skip
+        return kernels.moe(
+            x,
+            logits[:, :e],
+            linear_weight(self, "w13"),
+            linear_weight(self, "w2"),
+            self.top_k,
+            self.norm_topk,
+            linear_weight(self.shared, "gate_up"),
+            linear_weight(self.shared, "down"),
+            logits[:, e:],
+            first_expert=self.first_expert,
+        )

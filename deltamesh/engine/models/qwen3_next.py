@@ -2,7 +2,7 @@
 elsewhere; its GDN projections are stored fused and grouped by key head (`in_proj_qkvz`, `in_proj_ba`),
 which we split into the Qwen3.5 layout (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) on load."""
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

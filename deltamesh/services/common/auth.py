@@ -101,17 +101,23 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
 
     kind = {
-        (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]  # fmt: skip
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
     return kind(refuse_stream if handler.response_streaming else refuse_unary)
 
 
 def mesh_interceptor(secret: str) -> RequireMetadata:
-    return RequireMetadata(MESH_SECRET_KEY, secret, "this port serves the mesh's own processes only (no or a wrong "
-                                                    "mesh secret)")  # fmt: skip
+    return RequireMetadata(
+        MESH_SECRET_KEY, secret, "this port serves the mesh's own processes only (no or a wrong mesh secret)"
+    )
 
 
 def api_key_interceptor(api_key: str) -> RequireMetadata:
-    return RequireMetadata("authorization", f"Bearer {api_key}",
-                           "incorrect or missing API key (send 'authorization: Bearer <key>' metadata)")  # fmt: skip
+    return RequireMetadata(
+        "authorization",
+        f"Bearer {api_key}",
+        "incorrect or missing API key (send 'authorization: Bearer <key>' metadata)",
+    )

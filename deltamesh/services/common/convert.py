@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deltamesh.v1 import common_pb2
 from deltamesh.engine import FinishReason, RequestOutput, SamplingParams
+from deltamesh.v1 import common_pb2
 
 FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -34,9 +34,14 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, stop: common_pb2.StopCond
 
 def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, common_pb2.StopConditions]:
     sp = common_pb2.SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
-    )  # fmt: skip
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+    )
     if p.seed is not None:
         sp.seed = p.seed
     if p.logprobs is not None:
@@ -54,7 +59,9 @@ def delta_from_output(out: RequestOutput) -> common_pb2.TokenDelta:
     )
     for lp in out.logprobs:
         delta.logprobs.add(
-            token_id=lp.token_id, logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
         )
     if isinstance(out.stop_reason, str):
         delta.stop_string = out.stop_reason

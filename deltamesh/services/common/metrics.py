@@ -11,19 +11,31 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BYTES = tuple(2**i for i in range(10, 36, 2))
 
-TTFT = Histogram("deltamesh_worker_time_to_first_token_seconds",
-                 "Prefill/colocated: from request arrival to the first token", buckets=_LATENCY)  # fmt: skip
-TPOT = Histogram("deltamesh_worker_time_per_output_token_seconds",
-                 "Decode/colocated: time between output tokens of a request", buckets=_LATENCY)  # fmt: skip
+TTFT = Histogram(
+    "deltamesh_worker_time_to_first_token_seconds",
+    "Prefill/colocated: from request arrival to the first token",
+    buckets=_LATENCY,
+)
+TPOT = Histogram(
+    "deltamesh_worker_time_per_output_token_seconds",
+    "Decode/colocated: time between output tokens of a request",
+    buckets=_LATENCY,
+)
 TRANSFER_BYTES = Histogram("deltamesh_transfer_bytes", "Decode: bytes of state pulled per request", buckets=_BYTES)
 TRANSFER_SECONDS = Histogram("deltamesh_transfer_seconds", "Decode: duration of one state pull", buckets=_LATENCY)
-TRANSFER_BUFFERS = Histogram("deltamesh_transfer_buffers", "Decode: reads (segments) per state pull",
-                             buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64))  # fmt: skip
+TRANSFER_BUFFERS = Histogram(
+    "deltamesh_transfer_buffers", "Decode: reads (segments) per state pull", buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64)
+)
 TRANSFERS = Counter("deltamesh_transfers", "Decode: state pulls by outcome", ["outcome"])
-PREFIX_OFFERS = Counter("deltamesh_prefix_offers", "Decode: cached prefixes asked for by the router (offered | none)",
-                        ["outcome"])  # fmt: skip
-REVERSE_PULLS = Counter("deltamesh_reverse_pulls", "Prefill: prefixes pulled from a decode worker's prefix cache, "
-                        "by outcome (ok | failed: computed instead | skipped: own cache as long)", ["outcome"])
+PREFIX_OFFERS = Counter(
+    "deltamesh_prefix_offers", "Decode: cached prefixes asked for by the router (offered | none)", ["outcome"]
+)
+REVERSE_PULLS = Counter(
+    "deltamesh_reverse_pulls",
+    "Prefill: prefixes pulled from a decode worker's prefix cache, "
+    "by outcome (ok | failed: computed instead | skipped: own cache as long)",
+    ["outcome"],
+)
 
 
 class EngineCollector:
@@ -39,10 +51,21 @@ class EngineCollector:
             ("requests_running", loads["running"], "Requests in the running batch"),
             ("requests_waiting", loads["waiting"], "Requests queued for admission (queue depth)"),
             ("kv_pages_used", loads["kv_pages_used"], "KV cache pages in use by requests"),
-            ("kv_pages_cached", loads["kv_pages_cached"], "KV cache pages only the prefix cache holds (free on demand)"),
-            ("prefix_cache_checkpoints", loads["prefix_cache_checkpoints"], "GDN state checkpoints in the prefix cache"),
-            ("prefix_cache_bytes", loads["prefix_cache_bytes"],
-             "Bytes of KV pages and GDN checkpoints the prefix cache holds (--prefix-cache-memory bounds them)"),
+            (
+                "kv_pages_cached",
+                loads["kv_pages_cached"],
+                "KV cache pages only the prefix cache holds (free on demand)",
+            ),
+            (
+                "prefix_cache_checkpoints",
+                loads["prefix_cache_checkpoints"],
+                "GDN state checkpoints in the prefix cache",
+            ),
+            (
+                "prefix_cache_bytes",
+                loads["prefix_cache_bytes"],
+                "Bytes of KV pages and GDN checkpoints the prefix cache holds (--prefix-cache-memory bounds them)",
+            ),
             ("kv_pages_total", loads["kv_pages_total"], "KV cache pages in the pool"),
             ("state_slots_used", loads["state_slots_used"], "GDN state slots in use"),
             ("state_slots_total", loads["state_slots_total"], "GDN state slots in the pool"),
@@ -58,8 +81,11 @@ class EngineCollector:
             ("steps", stats.steps, "Engine steps run"),
             ("mixed_steps", stats.mixed_steps, "Steps that carried prompt tokens"),
             ("graph_steps", engine.core.runner.graph_steps, "Decode-only steps replayed from a CUDA graph"),
-            ("piecewise_graph_steps", engine.core.runner.piecewise_steps,
-             "Steps with prompt tokens replayed from CUDA graphs piece by piece"),
+            (
+                "piecewise_graph_steps",
+                engine.core.runner.piecewise_steps,
+                "Steps with prompt tokens replayed from CUDA graphs piece by piece",
+            ),
             ("preemptions", engine.num_preemptions, "Requests preempted for lack of KV pages"),
             ("prefix_cache_hits", stats.prefix_cache_hits, "Requests started from a cached prefix"),
             ("prefix_cache_hit_tokens", stats.prefix_cache_hit_tokens, "Prompt tokens served from the prefix cache"),
@@ -71,16 +97,25 @@ class EngineCollector:
             c.add_metric([role], value)
             yield c
         for name, total, count, doc in (
-            ("request_queue_seconds", stats.queue_seconds, stats.queued,
-             "Requests this worker prefills: from arrival in the engine to their first scheduled step"),
-            ("time_to_first_token_seconds", stats.first_token_seconds, stats.first_tokens,
-             "Requests this worker prefills: from arrival in the engine to their first token on the host"),
-        ):  # fmt: skip
+            (
+                "request_queue_seconds",
+                stats.queue_seconds,
+                stats.queued,
+                "Requests this worker prefills: from arrival in the engine to their first scheduled step",
+            ),
+            (
+                "time_to_first_token_seconds",
+                stats.first_token_seconds,
+                stats.first_tokens,
+                "Requests this worker prefills: from arrival in the engine to their first token on the host",
+            ),
+        ):
             s = SummaryMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             s.add_metric([role], count_value=count, sum_value=total)
             yield s
-        finished = CounterMetricFamily("deltamesh_engine_requests_finished", "Requests finished by reason",
-                                       labels=["role", "reason"])  # fmt: skip
+        finished = CounterMetricFamily(
+            "deltamesh_engine_requests_finished", "Requests finished by reason", labels=["role", "reason"]
+        )
         for reason, n in stats.finished.items():
             finished.add_metric([role, reason], n)
         yield finished
@@ -88,8 +123,11 @@ class EngineCollector:
             active = GaugeMetricFamily("deltamesh_prefill_leases_active", "Leases held or being pulled")
             active.add_metric([], len(self.leases))
             yield active
-            ended = CounterMetricFamily("deltamesh_prefill_leases_ended", "Leases ended, by reason (expired = "
-                                        "never pulled in time)", labels=["reason"])  # fmt: skip
+            ended = CounterMetricFamily(
+                "deltamesh_prefill_leases_ended",
+                "Leases ended, by reason (expired = never pulled in time)",
+                labels=["reason"],
+            )
             for reason, n in self.leases.counts.items():
                 ended.add_metric([reason], n)
             yield ended

@@ -22,8 +22,9 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import typer
 from pydantic import BaseModel
@@ -46,8 +47,12 @@ class Option:
 
     def parameter(self) -> inspect.Parameter:
         option = typer.Option(*self.decls, help=self.help, envvar=f"DELTAMESH_{self.name.upper()}")
-        return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=self.default,
-                                 annotation=Annotated[self.annotation, option])  # fmt: skip
+        return inspect.Parameter(
+            self.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=self.default,
+            annotation=Annotated[self.annotation, option],
+        )
 
 
 def options(model: type, *, exclude: tuple[str, ...] = (), prefix: str = "", path: tuple[str, ...] = ()) -> list:
@@ -112,8 +117,10 @@ def settings_from(model: type[BaseModel], opts: list[Option], values: dict, hand
 def hand_over(settings: BaseModel) -> dict[str, str]:
     """The environment entries that give a child of this process `settings`: the fields that were set, secrets
     left out, and who handed them."""
-    return {SETTINGS_ENV: settings.model_dump_json(exclude_unset=True, exclude=SECRETS),
-            SETTINGS_PARENT_ENV: str(os.getpid())}  # fmt: skip
+    return {
+        SETTINGS_ENV: settings.model_dump_json(exclude_unset=True, exclude=SECRETS),
+        SETTINGS_PARENT_ENV: str(os.getpid()),
+    }
 
 
 def started_by_serve() -> bool:
@@ -128,9 +135,12 @@ def handed_settings() -> dict:
     if not handed:
         return {}
     if not started_by_serve():
-        print(f"deltamesh: ignoring {SETTINGS_ENV}: it was handed to a child of `deltamesh serve` (pid "
-              f"{os.environ.get(SETTINGS_PARENT_ENV) or 'unknown'}), not to this process; its flags and "
-              "DELTAMESH_* variables apply", file=sys.stderr)  # fmt: skip
+        print(
+            f"deltamesh: ignoring {SETTINGS_ENV}: it was handed to a child of `deltamesh serve` (pid "
+            f"{os.environ.get(SETTINGS_PARENT_ENV) or 'unknown'}), not to this process; its flags and "
+            "DELTAMESH_* variables apply",
+            file=sys.stderr,
+        )
         return {}
     return json.loads(handed)
 
@@ -171,7 +181,7 @@ def _cli_type(annotation, default):
         return str, default
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
-        return Optional[_cli_type(inner, default)[0]], default
+        return Optional[_cli_type(inner, default)[0]], default  # noqa: UP045  (built at run time for typer)
     if origin is list:
-        return Optional[annotation], None
+        return Optional[annotation], None  # noqa: UP045
     return annotation, default

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
@@ -32,8 +32,9 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_
 class GrpcServer:
     """A started grpc.aio server with health (per service name and overall) and reflection."""
 
-    def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None,
-                 interceptors: tuple = ()):  # fmt: skip
+    def __init__(
+        self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None, interceptors: tuple = ()
+    ):
         """`services`: (add_XServicer_to_server, servicer, full service name); `tls`: TlsSettings or None;
         `interceptors`: e.g. deltamesh.services.common.auth's, which refuse calls without credentials."""
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
@@ -81,4 +82,3 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
 
     uvloop.run(runner())
-

@@ -35,8 +35,9 @@ class WorkerSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Address to bind (loopback unless told otherwise)")
     port: int = Field(0, description="gRPC port (0: any free port)")
     # registration and heartbeats
-    router: str | None = Field(None, description="The router's control-plane address (its --control-port) to "
-                                                 "register with")  # fmt: skip
+    router: str | None = Field(
+        None, description="The router's control-plane address (its --control-port) to register with"
+    )
     # shared by the router and every worker of the mesh (deltamesh/services/common/auth.py); --mesh-secret-file
     mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
     advertise_host: str | None = Field(None, description="Host the router should dial (default: --host)")
@@ -44,21 +45,27 @@ class WorkerSettings(BaseModel):
     # how held state moves between workers (deltamesh/transfer/registry.py)
     transport: str = Field("ucx", description="How held state moves between workers: ucx")
     # False lets UCX use shared memory / cuda_ipc, but peer failures go undetected by UCX
-    ucx_error_handling: bool = Field(True, description="UCX peer error handling (off lets UCX use shared memory / "
-                                                       "cuda_ipc)")  # fmt: skip
+    ucx_error_handling: bool = Field(
+        True, description="UCX peer error handling (off lets UCX use shared memory / cuda_ipc)"
+    )
     # prefill: how long a held state waits for its decode worker
-    lease_ttl_s: float = Field(30.0, description="Prefill: seconds a held state waits to be pulled",
-                               **_flag("lease_ttl"))  # fmt: skip
+    lease_ttl_s: float = Field(
+        30.0, description="Prefill: seconds a held state waits to be pulled", **_flag("lease_ttl")
+    )
     # prefill: the longest TTL a caller may ask for (Prefill, ExtendLease)
-    max_lease_ttl_s: float = Field(300.0, description="Prefill: the longest lease TTL a caller may ask for (s)",
-                                   **_flag("max_lease_ttl"))  # fmt: skip
+    max_lease_ttl_s: float = Field(
+        300.0, description="Prefill: the longest lease TTL a caller may ask for (s)", **_flag("max_lease_ttl")
+    )
     # decode: deadline of one state pull
-    transfer_timeout_s: float = Field(30.0, description="Deadline of one state transfer (s)",
-                                      **_flag("transfer_timeout"))  # fmt: skip
+    transfer_timeout_s: float = Field(
+        30.0, description="Deadline of one state transfer (s)", **_flag("transfer_timeout")
+    )
     # decode: how long a transferred request may wait for pool space
-    admission_timeout_s: float = Field(30.0, description="Decode: how long a request may queue for pool space before "
-                                                         "it is refused as full (s)",
-                                       **_flag("admission_timeout"))  # fmt: skip
+    admission_timeout_s: float = Field(
+        30.0,
+        description="Decode: how long a request may queue for pool space before it is refused as full (s)",
+        **_flag("admission_timeout"),
+    )
     # Prometheus /metrics over HTTP (None: off)
     metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port")
     tls: TlsSettings = Field(default_factory=TlsSettings, json_schema_extra={"prefix": "tls_"})
@@ -83,8 +90,9 @@ class RequestLimits(BaseModel):
 class RouterSettings(BaseModel):
     host: str = WorkerSettings.model_fields["host"]
     grpc_port: int = Field(50051, description="Router gRPC port of the client API")
-    control_port: int = Field(50052, description="Router gRPC port of the control plane (workers register here; "
-                                                 "mesh secret required)")  # fmt: skip
+    control_port: int = Field(
+        50052, description="Router gRPC port of the control plane (workers register here; mesh secret required)"
+    )
     mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
     # OpenAI-compatible REST gateway (None: off)
     http_port: int | None = Field(8000, description="OpenAI-compatible REST port (0: off)")
@@ -98,25 +106,35 @@ class RouterSettings(BaseModel):
     decode: list[str] = Field(default_factory=list, description="Static decode worker address (repeatable)")
     colocated: list[str] = Field(default_factory=list, description="Static colocated worker address (repeatable)")
     policy: Literal["round_robin", "least_loaded", "cache_aware"] = Field(
-        "cache_aware", description="round_robin | least_loaded | cache_aware (where the prompt's prefix went "
-                                   "before, balanced against load: the workers' prefix caches hold them)")
-    pd_direct_max_tokens: int = Field(0, ge=0, description="Send a request straight to the decode worker that "
-                                      "holds all but at most this many tokens of its prompt (a conversation's "
-                                      "earlier turns, kept by decode workers' prefix caches). 0: off")  # fmt: skip
+        "cache_aware",
+        description="round_robin | least_loaded | cache_aware (where the prompt's prefix went "
+        "before, balanced against load: the workers' prefix caches hold them)",
+    )
+    pd_direct_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="Send a request straight to the decode worker that "
+        "holds all but at most this many tokens of its prompt (a conversation's "
+        "earlier turns, kept by decode workers' prefix caches). 0: off",
+    )
     health_interval_s: float = Field(0.5, json_schema_extra=_NO_OPTION)
     heartbeat_interval_s: float = Field(1.0, json_schema_extra=_NO_OPTION)
     prefill_retries: int = Field(2, json_schema_extra=_NO_OPTION)
     request_timeout_s: float = Field(600.0, json_schema_extra=_NO_OPTION)
     # how long a request waits for the mesh to have workers before a 503
-    ready_timeout_s: float = Field(10.0, description="Seconds a request waits for the mesh to have workers (at "
-                                                     "start, or all restarting) before a 503 / UNAVAILABLE",
-                                   **_flag("ready_timeout"))  # fmt: skip
+    ready_timeout_s: float = Field(
+        10.0,
+        description="Seconds a request waits for the mesh to have workers (at "
+        "start, or all restarting) before a 503 / UNAVAILABLE",
+        **_flag("ready_timeout"),
+    )
     api_key: str | None = Field(None, description="Require this key on the REST /v1 routes and the gRPC client API")
     limits: RequestLimits = Field(default_factory=RequestLimits)
     # Seconds a client has to send a request's line and headers once it connects or starts a request (idle
     # keep-alive connections are closed by uvicorn's own keep-alive timeout).
-    http_header_timeout_s: float = Field(10.0, gt=0, description="Seconds a REST client has to send a request's "
-                                                                 "headers", **_flag("http_header_timeout"))  # fmt: skip
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a REST client has to send a request's headers", **_flag("http_header_timeout")
+    )
     tls: TlsSettings = WorkerSettings.model_fields["tls"]
     log_level: str = WorkerSettings.model_fields["log_level"]
 
@@ -131,9 +149,12 @@ class ServeSettings(BaseModel):
 
     prefill_workers: int = Field(1, description="Prefill worker processes")
     decode_workers: int = Field(1, description="Decode worker processes")
-    colocated: bool = Field(False, description="Aggregated baseline: --decode-workers colocated workers prefill and "
-                                               "decode their own requests (--prefill-workers is ignored)",
-                            json_schema_extra={"decls": ("--colocated",)})  # fmt: skip
+    colocated: bool = Field(
+        False,
+        description="Aggregated baseline: --decode-workers colocated workers prefill and "
+        "decode their own requests (--prefill-workers is ignored)",
+        json_schema_extra={"decls": ("--colocated",)},
+    )
     gpus: str | None = Field(None, description="GPU ids to spread workers over, e.g. 0,1 (cuda only)")
 
 

@@ -16,8 +16,11 @@ class TlsSettings(BaseModel):
     cert: str | None = Field(None, description="TLS certificate (PEM) for gRPC")  # PEM certificate chain
     key: str | None = Field(None, description="TLS private key (PEM)")
     ca: str | None = Field(None, description="CA bundle (PEM) to trust for gRPC peers")  # peers' certificates
-    client_auth: bool = Field(False, description="Mutual TLS: require and present client certificates",
-                              json_schema_extra={"decls": ("--tls-client-auth",)})  # fmt: skip
+    client_auth: bool = Field(
+        False,
+        description="Mutual TLS: require and present client certificates",
+        json_schema_extra={"decls": ("--tls-client-auth",)},
+    )
 
     @property
     def enabled(self) -> bool:

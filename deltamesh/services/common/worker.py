@@ -7,14 +7,12 @@ import abc
 import asyncio
 import dataclasses
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Callable, Coroutine
 
 import grpc
-
 import structlog
 
-from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
 from deltamesh.engine import Engine, RequestError
 from deltamesh.services.common.auth import mesh_interceptor, mesh_metadata
 from deltamesh.services.common.convert import sampling_from_proto
@@ -23,6 +21,7 @@ from deltamesh.services.common.server import CHANNEL_OPTIONS
 from deltamesh.services.common.settings import WorkerSettings
 from deltamesh.services.common.tls import aio_channel
 from deltamesh.transfer import LeaseTable, Transport
+from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("deltamesh.worker")
 
@@ -82,14 +81,22 @@ class Worker:
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
         l = self.engine.loads()  # noqa: E741
         return common_pb2.WorkerLoad(
-            address=self.address, role=self.settings.role, running=l["running"], waiting=l["waiting"],
-            held_states=l["held"], leases=leases, kv_pages_used=l["kv_pages_used"],
-            kv_pages_total=l["kv_pages_total"], state_slots_used=l["state_slots_used"],
-            state_slots_total=l["state_slots_total"], reservations=self.reservations,
+            address=self.address,
+            role=self.settings.role,
+            running=l["running"],
+            waiting=l["waiting"],
+            held_states=l["held"],
+            leases=leases,
+            kv_pages_used=l["kv_pages_used"],
+            kv_pages_total=l["kv_pages_total"],
+            state_slots_used=l["state_slots_used"],
+            state_slots_total=l["state_slots_total"],
+            reservations=self.reservations,
             healthy=self.engine.core.failure is None,
-            kv_pages_cached=l["kv_pages_cached"], prefix_cache_hit_tokens=l["prefix_cache_hit_tokens"],
+            kv_pages_cached=l["kv_pages_cached"],
+            prefix_cache_hit_tokens=l["prefix_cache_hit_tokens"],
             prefix_cache=self.engine.core.prefix_cache is not None,
-        )  # fmt: skip
+        )
 
     async def register_forever(self, stop: asyncio.Event, role: Role) -> None:
         """Keep this worker registered with the router's control plane; survives router restarts."""
@@ -98,9 +105,12 @@ class Worker:
             return
         auth = mesh_metadata(self.settings.mesh_secret.get_secret_value())
         request = control_pb2.RegisterWorkerRequest(
-            address=self.address, role=self.settings.role, model=self.model_id, compat_hash=self.compat_hash,
+            address=self.address,
+            role=self.settings.role,
+            model=self.model_id,
+            compat_hash=self.compat_hash,
             transport=role.transport_descriptor(),
-        )  # fmt: skip
+        )
         interval = 1.0
         async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
             stub = control_pb2_grpc.MeshControlStub(channel)
@@ -121,7 +131,7 @@ class Worker:
                     registered = False
                 try:
                     await asyncio.wait_for(stop.wait(), interval)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     async def stop_on_engine_failure(self, stop: asyncio.Event) -> None:
@@ -135,7 +145,7 @@ class Worker:
                 return
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def shutdown(self) -> None:
@@ -144,10 +154,9 @@ class Worker:
 
 async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role: Callable[[Worker, Transport], Role]):
     """Start a worker: transport, engine, and the role `make_role(worker, transport)` with its gRPC services."""
+    from deltamesh.services.common.metrics import serve_worker_metrics
     from deltamesh.services.common.server import GrpcServer
     from deltamesh.transfer import open_transport
-
-    from deltamesh.services.common.metrics import serve_worker_metrics
 
     transport = open_transport(settings.transport, settings)  # first: it may set up the process's environment
     if settings.role == "prefill":  # the worker that offers held states: read where its ranks hold them
@@ -164,15 +173,27 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     serve_worker_metrics(worker, settings.host, settings.metrics_port, role.leases)
     await role.on_start()
     # only the router (and tools holding the mesh secret) may call a worker: its calls hand out leases' tokens
-    server = GrpcServer(settings.host, settings.port, role.services(), settings.tls,
-                        interceptors=(mesh_interceptor(settings.mesh_secret.get_secret_value()),))  # fmt: skip
+    server = GrpcServer(
+        settings.host,
+        settings.port,
+        role.services(),
+        settings.tls,
+        interceptors=(mesh_interceptor(settings.mesh_secret.get_secret_value()),),
+    )
     worker.address = f"{settings.advertise_host or settings.host}:{server.port}"
     await server.start()
     await server.set_serving(True)
-    log.info("worker serving", role=settings.role, address=server.address, model=worker.model_id,
-             compat_hash=worker.compat_hash)  # fmt: skip
-    tasks = [asyncio.create_task(c) for c in [worker.register_forever(stop, role), worker.stop_on_engine_failure(stop),
-                                              *role.background(stop)]]  # fmt: skip
+    log.info(
+        "worker serving",
+        role=settings.role,
+        address=server.address,
+        model=worker.model_id,
+        compat_hash=worker.compat_hash,
+    )
+    tasks = [
+        asyncio.create_task(c)
+        for c in [worker.register_forever(stop, role), worker.stop_on_engine_failure(stop), *role.background(stop)]
+    ]
     write_line(sys.stdout, f"DELTAMESH_READY {settings.role} {server.address}")
     await stop.wait()
     log.info("worker stopping")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-from deltamesh.v1 import decode_pb2, decode_pb2_grpc
 from deltamesh.services.common.settings import WorkerSettings
 from deltamesh.services.common.worker import Role, Worker, serve_worker
 from deltamesh.services.decode.offers import PrefixOffers
@@ -12,6 +11,7 @@ from deltamesh.services.decode.peers import PeerWarmer
 from deltamesh.services.decode.servicer import DecodeServicer
 from deltamesh.services.prefill.servicer import expire_leases
 from deltamesh.transfer import LeaseTable, Transport
+from deltamesh.v1 import decode_pb2, decode_pb2_grpc
 
 
 class DecodeRole(Role):

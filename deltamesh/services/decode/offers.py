@@ -14,10 +14,10 @@ import secrets
 import grpc
 import structlog
 
-from deltamesh.v1 import decode_pb2, prefill_pb2
 from deltamesh.services.common import metrics
 from deltamesh.services.common.worker import Worker
 from deltamesh.transfer import MIN_TOKEN_BYTES, LeaseRefused, LeaseTable, StateHolder
+from deltamesh.v1 import decode_pb2, prefill_pb2
 
 log = structlog.get_logger("deltamesh.decode")
 
@@ -38,8 +38,10 @@ class PrefixOffers:
         await self._start_holder()
         limit = self.worker.settings.max_lease_ttl_s
         if request.lease_ttl_ms > limit * 1000:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lease TTL {request.lease_ttl_ms} ms is over this "
-                                f"worker's maximum ({limit:g} s, --max-lease-ttl)")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease TTL {request.lease_ttl_ms} ms is over this worker's maximum ({limit:g} s, --max-lease-ttl)",
+            )
         if len(request.lease_token) < MIN_TOKEN_BYTES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lease_token: at least {MIN_TOKEN_BYTES} bytes")
         found = self.engine.pin_prefix(list(request.prompt_token_ids))
@@ -56,8 +58,9 @@ class PrefixOffers:
         ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else self.worker.settings.lease_ttl_s
         lease_id = f"prefix-{secrets.token_hex(8)}"
         try:
-            lease = self.leases.offer(lease_id, buffers, ttl, lambda reason: self._ended(pinned, lease_id, reason),
-                                      request.lease_token)  # fmt: skip
+            lease = self.leases.offer(
+                lease_id, buffers, ttl, lambda reason: self._ended(pinned, lease_id, reason), request.lease_token
+            )
         except LeaseRefused as e:
             self.engine.unpin_prefix(pinned)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -68,11 +71,13 @@ class PrefixOffers:
         return decode_pb2.OfferPrefixResponse(
             lease=prefill_pb2.Lease(lease_id=lease_id, token=lease.token, expires_unix_ms=lease.expires_unix_ms()),
             layout=prefill_pb2.StateLayout(
-                compat_hash=self.worker.compat_hash, num_tokens=pinned.num_tokens,
-                region_bytes=[b.numel() for b in buffers], tensor_parallel_size=self.engine.tensor_parallel_size,
+                compat_hash=self.worker.compat_hash,
+                num_tokens=pinned.num_tokens,
+                region_bytes=[b.numel() for b in buffers],
+                tensor_parallel_size=self.engine.tensor_parallel_size,
             ),
             transport=self.holder.offer(lease),
-        )  # fmt: skip
+        )
 
     def _ended(self, pinned, lease_id: str, reason: str) -> None:
         self.engine.unpin_prefix(pinned)

@@ -9,8 +9,8 @@ import asyncio
 import structlog
 import torch
 
-from deltamesh.v1 import common_pb2, control_pb2
 from deltamesh.transfer import DescriptorError, StatePuller, TransferError
+from deltamesh.v1 import common_pb2, control_pb2
 
 log = structlog.get_logger("deltamesh.decode")
 

@@ -10,7 +10,6 @@ import time
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from deltamesh.engine import PoolExhausted
 from deltamesh.engine.handoff import LayoutMismatch
 from deltamesh.services.common import metrics
@@ -18,6 +17,7 @@ from deltamesh.services.common.convert import delta_from_output
 from deltamesh.services.common.worker import Worker, engine_request
 from deltamesh.services.decode.offers import PrefixOffers
 from deltamesh.transfer import DescriptorError, LeaseKey, StatePuller, TransferError
+from deltamesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger("deltamesh.decode")
 
@@ -49,8 +49,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         elif request.max_uncached_tokens:
             uncached = len(req.prompt_ids) - self.engine.cached_tokens(req.prompt_ids)
             if uncached > request.max_uncached_tokens:  # not held here (evicted): a prefill worker's job
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{uncached} prompt tokens are not in this "
-                                    f"worker's prefix cache (at most {request.max_uncached_tokens} asked)")  # fmt: skip
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{uncached} prompt tokens are not in this "
+                    f"worker's prefix cache (at most {request.max_uncached_tokens} asked)",
+                )
         async for out in self.engine.stream(req, submit):
             if out.new_token_ids:  # one token, or several when this stream fell behind (Engine.stream)
                 now = time.monotonic()
@@ -101,8 +104,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         metrics.TRANSFER_BYTES.observe(stats.nbytes)
         metrics.TRANSFER_SECONDS.observe(stats.seconds)
         metrics.TRANSFER_BUFFERS.observe(stats.buffers)
-        log.info("state received", bytes=stats.nbytes, buffers=stats.buffers, seconds=round(stats.seconds, 6),
-                 gbps=round(stats.gbps, 3))  # fmt: skip
+        log.info(
+            "state received",
+            bytes=stats.nbytes,
+            buffers=stats.buffers,
+            seconds=round(stats.seconds, 6),
+            gbps=round(stats.gbps, 3),
+        )
         return reservation
 
     def _release(self, lease_id: str, reservation) -> None:
@@ -121,11 +129,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             except PoolExhausted as e:
                 if time.monotonic() + delay > deadline:
                     waited = self.worker.settings.admission_timeout_s
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: no pool space "
-                                        f"within {waited:g} s (--admission-timeout): {e}")  # fmt: skip
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"decode worker is full: no pool space within {waited:g} s (--admission-timeout): {e}",
+                    )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.05)
-        if reservation.ready is not None:  # a step launched before may still write this space (deltamesh/engine/core.py)
+        if (
+            reservation.ready is not None
+        ):  # a step launched before may still write this space (deltamesh/engine/core.py)
             await asyncio.to_thread(reservation.wait_ready)
         return reservation
 

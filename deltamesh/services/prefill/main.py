@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from deltamesh.v1 import prefill_pb2, prefill_pb2_grpc
 from deltamesh.services.common.settings import WorkerSettings
 from deltamesh.services.common.worker import Role, Worker, serve_worker
 from deltamesh.services.prefill.reverse_pull import ReversePuller
 from deltamesh.services.prefill.servicer import PrefillServicer, expire_leases
 from deltamesh.transfer import LeaseTable, Transport
+from deltamesh.v1 import prefill_pb2, prefill_pb2_grpc
 
 
 class PrefillRole(Role):

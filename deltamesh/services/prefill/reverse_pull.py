@@ -12,12 +12,12 @@ import time
 
 import structlog
 
-from deltamesh.v1 import prefill_pb2
 from deltamesh.engine import PoolExhausted
 from deltamesh.engine.reservations import Reservation
 from deltamesh.services.common import metrics
 from deltamesh.services.common.worker import Worker
 from deltamesh.transfer import DescriptorError, LeaseKey, StatePuller, TransferError
+from deltamesh.v1 import prefill_pb2
 
 log = structlog.get_logger("deltamesh.prefill")
 
@@ -35,8 +35,9 @@ class ReversePuller:
             return None
         num_tokens = prefix.layout.num_tokens
         try:  # nothing moves yet: a descriptor this worker cannot use is refused before any pool space is taken
-            source = self.puller.source(prefix.transport, LeaseKey(prefix.lease.lease_id, prefix.lease.token),
-                                        prefix.layout.region_bytes)  # fmt: skip
+            source = self.puller.source(
+                prefix.transport, LeaseKey(prefix.lease.lease_id, prefix.lease.token), prefix.layout.region_bytes
+            )
             reservation = self.engine.reserve(num_tokens)
         except (DescriptorError, PoolExhausted) as e:
             return self._failed(f"{type(e).__name__}: {e}", num_tokens)
@@ -44,8 +45,9 @@ class ReversePuller:
         try:
             await reservation.wait_ready_async()
             started = time.monotonic()
-            stats = await self.puller.pull(source, [r.tensor for r in reservation.regions],
-                                           self.worker.settings.transfer_timeout_s)  # fmt: skip
+            stats = await self.puller.pull(
+                source, [r.tensor for r in reservation.regions], self.worker.settings.transfer_timeout_s
+            )
         except TransferError as e:
             self.puller.release_after(prefix.lease.lease_id, lambda: self.engine.cancel_reservation(reservation))
             return self._failed(str(e), num_tokens)

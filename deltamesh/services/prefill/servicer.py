@@ -9,7 +9,6 @@ import time
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from deltamesh.engine import FinishReason
 from deltamesh.services.common import metrics
 from deltamesh.services.common.convert import delta_from_output
@@ -17,6 +16,7 @@ from deltamesh.services.common.worker import Worker, engine_request
 from deltamesh.services.prefill.reverse_pull import ReversePuller
 from deltamesh.transfer import MIN_TOKEN_BYTES, LeaseRefused, LeaseTable, StateHolder
 from deltamesh.transfer.leases import extent
+from deltamesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = structlog.get_logger("deltamesh.prefill")
 
@@ -71,21 +71,28 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         num_tokens, reservation = pulled
         return lambda r, sink: self.engine.submit_pulled(r, num_tokens, reservation, sink)
 
-    def _hold(self, response: prefill_pb2.PrefillResponse, rid: str, num_tokens: int, ttl_ms: int,
-              token: bytes | None) -> None:  # fmt: skip
+    def _hold(
+        self, response: prefill_pb2.PrefillResponse, rid: str, num_tokens: int, ttl_ms: int, token: bytes | None
+    ) -> None:
         """Offer the held state under a lease; the lease, how a puller reaches the state, and its shape go into
         `response`."""
         ttl = ttl_ms / 1000 if ttl_ms else self.worker.settings.lease_ttl_s
         buffers = self.engine.held_buffers(rid)
         lease = self.leases.offer(rid, buffers, ttl, lambda reason: self._ended(rid, reason), token)
         log.info("state held", lease_id=rid, tokens=num_tokens, bytes=lease.nbytes, buffers=len(buffers), ttl_s=ttl)
-        response.lease.CopyFrom(prefill_pb2.Lease(lease_id=rid, token=lease.token,
-                                                  expires_unix_ms=lease.expires_unix_ms()))  # fmt: skip
+        response.lease.CopyFrom(
+            prefill_pb2.Lease(lease_id=rid, token=lease.token, expires_unix_ms=lease.expires_unix_ms())
+        )
         response.transport.CopyFrom(self.holder.offer(lease))
-        response.layout.CopyFrom(prefill_pb2.StateLayout(
-            compat_hash=self.worker.compat_hash, num_tokens=num_tokens, region_bytes=[extent(b)[1] for b in buffers],
-            tensor_parallel_size=self.engine.tensor_parallel_size, rank_parts=self.engine.holds_rank_parts,
-        ))  # fmt: skip
+        response.layout.CopyFrom(
+            prefill_pb2.StateLayout(
+                compat_hash=self.worker.compat_hash,
+                num_tokens=num_tokens,
+                region_bytes=[extent(b)[1] for b in buffers],
+                tensor_parallel_size=self.engine.tensor_parallel_size,
+                rank_parts=self.engine.holds_rank_parts,
+            )
+        )
 
     def transport_descriptor(self) -> common_pb2.TransportDescriptor:
         """How decode workers reach this worker's pools (made readable now, once), for them to set up their
@@ -104,8 +111,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         """A TTL is bounded: a lease holds a state slot and KV pages that other requests wait for."""
         limit = self.worker.settings.max_lease_ttl_s
         if ttl_ms > limit * 1000:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lease TTL {ttl_ms} ms is over this worker's "
-                                f"maximum ({limit:g} s, --max-lease-ttl)")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease TTL {ttl_ms} ms is over this worker's maximum ({limit:g} s, --max-lease-ttl)",
+            )
 
     async def ExtendLease(self, request: prefill_pb2.LeaseRequest, context) -> prefill_pb2.LeaseResponse:
         await self._check_ttl(request.ttl_ms, context)
@@ -133,5 +142,5 @@ async def expire_leases(leases: LeaseTable, stop: asyncio.Event, every_s: float 
         leases.expire()
         try:
             await asyncio.wait_for(stop.wait(), every_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass

@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
 from deltamesh.services.common.auth import mesh_metadata
 from deltamesh.services.router.registry import WorkerRegistry
+from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("deltamesh.router")
 
@@ -35,8 +35,9 @@ class ControlServicer(control_pb2_grpc.MeshControlServicer):
         return common_pb2.GetLoadsResponse(workers=self.registry.loads())
 
 
-def read_loads(address: str, secret: str, credentials: grpc.ChannelCredentials | None = None,
-               timeout: float = 5.0) -> list[common_pb2.WorkerLoad]:  # fmt: skip
+def read_loads(
+    address: str, secret: str, credentials: grpc.ChannelCredentials | None = None, timeout: float = 5.0
+) -> list[common_pb2.WorkerLoad]:
     """Every worker's load as the router at control-plane `address` sees it (for operators, tests and benchmarks;
     `credentials` for a mesh on TLS)."""
     channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)

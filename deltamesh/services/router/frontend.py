@@ -7,9 +7,10 @@ checks are O(1) per text and come first; tokenising and chat templating run in a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from deltamesh.engine import EngineConfig, RequestError, SamplingParams, validate_request
 from deltamesh.engine.config import ModelConfig
@@ -71,8 +72,9 @@ class Frontend:
     def check_token_count(self, n: int) -> None:
         """Before a token-id list is copied or scanned."""
         if n > self.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens; this model's maximum context length is "
-                               f"{self.max_model_len} tokens")  # fmt: skip
+            raise RequestError(
+                f"the prompt has {n} tokens; this model's maximum context length is {self.max_model_len} tokens"
+            )
 
     def check_chat(self, messages: list[dict]) -> None:
         if not messages:

@@ -7,7 +7,6 @@ import sys
 
 import structlog
 
-from deltamesh.v1 import control_pb2, control_pb2_grpc, router_pb2, router_pb2_grpc
 from deltamesh.services.common.auth import api_key_interceptor, mesh_interceptor
 from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.server import GrpcServer
@@ -21,6 +20,7 @@ from deltamesh.services.router.pd_decider import PdDecider
 from deltamesh.services.router.policies import make_policy
 from deltamesh.services.router.registry import WorkerRegistry
 from deltamesh.services.router.servicer import RouterServicer
+from deltamesh.v1 import control_pb2, control_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger("deltamesh.router")
 
@@ -44,8 +44,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     name = control_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name
     control_servicer = ControlServicer(registry, frontend.model_id)
     control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, control_servicer, name)]
-    control = GrpcServer(settings.host, settings.control_port, control_api, settings.tls,
-                         interceptors=(mesh_interceptor(secret),))  # fmt: skip
+    control = GrpcServer(
+        settings.host, settings.control_port, control_api, settings.tls, interceptors=(mesh_interceptor(secret),)
+    )
     for s in (server, control):
         await s.start()
         await s.set_serving(True)
@@ -53,10 +54,18 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     http = None
     if settings.http_port:
         gateway = Gateway(frontend, mesh, settings.api_key)
-        http, http_task = await start_gateway(gateway, settings.host, settings.http_port, settings.http_header_timeout_s)
+        http, http_task = await start_gateway(
+            gateway, settings.host, settings.http_port, settings.http_header_timeout_s
+        )
         tasks.append(http_task)
-    log.info("router serving", grpc=server.address, control=control.address, http=settings.http_port,
-             model=frontend.model_id, policy=settings.policy)  # fmt: skip
+    log.info(
+        "router serving",
+        grpc=server.address,
+        control=control.address,
+        http=settings.http_port,
+        model=frontend.model_id,
+        policy=settings.policy,
+    )
     write_line(sys.stdout, f"DELTAMESH_READY router {server.address}")
     await stop.wait()
     if http is not None:

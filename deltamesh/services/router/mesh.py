@@ -13,19 +13,19 @@ import asyncio
 import contextlib
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
 from deltamesh.engine import SamplingParams
 from deltamesh.services.common.convert import sampling_to_proto
 from deltamesh.services.router import metrics
 from deltamesh.services.router.pd_decider import PdDecider
 from deltamesh.services.router.policies import Policy
 from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
+from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = structlog.get_logger("deltamesh.mesh")
 
@@ -56,7 +56,7 @@ def _leg_error(e: grpc.aio.AioRpcError, leg: str, w: WorkerHandle) -> MeshError:
     return MeshError(e.code(), f"{leg} worker {w.address}: {e.details()}")
 
 
-def _cancelled_call(inflight: "_Inflight", leg: str, w: WorkerHandle) -> MeshError:
+def _cancelled_call(inflight: _Inflight, leg: str, w: WorkerHandle) -> MeshError:
     """A worker call was cancelled but not our task: an abort, or the call's channel went away. Anything but
     a silent end of the stream. (When our own task is being cancelled, the caller re-raises instead.)"""
     if inflight.aborted:
@@ -70,8 +70,15 @@ def _own_task_cancelled() -> bool:
 
 
 class Mesh:
-    def __init__(self, registry: WorkerRegistry, policy: Policy, prefill_retries: int = 2, timeout_s: float = 600.0,
-                 ready_timeout_s: float = 10.0, pd: PdDecider | None = None):  # fmt: skip
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: Policy,
+        prefill_retries: int = 2,
+        timeout_s: float = 600.0,
+        ready_timeout_s: float = 10.0,
+        pd: PdDecider | None = None,
+    ):
         """`ready_timeout_s`: how long a request waits for the mesh to have workers (just started, or all
         restarting) before it fails as UNAVAILABLE. `pd`: which requests skip the prefill worker (None: none)."""
         self.registry, self.policy, self.pd = registry, policy, pd
@@ -100,8 +107,9 @@ class Mesh:
         deadline = time.monotonic() + self.ready_timeout_s
         while missing := self.missing():
             if time.monotonic() >= deadline:
-                raise MeshError(grpc.StatusCode.UNAVAILABLE, f"{missing} (waited {self.ready_timeout_s:g} s); "
-                                "retry shortly")  # fmt: skip
+                raise MeshError(
+                    grpc.StatusCode.UNAVAILABLE, f"{missing} (waited {self.ready_timeout_s:g} s); retry shortly"
+                )
             await asyncio.sleep(0.05)
 
     def _pick(self, role: str, exclude: set[str], prompt_ids=()) -> WorkerHandle:
@@ -137,8 +145,15 @@ class Mesh:
         finally:
             timer.end(outcome)
             ttft = None if timer.first is None else round(timer.first - timer.start, 4)
-            log.info("request", request_id=request_id, outcome=outcome, prompt_tokens=len(prompt_ids),
-                     completion_tokens=timer.tokens, ttft_s=ttft, seconds=round(time.monotonic() - timer.start, 4))
+            log.info(
+                "request",
+                request_id=request_id,
+                outcome=outcome,
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=timer.tokens,
+                ttft_s=ttft,
+                seconds=round(time.monotonic() - timer.start, 4),
+            )
 
     async def _generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         if request_id in self._inflight:
@@ -148,17 +163,25 @@ class Mesh:
         try:
             await self._until_ready()
             if self.colocated:
-                req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop)
+                req = decode_pb2.DecodeRequest(
+                    request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop
+                )
                 async for delta in self._decode(req, "colocated", inflight):
                     yield delta
                 return
             direct = self.pd.direct(self.registry.healthy("decode"), prompt_ids) if self.pd else None
             if direct is not None:  # the decode worker holds the conversation: it prefills the new message itself
-                req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                                               stop=stop, max_uncached_tokens=self.pd.max_suffix)  # fmt: skip
+                req = decode_pb2.DecodeRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling=sampling,
+                    stop=stop,
+                    max_uncached_tokens=self.pd.max_suffix,
+                )
                 try:
-                    async for delta in self._remembered(self._decode(req, "decode", inflight, direct), prompt_ids,
-                                                        inflight):  # fmt: skip
+                    async for delta in self._remembered(
+                        self._decode(req, "decode", inflight, direct), prompt_ids, inflight
+                    ):
                         yield delta
                     return
                 except _NotHeld:  # its cache no longer holds the conversation: through a prefill worker after all
@@ -166,9 +189,12 @@ class Mesh:
             # the lease's token is ours from the start: a request that goes away while its prefill answer is on the
             # wire can still end the lease it will never see
             prefill_req = prefill_pb2.PrefillRequest(
-                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop,
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling,
+                stop=stop,
                 lease_token=secrets.token_bytes(16),
-            )  # fmt: skip
+            )
             offer = await self._offer_prefix(prompt_ids) if self.pd is not None else None
             if offer is not None:
                 prefill_req.prefix.CopyFrom(offer[1])
@@ -182,9 +208,11 @@ class Mesh:
                 if first.first.finished:
                     return
                 source = decode_pb2.TransferSource(  # the transport descriptor goes on unread
-                    lease=first.lease, transport=first.transport, layout=first.layout,
+                    lease=first.lease,
+                    transport=first.transport,
+                    layout=first.layout,
                     first_token_id=first.first.token_ids[0],
-                )  # fmt: skip
+                )
                 req = decode_pb2.DecodeRequest(
                     request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
                 )
@@ -212,8 +240,9 @@ class Mesh:
         if holder is None:
             return None
         token = secrets.token_bytes(16)
-        ask = decode_pb2.OfferPrefixRequest(prompt_token_ids=prompt_ids, lease_token=token,
-                                            min_tokens=self.pd.held.block)  # fmt: skip
+        ask = decode_pb2.OfferPrefixRequest(
+            prompt_token_ids=prompt_ids, lease_token=token, min_tokens=self.pd.held.block
+        )
         try:
             offer = await holder.stub.OfferPrefix(ask, metadata=self.registry.call_metadata(), timeout=5)
         except grpc.aio.AioRpcError as e:
@@ -231,8 +260,9 @@ class Mesh:
         while True:
             w = self._pick("prefill", tried, req.prompt_token_ids)
             w.inflight += 1
-            inflight.call = w.stub.Prefill(req, metadata=self.registry.call_metadata(req.request_id),
-                                           timeout=self.timeout_s)  # fmt: skip
+            inflight.call = w.stub.Prefill(
+                req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s
+            )
             try:
                 return await inflight.call, w
             except asyncio.CancelledError:
@@ -261,19 +291,28 @@ class Mesh:
         tokens = list(first.token_ids) if first is not None else []
         async for delta in deltas:
             tokens += delta.token_ids
-            if delta.finished and delta.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
+            if delta.finished and delta.finish_reason in (
+                common_pb2.FINISH_REASON_STOP,
+                common_pb2.FINISH_REASON_LENGTH,
+            ):
                 self.pd.finished(inflight.worker.address, prompt_ids + tokens)
             yield delta
 
-    async def _decode(self, req: decode_pb2.DecodeRequest, role: str, inflight: _Inflight,
-                      first_choice: WorkerHandle | None = None):  # fmt: skip
+    async def _decode(
+        self, req: decode_pb2.DecodeRequest, role: str, inflight: _Inflight, first_choice: WorkerHandle | None = None
+    ):
         tried: set[str] = set()
         while True:
-            w = first_choice if first_choice is not None and not tried else self._pick(role, tried, req.prompt_token_ids)
+            w = (
+                first_choice
+                if first_choice is not None and not tried
+                else self._pick(role, tried, req.prompt_token_ids)
+            )
             inflight.worker = w
             w.inflight += 1
-            call = inflight.call = w.stub.Decode(req, metadata=self.registry.call_metadata(req.request_id),
-                                                 timeout=self.timeout_s)  # fmt: skip
+            call = inflight.call = w.stub.Decode(
+                req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s
+            )
             streamed = finished = False
             try:
                 async for delta in call:
@@ -301,8 +340,10 @@ class Mesh:
                     raise _NotHeld() from None
                 if tried and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # the failed worker may have pulled (used up) the lease before dying: a worker fault
-                    raise MeshError(grpc.StatusCode.UNAVAILABLE, f"decode worker failed and the retry could not "
-                                    f"take over the request's state: {e.details()}") from None  # fmt: skip
+                    raise MeshError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"decode worker failed and the retry could not take over the request's state: {e.details()}",
+                    ) from None
                 raise _leg_error(e, role, w) from None
             finally:
                 w.inflight -= 1
@@ -318,9 +359,12 @@ class Mesh:
     def _release_later(self, w: WorkerHandle, lease: prefill_pb2.Lease) -> None:
         async def release() -> None:
             try:
-                await w.stub.ReleaseLease(prefill_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token),
-                                          metadata=self.registry.call_metadata(), timeout=5)  # fmt: skip
-            except Exception:  # noqa: BLE001 - best effort: a gone worker took its memory along, else the lease expires
+                await w.stub.ReleaseLease(
+                    prefill_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token),
+                    metadata=self.registry.call_metadata(),
+                    timeout=5,
+                )
+            except Exception:
                 pass
 
         self._in_background(release())

@@ -10,22 +10,31 @@ from prometheus_client.core import GaugeMetricFamily
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 REQUESTS = Counter("deltamesh_router_requests", "Requests by outcome", ["outcome"])
-TTFT = Histogram("deltamesh_router_time_to_first_token_seconds", "From request arrival to the first token",
-                 buckets=_LATENCY)  # fmt: skip
-TPOT = Histogram("deltamesh_router_time_per_output_token_seconds",
-                 "Per request: (end - first token) / (output tokens - 1)", buckets=_LATENCY)  # fmt: skip
+TTFT = Histogram(
+    "deltamesh_router_time_to_first_token_seconds", "From request arrival to the first token", buckets=_LATENCY
+)
+TPOT = Histogram(
+    "deltamesh_router_time_per_output_token_seconds",
+    "Per request: (end - first token) / (output tokens - 1)",
+    buckets=_LATENCY,
+)
 E2E = Histogram("deltamesh_router_e2e_request_latency_seconds", "From arrival to the last token", buckets=_LATENCY)
 RUNNING = Gauge("deltamesh_router_requests_running", "Requests in flight through the mesh")
 PROMPT_TOKENS = Counter("deltamesh_router_prompt_tokens", "Prompt tokens of finished requests")
 GENERATION_TOKENS = Counter("deltamesh_router_generation_tokens", "Output tokens streamed to clients")
 RETRIES = Counter("deltamesh_router_retries", "Requests re-sent to another worker", ["leg"])
-ROUTING_DECISIONS = Counter("deltamesh_router_cache_aware_decisions",
-                            "cache_aware policy: sent where the prompt's prefix went before (cache) or by load", ["choice"])
-PD_DECISIONS = Counter("deltamesh_router_pd_decisions",
-                       "--pd-direct-max-tokens: sent straight to the decode worker holding the conversation (direct) "
-                       "or through a prefill worker (prefill; refused: the decode worker no longer held it); for the "
-                       "latter, the holder's prefix offered to the prefill worker (offered, offer_none, offer_failed)",
-                       ["path"])  # fmt: skip
+ROUTING_DECISIONS = Counter(
+    "deltamesh_router_cache_aware_decisions",
+    "cache_aware policy: sent where the prompt's prefix went before (cache) or by load",
+    ["choice"],
+)
+PD_DECISIONS = Counter(
+    "deltamesh_router_pd_decisions",
+    "--pd-direct-max-tokens: sent straight to the decode worker holding the conversation (direct) "
+    "or through a prefill worker (prefill; refused: the decode worker no longer held it); for the "
+    "latter, the holder's prefix offered to the prefill worker (offered, offer_none, offer_failed)",
+    ["path"],
+)
 
 
 class RequestTimer:
@@ -63,7 +72,9 @@ class WorkerCollector:
         self.registry = registry
 
     def collect(self):
-        g = GaugeMetricFamily("deltamesh_router_workers", "Known workers by role and health", labels=["role", "healthy"])
+        g = GaugeMetricFamily(
+            "deltamesh_router_workers", "Known workers by role and health", labels=["role", "healthy"]
+        )
         counts: dict[tuple[str, str], int] = {}
         for w in self.registry.workers.values():
             key = (w.role, str(w.healthy).lower())

@@ -11,8 +11,16 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_serializer,
-                      model_validator)  # fmt: skip
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from deltamesh.services.common.settings import RequestLimits
 
@@ -23,7 +31,7 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
 
 # The serving router's limits, set for each request by the gateway's middleware. They are checked on the raw
 # JSON before pydantic validates it: validating a huge list would itself hold the event loop.
-LIMITS: ContextVar[RequestLimits] = ContextVar("LIMITS", default=RequestLimits())
+LIMITS: ContextVar[RequestLimits] = ContextVar("LIMITS", default=RequestLimits())  # noqa: B039  (never mutated)
 
 
 def _check_count(data, field: str, limit: int, what: str) -> None:
@@ -69,8 +77,9 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, ge=0, le=UINT64_MAX,
-                                   description="makes sampling reproducible; choice i of n uses seed + i (mod 2**64)")
+    seed: StrictInt | None = Field(
+        None, ge=0, le=UINT64_MAX, description="makes sampling reproducible; choice i of n uses seed + i (mod 2**64)"
+    )
     presence_penalty: float | None = Field(None, description="Only 0 is supported")
     frequency_penalty: float | None = Field(None, description="Only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)")
@@ -138,8 +147,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX,
-                                         description="Deprecated by OpenAI; max_completion_tokens wins")
+    max_tokens: StrictInt | None = Field(
+        None, ge=1, le=UINT32_MAX, description="Deprecated by OpenAI; max_completion_tokens wins"
+    )
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)

@@ -15,7 +15,7 @@ mesh asks to offer that prefix to the prefill worker (the reverse pull, mesh.py)
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from deltamesh.services.router import metrics
 from deltamesh.services.router.policies import SentBlocks

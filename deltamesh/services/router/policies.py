@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from deltamesh.engine.prefix_cache import block_key
 from deltamesh.services.router import metrics

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from deltamesh.services.common.auth import mesh_metadata
 from deltamesh.services.common.server import CHANNEL_OPTIONS
 from deltamesh.services.common.tls import aio_channel
+from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = structlog.get_logger("deltamesh.registry")
 
@@ -99,7 +99,7 @@ class WorkerRegistry:
             await self.poll_once()
             try:
                 await asyncio.wait_for(stop.wait(), self.health_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def poll_once(self) -> None:
@@ -113,8 +113,11 @@ class WorkerRegistry:
         """A worker that is unreachable is out at once; one that is only slow to answer (a long engine step,
         kernel compilation) is out after MAX_MISSED_POLLS polls in a row."""
         try:
-            reply = await w.stub.GetLoads(common_pb2.GetLoadsRequest(), metadata=self.call_metadata(),
-                                          timeout=max(self.health_interval_s * 4, 2.0))  # fmt: skip
+            reply = await w.stub.GetLoads(
+                common_pb2.GetLoadsRequest(),
+                metadata=self.call_metadata(),
+                timeout=max(self.health_interval_s * 4, 2.0),
+            )
             w.load = reply.workers[0]
             w.missed_polls = 0
             if not w.healthy:

@@ -11,12 +11,12 @@ import uuid
 import grpc
 import structlog
 
-from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from deltamesh.engine import RequestError
 from deltamesh.services.common.convert import sampling_from_proto
 from deltamesh.services.common.logs import bind_request, request_id_from
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.mesh import Mesh, MeshError
+from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger("deltamesh.router")
 
@@ -66,8 +66,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rid = request.request_id or request_id_from(context) or new_request_id()
         bind_request(rid)
         if request.model and request.model != self.frontend.model_id:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here "
-                                                           f"(serving {self.frontend.model_id!r})")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {request.model[:200]!r} is not served here (serving {self.frontend.model_id!r})",
+            )
         try:
             params = sampling_from_proto(request.sampling, request.stop)
             params.validate(self.frontend.vocab_size)  # before the prompt: it is cheap and may refuse at once
@@ -87,8 +89,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         if not self.abort_tokens.valid(request.request_id, request.abort_token):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a request is aborted with the abort token of its "
-                                "first response (or by cancelling its Generate call)")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "a request is aborted with the abort token of its first response (or by cancelling its Generate call)",
+            )
         return common_pb2.AbortResponse(found=self.mesh.abort(request.request_id))
 
     async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:

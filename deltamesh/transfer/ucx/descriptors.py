@@ -5,15 +5,15 @@ lease words are."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from google.protobuf.message import DecodeError
 
-from deltamesh.v1 import ucx_pb2
-from deltamesh.v1.common_pb2 import TransportDescriptor
 from deltamesh.transfer.base import DescriptorError, LeaseKey, Source, payload_of
 from deltamesh.transfer.leases import lease_nonce
+from deltamesh.v1 import ucx_pb2
+from deltamesh.v1.common_pb2 import TransportDescriptor
 
 KIND, VERSION = "ucx", 2
 WORD_BYTES = 8
@@ -70,18 +70,28 @@ def _peers(regions: Sequence[RemoteRegion]) -> tuple[list[bytes], list[int]]:
 def lease_descriptor(address: bytes, regions: Sequence[RemoteRegion], word: RemoteRegion) -> TransportDescriptor:
     peers, region_peers = _peers(regions)
     payload = ucx_pb2.UcxLeaseDescriptor(
-        worker_address=address, region_addresses=[r.address for r in regions], region_rkeys=[r.rkey for r in regions],
-        word_address=word.address, word_rkey=word.rkey, peer_addresses=peers, region_peers=region_peers,
-    )  # fmt: skip
+        worker_address=address,
+        region_addresses=[r.address for r in regions],
+        region_rkeys=[r.rkey for r in regions],
+        word_address=word.address,
+        word_rkey=word.rkey,
+        peer_addresses=peers,
+        region_peers=region_peers,
+    )
     return TransportDescriptor(kind=KIND, version=VERSION, payload=payload.SerializeToString())
 
 
 def holder_descriptor(address: bytes, pools: Sequence[RemoteRegion], words: RemoteRegion) -> TransportDescriptor:
     peers, pool_peers = _peers(pools)
     payload = ucx_pb2.UcxHolderDescriptor(
-        worker_address=address, pool_addresses=[r.address for r in pools], pool_rkeys=[r.rkey for r in pools],
-        lease_words_address=words.address, lease_words_rkey=words.rkey, peer_addresses=peers, pool_peers=pool_peers,
-    )  # fmt: skip
+        worker_address=address,
+        pool_addresses=[r.address for r in pools],
+        pool_rkeys=[r.rkey for r in pools],
+        lease_words_address=words.address,
+        lease_words_rkey=words.rkey,
+        peer_addresses=peers,
+        pool_peers=pool_peers,
+    )
     return TransportDescriptor(kind=KIND, version=VERSION, payload=payload.SerializeToString())
 
 
@@ -90,8 +100,10 @@ def _workers(address: bytes, peers: Sequence[bytes], index: Sequence[int], count
     if not index:
         return [address] * count
     if len(index) != count or any(i > len(peers) for i in index) or not all(peers):
-        raise DescriptorError(f"ucx descriptor: one peer index per region needed ({count} regions, {len(index)} "
-                              f"indices, {len(peers)} peers)")  # fmt: skip
+        raise DescriptorError(
+            f"ucx descriptor: one peer index per region needed ({count} regions, {len(index)} "
+            f"indices, {len(peers)} peers)"
+        )
     return [peers[i - 1] if i else address for i in index]
 
 
@@ -99,8 +111,10 @@ def read_lease(descriptor: TransportDescriptor, lease: LeaseKey, region_bytes: S
     """The source a lease descriptor names, for regions of `region_bytes`; DescriptorError if it names none."""
     d = _parse(descriptor, ucx_pb2.UcxLeaseDescriptor)
     if not len(region_bytes) == len(d.region_addresses) == len(d.region_rkeys):
-        raise DescriptorError(f"ucx descriptor: one address and key per region needed ({len(region_bytes)} regions, "
-                              f"{len(d.region_addresses)} addresses, {len(d.region_rkeys)} keys)")  # fmt: skip
+        raise DescriptorError(
+            f"ucx descriptor: one address and key per region needed ({len(region_bytes)} regions, "
+            f"{len(d.region_addresses)} addresses, {len(d.region_rkeys)} keys)"
+        )
     if not (d.worker_address and d.word_address and d.word_rkey):
         raise DescriptorError("ucx descriptor: the holder's address and the lease word's address and key are needed")
     workers = _workers(d.worker_address, d.peer_addresses, d.region_peers, len(region_bytes))
@@ -117,8 +131,11 @@ def read_holder(descriptor: TransportDescriptor) -> tuple[bytes, list[RemoteRegi
         raise DescriptorError("ucx holder descriptor: the holder's address and one key per pool are needed")
     workers = _workers(d.worker_address, d.peer_addresses, d.pool_peers, len(d.pool_addresses))
     pools = [RemoteRegion(1, *r) for r in zip(d.pool_addresses, d.pool_rkeys, workers)]
-    words = RemoteRegion(WORD_BYTES, d.lease_words_address, d.lease_words_rkey, d.worker_address) \
-        if d.lease_words_rkey else None  # fmt: skip
+    words = (
+        RemoteRegion(WORD_BYTES, d.lease_words_address, d.lease_words_rkey, d.worker_address)
+        if d.lease_words_rkey
+        else None
+    )
     return d.worker_address, pools, words
 
 

@@ -13,12 +13,12 @@ import numpy as np
 import structlog
 import torch
 
-from deltamesh.v1 import ucx_pb2
-from deltamesh.v1.common_pb2 import TransportDescriptor
 from deltamesh.transfer.base import StateHolder
 from deltamesh.transfer.leases import Held, Lease, LeaseTable, RankBytes
 from deltamesh.transfer.ucx import descriptors, loop_worker, notices
 from deltamesh.transfer.ucx.descriptors import RemoteRegion
+from deltamesh.v1 import ucx_pb2
+from deltamesh.v1.common_pb2 import TransportDescriptor
 
 log = structlog.get_logger("deltamesh.transfer")
 

@@ -28,14 +28,14 @@ _SAFETY_PROGRESS_S = 0.005
 _IDLE_PROGRESS_S = 1.0
 _MAX_ROUNDS = 64  # progress rounds per wake-up before yielding to the loop's other callbacks
 
-_worker: "LoopWorker | None" = None
+_worker: LoopWorker | None = None
 
 
 def _spin_until(spin_s: float) -> float:
     return time.perf_counter() + spin_s if spin_s > 0 else 0.0
 
 
-def get() -> "LoopWorker":
+def get() -> LoopWorker:
     """This process's worker, created on first use on the running loop."""
     global _worker
     loop = asyncio.get_running_loop()
@@ -101,8 +101,9 @@ class LoopWorker:
         for `ep`) into `buffer` (a 1-D uint8 tensor, host or CUDA); resolves when they are there."""
         from deltamesh.transfer.ucx import rma
 
-        request = rma.GetRequest(ep.handle, buffer.data_ptr(), buffer.numel(), remote_address, rkey,
-                                 rma.memory_type(buffer.is_cuda))  # fmt: skip
+        request = rma.GetRequest(
+            ep.handle, buffer.data_ptr(), buffer.numel(), remote_address, rkey, rma.memory_type(buffer.is_cuda)
+        )
         if spin_s > 0 and not buffer.is_cuda and not request.completed:
             self.worker.progress()  # a host read (over CMA: one syscall) is done now, without a loop turn
         return self._track(request, buffer, False, _spin_until(spin_s))

@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import structlog
 import torch
 
-from deltamesh.v1 import ucx_pb2
-from deltamesh.v1.common_pb2 import TransportDescriptor
 from deltamesh.transfer import failpoints
 from deltamesh.transfer.base import LeaseKey, StatePuller, TransferError, TransferStats, segments
 from deltamesh.transfer.ucx import descriptors, loop_worker, notices
 from deltamesh.transfer.ucx.descriptors import UcxSource
 from deltamesh.transfer.ucx.endpoints import Endpoints
+from deltamesh.v1 import ucx_pb2
+from deltamesh.v1.common_pb2 import TransportDescriptor
 
 log = structlog.get_logger("deltamesh.transfer")
 
@@ -81,9 +81,12 @@ class UcxPuller(StatePuller):
                 ep = self._eps.get(address)
                 reads = [(r, torch.empty(1, dtype=torch.uint8, device=device)) for r in pools]
                 reads += [(words, torch.empty(words.nbytes, dtype=torch.uint8))] if words else []
-                await asyncio.gather(*(ucx.get(self._eps.get(r.worker), into, r.address,
-                                               self._eps.rkey(r.worker, r.rkey))
-                                       for r, into in reads))  # fmt: skip
+                await asyncio.gather(
+                    *(
+                        ucx.get(self._eps.get(r.worker), into, r.address, self._eps.rkey(r.worker, r.rkey))
+                        for r, into in reads
+                    )
+                )
                 # no lease id: the holder skips it
                 await ucx.send(ep, notices.frame(ucx_pb2.PullNotice()), notices.NOTICE_TAG)
         except Exception as e:  # unreachable or gone: the first pull will find out again
@@ -170,9 +173,12 @@ class UcxPuller(StatePuller):
             # ended, so its memory had not been freed or reused, while they ran.
             await ucx.get(ep, word, check.address, word_key, spin_s=spin_s)
             if int.from_bytes(word.numpy().tobytes(), "little") != check.nonce:
-                raise TransferError(f"lease {source.lease.lease_id!r} ended before its state was read (pulled, "
-                                    "released or expired), or the token or regions are not the lease's: the bytes "
-                                    "read are not used", refused=True)  # fmt: skip
+                raise TransferError(
+                    f"lease {source.lease.lease_id!r} ended before its state was read (pulled, "
+                    "released or expired), or the token or regions are not the lease's: the bytes "
+                    "read are not used",
+                    refused=True,
+                )
         except BaseException as e:
             for f in reads:
                 f.cancel()

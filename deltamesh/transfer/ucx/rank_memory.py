@@ -13,8 +13,8 @@ import atexit
 
 import torch
 
-from deltamesh.v1 import ucx_pb2
 from deltamesh.transfer.ucx import rma
+from deltamesh.v1 import ucx_pb2
 
 _kept: list = []  # the context, worker and registrations: as long as the process
 
@@ -27,19 +27,22 @@ def export(views: list[torch.Tensor]) -> bytes:
     context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.RMA, ucx.Feature.WAKEUP))
     worker = ucx.UCXWorker(context)
     worker.start_progress_thread()  # blocking progress: asleep until UCX has something to do
-    registrations = [rma.Registration(context.handle, v.data_ptr(), v.numel(), rma.memory_type(v.is_cuda))
-                     for v in views]  # fmt: skip
+    registrations = [
+        rma.Registration(context.handle, v.data_ptr(), v.numel(), rma.memory_type(v.is_cuda)) for v in views
+    ]
     _kept.append((context, worker, registrations))
     atexit.register(_close)
     return ucx_pb2.UcxRankMemory(
-        worker_address=worker.address.tobytes(), starts=[r.address for r in registrations],
-        sizes=[r.length for r in registrations], rkeys=[r.rkey for r in registrations],
-    ).SerializeToString()  # fmt: skip
+        worker_address=worker.address.tobytes(),
+        starts=[r.address for r in registrations],
+        sizes=[r.length for r in registrations],
+        rkeys=[r.rkey for r in registrations],
+    ).SerializeToString()
 
 
 def _close() -> None:
     """At exit: the progress thread stopped before the worker goes (ucxx asks for it), the memory unregistered."""
-    for context, worker, registrations in _kept:
+    for _context, worker, registrations in _kept:
         worker.stop_progress_thread()
         for r in registrations:
             r.close()

@@ -101,9 +101,11 @@ class Registration:
     def __init__(self, context_handle: int, address: int, length: int, memory_type: int):
         lib = _ucp()
         params = _MemMapParams(
-            field_mask=_MEM_MAP_ADDRESS_LENGTH | _MEM_MAP_MEMORY_TYPE, address=address, length=length,
+            field_mask=_MEM_MAP_ADDRESS_LENGTH | _MEM_MAP_MEMORY_TYPE,
+            address=address,
+            length=length,
             memory_type=memory_type,
-        )  # fmt: skip
+        )
         self._context = ctypes.c_void_p(context_handle)
         self._memh = ctypes.c_void_p()
         _check(lib.ucp_mem_map(self._context, ctypes.byref(params), ctypes.byref(self._memh)), "ucp_mem_map")
@@ -124,8 +126,10 @@ class RemoteKey:
 
     def __init__(self, ep_handle: int, packed: bytes):
         self._handle = ctypes.c_void_p()
-        _check(_ucp().ucp_ep_rkey_unpack(ctypes.c_void_p(ep_handle), packed, ctypes.byref(self._handle)),
-               "ucp_ep_rkey_unpack")  # fmt: skip
+        _check(
+            _ucp().ucp_ep_rkey_unpack(ctypes.c_void_p(ep_handle), packed, ctypes.byref(self._handle)),
+            "ucp_ep_rkey_unpack",
+        )
 
     def close(self) -> None:
         if self._handle:
@@ -136,12 +140,17 @@ class RemoteKey:
 class GetRequest:
     """An RMA read in flight, shaped like ucxx's requests for the loop worker: `completed`, `check_error()`."""
 
-    def __init__(self, ep_handle: int, address: int, length: int, remote_address: int, rkey: RemoteKey,
-                 memory_type: int):  # fmt: skip
+    def __init__(
+        self, ep_handle: int, address: int, length: int, remote_address: int, rkey: RemoteKey, memory_type: int
+    ):
         lib = _ucp()
         param = _RequestParam(op_attr_mask=_OP_ATTR_MEMORY_TYPE, memory_type=memory_type)
-        ptr = lib.ucp_get_nbx(ctypes.c_void_p(ep_handle), address, length, remote_address, rkey._handle,
-                              ctypes.byref(param)) or 0  # fmt: skip
+        ptr = (
+            lib.ucp_get_nbx(
+                ctypes.c_void_p(ep_handle), address, length, remote_address, rkey._handle, ctypes.byref(param)
+            )
+            or 0
+        )
         self._request = None
         self._status = UCS_OK
         if _UCS_ERR_LAST <= ctypes.c_int64(ptr).value < 0:  # UCS_PTR_IS_ERR: the status is the pointer

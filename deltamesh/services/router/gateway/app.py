@@ -12,8 +12,12 @@ from deltamesh.services.router.gateway.middleware import LimitsAndAuth
 
 
 def create_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="deltamesh", version="0.1.0", summary="OpenAI-compatible API of a deltamesh router",
-                  responses=ERROR_RESPONSES)  # fmt: skip
+    app = FastAPI(
+        title="deltamesh",
+        version="0.1.0",
+        summary="OpenAI-compatible API of a deltamesh router",
+        responses=ERROR_RESPONSES,
+    )
     app.state.gateway = gateway
     add_error_handlers(app)
     app.add_middleware(LimitsAndAuth, api_key=gateway.api_key, limits=gateway.frontend.limits)

@@ -8,16 +8,21 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from deltamesh.v1 import common_pb2
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
-from deltamesh.services.router.gateway.choices import (Choice, build_choices, check_model_and_sampling, check_sizes,
-                                                       check_stop)  # fmt: skip
+from deltamesh.services.router.gateway.choices import (
+    Choice,
+    build_choices,
+    check_model_and_sampling,
+    check_sizes,
+    check_stop,
+)
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
 from deltamesh.services.router.gateway.reply import Reply, respond
 from deltamesh.services.router.gateway.streaming import Deltas, sse, sse_responses
+from deltamesh.v1 import common_pb2
 
 router = APIRouter()
 
@@ -60,16 +65,21 @@ def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob]) -> oa.ChatLogp
         text = reply.gateway.token_text(token_id)
         return dict(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    return oa.ChatLogprobs(content=[
-        oa.ChatTokenLogprob(**entry(lp.token_id, lp.logprob),
-                            top_logprobs=[oa.TopLogprob(**entry(t.token_id, t.logprob)) for t in lp.top])
-        for lp in items
-    ])  # fmt: skip
+    return oa.ChatLogprobs(
+        content=[
+            oa.ChatTokenLogprob(
+                **entry(lp.token_id, lp.logprob),
+                top_logprobs=[oa.TopLogprob(**entry(t.token_id, t.logprob)) for t in lp.top],
+            )
+            for lp in items
+        ]
+    )
 
 
 def _chunk(reply: Reply, choices: list[oa.ChatChunkChoice], usage: oa.Usage | None = None) -> str:
-    return sse(oa.ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.body.model, choices=choices,
-                                      usage=usage))  # fmt: skip
+    return sse(
+        oa.ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.body.model, choices=choices, usage=usage)
+    )
 
 
 async def _chunks(reply: Reply, deltas: Deltas):
@@ -78,17 +88,34 @@ async def _chunks(reply: Reply, deltas: Deltas):
         yield _chunk(reply, [oa.ChatChunkChoice(index=c.index, delta=oa.ChatDelta(role="assistant", content=""))])
     async for index, d in deltas:
         acc.add(index, d)
-        yield _chunk(reply, [oa.ChatChunkChoice(index=index, delta=oa.ChatDelta(content=d.text),
-                                                logprobs=_logprobs(reply, list(d.logprobs)),
-                                                finish_reason=acc.finish[index])])  # fmt: skip
+        yield _chunk(
+            reply,
+            [
+                oa.ChatChunkChoice(
+                    index=index,
+                    delta=oa.ChatDelta(content=d.text),
+                    logprobs=_logprobs(reply, list(d.logprobs)),
+                    finish_reason=acc.finish[index],
+                )
+            ],
+        )
     if reply.include_usage:
         yield _chunk(reply, [], usage=acc.usage())
 
 
 def _chat_completion(reply: Reply, acc: Accumulator) -> oa.ChatCompletion:
     return oa.ChatCompletion(
-        id=reply.id, created=reply.created, model=reply.body.model, usage=acc.usage(),
-        choices=[oa.ChatChoice(index=c.index, message=oa.ChatCompletionMessage(content=acc.text[c.index]),
-                               finish_reason=acc.finish[c.index], logprobs=_logprobs(reply, acc.logprobs[c.index]))
-                 for c in reply.choices],
-    )  # fmt: skip
+        id=reply.id,
+        created=reply.created,
+        model=reply.body.model,
+        usage=acc.usage(),
+        choices=[
+            oa.ChatChoice(
+                index=c.index,
+                message=oa.ChatCompletionMessage(content=acc.text[c.index]),
+                finish_reason=acc.finish[c.index],
+                logprobs=_logprobs(reply, acc.logprobs[c.index]),
+            )
+            for c in reply.choices
+        ],
+    )

@@ -28,8 +28,12 @@ class Choice:
 
 
 def unknown_model(frontend: Frontend, model: str) -> ApiError:
-    return ApiError(404, f"The model {model[:200]!r} does not exist (this server serves {frontend.model_id!r})",
-                    param="model", code="model_not_found")  # fmt: skip
+    return ApiError(
+        404,
+        f"The model {model[:200]!r} does not exist (this server serves {frontend.model_id!r})",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def check_model_and_sampling(frontend: Frontend, body: oa._Sampling) -> None:
@@ -74,8 +78,14 @@ def _params(body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: i
     )
 
 
-def build_choices(frontend: Frontend, rid: str, prompts: list[list[int]], body: oa._Sampling,
-                  max_tokens: int | None, logprobs: int | None) -> list[Choice]:  # fmt: skip
+def build_choices(
+    frontend: Frontend,
+    rid: str,
+    prompts: list[list[int]],
+    body: oa._Sampling,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> list[Choice]:
     """Each prompt is checked once (its n choices differ only in their seed). Runs off the loop: checking a
     prompt scans its token ids."""
     choices = []

@@ -7,16 +7,21 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from deltamesh.v1 import common_pb2
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
-from deltamesh.services.router.gateway.choices import (Choice, build_choices, check_model_and_sampling, check_sizes,
-                                                       check_stop)  # fmt: skip
+from deltamesh.services.router.gateway.choices import (
+    Choice,
+    build_choices,
+    check_model_and_sampling,
+    check_sizes,
+    check_stop,
+)
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
 from deltamesh.services.router.gateway.reply import Reply, respond
 from deltamesh.services.router.gateway.streaming import Deltas, sse, sse_responses
+from deltamesh.v1 import common_pb2
 
 router = APIRouter()
 
@@ -50,8 +55,9 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
         return await frontend.off_loop(_prepare, frontend, rid, body, texts, id_lists)
 
 
-def _prepare(frontend: Frontend, rid: str, body: oa.CompletionRequest, texts: list[str] | None,
-             id_lists: list[list[int]] | None) -> list[Choice]:  # fmt: skip
+def _prepare(
+    frontend: Frontend, rid: str, body: oa.CompletionRequest, texts: list[str] | None, id_lists: list[list[int]] | None
+) -> list[Choice]:
     prompts = frontend.encode_texts(texts) if texts is not None else id_lists
     return build_choices(frontend, rid, prompts, body, body.max_tokens, body.logprobs)
 
@@ -66,9 +72,11 @@ def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob], offset: int) -
         offsets.append(pos)
         pos += len(t)
     return oa.CompletionLogprobs(
-        tokens=tokens, token_logprobs=[lp.logprob for lp in items], text_offset=offsets,
+        tokens=tokens,
+        token_logprobs=[lp.logprob for lp in items],
+        text_offset=offsets,
         top_logprobs=[{token_text(t.token_id): t.logprob for t in lp.top} for lp in items],
-    )  # fmt: skip
+    )
 
 
 async def _chunks(reply: Reply, deltas: Deltas):
@@ -76,17 +84,32 @@ async def _chunks(reply: Reply, deltas: Deltas):
     async for index, d in deltas:
         offset = len(acc.text[index])
         acc.add(index, d)
-        choice = oa.CompletionChoice(index=index, text=d.text, finish_reason=acc.finish[index],
-                                     logprobs=_logprobs(reply, list(d.logprobs), offset))  # fmt: skip
+        choice = oa.CompletionChoice(
+            index=index,
+            text=d.text,
+            finish_reason=acc.finish[index],
+            logprobs=_logprobs(reply, list(d.logprobs), offset),
+        )
         yield sse(oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, choices=[choice]))
     if reply.include_usage:
-        yield sse(oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, choices=[],
-                                usage=acc.usage()))  # fmt: skip
+        yield sse(
+            oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, choices=[], usage=acc.usage())
+        )
 
 
 def _completion(reply: Reply, acc: Accumulator) -> oa.Completion:
     return oa.Completion(
-        id=reply.id, created=reply.created, model=reply.body.model, usage=acc.usage(),
-        choices=[oa.CompletionChoice(index=c.index, text=acc.text[c.index], finish_reason=acc.finish[c.index],
-                                     logprobs=_logprobs(reply, acc.logprobs[c.index], 0)) for c in reply.choices],
-    )  # fmt: skip
+        id=reply.id,
+        created=reply.created,
+        model=reply.body.model,
+        usage=acc.usage(),
+        choices=[
+            oa.CompletionChoice(
+                index=c.index,
+                text=acc.text[c.index],
+                finish_reason=acc.finish[c.index],
+                logprobs=_logprobs(reply, acc.logprobs[c.index], 0),
+            )
+            for c in reply.choices
+        ],
+    )

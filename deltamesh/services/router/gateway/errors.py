@@ -34,13 +34,19 @@ ERROR_RESPONSES = {code: {"model": oa.ErrorResponse} for code in (400, 401, 404,
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.detail = status, oa.ErrorDetail(message=message, type=type_, param=param, code=code)
 
     @classmethod
-    def from_mesh(cls, e: MeshError) -> "ApiError":
+    def from_mesh(cls, e: MeshError) -> ApiError:
         status, kind = _HTTP_STATUS.get(e.code, (500, "server_error"))
         return cls(status, e.message, kind)
 
@@ -90,8 +96,15 @@ async def _too_large(request: Request, e: BodyTooLarge):
 
 # REST fields whose bounds the engine's own check (SamplingParams.validate) also enforces: a bad value gets that
 # check's message, the one the gRPC API gives for the same value.
-_SHARED_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-                  "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}  # fmt: skip
+_SHARED_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+}
 
 
 def _shared_message(loc: list[str], value) -> str | None:
@@ -113,8 +126,9 @@ async def _invalid(request: Request, e: RequestValidationError):
         return ApiError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}").response()
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if not loc and "json" not in request.headers.get("content-type", ""):  # FastAPI read it as a plain string
-        return ApiError(400, "the request body must be a JSON object sent with 'Content-Type: application/json'"
-                        ).response()  # fmt: skip
+        return ApiError(
+            400, "the request body must be a JSON object sent with 'Content-Type: application/json'"
+        ).response()
     shared = _shared_message(loc, err.get("input"))
     if shared is not None:
         return ApiError(400, shared, param=loc[-1]).response()
@@ -136,7 +150,12 @@ async def _bug(request: Request, e: Exception):  # details go to the log, never 
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    handlers = {ApiError: _api_error, BodyTooLarge: _too_large, RequestValidationError: _invalid,
-                StarletteHTTPException: _http_error, Exception: _bug}  # fmt: skip
+    handlers = {
+        ApiError: _api_error,
+        BodyTooLarge: _too_large,
+        RequestValidationError: _invalid,
+        StarletteHTTPException: _http_error,
+        Exception: _bug,
+    }
     for exception, handler in handlers.items():
         app.add_exception_handler(exception, handler)

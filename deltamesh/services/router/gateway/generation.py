@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import structlog
 from fastapi import Request
 
-from deltamesh.v1 import common_pb2
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.gateway.choices import Choice
 from deltamesh.services.router.gateway.errors import ApiError
 from deltamesh.services.router.mesh import Mesh, MeshError
+from deltamesh.v1 import common_pb2
 
 log = structlog.get_logger("deltamesh.gateway")
 
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
 
 
 async def _produce(mesh: Mesh, choice: Choice, out: asyncio.Queue) -> None:

@@ -20,8 +20,9 @@ async def health() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/ready", summary="Readiness: healthy workers to serve requests",
-            responses={503: {"model": oa.ErrorResponse}})  # fmt: skip
+@router.get(
+    "/ready", summary="Readiness: healthy workers to serve requests", responses={503: {"model": oa.ErrorResponse}}
+)
 async def ready(gateway: GatewayDep):
     if missing := gateway.mesh.missing():
         return ApiError(503, missing, "service_unavailable").response()

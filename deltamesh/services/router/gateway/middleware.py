@@ -23,8 +23,9 @@ class LimitsAndAuth:
             length = headers.get(b"content-length", b"").strip()
             error = None
             if self.api_key and headers.get(b"authorization") != f"Bearer {self.api_key}".encode():
-                error = ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                                 code="invalid_api_key")  # fmt: skip
+                error = ApiError(
+                    401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
+                )
             elif length.isdigit() and int(length) > MAX_BODY_BYTES:
                 error = body_too_large(MAX_BODY_BYTES)
             if error is not None:

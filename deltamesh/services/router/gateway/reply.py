@@ -4,8 +4,8 @@ the request asks for it, else collected and sent as one JSON body. The route sup
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -34,8 +34,12 @@ class Reply:
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
 
-async def respond(request: Request, reply: Reply, chunks: Callable[[Reply, Deltas], AsyncIterator[str]],
-                  whole: Callable[[Reply, Accumulator], BaseModel]) -> Response:  # fmt: skip
+async def respond(
+    request: Request,
+    reply: Reply,
+    chunks: Callable[[Reply, Deltas], AsyncIterator[str]],
+    whole: Callable[[Reply, Accumulator], BaseModel],
+) -> Response:
     if reply.body.stream:
         return await stream_response(reply.gateway.mesh, reply.choices, lambda deltas: chunks(reply, deltas))
     acc = await collect(request, reply.gateway.mesh, reply.choices)

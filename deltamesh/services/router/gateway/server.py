@@ -60,11 +60,20 @@ class _HeaderDeadline(H11Protocol):
             self.transport.close()
 
 
-async def start_gateway(gateway: Gateway, host: str, port: int,
-                        header_timeout_s: float = 10.0) -> tuple[_EmbeddedServer, asyncio.Task]:  # fmt: skip
+async def start_gateway(
+    gateway: Gateway, host: str, port: int, header_timeout_s: float = 10.0
+) -> tuple[_EmbeddedServer, asyncio.Task]:
     protocol = type("HeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": header_timeout_s})
-    config = uvicorn.Config(create_app(gateway), host=host, port=port, log_config=None, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=2, http=protocol)  # fmt: skip
+    config = uvicorn.Config(
+        create_app(gateway),
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+        http=protocol,
+    )
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():

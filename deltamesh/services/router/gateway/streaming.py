@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import Response, StreamingResponse
 
-from deltamesh.v1 import common_pb2
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.gateway.choices import Choice
 from deltamesh.services.router.gateway.errors import ApiError
 from deltamesh.services.router.gateway.generation import run_choices
 from deltamesh.services.router.mesh import Mesh
+from deltamesh.v1 import common_pb2
 
 Deltas = AsyncIterator[tuple[int, common_pb2.TokenDelta]]
 
@@ -27,8 +27,9 @@ def sse_responses(description: str) -> dict:
     return {200: {"content": {"text/event-stream": {}}, "description": description}}
 
 
-async def stream_response(mesh: Mesh, choices: list[Choice], chunks: Callable[[Deltas], AsyncIterator[str]]
-                          ) -> Response:  # fmt: skip
+async def stream_response(
+    mesh: Mesh, choices: list[Choice], chunks: Callable[[Deltas], AsyncIterator[str]]
+) -> Response:
     """SSE response of `chunks(deltas)`; waits for the first delta so that an early failure is a proper HTTP
     error. A failure once the stream has begun is sent as an error event before [DONE]."""
     deltas = run_choices(mesh, choices)
@@ -53,5 +54,6 @@ async def stream_response(mesh: Mesh, choices: list[Choice], chunks: Callable[[D
             await deltas.aclose()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,15 +16,16 @@ def generate(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate at most")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
-    seed: Annotated[Optional[int], typer.Option()] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable)")] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they arrive")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user chat message")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
-    address: Annotated[str, typer.Option("--address", "--router", envvar="DELTAMESH_ADDRESS",
-                                         help="The router's gRPC client API")] = "127.0.0.1:50051",  # fmt: skip
+    address: Annotated[
+        str, typer.Option("--address", "--router", envvar="DELTAMESH_ADDRESS", help="The router's gRPC client API")
+    ] = "127.0.0.1:50051",
     timeout: Annotated[float, typer.Option(help="Seconds")] = 300.0,
-    api_key: Annotated[Optional[str], typer.Option(envvar="DELTAMESH_API_KEY", help="The router's API key")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="DELTAMESH_API_KEY", help="The router's API key")] = None,
 ) -> None:
     """Generate a completion through a deltamesh router."""
     payload = [{"role": "user", "content": prompt}] if chat else prompt
@@ -41,16 +42,27 @@ def generate(
                 print()
                 if last is not None:
                     u = last.usage
-                    print(f"[{last.finish_reason}; {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"[{last.finish_reason}; {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]",
+                        file=sys.stderr,
+                    )
                 return
             result = client.generate(payload, **kwargs)
     except DeltameshError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
     if as_json:
-        print(json.dumps({"request_id": result.request_id, "text": result.text, "token_ids": result.token_ids,
-                          "finish_reason": result.finish_reason, "usage": vars(result.usage)}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "request_id": result.request_id,
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "finish_reason": result.finish_reason,
+                    "usage": vars(result.usage),
+                }
+            )
+        )
     else:
         print(result.text)
 

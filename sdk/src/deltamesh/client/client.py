@@ -6,7 +6,7 @@ import asyncio
 import inspect
 import time
 import uuid
-from typing import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
@@ -38,8 +38,21 @@ def build_request(
     """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...}). Values the protocol
     cannot carry (negative counts, ids over 32 bits) raise InvalidRequest before anything is sent."""
     try:
-        return _build(prompt, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, logprobs,
-                      ignore_eos, model, request_id)  # fmt: skip
+        return _build(
+            prompt,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed,
+            stop,
+            stop_token_ids,
+            logprobs,
+            ignore_eos,
+            model,
+            request_id,
+        )
     except (ValueError, TypeError) as e:
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {e}") from None
 
@@ -52,13 +65,28 @@ def _request(prompt: Prompt, kwargs: dict) -> router_pb2.GenerateRequest:
     named with the list of those taken."""
     unknown = sorted(set(kwargs) - set(_KEYWORDS))
     if unknown:
-        raise TypeError(f"unknown keyword argument(s) {', '.join(unknown)}; generate and stream take the prompt, "
-                        f"timeout and {', '.join(_KEYWORDS)} (see build_request)")  # fmt: skip
+        raise TypeError(
+            f"unknown keyword argument(s) {', '.join(unknown)}; generate and stream take the prompt, "
+            f"timeout and {', '.join(_KEYWORDS)} (see build_request)"
+        )
     return build_request(prompt, **kwargs)
 
 
-def _build(prompt, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, logprobs, ignore_eos,
-           model, request_id) -> router_pb2.GenerateRequest:  # fmt: skip
+def _build(
+    prompt,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    min_p,
+    seed,
+    stop,
+    stop_token_ids,
+    logprobs,
+    ignore_eos,
+    model,
+    request_id,
+) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
         model=model,
@@ -87,7 +115,7 @@ class Stream:
     """Iterator of `Delta`s; `cancel()` (or leaving a `with` block early) aborts the request. `abort_token`
     (set once the first delta arrived) lets `Client.abort` stop the request from elsewhere."""
 
-    def __init__(self, client: "Client", request: router_pb2.GenerateRequest, timeout: float | None):
+    def __init__(self, client: Client, request: router_pb2.GenerateRequest, timeout: float | None):
         self.client, self.request_id = client, request.request_id
         self._call = client._stub.Generate(request, timeout=timeout, metadata=client._metadata)
         self._done = False
@@ -109,7 +137,7 @@ class Stream:
             self._done = True
             self._call.cancel()
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -131,7 +159,9 @@ class Client:
         creds = _channel_credentials(root_certificates, private_key, certificate_chain)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel = (
-            grpc.secure_channel(address, creds, options=_OPTIONS) if creds else grpc.insecure_channel(address, options=_OPTIONS)
+            grpc.secure_channel(address, creds, options=_OPTIONS)
+            if creds
+            else grpc.insecure_channel(address, options=_OPTIONS)
         )
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self.timeout, self.retries = timeout, retries
@@ -179,7 +209,7 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -187,7 +217,7 @@ class Client:
 
 
 class AsyncStream:
-    def __init__(self, client: "AsyncClient", request: router_pb2.GenerateRequest, timeout: float | None):
+    def __init__(self, client: AsyncClient, request: router_pb2.GenerateRequest, timeout: float | None):
         self.client, self.request_id = client, request.request_id
         self._call = client._stub.Generate(request, timeout=timeout, metadata=client._metadata)
         self._done = False
@@ -209,7 +239,7 @@ class AsyncStream:
             self._done = True
             self._call.cancel()
 
-    async def __aenter__(self) -> "AsyncStream":
+    async def __aenter__(self) -> AsyncStream:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -274,12 +304,14 @@ class AsyncClient:
 
     async def list_models(self) -> list[router_pb2.Model]:
         request = router_pb2.ListModelsRequest()
-        return list((await self._retry(lambda: self._stub.ListModels(request, timeout=5, metadata=self._metadata))).models)
+        return list(
+            (await self._retry(lambda: self._stub.ListModels(request, timeout=5, metadata=self._metadata))).models
+        )
 
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -12,6 +12,7 @@ def main() -> None:
     except ModuleNotFoundError as e:
         if e.name not in ("typer", "click", "rich"):
             raise
-        sys.exit("deltamesh-client: the command line needs the package's cli extra: "
-                 "pip install 'deltamesh-client[cli]'")  # fmt: skip
+        sys.exit(
+            "deltamesh-client: the command line needs the package's cli extra: pip install 'deltamesh-client[cli]'"
+        )
     cli_main()

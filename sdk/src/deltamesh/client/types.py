@@ -45,13 +45,15 @@ class Delta:
     usage: Usage
 
     @classmethod
-    def from_proto(cls, request_id: str, d: common_pb2.TokenDelta) -> "Delta":
+    def from_proto(cls, request_id: str, d: common_pb2.TokenDelta) -> Delta:
         kind = d.WhichOneof("stop_reason")
         return cls(
             request_id=request_id,
             token_ids=list(d.token_ids),
             text=d.text,
-            logprobs=[TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in d.logprobs],
+            logprobs=[
+                TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in d.logprobs
+            ],
             finished=d.finished,
             finish_reason=_FINISH.get(d.finish_reason),
             stop_reason=getattr(d, kind) if kind else None,
