@@ -49,7 +49,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 12
     for path in shards:
         tensors = {}
         with safe_open(str(path), framework="pt") as f:
-            for name in f:
+            for name in f.keys():
                 t = f.get_tensor(name)
                 if quantized_name(name, t):
                     tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t, block)

@@ -67,7 +67,7 @@ def iter_checkpoint(
     shown = len(files) > 1 and sys.stderr.isatty()
     for path in tqdm(files, desc="loading checkpoint shards", unit="shard", disable=not shown):
         with safe_open(str(path), framework="pt") as f:
-            for name in f:
+            for name in f.keys():
                 if wanted(name):
                     yield name, read(f, name) if read else f.get_tensor(name)
 

@@ -37,8 +37,8 @@ def test_the_checkpoint_really_is_fp8(fp8_checkpoints, hf_checkpoints, family):
     from safetensors import safe_open
 
     with safe_open(str(fp8_checkpoints[family] / "model.safetensors"), framework="pt") as f:
-        dtypes = {f.get_tensor(n).dtype for n in f if n.endswith("o_proj.weight")}
-        scales = [n for n in f if n.endswith("weight_scale_inv")]
+        dtypes = {f.get_tensor(n).dtype for n in f.keys() if n.endswith("o_proj.weight")}
+        scales = [n for n in f.keys() if n.endswith("weight_scale_inv")]
     assert dtypes == {torch.float8_e4m3fn} and len(scales) > 10
     core = EngineCore(EngineConfig(model=str(fp8_checkpoints[family]), page_size=8, max_num_seqs=2))
     orig = EngineCore(EngineConfig(model=str(hf_checkpoints[family]), page_size=8, max_num_seqs=2))
