@@ -33,6 +33,21 @@ def _fail(command: str, error: Exception) -> typer.Exit:
     return typer.Exit(2)
 
 
+_PROFILE_OWN = (
+    "out",
+    "name",
+    "prefill_lens",
+    "prefill_batches",
+    "decode_batches",
+    "decode_contexts",
+    "decode_steps",
+    "mixed",
+    "reps",
+    "transfer_lens",
+    "transfer_from",
+    "transfer",
+    "ucx_error_handling",
+)
 Ints = Annotated[str | None, typer.Option(help="Comma-separated; default: by device")]
 
 
@@ -105,7 +120,8 @@ def profile(
         result = run_profile(engine, grid, moves, label)
     except (ValueError, RuntimeError, ProfileError) as e:
         raise _fail("profile", e) from None
-    result.provenance = _provenance()
+    given = {**values, **{k: v for k, v in locals().items() if k in _PROFILE_OWN}}
+    result.provenance = {"command": _command_line(profile, given), **_provenance()}
     result.save(path)
     print(f"deltamesh profile: wrote {path}", file=sys.stderr)
     print(_profile_summary(result))
@@ -122,7 +138,6 @@ def _provenance() -> dict:
     import datetime
     import os
     import platform
-    import shlex
     import subprocess
 
     import torch
@@ -145,11 +160,25 @@ def _provenance() -> dict:
     if torch.cuda.is_available():
         machine |= {"gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "cuda": torch.version.cuda}
     return {
-        "command": shlex.join(["deltamesh", *sys.argv[1:]]),
         "date_utc": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
         "machine": machine,
         "tree": {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain"))},
     }
+
+
+def _command_line(command, given: dict) -> str:
+    """`deltamesh NAME` with the options whose values are not their defaults: the command that repeats this one."""
+    import inspect
+    import shlex
+
+    words = ["deltamesh", command.__name__]
+    for name, param in inspect.signature(command).parameters.items():
+        value = given.get(name, param.default)
+        if value == param.default:
+            continue
+        flag = name.replace("_", "-")
+        words += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+    return shlex.join(words)
 
 
 def _profile_summary(p) -> str:

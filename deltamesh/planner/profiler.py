@@ -327,7 +327,8 @@ def run_profile(engine: EngineConfig, grid: Grid, transfer: TransferModel, name:
         core = d.core
         engine_info = {
             "device": config.device,
-            "dtype": str(core.dtype).removeprefix("torch."),
+            "dtype": config.dtype,  # as given (auto: float32 on CPU, bfloat16 on CUDA)
+            "torch_dtype": str(core.dtype).removeprefix("torch."),
             "state_dtype": config.state_dtype,
             "quantization": config.quantization,
             "page_size": config.page_size,
