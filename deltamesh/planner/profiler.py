@@ -257,8 +257,54 @@ def mixed_point(d: Driver, point: Mixed, margin: int) -> dict:
     return row
 
 
-def _median_flows(runs: list[dict]) -> dict:
+def _median_rows(runs: list[dict]) -> dict:
     return {**runs[0], "ms": statistics.median(r["ms"] for r in runs), "samples_ms": [r["ms"] for r in runs]}
+
+
+def _rounds(reps: int, points: list, measure) -> list[list]:
+    """`measure(point)` for every point, `reps` rounds of them all: a burst of other work on the machine lands
+    on one sample of several points, not on every sample of one."""
+    runs: list[list] = [[] for _ in points]
+    for _ in range(reps):
+        for i, point in enumerate(points):
+            runs[i].append(measure(point))
+    return runs
+
+
+def measure_prefill(d: Driver, grid: Grid) -> list[dict]:
+    points = [(length, batch) for length in grid.prefill_lens for batch in grid.prefill_batches]
+    flows = [_median_rows(runs) for runs in _rounds(grid.reps, points, lambda p: prefill_flow(d, *p))]
+    for f in flows:
+        _log(f"prefill {f['batch']} x {f['prompt_len']}: {f['ms']:.1f} ms in {f['steps']} steps")
+    return flows
+
+
+def measure_decode(d: Driver, grid: Grid) -> list[dict]:
+    rows = []
+    for runs in _rounds(grid.reps, grid.decode_contexts, lambda c: decode_ladder(d, grid, c)):
+        ladder = [_median_rows([run[i] for run in runs]) for i in range(len(runs[0]))]
+        if not ladder:
+            continue
+        # the ladder's requests grow as it runs: its points are filed at the contexts they averaged, one for all
+        # (a context's points must share it for the grid's interpolation)
+        grown = round(statistics.fmean(r["mean_context"] for r in ladder))
+        for r in ladder:
+            r["context"] = grown
+        _log(f"decode at {grown}, ms per step by batch: " + ", ".join(f"{r['batch']}: {r['ms']:.2f}" for r in ladder))
+        rows += ladder
+    if not rows:
+        raise RuntimeError("no decode point fits the KV pool: lower --decode-batches or --decode-contexts")
+    return rows
+
+
+def measure_mixed(d: Driver, grid: Grid) -> list[dict]:
+    rows = [
+        _median_rows(runs) for runs in _rounds(grid.reps, grid.mixed, lambda m: mixed_point(d, m, grid.decode_margin))
+    ]
+    for r in rows:
+        what = f"{r['prompts']} x {r['prompt_len']} beside {r['decodes']} decodes"
+        _log(f"mixed: {what}: {r['ms']:.1f} ms, {r['steps']} mixed steps")
+    return rows
 
 
 def profile_config(engine: EngineConfig, grid: Grid) -> EngineConfig:
@@ -275,7 +321,8 @@ def profile_config(engine: EngineConfig, grid: Grid) -> EngineConfig:
 
 def memory_model(d: Driver, free_before: int | None) -> MemoryModel:
     core = d.core
-    weights = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    # buffers too: FP8 weights and their scales may be kept as buffers
+    weights = sum(t.numel() * t.element_size() for t in itertools.chain(core.model.parameters(), core.model.buffers()))
     cuda = core.device.type == "cuda"
     return MemoryModel(
         page_size=core.kv_pool.page_size,
@@ -302,26 +349,11 @@ def run_profile(engine: EngineConfig, grid: Grid, transfer: TransferModel, name:
     _log(f"engine ready in {time.perf_counter() - started:.1f} s: {d.core.kv_pool.num_pages} KV pages")
     try:
         prefill_flow(d, max(grid.prefill_lens), 1)  # warm-up: first uses of a step shape compile kernels
-        flows = []
-        for length in grid.prefill_lens:
-            for batch in grid.prefill_batches:
-                flows.append(_median_flows([prefill_flow(d, length, batch) for _ in range(grid.reps)]))
-                _log(f"prefill {batch} x {length}: {flows[-1]['ms']:.1f} ms in {flows[-1]['steps']} steps")
+        flows = measure_prefill(d, grid)
         prefill, prefill_errors = fit_prefill(flows)
-        decode_rows = []
-        for context in grid.decode_contexts:
-            rows = decode_ladder(d, grid, context)
-            decode_rows += rows
-            _log(
-                f"decode at {context}, ms per step by batch: " + ", ".join(f"{r['batch']}: {r['ms']:.2f}" for r in rows)
-            )
-        if not decode_rows:
-            raise RuntimeError("no decode point fits the KV pool: lower --decode-batches or --decode-contexts")
+        decode_rows = measure_decode(d, grid)
         decode = DecodeGrid([[r["batch"], r["context"], r["ms"]] for r in decode_rows])
-        mixed_rows = []
-        for point in grid.mixed:
-            mixed_rows.append(_median_flows([mixed_point(d, point, grid.decode_margin) for _ in range(grid.reps)]))
-            _log(f"mixed {point}: {mixed_rows[-1]['ms']:.1f} ms in {mixed_rows[-1]['steps']} mixed steps")
+        mixed_rows = measure_mixed(d, grid)
         mixed_extra, mixed_errors = fit_mixed(mixed_rows, prefill, decode)
         memory = memory_model(d, free_before)
         core = d.core

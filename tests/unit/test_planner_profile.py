@@ -29,7 +29,12 @@ def tiny_profile(tmp_path_factory):
 def test_profile_holds_every_measurement_and_its_fit(tiny_profile):
     p = Profile.load(tiny_profile)
     assert p.name == "deltamesh-tiny-cpu" and p.gpus_per_worker == 1 and p.engine["device"] == "cpu"
-    assert sorted((int(b), int(c)) for b, c, _ in p.decode.points) == [(1, 32), (1, 128), (4, 32), (4, 128)]
+    # each context's points are filed at the context the ladder averaged (its requests grow a token a step)
+    by_context = {}
+    for b, c, _ in p.decode.points:
+        by_context.setdefault(c, []).append(int(b))
+    low, high = sorted(by_context)
+    assert 32 < low < 128 < high < 128 + 40 and all(sorted(v) == [1, 4] for v in by_context.values())
     assert all(ms > 0 for *_, ms in p.decode.points)
     flows = p.measurements["prefill"]
     assert sorted((f["prompt_len"], f["batch"]) for f in flows) == [(16, 1), (16, 2), (64, 1), (64, 2)]
