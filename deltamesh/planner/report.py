@@ -54,9 +54,15 @@ def row(e: Evaluated) -> list[str]:
 
 
 def shown(plan: Plan, top: int) -> list[Evaluated]:
-    """The best `top` layouts evaluated, best first, and the best of each kind among them whatever its place."""
+    """The best `top` layouts evaluated, best first (of layouts that differ only in limits that never bound them,
+    the first: the smallest), and the best of each kind whatever its place."""
     ranked = sorted((e for e in plan.evaluated if e.summary), key=Evaluated.rank, reverse=True)
-    out = ranked[:top]
+    out, seen = [], set()
+    for e in ranked:
+        same = (e.layout.label, *row(e)[3:])
+        if same not in seen and len(out) < top:
+            seen.add(same)
+            out.append(e)
     for best in (plan.best(False), plan.best(True)):
         if best is not None and best not in out:
             out.append(best)

@@ -34,9 +34,17 @@ class Evaluated:
         return bool(self.summary and self.summary["meets_sla"])
 
     def rank(self) -> tuple:
-        """Higher is better: meets the SLA, goodput per GPU, fewer GPUs, lower TTFT p90."""
-        s = self.summary or {}
-        return (self.meets, s.get("goodput_tok_s_per_gpu", 0.0), -self.layout.gpus, -s.get("ttft_p90_ms", math.inf))
+        """Higher is better: meets the SLA, goodput per GPU, fewer GPUs, lower TTFT p90, then the smaller
+        limits (less memory for the same result)."""
+        s, roles = self.summary or {}, self.layout.roles
+        return (
+            self.meets,
+            s.get("goodput_tok_s_per_gpu", 0.0),
+            -self.layout.gpus,
+            -s.get("ttft_p90_ms", math.inf),
+            -roles[0].max_num_seqs,
+            -roles[0].max_num_batched_tokens,
+        )
 
 
 @dataclass

@@ -125,7 +125,7 @@ class Worker:
         scheduled together, as the engine takes every command queued before a step)."""
         if not self.busy and not self._poked:
             self._poked = True
-            self.sim.at(self.sim.now, self._start_step)
+            self.sim.at(self.sim.now, self._start_step, internal=True)
 
     def _start_step(self) -> None:
         self._poked = False
@@ -143,12 +143,49 @@ class Worker:
             else:
                 prompt_tokens += n
                 pairs += n * (start + n / 2)
-        seconds = self.profile.step_ms(decodes, context / decodes if decodes else 0.0, prompt_tokens, pairs) / 1e3
+        context = context / decodes if decodes else 0.0
+        seconds = self.profile.step_ms(decodes, context, prompt_tokens, pairs) / 1e3
+        steps = 1
+        if decodes == len(items) == len(self.running) and not self.waiting and not self.handoffs:
+            steps, seconds = self._stretch(items, context, seconds)
         self.busy = True
         self.busy_seconds += seconds
-        self.steps += 1
-        self.sim.steps += 1
-        self.sim.at(self.sim.now + seconds, self._end_step, items)
+        self.steps += steps
+        self.sim.steps += steps
+        self.sim.at(self.sim.now + seconds, self._end_step, items, steps, internal=not self._ends_any(items, steps))
+
+    def _ends_any(self, items: list[tuple[SimRequest, int, int]], steps: int) -> bool:
+        """Whether these steps end a request's time here (its last token; a prefill worker's first): only such
+        an end reaches the router, and through it other workers."""
+        for req, n, _ in items:
+            if req.computed + n * steps >= req.num_tokens and (
+                self.kind == "prefill" or req.generated + steps >= req.output_len
+            ):
+                return True
+        return False
+
+    def _stretch(self, items: list[tuple[SimRequest, int, int]], context: float, first: float) -> tuple[int, float]:
+        """A batch of decodes alone steps the same way until one of them ends or something else happens: its
+        steps up to then as one event ((steps, seconds)), an event's worth of Python instead of one per step and
+        request. It stops at the first step that ends at or after the next event of the simulation (anything that
+        event brings joins the step after, as it would step by step) and where the pool has no page for a token."""
+        most = min(req.output_len - req.generated for req, _, _ in items)
+        next_event = self.sim.next_event_time()
+        steps, seconds, batch = 1, first, len(items)
+        while steps < most and self.sim.now + seconds < next_event:
+            seconds += self.profile.step_ms(batch, context + steps, 0, 0.0) / 1e3
+            steps += 1
+        while steps > 1:  # pages for the tokens of the steps after the first (that one's were taken)
+            need = sum(self.pages_for(req.computed + steps) - req.pages for req, _, _ in items)
+            if need <= self.pages_total - self.pages_used:
+                for req, _, _ in items:
+                    grow = self.pages_for(req.computed + steps) - req.pages
+                    req.pages += grow
+                    self.pages_used += grow
+                return steps, seconds
+            steps -= 1
+            seconds -= self.profile.step_ms(batch, context + steps, 0, 0.0) / 1e3
+        return 1, first
 
     def _schedule(self) -> list[tuple[SimRequest, int, int]]:
         budget, items = self.budget, []
@@ -198,13 +235,14 @@ class Worker:
         self.pages_used -= req.pages
         req.pages = 0
 
-    def _end_step(self, items: list[tuple[SimRequest, int, int]]) -> None:
+    def _end_step(self, items: list[tuple[SimRequest, int, int]], steps: int) -> None:
+        """The end of `steps` steps of `items` (several only for decodes, one token each a step: `_stretch`)."""
         now, ended = self.sim.now, False
         for req, n, _ in items:  # still busy: what this calls back (a new request, a freed state) waits for the end
-            req.computed += n
+            req.computed += n * steps
             if req.computed < req.num_tokens:
                 continue  # a prompt chunk that does not reach the prompt's end samples nothing
-            req.generated += 1
+            req.generated += steps
             if math.isnan(req.first_token):
                 req.first_token = now
             if self.kind == "prefill":
@@ -278,6 +316,9 @@ class Simulation:
         self.now = 0.0
         self.steps = 0
         self._events: list[tuple[float, int, Callable, tuple]] = []
+        # (time, seq) of the events that may change what a worker runs next (not a worker's own step that ends
+        # no request): how far a batch of decodes alone may run as one event (Worker._stretch)
+        self._external: list[tuple[float, int]] = []
         self._seq = 0
         self.requests = [SimRequest(i, p, o, a) for i, (a, p, o) in enumerate(traffic.requests())]
         self.workers: dict[str, list[Worker]] = {}
@@ -302,9 +343,15 @@ class Simulation:
                 f"KV pool of {kv_tokens} tokens at --max-num-seqs {role.max_num_seqs})"
             )
 
-    def at(self, when: float, fn: Callable, *args) -> None:
+    def at(self, when: float, fn: Callable, *args, internal: bool = False) -> None:
         self._seq += 1
         heapq.heappush(self._events, (when, self._seq, fn, args))
+        if not internal:
+            heapq.heappush(self._external, (when, self._seq))
+
+    def next_event_time(self) -> float:
+        """When the next event that may change another worker's next step happens."""
+        return self._external[0][0] if self._external else math.inf
 
     def request_ended(self) -> None:
         if self._unsent:
@@ -319,7 +366,9 @@ class Simulation:
             for _ in range(min(self.traffic.concurrency, len(self.requests))):
                 self.router.send(self._unsent.popleft())
         while self._events:
-            self.now, _, fn, args = heapq.heappop(self._events)
+            self.now, seq, fn, args = heapq.heappop(self._events)
+            if self._external and self._external[0][1] == seq:
+                heapq.heappop(self._external)
             fn(*args)
             if self.steps > MAX_STEPS:
                 raise SimulationError(f"more than {MAX_STEPS} engine steps: is the layout far too small?")

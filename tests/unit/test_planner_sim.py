@@ -223,3 +223,37 @@ def test_step_model_interpolates_the_decode_grid_and_adds_chunks():
     assert p.step_ms(0, 0, 1000, 0) == pytest.approx(13.0)
     assert p.step_ms(64, 1000, 1000, 0) == pytest.approx(12.0 + 10.0 - 4.0)
     assert p.step_ms(64, 1000, 100, 0) == pytest.approx(12.0)  # never less than the decodes alone
+
+
+def test_decode_stretches_run_exactly_as_step_by_step(monkeypatch):
+    # the simulator takes a batch of decodes alone as one event until something can change it; stepping one step
+    # at a time must give the same times to the last bit that matters (preemptions included)
+    from deltamesh.planner.simulator import Worker
+
+    profile = synthetic(decode=((1, 0, 5.0), (64, 0, 12.0), (1, 8000, 6.0), (64, 8000, 20.0)), per_token_ms=0.03)
+    cases = [
+        (colocated(profile, 2), "uniform:100:3000", "uniform:10:400", {"request_rate": 3.0}),
+        (disaggregated(profile, 1, 2, seqs=16), "uniform:100:3000", "uniform:10:400", {"concurrency": 24}),
+        (
+            colocated(synthetic(kv_tokens=2048), 1, 16, 512, 2048),
+            "uniform:100:900",
+            "uniform:10:900",
+            {"concurrency": 8},
+        ),
+    ]
+    real = Worker._stretch
+    for layout, prompts, outputs, load in cases:
+        traffic = Traffic(LengthDist.parse(prompts), LengthDist.parse(outputs), num_requests=120, seed=3, **load)
+        taken = []
+        with monkeypatch.context() as m:
+            m.setattr(Worker, "_stretch", lambda self, *args: taken.append(real(self, *args)) or taken[-1])
+            stretched = simulate(layout, traffic)
+        assert max(steps for steps, _ in taken) > 1  # stretches were taken
+        with monkeypatch.context() as m:
+            m.setattr(Worker, "_stretch", lambda self, items, context, first: (1, first))
+            stepped = simulate(layout, traffic)
+        assert stretched.steps == stepped.steps and stretched.preemptions == stepped.preemptions
+        for a, b in zip(stretched.requests, stepped.requests):
+            assert a.first_token == pytest.approx(b.first_token, abs=1e-9)
+            assert a.finished == pytest.approx(b.finished, abs=1e-9)
+    assert stretched.preemptions > 0  # the last case runs short of KV pages
