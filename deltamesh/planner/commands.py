@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.planner.profiler import Grid, Mixed
 from deltamesh.services.common.options import options, with_options
 
 # the profiled worker's settings, as `deltamesh serve` takes them; its pools are sized for the measurements
@@ -48,24 +49,42 @@ _PROFILE_OWN = (
     "transfer",
     "ucx_error_handling",
 )
-Ints = Annotated[str | None, typer.Option(help="Comma-separated; default: by device")]
+
+
+def _defaults(field: str) -> str:
+    def show(value) -> str:
+        if isinstance(value, list):
+            return ",".join(
+                f"{m.decodes}:{m.context}:{m.prompts}:{m.prompt_len}" if isinstance(m, Mixed) else str(m) for m in value
+            )
+        return str(value)
+
+    return f"default: GPU {show(getattr(Grid.default(True), field))}; CPU {show(getattr(Grid.default(False), field))}"
+
+
+def _ints_option(what: str, field: str):
+    return Annotated[str | None, typer.Option(help=f"{what}, comma-separated ({_defaults(field)})")]
 
 
 @with_options(PROFILED)
 def profile(
     out: Annotated[str | None, typer.Option(help="Profile JSON (default: PROFILE-NAME.json)")] = None,
     name: Annotated[str | None, typer.Option(help="Label (default: MODEL-DEVICE[-tpN])")] = None,
-    prefill_lens: Ints = None,
-    prefill_batches: Ints = None,
-    decode_batches: Ints = None,
-    decode_contexts: Ints = None,
-    decode_steps: Annotated[int | None, typer.Option(help="Timed decode steps per point")] = None,
+    prefill_lens: _ints_option("Prompt lengths of the prefill points", "prefill_lens") = None,
+    prefill_batches: _ints_option("Prompts prefilled together", "prefill_batches") = None,
+    decode_batches: _ints_option("Decode batches", "decode_batches") = None,
+    decode_contexts: _ints_option("Decode contexts", "decode_contexts") = None,
+    decode_steps: Annotated[
+        int | None, typer.Option(help=f"Timed decode steps per point ({_defaults('decode_steps')})")
+    ] = None,
     mixed: Annotated[
         str | None,
-        typer.Option(help="Mixed steps: DECODES:CONTEXT:PROMPTS:PROMPT_LEN, comma-separated ('' for none)"),
+        typer.Option(
+            help=f"Mixed steps: DECODES:CONTEXT:PROMPTS:PROMPT_LEN, comma-separated, '' for none ({_defaults('mixed')})"
+        ),
     ] = None,
-    reps: Annotated[int | None, typer.Option(help="Runs of each prefill and mixed point (median)")] = None,
-    transfer_lens: Ints = None,
+    reps: Annotated[int | None, typer.Option(help=f"Rounds of every point, medians ({_defaults('reps')})")] = None,
+    transfer_lens: _ints_option("Prompt lengths of the transfer points", "transfer_lens") = None,
     transfer_from: Annotated[
         str | None,
         typer.Option(help="Take the transfer times from a bench/transfer.py JSON (or a profile)"),
@@ -78,7 +97,7 @@ def profile(
     state transfers, memory) and write it as a profile for `deltamesh plan`."""
     from deltamesh.planner import transfer_times
     from deltamesh.planner.profile import ProfileError, TransferModel
-    from deltamesh.planner.profiler import Grid, Mixed, run_profile
+    from deltamesh.planner.profiler import run_profile
 
     engine = EngineConfig(**{o.path[-1]: values[o.name] for o in PROFILED if values.get(o.name) is not None})
     try:
