@@ -34,24 +34,9 @@ def _fail(command: str, error: Exception) -> typer.Exit:
     return typer.Exit(2)
 
 
-_PROFILE_OWN = (
-    "out",
-    "name",
-    "prefill_lens",
-    "prefill_batches",
-    "decode_batches",
-    "decode_contexts",
-    "decode_steps",
-    "mixed",
-    "reps",
-    "transfer_lens",
-    "transfer_from",
-    "transfer",
-    "ucx_error_handling",
-)
-
-
 def _defaults(field: str) -> str:
+    """What the profiler measures unless told, on a GPU and on CPU (profiler.Grid.default)."""
+
     def show(value) -> str:
         if isinstance(value, list):
             return ",".join(
@@ -97,7 +82,7 @@ def profile(
     state transfers, memory) and write it as a profile for `deltamesh plan`."""
     from deltamesh.planner import transfer_times
     from deltamesh.planner.profile import ProfileError, TransferModel
-    from deltamesh.planner.profiler import run_profile
+    from deltamesh.planner.profiler import MeasurementError, run_profile
 
     engine = EngineConfig(**{o.path[-1]: values[o.name] for o in PROFILED if values.get(o.name) is not None})
     try:
@@ -137,9 +122,24 @@ def profile(
         else:
             moves = TransferModel([], "not measured (--no-transfer)")
         result = run_profile(engine, grid, moves, label)
-    except (ValueError, RuntimeError, ProfileError) as e:
+    except (ValueError, ProfileError, MeasurementError) as e:
         raise _fail("profile", e) from None
-    given = {**values, **{k: v for k, v in locals().items() if k in _PROFILE_OWN}}
+    given = dict(
+        values,
+        out=out,
+        name=name,
+        prefill_lens=prefill_lens,
+        prefill_batches=prefill_batches,
+        decode_batches=decode_batches,
+        decode_contexts=decode_contexts,
+        decode_steps=decode_steps,
+        mixed=mixed,
+        reps=reps,
+        transfer_lens=transfer_lens,
+        transfer_from=transfer_from,
+        transfer=transfer,
+        ucx_error_handling=ucx_error_handling,
+    )
     result.provenance = {"command": _command_line(profile, given), **_provenance()}
     result.save(path)
     print(f"deltamesh profile: wrote {path}", file=sys.stderr)

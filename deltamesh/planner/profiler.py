@@ -32,6 +32,11 @@ from deltamesh.planner.profile import (
     TransferModel,
 )
 
+
+class MeasurementError(RuntimeError):
+    """The grid cannot be measured as asked (nothing fits the KV pool, a request ended early)."""
+
+
 TAIL = 16  # prompt tokens a placed decode request computes itself (the rest of its context is placed)
 SETTLE = 2  # step calls after a change of the batch before timing (async scheduling runs one step ahead)
 
@@ -162,7 +167,7 @@ class Driver:
         total = 0.0
         while any(self.tokens[r.request_id] == 0 for r in reqs):
             if not self.core.has_work:
-                raise RuntimeError("the engine stopped before every request had its first token")
+                raise MeasurementError("the engine stopped before every request had its first token")
             total += self.step()
         return total
 
@@ -175,7 +180,7 @@ class Driver:
         while self.core.has_work:
             self.step()
         if self.core.scheduler.num_preemptions:
-            raise RuntimeError("requests were preempted while profiling: the KV pool is too small for the grid")
+            raise MeasurementError("requests were preempted while profiling: the KV pool is too small for the grid")
 
 
 def _log(msg: str) -> None:
@@ -216,7 +221,7 @@ def decode_ladder(d: Driver, grid: Grid, context: int) -> list[dict]:
             d.step()
         times = [d.step() * 1e3 for _ in range(grid.decode_steps)]
         if any(d.tokens[r.request_id] >= margin for r in live):
-            raise RuntimeError("a decode request finished inside its timed window")
+            raise MeasurementError("a decode request finished inside its timed window")
         rows.append(
             {
                 "batch": batch,
@@ -293,7 +298,7 @@ def measure_decode(d: Driver, grid: Grid) -> list[dict]:
         _log(f"decode at {grown}, ms per step by batch: " + ", ".join(f"{r['batch']}: {r['ms']:.2f}" for r in ladder))
         rows += ladder
     if not rows:
-        raise RuntimeError("no decode point fits the KV pool: lower --decode-batches or --decode-contexts")
+        raise MeasurementError("no decode point fits the KV pool: lower --decode-batches or --decode-contexts")
     return rows
 
 
