@@ -111,6 +111,8 @@ def render(plan: Plan, top: int = 10) -> str:
         "",
         *verdict(plan),
     ]
+    if plan.evaluated and not plan.evaluated[0].layout.roles[0].profile.is_gpu:
+        head.insert(2, "CPU profiles: a 'GPU' here is one worker process, at the profile's torch threads")
     if plan.winner is not None:
         head += ["", "deploy it with:", *("  " + c for c in plan.winner.layout.commands())]
     return "\n".join(head)
