@@ -167,7 +167,9 @@ class Profile:
             parts = [f"dp{par['data_parallel_size']}"]
         if par.get("enable_expert_parallel"):
             parts.append("ep")
-        return f"{self.name} ({'-'.join(parts)}, {self.gpus_per_worker} {'GPU' if self.is_gpu else 'CPU worker'})"
+        n = self.gpus_per_worker
+        where = f"{n} GPU{'s' if n > 1 else ''}" if self.is_gpu else f"CPU, {n} process{'es' if n > 1 else ''}"
+        return f"{self.name} ({'-'.join(parts)}, {where})"
 
     @property
     def is_gpu(self) -> bool:

@@ -6,7 +6,8 @@ chunking, sampling), and fitted into a profile (profile.py).
   first tokens timed (the median of --reps runs);
 - decode: at each context, the largest batch that fits is placed in the pools at that context (a reservation and
   `submit_pulled`, the engine's own path for a state pulled from another worker: only the last 16 prompt tokens
-  are computed), then steps timed at every batch of the grid, largest first, requests aborted between them;
+  are computed; a worker over several ranks computes the contexts in full), then steps timed at every batch of
+  the grid, largest first, requests aborted between them;
 - mixed: prompts submitted beside a decode batch, every step until their first tokens timed;
 - transfer: `bench/transfer.py` run as it is (a holder and a puller process over the UCX side channel), or its
   JSON given (`transfer_times.py`);
@@ -133,6 +134,9 @@ class Driver:
         self.rng = np.random.default_rng(config.seed)
         self.tokens: dict[str, int] = {}  # request id -> output tokens seen
         self._ids = itertools.count()
+        # a parallel engine takes a pulled state through its hand-off area, one at a time before the request's
+        # first step (engine/tp_handoff.py): its decode requests compute their contexts in full instead
+        self.places = config.num_ranks == 1
 
     def _sink(self, out) -> None:
         self.tokens[out.request_id] += len(out.new_token_ids)
@@ -147,7 +151,7 @@ class Driver:
             prompt = self.rng.integers(3, self.vocab, size=length).tolist()
             req = self.core.make_request(prompt, params, f"profile-{next(self._ids)}")
             self.tokens[req.request_id] = 0
-            if placed:
+            if placed and self.places:
                 self.core.submit_pulled(req, placed, self.core.reserve(placed), self._sink)
             else:
                 self.core.submit(req, self._sink)
@@ -387,7 +391,7 @@ def run_profile(engine: EngineConfig, grid: Grid, transfer: TransferModel, name:
         d.core.close()
     return Profile(
         name=name,
-        gpus_per_worker=config.num_ranks if config.device.startswith("cuda") else 1,
+        gpus_per_worker=config.num_ranks,  # GPUs; on CPU, the worker's processes
         parallelism={
             "tensor_parallel_size": config.tensor_parallel_size,
             "data_parallel_size": config.data_parallel_size,
