@@ -29,12 +29,14 @@
 #   stage w: piecewise CUDA graphs: the async-scheduling GPU tests (their piecewise and snapshot tests among them),
 #            the host time of 16- and 1024-token prefill steps, eager and piecewise (--host-profile), then 64
 #            prompts arriving at once (--burst)
+#   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
+#            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w or x}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x or g}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -172,5 +174,14 @@ r)
   point c 1024 1024 32 16 6
   kill -INT $server; wait $server
   grep "engine steps" "$OUT/long_lived.log" | tail -n 40
+  ;;
+g)
+  checked=()
+  for shape in ${SHAPES:-qwen3.5-9b qwen3.5-35b-a3b}; do
+    TAIL=40 run "profile_$shape" 300 python -m deltamesh.services.cli profile --model "bench/configs/$shape" \
+      --load-format dummy --device cuda --no-transfer --out "$OUT/profile-h200-$shape.json"
+    [ -f "$OUT/profile-h200-$shape.json" ] && checked+=(--profile "$shape=$OUT/profile-h200-$shape.json")
+  done
+  TAIL=40 run plan_check 120 python bench/plan_check.py gpu ${checked[@]+"${checked[@]}"} --out "$OUT/plan_check_gpu.json"
   ;;
 esac

@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from deltamesh.client.cli import generate
+from deltamesh.planner.commands import plan, profile
 from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.options import (
     Option,
@@ -33,6 +34,8 @@ from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor, d
 # plain help (rich_markup_mode=None): rich tables cut long option names at 80 columns; plain help wraps them
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 app.command("generate")(generate)
+app.command("profile")(profile)
+app.command("plan")(plan)
 
 # the mesh secret is read from this file (or $DELTAMESH_MESH_SECRET) into the settings' mesh_secret
 SECRET_FILE = Option(

@@ -1,0 +1,259 @@
+"""The planner's simulation (deltamesh/planner/simulator.py) against cases worked out by hand: deterministic
+schedules whose every first token and last token can be written down, an M/D/1 queue (Pollaczek-Khinchine), a
+prompt's interference with a running decode (colocated) and its absence (prefill/decode), preemption; and the
+traffic, SLA and profile inputs refusing what they cannot use."""
+
+import json
+import math
+
+import pytest
+
+from deltamesh.planner.layouts import Layout, Role
+from deltamesh.planner.metrics import summarize
+from deltamesh.planner.profile import (
+    DecodeGrid,
+    MemoryModel,
+    PrefillModel,
+    Profile,
+    ProfileError,
+    TransferModel,
+)
+from deltamesh.planner.simulator import SimulationError, simulate
+from deltamesh.planner.traffic import LengthDist, Sla, Traffic
+
+
+def synthetic(
+    per_token_ms=1.0,
+    step_ms=0.0,
+    decode=((1, 0, 10.0),),
+    mixed_extra_ms=0.0,
+    transfer=((1, 5.0),),
+    kv_tokens=1 << 20,
+    page_size=16,
+    gpus=1,
+    name="synthetic",
+) -> Profile:
+    """A profile of round numbers: a prompt chunk costs step_ms + per_token_ms per token, a decode step 10 ms."""
+    return Profile(
+        name=name,
+        gpus_per_worker=gpus,
+        parallelism={"tensor_parallel_size": gpus},
+        model={"path": "models/m", "name": "m", "load_format": "dummy"},
+        engine={"device": "cuda", "dtype": "bfloat16", "prefix_cache": True},
+        memory=MemoryModel(page_size, 1, 0, 0, fixed_kv_budget_bytes=kv_tokens, prefix_cache=False),
+        prefill=PrefillModel(step_ms, per_token_ms, 0.0),
+        decode=DecodeGrid([list(p) for p in decode]),
+        mixed_extra_ms=mixed_extra_ms,
+        transfer=TransferModel([list(p) for p in transfer]),
+    )
+
+
+def colocated(profile, workers=1, seqs=64, budget=4096, max_len=4096):
+    return Layout(max_len, colocated=Role(profile, workers, seqs, budget))
+
+
+def disaggregated(profile, x=1, y=1, seqs=64, budget=4096, max_len=4096):
+    return Layout(max_len, prefill=Role(profile, x, seqs, budget), decode=Role(profile, y, seqs, budget))
+
+
+def even(rate, n, prompt, output):
+    """n requests, one every 1/rate seconds (the first at 1/rate)."""
+    return Traffic(
+        LengthDist.parse(str(prompt)),
+        LengthDist.parse(str(output)),
+        request_rate=rate,
+        num_requests=n,
+        burstiness=math.inf,
+    )
+
+
+def ms(seconds):
+    return round(seconds * 1e3, 6)
+
+
+def test_requests_far_apart_see_exactly_their_own_steps():
+    # 100-token prompt at 1 ms/token: one 100 ms step; then 4 decode steps of 10 ms; the next request comes 1 s later
+    result = simulate(colocated(synthetic()), even(1.0, 5, 100, 5))
+    for i, r in enumerate(result.requests):
+        assert ms(r.sent) == 1000 * (i + 1)
+        assert ms(r.first_token - r.sent) == 100
+        assert ms(r.finished - r.sent) == 140
+    s = summarize(result, Sla(ttft_p50_ms=101, tpot_p50_ms=10.1))
+    assert s["ttft_p50_ms"] == pytest.approx(100) and s["tpot_p50_ms"] == pytest.approx(10)
+    assert s["meets_sla"] and s["good_requests"] == 5
+    assert s["duration_s"] == pytest.approx(5.14)
+    assert s["tok_s"] == pytest.approx(5 * 105 / 5.14)
+
+
+def test_prompts_wait_for_the_step_budget_one_by_one():
+    # budget = one prompt per step: three prompts sent together get their first tokens after 1, 2 and 3 steps
+    traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("1"), concurrency=3, num_requests=3)
+    result = simulate(colocated(synthetic(), budget=100), traffic)
+    assert [ms(r.first_token) for r in result.requests] == [100, 200, 300]
+    # a budget of 150 splits the second prompt: the first 100 + its first 50, then its last 50 + the third's 100
+    result = simulate(colocated(synthetic(), budget=150), traffic)
+    assert [ms(r.first_token) for r in result.requests] == [150, 300, 300]
+
+
+def test_closed_loop_sends_the_next_request_when_one_ends():
+    traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("3"), concurrency=1, num_requests=3)
+    result = simulate(colocated(synthetic()), traffic)
+    # each: 100 ms prompt + 2 decode steps of 10 ms; the next is sent at the end of the one before
+    assert [ms(r.sent) for r in result.requests] == [0, 120, 240]
+    assert [ms(r.finished) for r in result.requests] == [120, 240, 360]
+
+
+def test_a_prompt_stalls_a_running_decode_colocated_not_disaggregated():
+    # A (100-token prompt, 3 tokens) at 1 s, B (100-token prompt, 1 token) at 1.105 s
+    a_then_b = [(1.0, 100, 3), (1.105, 100, 1)]
+
+    class Fixed(Traffic):
+        def requests(self):
+            return a_then_b
+
+    traffic = Fixed(LengthDist.parse("100"), LengthDist.parse("3"), request_rate=1.0, num_requests=2)
+    # colocated: A's prompt [1.0, 1.1], A's decode [1.1, 1.11], then A's decode beside B's prompt: 10 + 100 ms
+    a, b = simulate(colocated(synthetic()), traffic).requests
+    assert ms(a.first_token) == 1100 and ms(a.finished) == 1220 and ms(b.first_token) == 1220
+    assert (a.finished - a.first_token) / 2 * 1e3 == pytest.approx(60)  # TPOT 60 ms: B's prompt inside
+    # 1P1D: A pulled in 5 ms, decodes 2 steps of 10 ms; B prefills on the prefill worker alone
+    a, b = simulate(disaggregated(synthetic()), traffic).requests
+    assert ms(a.first_token) == 1100 and ms(a.finished) == 1125 and ms(b.first_token) == 1205
+    # a mixed step's measured extra counts once per mixed step
+    a, b = simulate(colocated(synthetic(mixed_extra_ms=7.0)), traffic).requests
+    assert ms(a.finished) == 1227
+
+
+def test_disaggregated_hand_off_holds_the_prefill_slot_until_the_pull():
+    # 1P1D, prefill worker of one slot: the second prompt (sent with the first) waits until the first's state
+    # is pulled (5 ms after its first token), then prefills 100 ms
+    traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("5"), concurrency=2, num_requests=2)
+    layout = Layout(4096, prefill=Role(synthetic(), 1, 1, 4096), decode=Role(synthetic(), 1, 64, 4096))
+    a, b = simulate(layout, traffic).requests
+    assert ms(a.first_token) == 100 and ms(b.first_token) == 205
+    # a: pulled at 105, 4 decode steps of 10 ms; b: first token 205, pulled 210, its 4 steps after
+    assert ms(a.finished) == 145 and ms(b.finished) == 250
+
+
+def test_md1_queue_waits_as_pollaczek_khinchine():
+    # one prompt per step (budget = prompt), 1 output token: each request is one service of D = 100 ms, FIFO, one
+    # server; Poisson arrivals at rho = 0.5 -> mean wait rho D / (2 (1 - rho)) = 50 ms, P(no wait) = 1 - rho
+    rate, d = 5.0, 0.1
+    traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("1"), request_rate=rate, num_requests=40_000, seed=7)
+    result = simulate(colocated(synthetic(), budget=100), traffic)
+    waits = [r.first_token - r.sent - d for r in result.requests]
+    rho = rate * d
+    assert sum(waits) / len(waits) == pytest.approx(rho * d / (2 * (1 - rho)), rel=0.05)
+    assert sum(w < 1e-9 for w in waits) / len(waits) == pytest.approx(1 - rho, abs=0.01)
+
+
+def test_a_short_kv_pool_preempts_and_recomputes():
+    # a pool of 4 pages of 16 tokens: two requests of 30-token prompts and 20 outputs cannot both grow to 50 tokens
+    profile = synthetic(kv_tokens=64, per_token_ms=0.1)
+    traffic = Traffic(LengthDist.parse("30"), LengthDist.parse("20"), concurrency=2, num_requests=2)
+    result = simulate(colocated(profile, max_len=64), traffic)
+    assert result.preemptions >= 1
+    assert all(r.finished > 0 for r in result.requests)  # both end: the preempted one is recomputed
+
+
+def test_a_request_larger_than_the_pool_is_refused_before_running():
+    with pytest.raises(SimulationError, match="does not fit"):
+        simulate(colocated(synthetic(kv_tokens=64), max_len=4096), even(1.0, 2, 100, 5))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["0", "-3", "uniform:5:2", "normal:100", "gamma:1:2", "lognormal:0:1", "uniform:a:b", "file:/nonexistent/x"],
+)
+def test_length_distributions_refuse_what_they_cannot_draw(spec):
+    with pytest.raises(ValueError, match="length distribution"):
+        LengthDist.parse(spec)
+
+
+def test_length_distributions_draw_their_shape():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    assert set(LengthDist.parse("uniform:10:12").sample(rng, 500).tolist()) == {10, 11, 12}
+    normal = LengthDist.parse("normal:1000:100").sample(rng, 5000)
+    assert abs(normal.mean() - 1000) < 10 and 90 < normal.std() < 110
+    assert LengthDist.parse("lognormal:1:3").sample(rng, 100).min() >= 1
+
+
+def test_traffic_and_sla_refuse_bad_values():
+    one = LengthDist.parse("1")
+    for kwargs in ({}, {"request_rate": 1.0, "concurrency": 2}, {"request_rate": 0.0}, {"concurrency": 0}):
+        with pytest.raises(ValueError):
+            Traffic(one, one, **kwargs)
+    with pytest.raises(ValueError, match="TTFT|ttft"):
+        Sla(ttft_p50_ms=-1)
+
+
+def test_profile_files_are_checked(tmp_path):
+    good = synthetic().to_json()
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(good))
+    assert Profile.load(path).decode.ms(1, 0) == 10.0
+    for broken, match in (
+        ({**good, "format": "other"}, "not a deltamesh profile"),
+        ({**good, "version": 99}, "version"),
+        ({k: v for k, v in good.items() if k != "prefill"}, "missing or malformed"),
+        ({**good, "prefill": {"step_ms": -1, "ms_per_token": 1, "ms_per_mpair": 0}}, "non-negative"),
+    ):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ProfileError, match=match):
+            Profile.load(path)
+    path.write_text("{")
+    with pytest.raises(ProfileError, match="not JSON"):
+        Profile.load(path)
+    with pytest.raises(ProfileError, match="No such file"):
+        Profile.load(tmp_path / "absent.json")
+
+
+def test_step_model_interpolates_the_decode_grid_and_adds_chunks():
+    p = synthetic(
+        decode=((1, 1000, 5.0), (64, 1000, 12.0), (1, 9000, 6.0), (64, 9000, 20.0)),
+        step_ms=3.0,
+        per_token_ms=0.01,
+        mixed_extra_ms=-4.0,
+    )
+    assert p.decode.ms(1, 1000) == 5.0 and p.decode.ms(64, 9000) == 20.0
+    assert p.decode.ms(32.5, 5000) == pytest.approx((8.5 + 13.0) / 2)
+    assert p.decode.ms(128, 1000) == pytest.approx(5.0 + 7.0 * 127 / 63)  # extended along the last segment
+    assert p.step_ms(0, 0, 1000, 0) == pytest.approx(13.0)
+    assert p.step_ms(64, 1000, 1000, 0) == pytest.approx(12.0 + 10.0 - 4.0)
+    assert p.step_ms(64, 1000, 100, 0) == pytest.approx(12.0)  # never less than the decodes alone
+
+
+def test_decode_stretches_run_exactly_as_step_by_step(monkeypatch):
+    # the simulator takes a batch of decodes alone as one event until something can change it; stepping one step
+    # at a time must give the same times to the last bit that matters (preemptions included)
+    from deltamesh.planner.simulator import Worker
+
+    profile = synthetic(decode=((1, 0, 5.0), (64, 0, 12.0), (1, 8000, 6.0), (64, 8000, 20.0)), per_token_ms=0.03)
+    cases = [
+        (colocated(profile, 2), "uniform:100:3000", "uniform:10:400", {"request_rate": 3.0}),
+        (disaggregated(profile, 1, 2, seqs=16), "uniform:100:3000", "uniform:10:400", {"concurrency": 24}),
+        (
+            colocated(synthetic(kv_tokens=2048), 1, 16, 512, 2048),
+            "uniform:100:900",
+            "uniform:10:900",
+            {"concurrency": 8},
+        ),
+    ]
+    real = Worker._stretch
+    for layout, prompts, outputs, load in cases:
+        traffic = Traffic(LengthDist.parse(prompts), LengthDist.parse(outputs), num_requests=120, seed=3, **load)
+        taken = []
+        with monkeypatch.context() as m:
+            m.setattr(Worker, "_stretch", lambda self, *args: taken.append(real(self, *args)) or taken[-1])
+            stretched = simulate(layout, traffic)
+        assert max(steps for steps, _ in taken) > 1  # stretches were taken
+        with monkeypatch.context() as m:
+            m.setattr(Worker, "_stretch", lambda self, items, context, first: (1, first))
+            stepped = simulate(layout, traffic)
+        assert stretched.steps == stepped.steps and stretched.preemptions == stepped.preemptions
+        for a, b in zip(stretched.requests, stepped.requests):
+            assert a.first_token == pytest.approx(b.first_token, abs=1e-9)
+            assert a.finished == pytest.approx(b.finished, abs=1e-9)
+    assert stretched.preemptions > 0  # the last case runs short of KV pages
