@@ -1,5 +1,5 @@
 """gRPC server plumbing shared by every service: grpc.aio on uvloop, the standard health service and
-server reflection, loopback by default, graceful shutdown on SIGINT/SIGTERM."""
+server reflection, loopback by default, graceful shutdown on SIGINT/SIGTERM/SIGHUP."""
 
 from __future__ import annotations
 
@@ -33,11 +33,20 @@ class GrpcServer:
     """A started grpc.aio server with health (per service name and overall) and reflection."""
 
     def __init__(
-        self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None, interceptors: tuple = ()
+        self,
+        host: str,
+        port: int,
+        services: list[tuple[Callable, object, str]],
+        tls=None,
+        interceptors: tuple = (),
+        max_request_bytes: int = MAX_MESSAGE_BYTES,
     ):
         """`services`: (add_XServicer_to_server, servicer, full service name); `tls`: TlsSettings or None;
-        `interceptors`: e.g. deltamesh.services.common.auth's, which refuse calls without credentials."""
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        `interceptors`: e.g. deltamesh.services.common.auth's, which refuse calls without credentials;
+        `max_request_bytes`: the largest request message taken (larger: RESOURCE_EXHAUSTED, unread)."""
+        options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_request_bytes))
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.health = health_async.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for add, servicer, _ in services:
@@ -71,13 +80,14 @@ class GrpcServer:
 
 
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(stop_event)` on uvloop; SIGINT/SIGTERM set the event so `main` can shut down cleanly."""
+    """Run `main(stop_event)` on uvloop; SIGINT/SIGTERM/SIGHUP set the event so `main` can shut down cleanly
+    (SIGHUP: the terminal closed, or the kernel waking a stopped child of a `serve` that died: supervisor.py)."""
     import uvloop
 
     async def runner() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
