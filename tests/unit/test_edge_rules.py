@@ -114,3 +114,41 @@ def test_the_api_key_comes_from_a_file_or_the_environment_and_a_command_line_key
     writable = router(["--api-key-file", str(key_file)], {})
     assert writable.returncode == 2 and f"chmod go-w {key_file}" in writable.stderr, writable.stderr
     os.unlink(key_file)
+
+
+def test_a_requests_choices_start_in_turn_within_both_bounds():
+    """gateway/fanout.py: prompt tokens waiting for a first token stay within the budget (a longer prompt goes
+    alone), choices in the mesh within their count; each start waits for what frees room."""
+    import asyncio
+
+    from deltamesh.services.router.gateway.fanout import Fanout
+
+    async def scenario():
+        fanout = Fanout(running=3, prefill_tokens=100)
+
+        async def starts(tokens: int) -> bool:  # does a choice of `tokens` start without anything ending first?
+            task = asyncio.ensure_future(fanout.start(tokens))
+            await asyncio.sleep(0)
+            if task.done():
+                return True
+            task.cancel()
+            return False
+
+        assert await starts(60) and await starts(40)  # 100 tokens waiting: the budget
+        assert not await starts(1)
+        fanout.prefilled(60)  # a first token frees its prompt's share
+        assert await starts(50)
+        assert (fanout.running, fanout.prefilling, fanout.prefill_tokens) == (3, 2, 90)
+        fanout.prefilled(40)
+        fanout.prefilled(50)
+        assert not await starts(1)  # nothing waits for a first token, but three choices run: the count bounds
+        fanout.ended()
+        assert await starts(500)  # longer than the budget: it goes, alone
+        fanout.ended()
+        assert not await starts(1)
+        waiting = asyncio.ensure_future(fanout.start(1))
+        await asyncio.sleep(0)
+        fanout.prefilled(500)  # what the waiting start needed: it starts without being asked again
+        await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(scenario())

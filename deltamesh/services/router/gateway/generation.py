@@ -28,14 +28,14 @@ _FINISH = {
 
 async def _produce(mesh: Mesh, choice: Choice, out: asyncio.Queue, fanout: Fanout) -> None:
     """Runs a choice that `fanout` let start, and counts it out of `fanout` as it gets its first token and ends."""
-    prefilling = len(choice.prompt_ids)
+    prefilling = True  # until its first token
     try:
         deltas = mesh.generate(choice.request_id, choice.prompt_ids, choice.params)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 if prefilling:
-                    fanout.prefilled(prefilling)
-                    prefilling = 0
+                    fanout.prefilled(len(choice.prompt_ids))
+                    prefilling = False
                 await out.put((choice.index, delta))
     except MeshError as e:
         await out.put((choice.index, ApiError.from_mesh(e)))
@@ -44,7 +44,7 @@ async def _produce(mesh: Mesh, choice: Choice, out: asyncio.Queue, fanout: Fanou
         await out.put((choice.index, ApiError(500, "internal error", "server_error")))
     finally:
         if prefilling:
-            fanout.prefilled(prefilling)
+            fanout.prefilled(len(choice.prompt_ids))
         fanout.ended()
         await out.put((choice.index, None))
 
