@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ class _NotHeld(Exception):
 
 @dataclass
 class _Inflight:
+    owner: bytes = b""  # what Abort must present (the nonce of the abort token; empty: only cancelling aborts it)
     call: object = None  # the worker call in progress
     worker: WorkerHandle | None = None  # the decode (or colocated) worker that streams its tokens
     aborted: bool = False
@@ -52,8 +54,25 @@ class _Inflight:
             self.call.cancel()
 
 
+# A worker's own words reach the client only where they are about the request (its input, or no room for it now);
+# any other failure is the mesh's: the client gets its status and a generic message, the log gets the worker's
+# address and details.
+_CLIENT_DETAILS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def _worker_failure(code: grpc.StatusCode, leg: str, w: WorkerHandle, details: str, told: str = "") -> MeshError:
+    """The error a client gets for a failed worker call (`told`: what to tell it instead of a generic message);
+    the worker and its details are logged."""
+    log.warning("worker call failed", leg=leg, worker=w.address, code=code.name, details=details)
+    return MeshError(code, told or f"the request failed in the mesh ({leg} worker: {code.name}); retry it")
+
+
 def _leg_error(e: grpc.aio.AioRpcError, leg: str, w: WorkerHandle) -> MeshError:
-    return MeshError(e.code(), f"{leg} worker {w.address}: {e.details()}")
+    return _worker_failure(e.code(), leg, w, e.details(), e.details() if e.code() in _CLIENT_DETAILS else "")
 
 
 def _cancelled_call(inflight: _Inflight, leg: str, w: WorkerHandle) -> MeshError:
@@ -61,7 +80,7 @@ def _cancelled_call(inflight: _Inflight, leg: str, w: WorkerHandle) -> MeshError
     a silent end of the stream. (When our own task is being cancelled, the caller re-raises instead.)"""
     if inflight.aborted:
         return MeshError(grpc.StatusCode.CANCELLED, f"aborted during the {leg} call")
-    return MeshError(grpc.StatusCode.UNAVAILABLE, f"{leg} worker {w.address}: call cancelled (connection closed)")
+    return _worker_failure(grpc.StatusCode.UNAVAILABLE, leg, w, "call cancelled (connection closed)")
 
 
 def _own_task_cancelled() -> bool:
@@ -119,21 +138,24 @@ class Mesh:
         # decode workers cache nothing of a transferred prompt: only prefill and colocated picks see the prompt
         return self.policy.pick(candidates, prompt_ids if role != "decode" else ())
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, owner: bytes) -> bool:
+        """Abort the running request `request_id` if `owner` is what it was started with (see generate)."""
         inflight = self._inflight.get(request_id)
-        if inflight is not None:
-            inflight.abort()
-        return inflight is not None
+        if inflight is None or not inflight.owner or not hmac.compare_digest(inflight.owner, owner):
+            return False
+        inflight.abort()
+        return True
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, owner: bytes = b""
     ) -> AsyncIterator[common_pb2.TokenDelta]:
-        """The request's token deltas, first token first; raises MeshError when it cannot be served."""
+        """The request's token deltas, first token first; raises MeshError when it cannot be served. `owner`: a
+        secret of this run of the request that `abort` must be given (empty: it is aborted by closing the stream)."""
         timer = metrics.RequestTimer()
         outcome = "aborted"  # unless it finishes or fails: the client went away
         try:
             # closed explicitly: a client gone mid-stream releases what its request holds at once, not at GC
-            async with contextlib.aclosing(self._generate(request_id, prompt_ids, params)) as deltas:
+            async with contextlib.aclosing(self._generate(request_id, prompt_ids, params, owner)) as deltas:
                 async for delta in deltas:
                     timer.delta(len(delta.token_ids), delta.usage.prompt_tokens)
                     if delta.finished:
@@ -155,10 +177,10 @@ class Mesh:
                 seconds=round(time.monotonic() - timer.start, 4),
             )
 
-    async def _generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    async def _generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, owner: bytes):
         if request_id in self._inflight:
             raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
-        inflight = self._inflight[request_id] = _Inflight()
+        inflight = self._inflight[request_id] = _Inflight(owner)
         sampling, stop = sampling_to_proto(params)
         try:
             await self._until_ready()
@@ -320,7 +342,7 @@ class Mesh:
                     finished = delta.finished
                     yield delta
                 if not finished:
-                    raise MeshError(grpc.StatusCode.UNAVAILABLE, f"{role} worker {w.address}: stream ended early")
+                    raise _worker_failure(grpc.StatusCode.UNAVAILABLE, role, w, "stream ended early")
                 return
             except asyncio.CancelledError:
                 if _own_task_cancelled():
@@ -340,9 +362,12 @@ class Mesh:
                     raise _NotHeld() from None
                 if tried and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # the failed worker may have pulled (used up) the lease before dying: a worker fault
-                    raise MeshError(
+                    raise _worker_failure(
                         grpc.StatusCode.UNAVAILABLE,
-                        f"decode worker failed and the retry could not take over the request's state: {e.details()}",
+                        role,
+                        w,
+                        e.details(),
+                        "a decode worker failed and the retry could not take over the request's state; retry it",
                     ) from None
                 raise _leg_error(e, role, w) from None
             finally:
