@@ -54,6 +54,7 @@ class EngineParts:
 
 
 def assemble(config: EngineConfig, device: torch.device) -> EngineParts:
+    """An engine core's parts on `device` (a parallel engine's follower processes started and joined)."""
     model_dir = Path(config.model)
     mc = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
@@ -70,8 +71,9 @@ def assemble(config: EngineConfig, device: torch.device) -> EngineParts:
     reservations = Reservations(scheduler, handoff, rank.kv_pool, rank.state_pool, device, mc)
     data_parallel = config.data_parallel_size > 1
     held = HeldStates(scheduler, handoff, rank.kv_pool, rank.state_pool, rank_memory, data_parallel)
-    parts = (mc, tokenizer, max_model_len, followers, rank, rank_memory, scheduler, handoff)
-    return EngineParts(*parts, builder, reservations, held)
+    return EngineParts(
+        mc, tokenizer, max_model_len, followers, rank, rank_memory, scheduler, handoff, builder, reservations, held
+    )
 
 
 def leader_scheduling(config: EngineConfig, followers: Followers | None, rank: Rank) -> tuple:
