@@ -8,9 +8,10 @@ import time
 import httpx
 import pytest
 from harness import free_port, start_mesh
-from test_openai_api import chat_like_the_reference
+from test_openai_api import chat_like_the_reference, chatml_model
 
-from deltamesh.engine import DEFAULT_MODEL, SamplingParams
+from deltamesh.engine import SamplingParams
+from deltamesh.engine.tokenizer import Tokenizer
 from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
 
 SYSTEM = {"role": "system", "content": "You answer questions about Python in short sentences. " * 4}
@@ -32,14 +33,14 @@ def worker_counters(port: int) -> dict[str, float]:
 def mesh(tmp_path):
     port = free_port()
     m = start_mesh(
-        str(DEFAULT_MODEL),
+        str(chatml_model(tmp_path)),
         tmp_path,
         worker_args=["--prefix-cache"],
         http=True,
         role_args={"prefill": ["--metrics-port", str(port)]},
         router_args=["--pd-direct-max-tokens", "4"],
     )
-    m.prefill_metrics = port
+    m.prefill_metrics, m.model = port, tmp_path / "deltamesh-tiny"
     try:
         yield m
     finally:
@@ -48,7 +49,7 @@ def mesh(tmp_path):
 
 def test_later_turns_pull_the_conversation_and_compute_only_the_new_message(mesh, reference_engine):
     questions = ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]
-    prompts, replies = zip(*chat_like_the_reference(mesh, reference_engine, [SYSTEM], questions))
+    prompts, replies = zip(*chat_like_the_reference(mesh, reference_engine, [SYSTEM], questions, mesh.model))
     # each turn's whole sequence stays on the decode worker, but for its last reply token (never computed) unless
     # that was a stop token, which the engine computes no further than the reply text
     kept = [(p + r - 1, p + r) for p, r in zip(prompts[:-1], replies[:-1])]
@@ -66,9 +67,9 @@ def test_later_turns_pull_the_conversation_and_compute_only_the_new_message(mesh
 @pytest.mark.parametrize("gone", ["released", "expired"])
 def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_engine, gone):
     messages = [SYSTEM]
-    chat_like_the_reference(mesh, reference_engine, messages, ["What is a list?"])
+    chat_like_the_reference(mesh, reference_engine, messages, ["What is a list?"], mesh.model)
     messages.append({"role": "user", "content": "And a tuple, and a dict?"})
-    prompt = reference_engine.tokenizer.encode_chat(messages)
+    prompt = Tokenizer(mesh.model).encode_chat(messages)
     [decode], [prefill] = mesh.workers("decode"), mesh.workers("prefill")
     ttl_ms = 1 if gone == "expired" else 0
     offer = decode.stub().OfferPrefix(

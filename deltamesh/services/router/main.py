@@ -14,6 +14,7 @@ from deltamesh.services.common.settings import RouterSettings
 from deltamesh.services.router.control import ControlServicer
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway import Gateway, start_gateway
+from deltamesh.services.router.gateway.chat_output import OutputFormat
 from deltamesh.services.router.limits import MAX_REQUEST_BYTES
 from deltamesh.services.router.mesh import Mesh
 from deltamesh.services.router.metrics import register_worker_gauge
@@ -60,8 +61,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         await s.set_serving(True)
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
+    template = frontend.tokenizer.chat_template if frontend.tokenizer else None
+    output_format = OutputFormat.resolve(template, settings.reasoning_parser, settings.tool_call_parser)
     if settings.http_port:
-        gateway = Gateway(frontend, mesh, settings.api_key, settings.http_body_timeout_s)
+        gateway = Gateway(frontend, mesh, settings.api_key, settings.http_body_timeout_s, output_format)
         http, http_task = await start_gateway(
             gateway, settings.host, settings.http_port, settings.http_header_timeout_s
         )
@@ -73,6 +76,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         http=settings.http_port,
         model=frontend.model_id,
         policy=settings.policy,
+        reasoning_parser=output_format.reasoning,
+        tool_call_parser=output_format.tool_calls,
     )
     write_line(sys.stdout, f"DELTAMESH_READY router {server.address}")
     await stop.wait()

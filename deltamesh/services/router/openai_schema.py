@@ -2,14 +2,14 @@
 models: they validate input and make the served OpenAPI schema accurate. A parameter that neither OpenAI's API
 nor the extensions below define is refused with 400, as OpenAI refuses unrecognized arguments (a typo must not
 silently change nothing); OpenAI parameters that do not change the output here (user, store, metadata, ...) are
-accepted, and those we do not support are refused when set to a non-default value. Objects nested in a request
-(chat messages) keep ignoring fields they do not use, so a conversation echoed back with tool-call fields still
-parses."""
+accepted, and those we do not support are refused when set to a non-default value. Chat messages keep ignoring
+fields they do not use (a conversation echoed back with fields of OpenAI's newer replies still parses); a tool's
+definition takes only OpenAI's fields."""
 
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -24,6 +24,7 @@ from pydantic import (
 
 from deltamesh.engine.sampling import MAX_STOP_STRINGS
 from deltamesh.services.common.settings import RequestLimits
+from deltamesh.services.router.chat_request import MAX_TOOLS
 from deltamesh.services.router.limits import ChatRole, check_count
 
 MAX_N = 16
@@ -139,12 +140,31 @@ class ContentPart(BaseModel):
     text: str
 
 
+class MessageFunctionCall(BaseModel):
+    name: str
+    arguments: str = Field("", description="The call's arguments, a JSON object as a string")
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="An assistant's calls")
+    tool_call_id: str | None = Field(None, description="The call a tool message answers")
+    reasoning_content: str | None = Field(
+        None, description="An assistant's reasoning (the chat template decides whether to show it to the model again)"
+    )
+    reasoning: str | None = Field(None, description="vLLM's newer name for reasoning_content")
 
     def text(self) -> str:
         if self.content is None:
@@ -152,6 +172,45 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message in OpenAI's shape, as the chat template reads it (chat_request.py)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of type object")
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -162,10 +221,21 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = Field(None, description="Not supported")
-    tool_choice: Literal["none", "auto"] | None = Field(None, description="Without tools, none and auto are alike")
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool = Field(True, description="False: at most one tool call")
     response_format: dict | None = Field(None, description="Only {'type': 'text'}")
+    # extensions (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra chat template variables, e.g. {'enable_thinking': false}"
+    )
+    add_generation_prompt: bool = Field(True, description="End the prompt with the assistant's turn opened")
+    continue_final_message: bool = Field(
+        False, description="Leave the final message open and continue it (with add_generation_prompt false)"
+    )
+    include_reasoning: bool = Field(True, description="False: leave reasoning_content out of the reply")
     # OpenAI parameters about the service, not the output: accepted and not used
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -175,9 +245,16 @@ class ChatCompletionRequest(_Sampling):
     @classmethod
     def _few_enough_messages(cls, data):
         _check_count(data, "messages", LIMITS.get().max_messages, "chat messages")
+        _check_count(data, "tools", MAX_TOOLS, "tools")
         return data
 
     _top_logprobs_need_logprobs = _only_with("top_logprobs", "logprobs")
+
+    def tool_choice_value(self) -> str | dict:
+        """none | auto | required | {"name": NAME}, OpenAI's default filled in."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else {"name": self.tool_choice.function.name}
 
 
 class Usage(BaseModel):
@@ -223,16 +300,32 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+ChatFinish = Literal["stop", "length", "abort", "tool_calls"]
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinish | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -244,25 +337,42 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class _WithoutNulls(BaseModel):
+    """Serialised without its unset (None) fields, as OpenAI's deltas are."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunction(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """A tool call's first delta carries its id, type and name; the next ones fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
+class ChatDelta(_WithoutNulls):
     """What a chunk adds: the first carries the role, the others leave it out (as OpenAI sends them)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_role_after_the_first(self, handler) -> dict:
-        out = handler(self)
-        if out.get("role") is None:
-            out.pop("role", None)
-        return out
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinish | None = None
 
 
 class ChatCompletionChunk(BaseModel):
