@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from deltamesh.client.chat import chat_messages
 from deltamesh.client.errors import DeltameshError, InvalidRequest, Unavailable, from_rpc_error
 from deltamesh.client.types import Delta, Result
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -34,9 +35,22 @@ def build_request(
     ignore_eos: bool = False,
     model: str = "",
     request_id: str | None = None,
+    tools: Sequence[dict] = (),
+    chat_template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> router_pb2.GenerateRequest:
-    """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...}). Values the protocol
-    cannot carry (negative counts, ids over 32 bits) raise InvalidRequest before anything is sent."""
+    """A prompt is text, token ids, or chat messages in OpenAI's shape ({"role": ..., "content": ...}, an
+    assistant's "tool_calls", a tool result's "tool_call_id", "reasoning_content"). A chat takes `tools` (OpenAI's
+    function tools), `chat_template_kwargs` (e.g. {"enable_thinking": False}), `add_generation_prompt` and
+    `continue_final_message` (chat.py). Values the protocol cannot carry (negative counts, ids over 32 bits) raise
+    InvalidRequest before anything is sent."""
+    chat = dict(
+        tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
     try:
         return _build(
             prompt,
@@ -52,6 +66,7 @@ def build_request(
             ignore_eos,
             model,
             request_id,
+            chat,
         )
     except (ValueError, TypeError) as e:
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {e}") from None
@@ -86,6 +101,7 @@ def _build(
     ignore_eos,
     model,
     request_id,
+    chat,
 ) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
@@ -96,10 +112,18 @@ def _build(
     for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed), ("logprobs", logprobs)):
         if value is not None:
             setattr(req.sampling, name, value)
+    if prompt and isinstance(prompt, Sequence) and isinstance(prompt[0], dict):
+        req.chat.CopyFrom(chat_messages(prompt, **chat))
+        return req
+    if (
+        chat["tools"]
+        or chat["chat_template_kwargs"]
+        or not chat["add_generation_prompt"]
+        or chat["continue_final_message"]
+    ):
+        raise ValueError("tools and the chat template's options apply to chat messages only")
     if isinstance(prompt, str):
         req.text = prompt
-    elif prompt and isinstance(prompt[0], dict):
-        req.chat.messages.extend(router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
         req.token_ids.ids.extend(prompt)
     return req
@@ -177,8 +201,9 @@ class Client:
                 time.sleep(0.1 * 2**attempt)
 
     def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
-        """The whole result. `kwargs`: build_request's sampling keywords (max_tokens, temperature, top_p, top_k,
-        min_p, seed, stop, stop_token_ids, logprobs, ignore_eos, model, request_id)."""
+        """The whole result. `kwargs`: build_request's keywords (max_tokens, temperature, top_p, top_k, min_p, seed,
+        stop, stop_token_ids, logprobs, ignore_eos, model, request_id; for a chat, tools, chat_template_kwargs,
+        add_generation_prompt, continue_final_message)."""
         request = _request(prompt, kwargs)
         for attempt in range(self.retries + 1):
             result = Result(request.request_id)
