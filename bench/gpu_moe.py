@@ -43,7 +43,7 @@ from bench.gpu_common import (
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models.layers import SparseMoE, linear_weight
 from deltamesh.engine.weights import init_dummy
-from deltamesh.kernels import torch_ref, triton_linear, triton_moe
+from deltamesh.kernels import torch_ref, triton_linear, triton_moe, triton_moe_aligned, triton_moe_pairs
 from deltamesh.kernels.fp8 import Fp8Weight
 
 IMPLS = {"torch": torch_ref.moe, "triton": triton_moe.moe}
@@ -97,8 +97,8 @@ def op_rows(layer: SparseMoE, tokens: list[int], bandwidth: float, impls_: dict)
         row = {"bench": "op", "tokens": t, "experts_touched": touched, "floor_ms": floor_ms}
         impls = dict(impls_)
         if t <= 32:
-            impls["pairs"] = triton_moe._moe_pairs
-            impls["aligned"] = lambda *a: triton_moe.moe(*a, config=triton_moe.gemm_config(t * layer.top_k))
+            impls["pairs"] = triton_moe_pairs.moe_pairs
+            impls["aligned"] = lambda *a: triton_moe.moe(*a, config=triton_moe_aligned.gemm_config(t * layer.top_k))
         for name, impl in impls.items():
             row[f"{name}_ms"] = graph_ms(lambda: impl(*args)) if t <= 256 else gpu_ms(lambda: impl(*args))
         if "torch_ms" in row:
@@ -127,7 +127,7 @@ def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
     rows = []
     for t in tokens:
         args = layer_args(layer, t)
-        for cfg in map(lambda c: triton_moe.GemmConfig(*c), SWEEP):
+        for cfg in map(lambda c: triton_moe_aligned.GemmConfig(*c), SWEEP):
 
             def fn(cfg=cfg):
                 return triton_moe.moe(*args, config=cfg)
@@ -138,7 +138,7 @@ def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
                     "tokens": t,
                     "config": "/".join(map(str, cfg)),
                     "ms": graph_ms(fn) if t <= 256 else gpu_ms(fn),
-                    "chosen": cfg == triton_moe.gemm_config(t * layer.top_k),
+                    "chosen": cfg == triton_moe_aligned.gemm_config(t * layer.top_k),
                 }
             )
     return rows
@@ -146,9 +146,13 @@ def sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
 
 # Candidate tiles of each pair-wise kernel (rows per program, K step, warps), at most 64 float32 sums per thread
 GATE_UP_TILES = [
-    triton_moe.PairTile(n, k, w) for n in (2, 4, 8) for k in (512, 1024, 2048) for w in (1, 2, 4) if n * k <= 2048 * w
+    triton_moe_pairs.PairTile(n, k, w)
+    for n in (2, 4, 8)
+    for k in (512, 1024, 2048)
+    for w in (1, 2, 4)
+    if n * k <= 2048 * w
 ]
-DOWN_TILES = [triton_moe.PairTile(n, 512, w) for n in (2, 4, 8, 16) for w in (1, 2, 4) if n * 512 <= 2048 * w]
+DOWN_TILES = [triton_moe_pairs.PairTile(n, 512, w) for n in (2, 4, 8, 16) for w in (1, 2, 4) if n * 512 <= 2048 * w]
 RING = 40  # calls per timed graph: a step's MoE layers
 
 
@@ -168,13 +172,13 @@ def pair_sweep_rows(layer: SparseMoE, tokens: list[int]) -> list[dict]:
             args = list(layer_args(layer, t))
             args[6], args[7] = _copy(args[6]), _copy(args[7])
             calls.append(args)
-        chosen = triton_moe.pair_config(t)
+        chosen = triton_moe_pairs.pair_config(t)
         configs = [chosen._replace(gate_up=g) for g in GATE_UP_TILES] + [chosen._replace(down=d) for d in DOWN_TILES]
         for cfg in dict.fromkeys(configs):
 
             def ring(cfg=cfg):
                 for args in calls:
-                    triton_moe._moe_pairs(*args, tiles=cfg)
+                    triton_moe_pairs.moe_pairs(*args, tiles=cfg)
 
             rows.append(
                 {

@@ -6,7 +6,7 @@ eviction frees beyond its need).
 
 The pool has tiny pages (its tensor is not what is measured). Fragmented: filled with runs of 1-64 pages, then
 every other run freed. Eviction order: every page cached, a tenth of them shared with a request, random last uses
-and depths, ranked and read in order as `PrefixCache._eviction_order` does.
+and depths, ranked and read in order as `CacheEntries.eviction_order` does (prefix_entries.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS, ints, median, print_table, write_result
 from deltamesh.engine.cache import KVPagePool
-from deltamesh.engine.prefix_cache import EVICTION_SLACK, eviction_rank, in_rank_order
+from deltamesh.engine.prefix_entries import EVICTION_SLACK, eviction_rank, in_rank_order
 
 
 def fragmented_pool(num_pages: int, rng: random.Random) -> KVPagePool:

@@ -328,7 +328,7 @@ class PullerSide(_Side):
         self.conn.send(("warmed", self.warm_ups[-1][1] - t0))
 
     def _reserve(self, n_tokens: int, count: int) -> list[tuple[list[int], int]]:
-        """Pages and a slot for each of `count` requests, as EngineCore.reserve takes them; with --rotate, after
+        """Pages and a slot for each of `count` requests, as Reservations.reserve takes them; with --rotate, after
         the places of the turns before (held for a moment), so that they change from turn to turn."""
         kv, st = self.kv, self.st
         spacer = [

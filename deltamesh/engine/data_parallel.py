@@ -24,19 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
+from deltamesh.engine.interfaces import PoolUsage, PrefixCacheInterface, SchedulerInterface
 from deltamesh.engine.parallel import TensorParallelGroup
+from deltamesh.engine.prefix_cache import PrefixCache
 from deltamesh.engine.request import Request
 from deltamesh.engine.scheduler import ScheduledItem, Scheduler
 from deltamesh.engine.state_shards import RequestState
-from deltamesh.engine.tp_handoff import (
-    AreaSize,
-    Handoff,
-    HandoffArea,
-    Staged,
-    TensorParallelHandoff,
-    rank_state,
-    store_rank_state,
-)
+from deltamesh.engine.tp_handoff import Handoff, HandoffArea, Staged, rank_state, store_rank_state
 
 
 class DataParallelGroup(TensorParallelGroup):
@@ -110,30 +104,14 @@ def execute(runner, followers, items: list[ScheduledItem], pending_tokens: torch
     return run_rank(runner, followers.group, steps, 0, pending, pending_tokens)
 
 
-class _Totals:
-    """The sums of the ranks' pools' counters (what the worker reports as its load)."""
-
-    def __init__(self, pools: list):
-        self.pools = pools
-
-    def __getattr__(self, name: str) -> int:
-        if name not in ("num_used", "num_free", "num_pages", "num_slots"):
-            raise AttributeError(name)
-        return sum(getattr(p, name) for p in self.pools)
-
-
-class DataParallelScheduler:
-    """One Scheduler per rank behind the Scheduler's interface. A new request goes to the rank whose prefix cache
+class DataParallelScheduler(SchedulerInterface):
+    """One Scheduler per rank behind the scheduler's interface. A new request goes to the rank whose prefix cache
     holds the longest prefix of its prompt, if any; else (and an arriving state always) to the rank with the
     fewest requests (slots in use and waiting), ties taken in turn. It runs there until it ends (a preempted one
     waits there)."""
 
-    prefix_cache = None  # each rank's scheduler has its own (`attach_prefix_caches`)
-
     def __init__(self, schedulers: list[Scheduler], pools: list[RankPools]):
-        self.ranks, self.pools = schedulers, pools
-        self.kv_pool = _Totals([s.kv_pool for s in schedulers])
-        self.state_pool = _Totals([s.state_pool for s in schedulers])
+        self.ranks, self.rank_pools = schedulers, pools
         self._lock = threading.Lock()  # reservations come from other threads
         self._next = 0  # where the next tie goes
 
@@ -153,6 +131,12 @@ class DataParallelScheduler:
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.ranks)
 
+    def pools(self, rank: int) -> tuple[KVPagePool, StatePool]:
+        return self.rank_pools[rank].kv, self.rank_pools[rank].states
+
+    def usage(self) -> PoolUsage:
+        return PoolUsage(*map(sum, zip(*(s.usage() for s in self.ranks))))
+
     def _pick(self, candidates: list[int]) -> int:
         load = {r: self.ranks[r].state_pool.num_used + len(self.ranks[r].waiting) for r in candidates}
         lowest, n = min(load.values()), len(self.ranks)
@@ -167,11 +151,11 @@ class DataParallelScheduler:
             request.dp_rank = self._pick([r for r, hit in enumerate(hits) if hit == best])
         self.ranks[request.dp_rank].add(request)
 
-    def attach_prefix_caches(self, make) -> RankPrefixCaches:
+    def attach_prefix_caches(self, make) -> DataParallelPrefixCache:
         """A prefix cache per rank, over that rank's pools (`make(kv, states, checkpoints)`)."""
-        for scheduler, pools in zip(self.ranks, self.pools):
+        for scheduler, pools in zip(self.ranks, self.rank_pools):
             scheduler.prefix_cache = make(pools.kv, pools.states, pools.checkpoints)
-        return RankPrefixCaches([s.prefix_cache for s in self.ranks])
+        return DataParallelPrefixCache([s.prefix_cache for s in self.ranks])
 
     def add_running(self, request: Request) -> None:
         self.ranks[request.dp_rank].add_running(request)
@@ -205,35 +189,11 @@ class DataParallelScheduler:
         self.ranks[rank].cancel(0, slot, pages)
 
 
-def leader_scheduling(config, followers, rank) -> tuple:
-    """(scheduler, hand-off or None) of an engine whose leader holds `rank` (rank.Rank): one rank; tensor
-    parallel, the leader's pool writes repeated by every follower; or data parallel, one scheduler per rank."""
+class DataParallelPrefixCache(PrefixCacheInterface):
+    """The ranks' prefix caches behind the prefix cache's interface: a request's own on its rank, the counts
+    summed, the longest hit of any rank."""
 
-    def scheduler(kv: KVPagePool, states: StatePool) -> Scheduler:
-        return Scheduler(kv, states, config.max_num_seqs, config.resolved_max_num_batched_tokens())
-
-    if followers is None:
-        return scheduler(rank.kv_pool, rank.state_pool), None
-    max_model_len = config.resolved_max_model_len(rank.model_config.max_position_embeddings)
-    area = AreaSize.of(config.resolved_handoff_states(), max_model_len, rank.kv_pool, rank.state_pool)
-    if config.data_parallel_size == 1:
-        rank.runner.followers = followers
-        for pool in filter(None, (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)):
-            pool.mirror = followers.pool_ops
-        return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(
-            followers, rank.kv_pool, rank.state_pool, area
-        )
-    pools = [RankPools(rank.kv_pool, rank.state_pool, rank.checkpoint_pool)]
-    pools += [pools[0].bookkeeping(ops) for ops in followers.rank_ops[1:]]
-    schedulers = [scheduler(p.kv, p.states) for p in pools]
-    return DataParallelScheduler(schedulers, pools), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool, area)
-
-
-class RankPrefixCaches:
-    """The ranks' prefix caches behind the part of PrefixCache's interface the engine uses: a request's own on
-    its rank, the counts summed, the longest hit of any rank."""
-
-    def __init__(self, caches: list):
+    def __init__(self, caches: list[PrefixCache]):
         self.caches = caches
 
     def register(self, req: Request, snapshot_at: int | None = None, snapshot_slot: int | None = None) -> None:

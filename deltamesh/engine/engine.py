@@ -144,7 +144,7 @@ class Engine:
     @functools.cached_property
     def compat_hash(self) -> str:
         """Equal on two engines exactly when one's held state can be pulled into the other's pools."""
-        return compat_hash(self.core)
+        return compat_hash(self.core.config, self.core.model_config)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -158,12 +158,12 @@ class Engine:
     def held_buffers(self, request_id: str) -> list[torch.Tensor | RankBytes]:
         """A held request's state (KeyError if not held) as 1-D byte views of the pools (of a parallel engine: of
         its hand-off area; with `rank_memory`, other ranks' bytes where they hold it), in hand-off order."""
-        return [r.tensor if isinstance(r, Region) else r for r in self.core.held_regions(request_id)]
+        return [r.tensor if isinstance(r, Region) else r for r in self.core.held.regions(request_id)]
 
     def pool_buffers(self) -> list[torch.Tensor | RankBytes]:
         """Each pool's whole memory as a 1-D byte view (of a parallel engine: its hand-off area's, made now; of
         one with `rank_memory`, every rank's pools): what a holder lets peers read."""
-        return self.core.pool_views()
+        return self.core.held.pool_views()
 
     @property
     def rank_memory(self) -> dict[int, bytes]:
@@ -174,7 +174,7 @@ class Engine:
     def release_held(self, request_id: str) -> bool:
         """Free a held state; False if it was not held. Wakes the stepping thread: a prefill may be waiting for
         the room this frees in a parallel engine's hand-off area."""
-        released = self.core.release_held(request_id)
+        released = self.core.held.release(request_id)
         self._wake.set()
         return released
 
@@ -182,7 +182,7 @@ class Engine:
         """Pool space for an incoming state of `num_tokens` prompt tokens; raises PoolExhausted when full. Its
         `regions` are what a pull fills; then `submit_transferred`, or `cancel_reservation`. `sender_parts`: the
         state comes as that many tensor-parallel ranks' parts (StateLayout.rank_parts), 0 in the one-rank layout."""
-        return self.core.reserve(num_tokens, sender_parts)
+        return self.core.reservations.reserve(num_tokens, sender_parts)
 
     @property
     def holds_rank_parts(self) -> bool:
@@ -209,7 +209,7 @@ class Engine:
         self.core.prefix_cache.unpin(pinned)
 
     def cancel_reservation(self, reservation: Reservation) -> None:
-        self.core.cancel_reservation(reservation)
+        self.core.reservations.cancel(reservation)
 
     def loads(self) -> dict:
         return self.core.loads()
@@ -224,12 +224,31 @@ class Engine:
         return self.core.scheduler.num_preemptions
 
     @property
+    def graph_steps(self) -> int:
+        """Decode-only steps replayed from a CUDA graph."""
+        return self.core.runner.graph_steps
+
+    @property
+    def piecewise_graph_steps(self) -> int:
+        """Steps with prompt tokens replayed from CUDA graphs piece by piece."""
+        return self.core.runner.piecewise_steps
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot serve any more (a parallel engine's rank is gone), or None."""
+        return self.core.failure
+
+    @property
+    def has_prefix_cache(self) -> bool:
+        return self.core.prefix_cache is not None
+
+    @property
     def device(self) -> torch.device:
         return self.core.device
 
     @property
     def num_state_slots(self) -> int:
-        return self.core.scheduler.state_pool.num_slots
+        return self.core.scheduler.usage().state_slots_total
 
     # ---- blocking API -------------------------------------------------------------------------------------
     def generate(

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING
 
 from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import ParallelConfigError, shard_config
-
-if TYPE_CHECKING:
-    from deltamesh.engine.core import EngineCore
 
 # Bump when the byte layout of held state changes.
 STATE_LAYOUT_VERSION = "kv:page-major[page,layer,kv,slot,head,dim]/gdn:slot-major[slot,layer,...]/one-rank/v2"
@@ -28,12 +25,11 @@ class LayoutMismatch(ValueError):
     """A sender's state layout that cannot be mapped onto this engine's."""
 
 
-def compat_hash(core: EngineCore) -> str:
-    cfg = core.config
+def compat_hash(cfg: EngineConfig, model: ModelConfig) -> str:
     blob = json.dumps(
         {
-            "model": json.loads(core.model_config.to_json()),
-            "dtype": str(core.dtype),
+            "model": json.loads(model.to_json()),
+            "dtype": str(cfg.torch_dtype()),
             "state_dtype": cfg.state_dtype,
             "page_size": cfg.page_size,
             "layout": STATE_LAYOUT_VERSION,

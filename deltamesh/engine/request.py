@@ -1,12 +1,19 @@
-"""A request's life inside the engine, and what the engine reports about it after each step."""
+"""A request's life inside the engine: how one is made from a prompt (`RequestBuilder`), its state from step to
+step, and what the engine reports about it after each step."""
 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deltamesh.engine.sampling import SamplingParams, TokenLogprobs, is_int
 from deltamesh.engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from deltamesh.engine.cache import KVPagePool
+    from deltamesh.engine.tokenizer import Tokenizer
 
 
 class RequestError(ValueError):
@@ -137,6 +144,26 @@ class Request:
         """Tokens still to run through the model before the next token can be sampled."""
         return self.num_tokens - self.num_computed
 
+    def add_token(self, token: int, logprob: TokenLogprobs | None, max_model_len: int) -> RequestOutput:
+        """Append a sampled token and decide whether it ends the request: this step's output (a stop token ends
+        the text without adding its own; the last output flushes the detokenizer)."""
+        self.output_ids.append(token)
+        p = self.params
+        stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        detok = self.detokenizer
+        text = detok.add(token) if detok is not None and not stop_token else ""
+        self.check_stop(token, max_model_len)
+        if self.finish_reason is not None and detok is not None:
+            text += detok.flush()
+        return RequestOutput(
+            self.request_id,
+            [token],
+            text,
+            [logprob] if logprob else [],
+            num_prompt_tokens=len(self.prompt_ids),
+            num_output_tokens=len(self.output_ids),
+        )
+
     def check_stop(self, token_id: int, max_model_len: int) -> None:
         """Decide whether the token just appended ends the request."""
         p = self.params
@@ -146,3 +173,54 @@ class Request:
             self.finish_reason, self.stop_reason = FinishReason.STOP, self.detokenizer.stopped_on
         elif len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
+
+
+class RequestBuilder:
+    """Makes requests from prompts for one engine (any thread; nothing of the engine's state is touched): the
+    prompt tokenised, every check a worker makes on a request (`validate`), its detokenizer set up."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+        max_model_len: int,
+        kv_pool: KVPagePool,
+    ):
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self.vocab_size, self.max_model_len, self.kv_pool = vocab_size, max_model_len, kv_pool
+        self._ids = itertools.count()
+
+    def build(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, hold_state: bool = False
+    ) -> Request:
+        """RequestError when this engine cannot serve it as given."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer; send token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        self.validate(prompt_ids, params)
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+            if self.tokenizer
+            else None
+        )
+        return Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=prompt_ids,
+            params=params,
+            detokenizer=detok,
+            eos_token_ids=self.eos_token_ids,
+            hold_state=hold_state,
+        )
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        pages = self.kv_pool.pages_for(len(prompt_ids) + params.max_tokens)
+        if pages > self.kv_pool.num_pages:
+            raise RequestError(
+                f"request needs {pages} KV pages but this worker's pool has {self.kv_pool.num_pages}; "
+                "lower max_tokens or shorten the prompt"
+            )

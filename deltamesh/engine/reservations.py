@@ -1,6 +1,6 @@
-"""Pool space a worker reserves for a request state arriving from another worker (a decode worker's pull from
-a prefill worker, or a prefill worker's pull of a conversation a decode worker kept), and gives back if the
-state never comes."""
+"""Decode side of the hand-off: pool space a worker reserves for a request state arriving from another worker (a
+decode worker's pull from a prefill worker, or a prefill worker's pull of a conversation a decode worker kept),
+gives back if the state never comes, and, before the request's first step, places where its ranks run it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, Region, StatePool
 from deltamesh.engine.config import ModelConfig
+from deltamesh.engine.interfaces import SchedulerInterface
 from deltamesh.engine.request import Request
-from deltamesh.engine.state_shards import RequestState, nbytes, part_shapes, unpack
-from deltamesh.engine.tp_handoff import one_rank_template
+from deltamesh.engine.state_shards import RequestState, merge, nbytes, part_shapes, unpack
+from deltamesh.engine.tp_handoff import Handoff, one_rank_template, store_rank_state
 
 
 @dataclass
@@ -45,6 +46,11 @@ class Reservation:
     # a state sent as its sender's rank parts: `regions` are this RankParts' bytes, placed before the first step
     parts: RankParts | None = None
 
+    def hand_to(self, request: Request) -> None:
+        """The request runs in this space from now on (`EngineCore.submit_transferred`)."""
+        request.slot, request.pages, request.dp_rank = self.slot, self.pages, self.rank
+        request.staged, request.parts = self.staged, self.parts
+
     def wait_ready(self) -> None:
         """Block (GIL released) until no launched step can still write this space."""
         if self.ready is not None:
@@ -62,7 +68,13 @@ class Reservations:
     the ranks take it (tp_handoff.HandoffArea)."""
 
     def __init__(
-        self, scheduler, handoff, kv_pool: KVPagePool, state_pool: StatePool, device: torch.device, full: ModelConfig
+        self,
+        scheduler: SchedulerInterface,
+        handoff: Handoff | None,
+        kv_pool: KVPagePool,
+        state_pool: StatePool,
+        device: torch.device,
+        full: ModelConfig,
     ):
         self.scheduler, self.handoff, self.kv_pool, self.state_pool = scheduler, handoff, kv_pool, state_pool
         self.device, self.full = device, full
@@ -106,9 +118,36 @@ class Reservations:
             self.handoff.unstage(reservation.staged)
         self.scheduler.cancel(reservation.rank, reservation.slot, reservation.pages)
 
+    def place(self, req: Request) -> None:
+        """Before the request's first step (stepping thread): a state that arrived as its sender's rank parts goes
+        to the ranks as it is when they are this engine's own ranks' parts, else is merged into the one-rank
+        layout (in the pools, or a parallel engine's hand-off area); a parallel engine's goes from the area to its
+        rank or ranks. Its place in the area is given back whatever happens; an error leaves the request's own
+        space to be freed."""
+        if self.handoff is None and req.parts is None:
+            return
+        try:
+            if req.parts is not None:
+                parts, req.parts = req.parts.unpacked(), None
+                if self.handoff is not None and self.handoff.takes_parts(len(parts)):
+                    self.handoff.hand_out(req.pages, req.slot, parts)  # its own ranks' parts: as they came
+                    return
+                whole = merge(parts, self.full)
+                if self.handoff is None:
+                    store_rank_state(self.kv_pool, self.state_pool, req.pages, req.slot, whole)
+                    return
+                self.handoff.area.write(req.staged, whole)
+            self.handoff.scatter(req.pages, req.slot, req.dp_rank, req.staged)
+        finally:
+            self.unstage(req)
+
+    def discard(self, req: Request) -> None:
+        """Free the space a request arrived with, never used (its id was a duplicate)."""
+        self.unstage(req)
+        self.scheduler.free(req)
+
     def unstage(self, req: Request) -> None:
-        """Give back a request's place in the hand-off area: its state went to its ranks or its lease ended, or
-        it never will."""
+        """Give back a request's place in the hand-off area: its state went to its ranks, or it never will."""
         if req.staged is not None:
             self.handoff.unstage(req.staged)
             req.staged = None

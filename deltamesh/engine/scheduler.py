@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
+from deltamesh.engine.interfaces import PoolUsage, SchedulerInterface
 from deltamesh.engine.prefix_cache import PrefixCache
 from deltamesh.engine.request import Request, Status
 
@@ -46,14 +47,16 @@ class ScheduledItem:
         return self.num_tokens == self.request.remaining
 
 
-class Scheduler:
+class Scheduler(SchedulerInterface):
+    """One rank's scheduler, over that rank's pools."""
+
     def __init__(self, kv_pool: KVPagePool, state_pool: StatePool, max_num_seqs: int, max_num_batched_tokens: int):
         self.kv_pool, self.state_pool = kv_pool, state_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.num_preemptions = 0
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._num_preemptions = 0
         self.prefix_cache: PrefixCache | None = None
         self.snapshots = True  # steps may take checkpoints' states in passing (with a prefix cache: `_chunk`)
 
@@ -100,16 +103,36 @@ class Scheduler:
         return (n, stop) if passing else (min(n, stop - req.num_computed), None)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._waiting.append(request)
 
     def add_running(self, request: Request) -> None:
         """A request whose state is already in the pools (received from a prefill worker)."""
         request.status = Status.RUNNING
-        self.running.append(request)
+        self._running.append(request)
+
+    @property
+    def running(self) -> list[Request]:
+        return self._running
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self._waiting
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    def pools(self, rank: int) -> tuple[KVPagePool, StatePool]:
+        assert rank == 0, rank  # a one-rank engine's, or the leader's of a tensor-parallel one
+        return self.kv_pool, self.state_pool
+
+    def usage(self) -> PoolUsage:
+        kv, states = self.kv_pool, self.state_pool
+        return PoolUsage(kv.num_used, kv.num_pages, states.num_used, states.num_slots)
 
     def schedule(self) -> list[ScheduledItem]:
         budget = self.max_num_batched_tokens
@@ -121,8 +144,8 @@ class Scheduler:
             budget -= n
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
             if req.last_token_pending:
                 i += 1
                 continue
@@ -131,12 +154,12 @@ class Scheduler:
                 continue  # req itself was preempted; running[i] is now the next request
             add(req, n, at)
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            req = self._waiting[0]
             if req.num_pending or not self._admit(req):  # a preempted request waits for its last token first
                 break
-            self.waiting.popleft()
-            self.running.append(req)
+            self._waiting.popleft()
+            self._running.append(req)
             add(req, *self._chunk(req, budget, self.snapshots))
         self._snapshot_slots(items)
         return items
@@ -210,19 +233,19 @@ class Scheduler:
                 req.pages += self.alloc_pages(need, after=req.pages[-1] if req.pages else None)
                 return True
             except PoolExhausted:
-                victim = self.running[-1]
+                victim = self._running[-1]
                 self.preempt(victim)
                 if victim is req:
                     return False
         return True
 
     def preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        self._running.remove(req)
         self.free(req)
         req.num_computed = req.num_registered_pages = 0
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
+        self._waiting.appendleft(req)
+        self._num_preemptions += 1
         log.warning("preempted", request_id=req.request_id, tokens=req.num_tokens)
 
     def free(self, req: Request) -> None:
@@ -234,7 +257,7 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues (finished or aborted); its state is not freed here."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        if req in self._running:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)

@@ -68,7 +68,7 @@ class StepReport:
             "prefix_cache_hits": delta["hits"],
             "preemptions": delta["preemptions"],
         }
-        if self.core.gpu_timed:
+        if self.core.launcher.gpu_timed:
             line["gpu_busy_pct"] = round(delta["gpu_ms"] / (10 * seconds), 1)  # ms over s x 1000, in percent
         log.info("engine steps", **line)
         return line

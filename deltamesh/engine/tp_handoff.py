@@ -6,9 +6,10 @@ worker of any layout can pull it. The leader (rank 0) keeps that layout in a sma
 (room for `--handoff-states` states of the longest context, made on first use):
 
 - prefill, in an engine without `rank_exporter` (a prefill worker's transport sets one: then each rank's part
-  is offered where it is, engine/core.py `held_regions`): when a request's state is held, `gather` takes room
-  in the area, brings every rank's part to the leader (torch.distributed gather over the engine's group) and
-  merges them there, and the transport offers it; the room is given back when the lease ends. With the area full the request waits (engine/core.py).
+  is offered where it is, engine/held_states.py): when a request's state is held, `gather` takes room in the
+  area, brings every rank's part to the leader (torch.distributed gather over the engine's group) and merges
+  them there, and the transport offers it; the room is given back when the lease ends. With the area full the
+  request waits (engine/held_states.py).
 - decode: room for an arriving state is taken in the area when its space is reserved; the transport pulls into
   it; before the request's first step, `scatter` splits the state and sends each rank its part (scatter over
   the group), which each rank writes into its own pools, and the room is given back.
@@ -169,10 +170,23 @@ class Handoff(ABC):
         self._area: HandoffArea | None = None
         self._lock = threading.Lock()
 
+    @abstractmethod
+    def gather(self, pages: list[int], slot: int, rank: int = 0) -> Staged:
+        """A held request's state (in `pages` and `slot` of rank `rank`'s pools), into room taken in the area
+        (stepping thread); PoolExhausted, before anything moves, when the area is full."""
+
+    @abstractmethod
+    def scatter(self, pages: list[int], slot: int, rank: int, staged: Staged) -> None:
+        """An arrived state, from the area into the pools of the rank or ranks that run it (stepping thread)."""
+
     def takes_parts(self, size: int) -> bool:
         """Whether a state sent as `size` tensor-parallel ranks' parts goes to this engine's ranks as it is
         (`hand_out`), without the area: when they are its own ranks' parts."""
         return False
+
+    def hand_out(self, pages: list[int], slot: int, parts: list[RequestState]) -> None:
+        """Each rank its part of an arrived state, as it came (only where `takes_parts`)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no rank parts")
 
     @abstractmethod
     def _make_area(self) -> HandoffArea:

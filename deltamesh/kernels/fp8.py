@@ -24,6 +24,12 @@ class Fp8Weight(NamedTuple):
     scale: torch.Tensor
 
 
+def kernel_operands(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(values, scales, is FP8) of a weight as a kernel takes it; a plain weight stands in for its own scales,
+    which the kernel never reads."""
+    return (w.weight, w.scale, True) if isinstance(w, Fp8Weight) else (w, w, False)
+
+
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, float32 scales) of a [..., rows, cols] weight, one scale per block (its largest magnitude
     over 448; 1 for an all-zero block), as the FP8 releases are written."""

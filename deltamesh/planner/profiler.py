@@ -152,7 +152,7 @@ class Driver:
             req = self.core.make_request(prompt, params, f"profile-{next(self._ids)}")
             self.tokens[req.request_id] = 0
             if placed and self.places:
-                self.core.submit_pulled(req, placed, self.core.reserve(placed), self._sink)
+                self.core.submit_pulled(req, placed, self.core.reservations.reserve(placed), self._sink)
             else:
                 self.core.submit(req, self._sink)
             reqs.append(req)
@@ -369,7 +369,7 @@ def run_profile(engine: EngineConfig, grid: Grid, transfer: TransferModel, name:
         engine_info = {
             "device": config.device,
             "dtype": config.dtype,  # as given (auto: float32 on CPU, bfloat16 on CUDA)
-            "torch_dtype": str(core.dtype).removeprefix("torch."),
+            "torch_dtype": str(core.config.torch_dtype()).removeprefix("torch."),
             "state_dtype": config.state_dtype,
             "quantization": config.quantization,
             "page_size": config.page_size,

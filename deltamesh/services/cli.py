@@ -47,9 +47,18 @@ SECRET_FILE = Option(
     "router and its workers (default: $DELTAMESH_MESH_SECRET); the router makes it if it is "
     "missing",
 )
+# the API key from a file (or $DELTAMESH_API_KEY) rather than --api-key, which any user of the machine reads in `ps`
+API_KEY_FILE = Option(
+    "api_key_file",
+    (),
+    Optional[str],  # noqa: UP045
+    None,
+    "File holding the API key (--api-key on a command line is visible to every user of the machine; or set "
+    "DELTAMESH_API_KEY)",
+)
 TLS = options(TlsSettings, prefix="tls_")
 WORKER = options(WorkerSettings) + [SECRET_FILE]
-ROUTER = options(RouterSettings) + [SECRET_FILE]
+ROUTER = options(RouterSettings) + [SECRET_FILE, API_KEY_FILE]
 # serve starts workers on ports of its own choosing, registered with its router, and their threads shared out
 PER_WORKER = ("port", "router", "advertise_host", "metrics_port", "torch_threads")
 ROUTER_ONLY = (
@@ -59,7 +68,10 @@ ROUTER_ONLY = (
     "max_prompts",
     "max_choices",
     "max_messages",
+    "max_running_choices",
+    "max_prefilling_tokens",
     "http_header_timeout",
+    "http_body_timeout",
     "ready_timeout",
 )
 SERVE_ROUTER = options(RouterSettings, exclude=ROUTER_ONLY)
@@ -120,6 +132,29 @@ def _mesh_secret(secret_file: str | None, create: bool = False):
         raise typer.BadParameter(str(e), param_hint="--mesh-secret-file / DELTAMESH_MESH_SECRET") from None
 
 
+def _api_key(ctx: typer.Context, values: dict) -> str | None:
+    """The API key from --api-key-file, --api-key or DELTAMESH_API_KEY; a warning when it is on the command line."""
+    from deltamesh.services.common.auth import MissingSecret, read_secret_file
+
+    key, key_file = values.get("api_key"), values.get("api_key_file")
+    if key_file:
+        if key:
+            raise typer.BadParameter("give the API key once: in a file or as the key", param_hint="--api-key-file")
+        try:
+            key = read_secret_file(key_file, "API key")
+        except MissingSecret as e:
+            raise typer.BadParameter(str(e), param_hint="--api-key-file") from None
+        if not key:
+            raise typer.BadParameter(f"the API key file {key_file} is empty", param_hint="--api-key-file")
+    elif key and ctx.get_parameter_source("api_key").name == "COMMANDLINE":
+        write_line(
+            sys.stderr,
+            "deltamesh: warning: --api-key on the command line can be read by every user of this machine "
+            "(ps, /proc); give it with --api-key-file or DELTAMESH_API_KEY",
+        )
+    return key
+
+
 def _start(name: str, settings, serve) -> None:
     from deltamesh.services.common.logs import configure_logging
     from deltamesh.services.common.server import run
@@ -167,12 +202,12 @@ for _role in ("prefill", "decode", "colocated"):
 
 @app.command()
 @with_options(ROUTER)
-def router(**values) -> None:
+def router(ctx: typer.Context, **values) -> None:
     """Run the router: gRPC client API, OpenAI-compatible REST gateway, and the workers' control plane."""
     settings = settings_from(
         RouterSettings,
         ROUTER,
-        values,
+        {**values, "api_key": _api_key(ctx, values)},
         handed_settings(),
         mesh_secret=_mesh_secret(values["mesh_secret_file"], create=True),
     )
@@ -243,10 +278,11 @@ def loads(
 
 
 @app.command()
-@with_options(options(ServeSettings), SERVE_WORKER, SERVE_ROUTER, [SECRET_FILE])
-def serve(**values) -> None:
+@with_options(options(ServeSettings), SERVE_WORKER, SERVE_ROUTER, [SECRET_FILE, API_KEY_FILE])
+def serve(ctx: typer.Context, **values) -> None:
     """Start the mesh on one box: router + N prefill + M decode worker processes, each restarted if it exits.
     Ctrl-C stops them all."""
+    values["api_key"] = _api_key(ctx, values)  # its router gets it in its environment
     host, http_port = values["host"], values["http_port"]
     _ports_free(
         "serve",
@@ -288,7 +324,9 @@ def _children(
     """The processes `serve` starts (its router, then a worker per role), each handed its settings in its
     environment, and the workers' metrics URLs."""
     # what every child gets: the mesh's secret travels in the environment, never on a command line
-    base_env = {k: v for k, v in os.environ.items() if k != "DELTAMESH_MESH_SECRET_FILE"}
+    base_env = {
+        k: v for k, v in os.environ.items() if k not in ("DELTAMESH_MESH_SECRET_FILE", "DELTAMESH_API_KEY_FILE")
+    }
     base_env["DELTAMESH_MESH_SECRET"] = secret
     router_env = {**base_env, "DELTAMESH_API_KEY": router.api_key} if router.api_key else base_env
     cli = [sys.executable, "-m", "deltamesh.services.cli"]

@@ -57,9 +57,16 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def die_with_parent(parent_pid: int) -> None:
     """In a child of `deltamesh serve`: get SIGTERM (a graceful stop) when serve goes, however it goes, SIGKILL
     included, so that no worker outlives it holding its ports (Linux's parent-death signal). If serve is gone
-    already, stop now."""
+    already, stop now.
+
+    A stopped child (SIGSTOP, a debugger) cannot act on that SIGTERM until it runs again, so serve starts each
+    child in a process group of its own (Supervisor._start): when serve dies, the group is orphaned, and the kernel
+    sends an orphaned group that holds a stopped process SIGHUP and SIGCONT, which stop the child too (services
+    stop gracefully on SIGHUP as on SIGTERM). Out of serve's group, a child that writes to the terminal with
+    `stty tostop` would be stopped by SIGTTOU: it is ignored, so the write goes through as it did in serve's group."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -107,7 +114,9 @@ class Supervisor:
         self.stopping = True
 
     def _start(self, child: Child) -> None:
-        child.popen = subprocess.Popen(child.spec.argv, env=child.spec.env)
+        # a group of its own: orphaned when serve dies, so that the kernel wakes the child if it is stopped (see
+        # die_with_parent); the terminal's Ctrl-C reaches serve only, which stops the children in order
+        child.popen = subprocess.Popen(child.spec.argv, env=child.spec.env, process_group=0)
         child.started_at = time.monotonic()
         child.restart_at = None
 

@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -12,7 +14,7 @@ import pytest
 from harness import ROOT, channel, start_mesh
 from reliability import record
 
-from deltamesh.client import Client, PermissionDenied
+from deltamesh.client import Client, DeltameshError, PermissionDenied
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from deltamesh.services.common.auth import MESH_SECRET_ENV
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2, prefill_pb2, router_pb2, ucx_pb2
@@ -25,11 +27,15 @@ GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("attacks")
+    key_file = log_dir / "api-key"  # from a file: a key on the command line is in every user's `ps`
+    key_file.write_text(API_KEY + "\n")
+    key_file.chmod(0o600)
     m = start_mesh(
         str(DEFAULT_MODEL),
-        tmp_path_factory.mktemp("attacks"),
+        log_dir,
         http=True,
-        router_args=["--api-key", API_KEY],
+        router_args=["--api-key-file", str(key_file)],
         client_kwargs={"api_key": API_KEY},
     )
     yield m
@@ -161,6 +167,37 @@ def test_only_the_owner_aborts_its_request(mesh):
         "the abort token of the request's first response; UNAUTHENTICATED on the gRPC client API as on REST",
         "test_only_the_owner_aborts_its_request",
         "refused; the owner's stream went on until its own abort",
+    )
+
+
+def test_an_abort_token_aborts_only_the_run_it_came_with(mesh):
+    """The review: the token depended on the request id alone, which the client chooses. A client that ran
+    "job-42" once kept a token that aborted anyone's later "job-42"."""
+    with mesh.client() as attacker, mesh.client() as victim:
+        with attacker.stream("Earlier", max_tokens=2, request_id="job-42") as earlier:
+            assert list(earlier)[-1].finished
+        kept = earlier.abort_token
+        with victim.stream("A long story", max_tokens=200, temperature=0, ignore_eos=True, request_id="job-42") as s:
+            deltas = iter(s)
+            next(deltas)
+            replayed = attacker.abort("job-42", kept)  # a token this router issued, for an earlier run of the id
+            with pytest.raises(PermissionDenied):
+                attacker.abort("job-42", kept[:-1] + bytes([kept[-1] ^ 1]))  # a forged one
+            last = list(deltas)[-1]
+        assert not replayed and last.finish_reason == "length" and last.usage.completion_tokens == 200
+        with victim.stream("Another story", max_tokens=200, ignore_eos=True, request_id="job-42") as s:
+            deltas = iter(s)
+            next(deltas)
+            assert victim.abort("job-42", s.abort_token)  # the run's own token still aborts it
+            assert list(deltas)[-1].finish_reason == "abort"
+    assert mesh.wait_idle() == {}
+    record(
+        "a client keeps the abort token of its request 'job-42' and replays it against a later 'job-42' of another "
+        "client; a forged token",
+        "the token is a nonce of the run and a MAC of the id and the nonce: a kept token finds nothing (found=false), "
+        "a forged one is PERMISSION_DENIED; the run's own token still aborts it",
+        "test_an_abort_token_aborts_only_the_run_it_came_with",
+        "replay found nothing and the victim's stream ran to its 200 tokens; forged refused; own token aborted",
     )
 
 
@@ -323,3 +360,100 @@ def test_router_protos_carry_no_transport_fields():
     names = {f.name for m in router_pb2.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
     assert not names & {"ucx_address", "region_rkeys", "side_channel", "transport", "lease", "token", "address"}
     assert set(router_pb2.DESCRIPTOR.services_by_name["Router"].methods_by_name) == {"Generate", "Abort", "ListModels"}
+
+
+def test_client_errors_name_no_worker(tmp_path):
+    """The review: errors sent to clients named the workers' addresses. A decode worker SIGKILLed under a gRPC and a
+    REST stream: both clients are told the request failed in the mesh, the router's log says which worker."""
+    mesh = start_mesh(str(DEFAULT_MODEL), tmp_path, http=True)
+    try:
+        decode = mesh.workers("decode")[0]
+        body = {"model": DEFAULT_MODEL.name, "prompt": "A long story", "max_tokens": 3000, "ignore_eos": True}
+        with mesh.client(retries=0) as client, httpx.Client(timeout=60) as http:
+            stream = client.stream("A long story", max_tokens=3000, ignore_eos=True)
+            deltas = iter(stream)
+            next(deltas)
+            with http.stream(
+                "POST", f"http://127.0.0.1:{mesh.http_port}/v1/completions", json=body | {"stream": True}
+            ) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
+                mesh.kill(decode)
+                with pytest.raises(DeltameshError) as grpc_error:
+                    list(deltas)
+                events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        rest_error = events[-1]["error"]["message"]
+        told = f"{grpc_error.value} / {rest_error}"
+        print(f"told the clients: {told}")
+        assert rest_error and "127.0.0.1" not in told and decode.address.split(":")[1] not in told, told
+        router_log = mesh.procs[0].log.read_text()
+        assert decode.address in router_log  # the operator's side: which worker failed
+        record(
+            "errors sent to clients when a worker fails (a decode worker SIGKILLed under a gRPC and a REST stream)",
+            "a generic message and the status (the worker's own words only for bad input or no room); the worker's "
+            "address and details in the router's log",
+            "test_client_errors_name_no_worker",
+            f"told: {rest_error!r}; the router's log names the worker",
+        )
+    finally:
+        mesh.stop()
+
+
+def test_secret_files_others_may_write_are_refused(tmp_path):
+    """The review: a world-writable mesh secret file was taken silently (whoever can write it can hand the next
+    process started with it a secret of their own)."""
+    secret, key = tmp_path / "mesh-secret", tmp_path / "api-key"
+    for path, mode in ((secret, 0o666), (key, 0o620)):
+        path.write_text("s" * 32)
+        path.chmod(mode)
+    env = {k: v for k, v in os.environ.items() if k != MESH_SECRET_ENV}
+    for argv in (
+        ["router", "--mesh-secret-file", str(secret)],
+        ["serve", "--api-key-file", str(key)],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "deltamesh.services.cli", *argv, "--grpc-port", "0", "--control-port", "0"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        refusal = [line for line in done.stderr.splitlines() if "chmod go-w" in line]
+        assert done.returncode == 2 and refusal, done.stderr
+    record(
+        "a mesh secret file writable by all, an API key file writable by its group",
+        "the process refuses to start, in one line naming the file, its mode and `chmod go-w`",
+        "test_secret_files_others_may_write_are_refused",
+        "both refused (router, serve), exit status 2",
+    )
+
+
+def test_a_killed_serve_leaves_no_process_behind_even_a_stopped_one(tmp_path):
+    """The review: a SIGSTOPped worker outlived a SIGKILLed `serve` (the parent-death SIGTERM waits while a process
+    is stopped). Each child of serve is in a process group of its own, which serve's death orphans: the kernel sends
+    an orphaned group holding a stopped process SIGHUP and SIGCONT."""
+    from test_supervisor import Serve
+
+    serve = Serve(tmp_path, prefill=1, decode=1)
+    try:
+        serve.wait_ready(workers=2)
+        (stopped,) = serve.pids("decode")
+        os.kill(stopped, signal.SIGSTOP)
+        serve.popen.kill()
+        serve.popen.wait(10)
+        killed = time.monotonic()
+        while serve.pids_left() and time.monotonic() - killed < 30:
+            time.sleep(0.2)
+        gone_s = time.monotonic() - killed
+        left = {pid: Path(f"/proc/{pid}/stat").read_text().split()[2:6] for pid in serve.pids_left()}
+        assert not left, f"children of a SIGKILLed serve kept running (state, ppid, pgrp, session): {left}"
+        record(
+            "`deltamesh serve` SIGKILLed while one of its workers is SIGSTOPped",
+            "every child stops: the running ones on their parent-death SIGTERM, the stopped one woken by the kernel "
+            "(its orphaned process group gets SIGHUP and SIGCONT) and stopped gracefully",
+            "test_a_killed_serve_leaves_no_process_behind_even_a_stopped_one",
+            f"no process of the mesh left {gone_s:.1f}s after serve was killed",
+        )
+    finally:
+        serve.stop()

@@ -38,7 +38,7 @@ def _freed_while_in_flight(wait: bool) -> bool:
     slot = req.slot
     core.abort("a")
     core.process_commands()  # "a" ends and frees its slot while that step is still queued
-    reservation = core.reserve(4)
+    reservation = core.reservations.reserve(4)
     assert reservation.slot == slot
     recurrent = reservation.regions[-1].tensor
     if wait:
@@ -139,7 +139,7 @@ def test_states_taken_in_passing_on_the_gpu(tmp_path, prompts):
     passing, stopped = engines
     assert passing.stats.steps == stopped.stats.steps - 1
     a, b = (
-        {blk.tokens: blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None}
+        {blk.tokens: blk.checkpoint for blk in e.prefix_cache.entries.blocks.values() if blk.checkpoint is not None}
         for e in engines
     )
     assert set(a) == set(b) and len(a) == prompts

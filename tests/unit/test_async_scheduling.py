@@ -102,7 +102,7 @@ def test_prefill_only_state_is_the_state_after_the_prompt(model_dir):
         first, _ = run_all(engine, reqs)
         assert all(len(t) == 1 for t in first.values())
         assert all(r.num_computed == len(r.prompt_ids) for r in reqs)
-        held.append((first, [torch.cat([r.tensor for r in engine.held_regions(f"r{i}")]) for i in range(3)]))
+        held.append((first, [torch.cat([r.tensor for r in engine.held.regions(f"r{i}")]) for i in range(3)]))
     assert held[0][0] == held[1][0]
     for a, b in zip(held[0][1], held[1][1]):
         assert torch.equal(a, b)

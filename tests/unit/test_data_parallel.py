@@ -227,9 +227,9 @@ def test_states_arrive_through_a_small_area_and_wait_when_it_is_full(hf_checkpoi
         for i, prompt in enumerate(prompts()):
             rid = f"r{i}"
             used = engine.loads()["state_slots_used"]
-            reservation = engine.reserve(len(prompt))
+            reservation = engine.reservations.reserve(len(prompt))
             with pytest.raises(PoolExhausted):
-                engine.reserve(len(prompt))
+                engine.reservations.reserve(len(prompt))
             assert engine.loads()["state_slots_used"] == used + 1  # the refused one's slot given back
             offset = 0
             for region in reservation.regions:
@@ -279,11 +279,11 @@ def test_held_states_wait_for_room_in_the_handoff_area(hf_checkpoints):
             for _ in range(20):
                 turn()
             done = [rid for rid, o in outs.items() if o[-1].finished and rid not in held]
-            assert len(done) == 1 and engine.num_held == 1  # the others wait for the area
+            assert len(done) == 1 and len(engine.held) == 1  # the others wait for the area
             rid = done[0]
             first[rid] = [t for o in outs[rid] for t in o.new_token_ids]
-            held[rid] = torch.cat([r.tensor for r in engine.held_regions(rid)]).clone()
-            assert engine.release_held(rid)
+            held[rid] = torch.cat([r.tensor for r in engine.held.regions(rid)]).clone()
+            assert engine.held.release(rid)
         assert engine.loads()["kv_pages_used"] == 0 and engine.handoff.area.states.num_used == 0
     finally:
         engine.close()
@@ -304,13 +304,13 @@ def test_a_prefill_aborted_while_waiting_for_the_area_frees_its_space(hf_checkpo
         for _ in range(20):
             engine.dispatch(engine.process_commands())
             engine.dispatch(engine.step())
-        waiting = [r.request_id for r, _ in engine._waiting_holds]
-        assert engine.num_held == 1 and len(waiting) == 1 and waiting[0] not in outs
+        waiting = [r.request_id for r, _ in engine.held.waiting]
+        assert len(engine.held) == 1 and len(waiting) == 1 and waiting[0] not in outs
         engine.abort(waiting[0])
         engine.dispatch(engine.process_commands())
-        assert outs[waiting[0]][-1].finish_reason == FinishReason.ABORT and not engine._waiting_holds
+        assert outs[waiting[0]][-1].finish_reason == FinishReason.ABORT and not engine.held.waiting
         held = next(rid for rid in outs if rid != waiting[0])
-        assert engine.release_held(held)
+        assert engine.held.release(held)
         assert engine.loads()["kv_pages_used"] == 0 and engine.loads()["state_slots_used"] == 0
         assert engine.handoff.area.states.num_used == 0
     finally:

@@ -9,6 +9,7 @@ from hf_checkpoints import VOCAB
 from idle_pools import assert_idle
 
 from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams
+from deltamesh.engine.assembly import warm_up
 from deltamesh.engine.cache import StatePool
 from deltamesh.engine.core import EngineCore
 
@@ -132,7 +133,7 @@ def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
     first, finals = run_all(
         prefill, [prefill.make_request(p, params, f"r{i}", hold_state=True) for i, p in enumerate(ps)]
     )
-    assert prefill.num_held == 4 and all(len(t) == 1 for t in first.values())
+    assert len(prefill.held) == 4 and all(len(t) == 1 for t in first.values())
     assert all(out.finish_reason is None for out in finals.values())
 
     got = {}
@@ -140,13 +141,13 @@ def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
     decode.state_pool.recurrent.fill_(7.0)  # every slot is free: a reservation must leave its bytes as they are
     for i, p in enumerate(ps):
         rid = f"r{i}"
-        res = decode.reserve(len(p))
+        res = decode.reservations.reserve(len(p))
         assert bool((decode.state_pool.recurrent[res.slot] == 7.0).all())  # left to the pull, not zeroed
-        src = prefill.held_regions(rid)
+        src = prefill.held.regions(rid)
         # KV pages differ in size between the two pools, so copy page contents token-range by token-range:
         # here both hold the same bytes per token, laid out page-major; compare through the pool views.
         copy_state(prefill, decode, rid, res, len(p))
-        assert prefill.release_held(rid)
+        assert prefill.held.release(rid)
         req = decode.make_request(p, params, rid)
         decode.submit_transferred(
             req, first[rid][0], res, lambda out, rid=rid: got.setdefault(rid, []).extend(out.new_token_ids)
@@ -163,7 +164,7 @@ def test_held_prefill_state_resumes_on_another_engine_exactly(model_dir):
 
 
 def copy_state(src: EngineCore, dst: EngineCore, rid: str, res, n_tokens: int):
-    held = src.held_request(rid)
+    held = src.held.get(rid)
     for layer in range(src.kv_pool.num_layers):
         for kind in range(2):
             s = src.kv_pool.layer(layer)[kind][held.pages].flatten(0, 1)[:n_tokens]
@@ -196,7 +197,7 @@ def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
         return execute(items, *a, **kw)
 
     core.runner.execute = watched
-    core._warm_up()
+    warm_up(core)
     # a decode beside four prefills, one of them a short tail: the shape whose first use cost seconds on a GPU
     assert any(s[0] == 1 and sum(n > 1 for n in s) == 4 and 1 < s[1] <= 2 for s in steps), steps
     assert any(StatePool.SCRATCH in slots and len(slots) == 2 for slots in passing), passing

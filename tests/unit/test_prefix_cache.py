@@ -158,9 +158,9 @@ def test_allocation_evicts_cached_pages_instead_of_refusing_or_preempting(model_
     waves = [[p] for p in prompts] + [[prompts[-1]]]
     engine = compare(model_dir, waves, GREEDY, num_kv_pages=16)
     assert engine.scheduler.num_preemptions == 0 and engine.stats.prefix_cache_hits == 1
-    reservation = engine.reserve(16 * PAGE)  # the whole pool: takes every cached page back
+    reservation = engine.reservations.reserve(16 * PAGE)  # the whole pool: takes every cached page back
     assert engine.prefix_cache.num_pages == 0
-    engine.cancel_reservation(reservation)
+    engine.reservations.cancel(reservation)
 
 
 def test_aborted_request_that_shared_pages(model_dir):
@@ -187,10 +187,10 @@ def test_held_states_may_share_pages_and_release_to_the_baseline(hf_checkpoints)
         while engine.has_work or not engine._commands.empty():
             engine.dispatch(engine.process_commands())
             engine.dispatch(engine.step())
-    assert engine.num_held == 2 and engine.stats.prefix_cache_hits == 1
-    shared = set(engine.held_request("h0").pages) & set(engine.held_request("h1").pages)
-    assert len(shared) == 7 and engine.held_regions("h1")
-    assert engine.release_held("h0") and engine.release_held("h1")
+    assert len(engine.held) == 2 and engine.stats.prefix_cache_hits == 1
+    shared = set(engine.held.get("h0").pages) & set(engine.held.get("h1").pages)
+    assert len(shared) == 7 and engine.held.regions("h1")
+    assert engine.held.release("h0") and engine.held.release("h1")
     assert_cached_baseline(engine)
 
 
@@ -225,9 +225,9 @@ def test_memory_pressure_evicts_tails_of_short_sequences_too(hf_checkpoints):
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     run_waves(engine, [[tokens(2, 100 + i)] for i in range(4)], params)  # 2 + 1 tokens: tails of 2 tokens
     assert engine.prefix_cache.num_pages == 4 == engine.prefix_cache.reclaimable()
-    reservation = engine.reserve(16 * PAGE)  # the whole pool
+    reservation = engine.reservations.reserve(16 * PAGE)  # the whole pool
     assert engine.prefix_cache.num_pages == 0
-    engine.cancel_reservation(reservation)
+    engine.reservations.cancel(reservation)
 
 
 def test_a_full_cache_sorts_its_eviction_order_once_per_batch_not_per_page(hf_checkpoints):
@@ -247,12 +247,12 @@ def test_a_full_cache_sorts_its_eviction_order_once_per_batch_not_per_page(hf_ch
 
         return wrapper
 
-    cache._eviction_order = counted("sorts", cache._eviction_order)
-    cache._hold = counted("holds", cache._hold)
+    cache.entries.eviction_order = counted("sorts", cache.entries.eviction_order)
+    cache.entries._hold = counted("holds", cache.entries._hold)
     assert run_waves(engine, waves, params) == ref
     evicted = calls["holds"] - cache.num_pages
-    assert evicted > 30 * cache._slack, calls  # the cache filled, then kept evicting
-    assert calls["sorts"] <= evicted // cache._slack + len(waves), (calls, evicted)
+    assert evicted > 30 * cache.entries.slack, calls  # the cache filled, then kept evicting
+    assert calls["sorts"] <= evicted // cache.entries.slack + len(waves), (calls, evicted)
     assert_cached_baseline(engine)
 
 
@@ -273,7 +273,8 @@ def test_a_state_taken_in_passing_equals_a_chunk_stopped_there(model_dir, budget
     assert passing.stats.steps == stopped.stats.steps - 1
     # the prompt's checkpoint is the one on a block (the finished sequence's is a tail)
     [a], [b] = (
-        [blk.checkpoint for blk in e.prefix_cache._blocks.values() if blk.checkpoint is not None] for e in engines
+        [blk.checkpoint for blk in e.prefix_cache.entries.blocks.values() if blk.checkpoint is not None]
+        for e in engines
     )
     ca, cb = passing.prefix_cache.checkpoints, stopped.prefix_cache.checkpoints
     for x, y in ((ca.conv[a], cb.conv[b]), (ca.recurrent[a], cb.recurrent[b])):
@@ -313,7 +314,9 @@ def test_several_states_taken_in_passing_in_one_step(model_dir, max_seqs):
 
     def checkpoints(engine):  # each prompt's checkpoint on its block ending at 28, by that block's tokens
         return {
-            blk.tokens: blk.checkpoint for blk in engine.prefix_cache._blocks.values() if blk.checkpoint is not None
+            blk.tokens: blk.checkpoint
+            for blk in engine.prefix_cache.entries.blocks.values()
+            if blk.checkpoint is not None
         }
 
     a, b = checkpoints(passing), checkpoints(stopped)

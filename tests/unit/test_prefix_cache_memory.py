@@ -11,7 +11,7 @@ import pytest
 from test_prefix_cache import FAMILIES, GREEDY, assert_cached_baseline, conversation, core, run_waves, tokens
 
 from deltamesh.engine import EngineConfig
-from deltamesh.engine.prefix_cache import eviction_rank, in_rank_order
+from deltamesh.engine.prefix_entries import eviction_rank, in_rank_order
 
 PAGE_BYTES, SLOT_BYTES = 2048, 16896  # the test models' (fp32, page_size 4): checked in `budgeted`
 
@@ -37,7 +37,7 @@ def budgeted(model_dir, budget: int, waves, **kw):
     def check(engine):
         pages, checkpoints = cache.num_pages, cache.num_checkpoints
         assert cache.num_bytes == pages * PAGE_BYTES + checkpoints * SLOT_BYTES <= budget
-        held.update(cache._blocks, cache._tails)
+        held.update(cache.entries.blocks, cache.entries.tails)
 
     assert run_waves(engine, waves, GREEDY, after_step=check) == ref
     return engine, held
@@ -52,7 +52,7 @@ def test_a_joint_budget_bounds_pages_and_checkpoints_and_evicts_both(model_dir):
     # checkpoint slots to spare: what is evicted goes for the budget, not for want of a slot
     engine, held = budgeted(model_dir, budget, waves, prefix_cache_checkpoints=8)
     cache = engine.prefix_cache
-    assert held - set(cache._blocks) - set(cache._tails)  # pages the cache held were evicted
+    assert held - set(cache.entries.blocks) - set(cache.entries.tails)  # pages the cache held were evicted
     assert engine.stats.checkpoints_evicted > 0 and engine.stats.prefix_cache_hits >= 1
     assert cache.num_pages > 0 and cache.num_checkpoints > 0
     assert engine.loads()["prefix_cache_bytes"] == cache.num_bytes

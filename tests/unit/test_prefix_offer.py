@@ -45,7 +45,7 @@ def test_a_prompt_started_from_pulled_state_equals_it_computed(hf_checkpoints):
 
     puller = core(model, True)
     pinned, regions = pin(holder, prompt)
-    reservation = puller.reserve(pinned.num_tokens)
+    reservation = puller.reservations.reserve(pinned.num_tokens)
     src = torch.cat([r.tensor for r in regions])  # what the side channel moves: the bytes, in hand-off order
     assert src.numel() == sum(r.tensor.numel() for r in reservation.regions)
     offset = 0

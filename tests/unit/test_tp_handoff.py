@@ -96,8 +96,8 @@ def held_states(path, tp: int, **kw) -> tuple[dict[str, list[int]], dict[str, to
     try:
         requests = [engine.make_request(p, PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())]
         first = run_all(engine, requests)
-        held = {rid: torch.cat([r.tensor for r in engine.held_regions(rid)]) for rid in first}
-        assert all(engine.release_held(rid) for rid in first)
+        held = {rid: torch.cat([r.tensor for r in engine.held.regions(rid)]) for rid in first}
+        assert all(engine.held.release(rid) for rid in first)
         assert_idle(engine.scheduler)
         return first, held
     finally:
@@ -112,7 +112,7 @@ def continued(path, tp: int, first, held, sender_parts: int = 0, **kw) -> dict[s
         tokens = {rid: list(t) for rid, t in first.items()}
         for i, prompt in enumerate(prompts()):
             rid = f"r{i}"
-            reservation = engine.reserve(len(prompt), sender_parts)
+            reservation = engine.reservations.reserve(len(prompt), sender_parts)
             assert sum(r.nbytes for r in reservation.regions) == held[rid].numel()  # the same layout, both
             offset = 0
             for region in reservation.regions:
@@ -172,7 +172,7 @@ def pulled_where_held(engine: EngineCore, transport, rids: list[str]) -> dict[st
         await puller.start()
         pulled = {}
         for rid in rids:
-            buffers = [r.tensor if isinstance(r, Region) else r for r in engine.held_regions(rid)]
+            buffers = [r.tensor if isinstance(r, Region) else r for r in engine.held.regions(rid)]
             lease = leases.offer(rid, buffers, 30, ended.append)
             sizes = [extent(b)[1] for b in buffers]
             source = puller.source(holder.offer(lease), LeaseKey(rid, lease.token), sizes)
@@ -212,10 +212,10 @@ def test_held_states_are_read_where_the_ranks_hold_them(hf_checkpoints, sender):
         requests = [engine.make_request(p, PARAMS, f"r{i}", hold_state=True) for i, p in enumerate(prompts())]
         first = run_all(engine, requests)
         if sender == "dp2":
-            assert sorted({engine.held_request(rid).dp_rank for rid in first}) == [0, 1]
+            assert sorted({engine.held.get(rid).dp_rank for rid in first}) == [0, 1]
         held = pulled_where_held(engine, transport, list(first))
         assert engine.handoff._area is None  # never made: no state went through rank 0
-        assert all(engine.release_held(rid) for rid in first)
+        assert all(engine.held.release(rid) for rid in first)
         assert_idle(engine.scheduler)
     finally:
         engine.close()

@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deltamesh.kernels import triton_linear, triton_moe  # noqa: E402
+from deltamesh.kernels import triton_linear, triton_moe_aligned, triton_moe_pairs  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -27,7 +27,7 @@ def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, ob
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_pairwise_moe_kernels_compile_for_sm90(tokens, norm, fp8):
     """With the tiles a decode step of `tokens` tokens uses."""
-    gate_up_tile, down_tile = triton_moe.pair_config(tokens)
+    gate_up_tile, down_tile = triton_moe_pairs.pair_config(tokens)
     w = "*fp8e4nv" if fp8 else "*bf16"
     ints = dict.fromkeys(
         (
@@ -47,7 +47,7 @@ def test_pairwise_moe_kernels_compile_for_sm90(tokens, norm, fp8):
     )
     scales = {"w13_s": "*fp32", "sw13_s": "*fp32"}
     gate_up = compile_for_sm90(
-        triton_moe._gate_up_silu_pairs,
+        triton_moe_pairs._gate_up_silu_pairs,
         {
             "x": "*bf16",
             "logits": "*bf16",
@@ -74,7 +74,7 @@ def test_pairwise_moe_kernels_compile_for_sm90(tokens, norm, fp8):
         gate_up_tile.num_warps,
     )
     down = compile_for_sm90(
-        triton_moe._down_combine,
+        triton_moe_pairs._down_combine,
         {
             "inter": "*bf16",
             "w2": w,
@@ -101,7 +101,7 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
     gemm = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}  # FP8 takes the scale group as BLOCK_N and BLOCK_K
     kernels = [
         compile_for_sm90(
-            triton_moe._gate_up_silu,
+            triton_moe_aligned._gate_up_silu,
             {
                 "x": "*fp8e4nv",
                 "x_s": "*fp32",
@@ -118,7 +118,7 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
             {"TOP_K": 8, "FP8": True, "MODEL_DTYPE": triton.language.bfloat16} | gemm,
         ),
         compile_for_sm90(
-            triton_moe._down,
+            triton_moe_aligned._down,
             {
                 "inter": "*fp8e4nv",
                 "inter_s": "*fp32",
@@ -171,7 +171,7 @@ def test_aligned_moe_routing_kernels_compile_for_sm90():
     """Routing, scatter and combine of the aligned path, with the expert-parallel bounds."""
     kernels = [
         compile_for_sm90(
-            triton_moe._route,
+            triton_moe_aligned._route,
             {
                 "logits": "*bf16",
                 "ids": "*i32",
@@ -185,12 +185,12 @@ def test_aligned_moe_routing_kernels_compile_for_sm90():
             {"E": 256, "BLOCK_E": 256, "TOP_K": 8, "NORM": True},
         ),
         compile_for_sm90(
-            triton_moe._scatter,
+            triton_moe_aligned._scatter,
             {"ids": "*i32", "ranks": "*i32", "starts": "*i32", "sorted_pairs": "*i32", "P": "i32"},
             {"BLOCK": 256},
         ),
         compile_for_sm90(
-            triton_moe._combine,
+            triton_moe_aligned._combine,
             {
                 "pairs_out": "*bf16",
                 "ids": "*i32",

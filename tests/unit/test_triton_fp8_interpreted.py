@@ -14,7 +14,7 @@ PRELUDE = """
     import torch
     import triton.language as tl
     from triton.runtime import interpreter
-    from deltamesh.kernels import torch_ref, triton_linear, triton_moe
+    from deltamesh.kernels import torch_ref, triton_linear, triton_moe, triton_moe_aligned
     from deltamesh.kernels.fp8 import Fp8Weight, dequantize, quantize_blocks, reference_linear, reference_moe
     torch.manual_seed(0)
     errors = {}
@@ -86,7 +86,7 @@ def test_fp8_moe_matches_its_arithmetic():
     check("""
     hidden, inter, experts = 256, 128, 6
     for tokens, top_k, norm, shared_inter, config in ((1, 2, True, 128, None), (3, 2, False, 256, None),
-                                                      (20, 2, True, 128, triton_moe.GemmConfig(16, 64, 128)),
+                                                      (20, 2, True, 128, triton_moe_aligned.GemmConfig(16, 64, 128)),
                                                       (40, 3, True, 256, None)):
         w13, w2 = fp8(experts, 2 * inter, hidden), fp8(experts, hidden, inter)
         sw13, sw2 = fp8(2 * shared_inter, hidden), fp8(hidden, shared_inter)

@@ -166,13 +166,13 @@ def test_fused_moe_matches_reference():
     the interpreter's dots read bfloat16 operands as raw integers; the bfloat16 kernels are checked on the GPU
     (tests/gpu)."""
     check("""
-    from deltamesh.kernels import triton_moe
+    from deltamesh.kernels import triton_moe, triton_moe_aligned
     # The last case runs the blocks gemm_config gives more than 2048 pairs (64 rows) on 640 pairs, about 80 to
     # an expert, so most experts fill one block and start another: the interpreter's time grows with the tokens
     # (one program each for routing and combining), and 2400 pairs cost it four times as long for no other path.
     cases = ((1, 10, 2, True, 48, None), (5, 12, 3, False, 80, None), (4, 10, 2, True, 32, None),
-             (3, 10, 2, True, 48, triton_moe.GemmConfig(16, 64, 128)), (70, 12, 4, False, 64, None),
-             (160, 8, 4, True, 48, triton_moe.gemm_config(2400)))
+             (3, 10, 2, True, 48, triton_moe_aligned.GemmConfig(16, 64, 128)), (70, 12, 4, False, 64, None),
+             (160, 8, 4, True, 48, triton_moe_aligned.gemm_config(2400)))
     for tokens, experts, top_k, norm, shared_inter, config in cases:
         hidden, inter = 96, 48
         x = torch.randn(tokens, hidden)

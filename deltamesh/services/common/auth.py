@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import stat
 from pathlib import Path
 
 import grpc
@@ -34,10 +35,7 @@ def load_mesh_secret(secret_file: str | None = None, create: bool = False) -> st
     if secret_file and create and not Path(secret_file).exists():
         _write_new_secret(Path(secret_file))
     if secret_file:
-        try:
-            secret = Path(secret_file).read_text().strip()
-        except OSError as e:
-            raise MissingSecret(f"cannot read the mesh secret file {secret_file}: {e.strerror}") from None
+        secret = read_secret_file(secret_file, "mesh secret")
     else:
         secret = os.environ.get(MESH_SECRET_ENV, "").strip()
     if not secret:
@@ -49,6 +47,26 @@ def load_mesh_secret(secret_file: str | None = None, create: bool = False) -> st
     if len(secret) < MIN_SECRET_CHARS:
         raise MissingSecret(f"the mesh secret is too short ({len(secret)} characters; at least {MIN_SECRET_CHARS})")
     return secret
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """The stripped contents of the file holding a secret (`what`: "mesh secret", "API key"); MissingSecret, in
+    one line, when it cannot be read or when its group or others may write it: whoever can write the file can
+    put in a secret of their own, which the next process started with it would take (a mesh secret: the key to
+    join the mesh)."""
+    try:
+        with open(path, "rb") as f:  # the mode of the file read, not of whatever the path names a moment later
+            mode = os.fstat(f.fileno()).st_mode
+            text = f.read().decode(errors="replace").strip()
+    except OSError as e:
+        raise MissingSecret(f"cannot read the {what} file {path}: {e.strerror}") from None
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise MissingSecret(
+            f"the {what} file {path} is writable by {'others' if mode & stat.S_IWOTH else 'its group'} "
+            f"({stat.filemode(mode)}), who could replace the {what}: make it writable by its owner only "
+            f"(chmod go-w {path})"
+        )
+    return text
 
 
 def _write_new_secret(path: Path) -> None:

@@ -9,6 +9,11 @@ import sys
 import structlog
 
 REQUEST_ID_KEY = "x-request-id"
+# A request id rides in gRPC metadata to every worker, in every log line, and as the lease id in the side channel's
+# done notice (at most 4 KiB). Ids that clients and servers mint are short (a UUID is 36 characters, OpenAI's and
+# vLLM's ids under 50), so 128 leaves room for a client's own prefix while keeping all of those small. Visible
+# ASCII only: gRPC metadata takes no control characters or non-ASCII, and a space or newline would split a log.
+MAX_REQUEST_ID_CHARS = 128
 
 
 def configure_logging(service: str, level: str = "info", json: bool = True) -> None:
@@ -33,6 +38,16 @@ def configure_logging(service: str, level: str = "info", json: bool = True) -> N
 
 def bind_request(request_id: str) -> None:
     structlog.contextvars.bind_contextvars(request_id=request_id)
+
+
+def request_id_problem(request_id: str) -> str | None:
+    """Why `request_id` cannot be used as one (None: it can), without echoing it: it may be anything."""
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        return f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+    bad = next((i for i, c in enumerate(request_id) if not "!" <= c <= "~"), None)
+    if bad is not None:
+        return f"request_id must be printable ASCII without spaces; character {bad} is not ({request_id[bad]!a})"
+    return None
 
 
 def request_id_from(context, fallback: str = "") -> str:

@@ -80,10 +80,10 @@ class EngineCollector:
             ("generation_tokens", stats.generation_tokens, "Tokens sampled (rate = decode tokens/s)"),
             ("steps", stats.steps, "Engine steps run"),
             ("mixed_steps", stats.mixed_steps, "Steps that carried prompt tokens"),
-            ("graph_steps", engine.core.runner.graph_steps, "Decode-only steps replayed from a CUDA graph"),
+            ("graph_steps", engine.graph_steps, "Decode-only steps replayed from a CUDA graph"),
             (
                 "piecewise_graph_steps",
-                engine.core.runner.piecewise_steps,
+                engine.piecewise_graph_steps,
                 "Steps with prompt tokens replayed from CUDA graphs piece by piece",
             ),
             ("preemptions", engine.num_preemptions, "Requests preempted for lack of KV pages"),

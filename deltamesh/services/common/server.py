@@ -1,10 +1,14 @@
 """gRPC server plumbing shared by every service: grpc.aio on uvloop, the standard health service and
-server reflection, loopback by default, graceful shutdown on SIGINT/SIGTERM."""
+server reflection, loopback by default, graceful shutdown on SIGINT/SIGTERM/SIGHUP."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -12,6 +16,8 @@ import structlog
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from deltamesh.services.common.logs import write_line
 
 log = structlog.get_logger("deltamesh.server")
 
@@ -33,11 +39,20 @@ class GrpcServer:
     """A started grpc.aio server with health (per service name and overall) and reflection."""
 
     def __init__(
-        self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None, interceptors: tuple = ()
+        self,
+        host: str,
+        port: int,
+        services: list[tuple[Callable, object, str]],
+        tls=None,
+        interceptors: tuple = (),
+        max_request_bytes: int = MAX_MESSAGE_BYTES,
     ):
         """`services`: (add_XServicer_to_server, servicer, full service name); `tls`: TlsSettings or None;
-        `interceptors`: e.g. deltamesh.services.common.auth's, which refuse calls without credentials."""
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        `interceptors`: e.g. deltamesh.services.common.auth's, which refuse calls without credentials;
+        `max_request_bytes`: the largest request message taken (larger: RESOURCE_EXHAUSTED, unread)."""
+        options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_request_bytes))
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.health = health_async.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for add, servicer, _ in services:
@@ -70,15 +85,34 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
+# A graceful stop that has not ended by then ends the process: under `deltamesh serve` its supervisor kills it sooner
+# (supervisor.STOP_DEADLINE_S), but a process whose serve died, or that runs alone, has no one else to.
+STOP_DEADLINE_S = 30.0
+
+
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(stop_event)` on uvloop; SIGINT/SIGTERM set the event so `main` can shut down cleanly."""
+    """Run `main(stop_event)` on uvloop; SIGINT/SIGTERM/SIGHUP set the event so `main` can shut down cleanly
+    (SIGHUP: the terminal closed, or the kernel waking a stopped child of a `serve` that died: supervisor.py),
+    within STOP_DEADLINE_S."""
     import uvloop
 
     async def runner() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+
+        def on_signal() -> None:
+            if not stop.is_set():
+                stop.set()
+                threading.Thread(target=_exit_after, args=(STOP_DEADLINE_S,), daemon=True).start()
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, on_signal)
         await main(stop)
 
     uvloop.run(runner())
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    write_line(sys.stderr, f"deltamesh: still stopping {seconds:g} s after the signal to stop; exiting now")
+    os._exit(1)

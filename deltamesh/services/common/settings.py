@@ -85,6 +85,22 @@ class RequestLimits(BaseModel):
     # chat messages: long agent transcripts reach hundreds; 4096 messages of one token each already pass the
     # context of most models, while validating a hundred thousand of them holds the router's loop noticeably.
     max_messages: int = Field(4096, ge=1, description="Most messages in one chat request")
+    # Fair admission (deltamesh/services/router/gateway/fanout.py): workers serve requests in arrival order, so a
+    # request whose choices all entered the mesh at once would queue every other client's request behind all of
+    # them. Its choices start in turn instead, within two bounds. Prompt tokens waiting for their first token: what
+    # one request can put ahead of another client's first token; 4096 is the CUDA engine step's token budget (four
+    # steps on a CPU).
+    max_prefilling_tokens: int = Field(
+        4096,
+        ge=1,
+        description="Most prompt tokens of one request's choices waiting for their first token at once (a longer "
+        "prompt goes alone): what one request can put ahead of other clients' first tokens",
+    )
+    # Choices in the mesh at once: 32, the workers' default --max-num-seqs, lets one request fill a worker's batch
+    # and no more of the decode workers' queues.
+    max_running_choices: int = Field(
+        32, ge=1, description="Most choices of one request in the mesh at once (the rest start as they end)"
+    )
 
 
 class RouterSettings(BaseModel):
@@ -134,6 +150,15 @@ class RouterSettings(BaseModel):
     # keep-alive connections are closed by uvicorn's own keep-alive timeout).
     http_header_timeout_s: float = Field(
         10.0, gt=0, description="Seconds a REST client has to send a request's headers", **_flag("http_header_timeout")
+    )
+    # Seconds a client has to send a request's whole body once its headers are in: a client that trickles a body
+    # (a byte every few seconds) would otherwise hold its connection and request for ever. 30 s carries the
+    # largest body (4 MiB) at 140 kB/s.
+    http_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a REST client has to send a request's body once its headers are in",
+        **_flag("http_body_timeout"),
     )
     tls: TlsSettings = WorkerSettings.model_fields["tls"]
     log_level: str = WorkerSettings.model_fields["log_level"]

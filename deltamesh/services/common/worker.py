@@ -92,10 +92,10 @@ class Worker:
             state_slots_used=l["state_slots_used"],
             state_slots_total=l["state_slots_total"],
             reservations=self.reservations,
-            healthy=self.engine.core.failure is None,
+            healthy=self.engine.failure is None,
             kv_pages_cached=l["kv_pages_cached"],
             prefix_cache_hit_tokens=l["prefix_cache_hit_tokens"],
-            prefix_cache=self.engine.core.prefix_cache is not None,
+            prefix_cache=self.engine.has_prefix_cache,
         )
 
     async def register_forever(self, stop: asyncio.Event, role: Role) -> None:
@@ -138,7 +138,7 @@ class Worker:
         """A tensor-parallel rank gone ends the engine (its requests end with the reason); the worker then stops,
         and exits with an error, so that the router drops it and a supervisor restarts it."""
         while not stop.is_set():
-            if reason := self.engine.core.failure:
+            if reason := self.engine.failure:
                 log.error("engine failed; stopping the worker", reason=reason)
                 self.failure = reason
                 stop.set()

@@ -26,7 +26,7 @@ class DecodeRole(Role):
         self.puller = transport.puller(settle_grace_s=timeout_s)
         self.holder = None
         offers = None
-        if self.pulls and worker.engine.core.prefix_cache is not None:  # its holder starts with the first offer
+        if self.pulls and worker.engine.has_prefix_cache:  # its holder starts with the first offer
             self.leases = LeaseTable(capacity=worker.engine.num_state_slots)
             self.holder = transport.holder(self.leases)
             offers = PrefixOffers(worker, self.leases, self.holder)

@@ -17,8 +17,12 @@ from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.sampling import check_text
 from deltamesh.engine.tokenizer import TemplateError, Tokenizer
 from deltamesh.services.common.settings import RequestLimits
+from deltamesh.services.router.limits import InvalidParam, check_count, check_roles, check_stop
 
 T = TypeVar("T")
+# SamplingParams fields checked one by one, so that an error names its parameter (stop strings and stop token ids
+# have checks of their own below)
+_SCALAR_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
 # Tokenising is CPU work and the tokenizer's batch encode already spreads one request over the cores; two
 # threads let a small request pass a big one without letting many requests crowd out the event loop's core.
 TOKENIZER_THREADS = 2
@@ -51,10 +55,6 @@ class Frontend:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---- cheap checks, on the loop, before any tokenising ------------------------------------------------
-    def check_count(self, n: int, limit: int, what: str) -> None:
-        if n > limit:
-            raise RequestError(f"too many {what}: {n} (this server takes at most {limit} per request)")
-
     def _check_length(self, chars: int, what: str) -> None:
         if chars > self.max_text_chars:
             raise RequestError(
@@ -79,10 +79,24 @@ class Frontend:
     def check_chat(self, messages: list[dict]) -> None:
         if not messages:
             raise RequestError("a chat needs at least one message")
-        self.check_count(len(messages), self.limits.max_messages, "chat messages")
+        check_count(len(messages), self.limits.max_messages, "chat messages", "messages")
+        check_roles([m["role"] for m in messages])
         self._check_length(sum(len(m["content"]) for m in messages), "the chat")
         for m in messages:
             self.check_text(m["content"], "a chat message")
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """The sampling parameters, each refused under its own name; on the loop (bounded work)."""
+        for name in _SCALAR_SAMPLING:
+            self._check_field(name, **{name: getattr(params, name)})
+        check_stop(params.stop)
+        self._check_field("stop_token_ids", stop_token_ids=params.stop_token_ids)
+
+    def _check_field(self, param: str, **value) -> None:
+        try:  # the engine's own rule for the field, on its own
+            SamplingParams(**value).validate(self.vocab_size)
+        except ValueError as e:
+            raise InvalidParam(param, str(e)) from None
 
     # ---- tokenising: call through off_loop ------------------------------------------------------------
     def _need_tokenizer(self) -> Tokenizer:
@@ -101,4 +115,5 @@ class Frontend:
             raise RequestError(str(e)) from None
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The prompt against the model (check_sampling has passed): its length with max_tokens, its token ids."""
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)

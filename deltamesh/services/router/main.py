@@ -14,6 +14,7 @@ from deltamesh.services.common.settings import RouterSettings
 from deltamesh.services.router.control import ControlServicer
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway import Gateway, start_gateway
+from deltamesh.services.router.limits import MAX_REQUEST_BYTES
 from deltamesh.services.router.mesh import Mesh
 from deltamesh.services.router.metrics import register_worker_gauge
 from deltamesh.services.router.pd_decider import PdDecider
@@ -40,7 +41,14 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
     client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh), name)]
     key_check = (api_key_interceptor(settings.api_key),) if settings.api_key else ()
-    server = GrpcServer(settings.host, settings.grpc_port, client_api, settings.tls, interceptors=key_check)
+    server = GrpcServer(
+        settings.host,
+        settings.grpc_port,
+        client_api,
+        settings.tls,
+        interceptors=key_check,
+        max_request_bytes=MAX_REQUEST_BYTES,  # REST's body cap: one limit on both edges
+    )
     name = control_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name
     control_servicer = ControlServicer(registry, frontend.model_id)
     control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, control_servicer, name)]
@@ -53,7 +61,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
     if settings.http_port:
-        gateway = Gateway(frontend, mesh, settings.api_key)
+        gateway = Gateway(frontend, mesh, settings.api_key, settings.http_body_timeout_s)
         http, http_task = await start_gateway(
             gateway, settings.host, settings.http_port, settings.http_header_timeout_s
         )

@@ -22,7 +22,9 @@ from pydantic import (
     model_validator,
 )
 
+from deltamesh.engine.sampling import MAX_STOP_STRINGS
 from deltamesh.services.common.settings import RequestLimits
+from deltamesh.services.router.limits import ChatRole, check_count
 
 MAX_N = 16
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # integer bounds of the wire types (common.proto)
@@ -35,9 +37,10 @@ LIMITS: ContextVar[RequestLimits] = ContextVar("LIMITS", default=RequestLimits()
 
 
 def _check_count(data, field: str, limit: int, what: str) -> None:
+    """The router's count rule (limits.py) on a list in the raw JSON; the gateway answers its InvalidParam as is."""
     items = data.get(field) if isinstance(data, dict) else None
-    if isinstance(items, list) and len(items) > limit:
-        raise ValueError(f"too many {what}: {len(items)} (this server takes at most {limit} per request)")
+    if isinstance(items, list):
+        check_count(len(items), limit, what, field)
 
 
 def _only_with(name: str, needed: str):
@@ -102,6 +105,12 @@ class _Sampling(BaseModel):
 
     _stream_options_need_stream = _only_with("stream_options", "stream")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_stop_strings(cls, data):
+        _check_count(data, "stop", MAX_STOP_STRINGS, "stop strings")
+        return data
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -133,7 +142,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

@@ -13,8 +13,9 @@ import structlog
 
 from deltamesh.engine import RequestError
 from deltamesh.services.common.convert import sampling_from_proto
-from deltamesh.services.common.logs import bind_request, request_id_from
+from deltamesh.services.common.logs import bind_request, request_id_from, request_id_problem
 from deltamesh.services.router.frontend import Frontend
+from deltamesh.services.router.limits import check_count, check_request_id, check_stop
 from deltamesh.services.router.mesh import Mesh, MeshError
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -26,17 +27,30 @@ def new_request_id() -> str:
 
 
 class AbortTokens:
-    """A request's abort token is a MAC of its id under a key that never leaves this process: only the client that
-    received the token with the request's first response can abort it, and nothing needs to be stored."""
+    """A request's abort token is a nonce drawn for this run of the request and a MAC of the id and the nonce under
+    a key that never leaves this process. The MAC tells a token this router issued from a forged one; the nonce,
+    held by the running request (Mesh), makes the token abort that run only. A client chooses its request ids
+    ("job-42"), so a token bound to the id alone would abort every later request that reuses it."""
+
+    NONCE_BYTES = 16
 
     def __init__(self):
         self._key = secrets.token_bytes(32)
 
-    def token(self, request_id: str) -> bytes:
-        return hmac.new(self._key, request_id.encode(), hashlib.sha256).digest()[:16]
+    def _mac(self, request_id: str, nonce: bytes) -> bytes:
+        return hmac.new(self._key, request_id.encode() + b"\0" + nonce, hashlib.sha256).digest()[:16]
 
-    def valid(self, request_id: str, token: bytes) -> bool:
-        return hmac.compare_digest(self.token(request_id), token)
+    def issue(self, request_id: str) -> tuple[bytes, bytes]:
+        """(nonce, token) for a new run of `request_id`."""
+        nonce = secrets.token_bytes(self.NONCE_BYTES)
+        return nonce, nonce + self._mac(request_id, nonce)
+
+    def nonce(self, request_id: str, token: bytes) -> bytes | None:
+        """The nonce of a token this router issued for `request_id`, else None."""
+        nonce, mac = token[: self.NONCE_BYTES], token[self.NONCE_BYTES :]
+        if len(nonce) != self.NONCE_BYTES or not hmac.compare_digest(self._mac(request_id, nonce), mac):
+            return None
+        return nonce
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -56,7 +70,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             f.check_token_count(len(request.token_ids.ids))
             return list(request.token_ids.ids)
         if kind == "chat":
-            f.check_count(len(request.chat.messages), f.limits.max_messages, "chat messages")
+            check_count(len(request.chat.messages), f.limits.max_messages, "chat messages", "messages")
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             f.check_chat(messages)
             return await f.off_loop(f.encode_chat, messages)
@@ -64,36 +78,45 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest, context):
         rid = request.request_id or request_id_from(context) or new_request_id()
-        bind_request(rid)
-        if request.model and request.model != self.frontend.model_id:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {request.model[:200]!r} is not served here (serving {self.frontend.model_id!r})",
-            )
-        try:
+        try:  # the id first: it goes into log lines and metadata; then the cheap checks, then the prompt
+            check_request_id(rid)
+            bind_request(rid)
+            if request.model and request.model != self.frontend.model_id:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"model {request.model[:200]!r} is not served here (serving {self.frontend.model_id!r})",
+                )
+            check_stop(request.stop.stop)  # before the strings are copied out of the message
             params = sampling_from_proto(request.sampling, request.stop)
-            params.validate(self.frontend.vocab_size)  # before the prompt: it is cheap and may refuse at once
+            self.frontend.check_sampling(params)
             prompt_ids = await self._prompt_ids(request)
             self.frontend.check(prompt_ids, params)
         except (ValueError, RequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            abort_token = self.abort_tokens.token(rid)  # in the first response only
-            async with contextlib.aclosing(self.mesh.generate(rid, prompt_ids, params)) as deltas:
+            nonce, abort_token = self.abort_tokens.issue(rid)  # the token goes in the first response only
+            async with contextlib.aclosing(self.mesh.generate(rid, prompt_ids, params, nonce)) as deltas:
                 async for delta in deltas:
                     yield router_pb2.GenerateResponse(request_id=rid, delta=delta, abort_token=abort_token)
                     abort_token = b""
         except MeshError as e:
             log.warning("request failed", code=e.code.name, error=e.message)
             await context.abort(e.code, e.message)
+        except Exception:  # a bug: the details go to the log, never to the client; never a call left open
+            log.exception("request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        if not self.abort_tokens.valid(request.request_id, request.abort_token):
+        if (problem := request_id_problem(request.request_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        nonce = self.abort_tokens.nonce(request.request_id, request.abort_token)
+        if nonce is None:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
                 "a request is aborted with the abort token of its first response (or by cancelling its Generate call)",
             )
-        return common_pb2.AbortResponse(found=self.mesh.abort(request.request_id))
+        # found only while the run that issued the token runs: a token of an earlier request with this id aborts none
+        return common_pb2.AbortResponse(found=self.mesh.abort(request.request_id, nonce))
 
     async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:
         f = self.frontend

@@ -20,7 +20,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     )
     app.state.gateway = gateway
     add_error_handlers(app)
-    app.add_middleware(LimitsAndAuth, api_key=gateway.api_key, limits=gateway.frontend.limits)
+    app.add_middleware(
+        LimitsAndAuth, api_key=gateway.api_key, limits=gateway.frontend.limits, body_timeout_s=gateway.body_timeout_s
+    )
     for module in (health, completions, chat):
         app.include_router(module.router)
     return app

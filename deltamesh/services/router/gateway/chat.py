@@ -14,8 +14,8 @@ from deltamesh.services.router.gateway.choices import (
     Choice,
     build_choices,
     check_model_and_sampling,
+    check_sampling,
     check_sizes,
-    check_stop,
 )
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
@@ -42,18 +42,24 @@ async def chat_choices(frontend: Frontend, rid: str, body: oa.ChatCompletionRequ
         raise ApiError(400, "tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type") != "text":
         raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
-    with as_api_error("stop"):
-        check_stop(frontend, body)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    check_sampling(frontend, body, max_tokens, logprobs)
     with as_api_error("messages"):
         check_sizes(frontend, 1, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         frontend.check_chat(messages)
-        return await frontend.off_loop(_prepare, frontend, rid, body, messages)
+        return await frontend.off_loop(_prepare, frontend, rid, body, messages, max_tokens, logprobs)
 
 
-def _prepare(frontend: Frontend, rid: str, body: oa.ChatCompletionRequest, messages: list[dict]) -> list[Choice]:
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens or body.max_tokens
+def _prepare(
+    frontend: Frontend,
+    rid: str,
+    body: oa.ChatCompletionRequest,
+    messages: list[dict],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> list[Choice]:
     return build_choices(frontend, rid, [frontend.encode_chat(messages)], body, max_tokens, logprobs)
 
 

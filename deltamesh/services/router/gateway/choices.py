@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltamesh.engine import RequestError, SamplingParams
-from deltamesh.engine.sampling import check_stop_strings
+from deltamesh.engine import SamplingParams
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
-from deltamesh.services.router.gateway.errors import ApiError
+from deltamesh.services.router.gateway.errors import ApiError, as_api_error
+from deltamesh.services.router.limits import check_count
 
 
 @dataclass
@@ -47,20 +47,16 @@ def check_model_and_sampling(frontend: Frontend, body: oa._Sampling) -> None:
 
 
 def check_sizes(frontend: Frontend, prompt_count: int, body: oa._Sampling) -> None:
-    f = frontend
-    f.check_count(prompt_count, f.limits.max_prompts, "prompts")
-    f.check_count(prompt_count * body.n, f.limits.max_choices, "choices (prompts x n)")
+    limits = frontend.limits
+    check_count(prompt_count, limits.max_prompts, "prompts", "prompt")
+    check_count(prompt_count * body.n, limits.max_choices, "choices (prompts x n)", "n")
 
 
-def check_stop(frontend: Frontend, body: oa._Sampling) -> None:
-    """The stop strings, before anything is tokenised: the engine's rule and the context's length."""
-    stop = body.stop_list()
-    try:
-        check_stop_strings(stop)
-    except ValueError as e:
-        raise RequestError(str(e)) from None
-    for text in stop:
-        frontend.check_text(text, "a stop string")
+def check_sampling(frontend: Frontend, body: oa._Sampling, max_tokens: int | None, logprobs: int | None) -> None:
+    """The sampling parameters by the rule the gRPC edge applies too (stop strings, stop token ids against the
+    vocabulary: what the schema cannot bound), before anything is tokenised; each error names its parameter."""
+    with as_api_error(None):
+        frontend.check_sampling(_params(body, max_tokens or 1, logprobs, 0))
 
 
 def _params(body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:

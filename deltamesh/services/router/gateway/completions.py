@@ -13,8 +13,8 @@ from deltamesh.services.router.gateway.choices import (
     Choice,
     build_choices,
     check_model_and_sampling,
+    check_sampling,
     check_sizes,
-    check_stop,
 )
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
@@ -44,8 +44,7 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
     p = body.prompt
     texts = [p] if isinstance(p, str) else p if p and all(isinstance(x, str) for x in p) else None
     id_lists = None if texts is not None else [p] if p and isinstance(p[0], int) else p or [[]]
-    with as_api_error("stop"):
-        check_stop(frontend, body)
+    check_sampling(frontend, body, body.max_tokens, body.logprobs)
     with as_api_error("prompt"):
         check_sizes(frontend, len(texts if texts is not None else id_lists), body)
         for text in texts or ():

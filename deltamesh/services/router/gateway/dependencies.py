@@ -1,5 +1,5 @@
 """What the gateway's routes depend on, as one object: the frontend (tokenizer, limits, request checks), the
-mesh that runs requests and the API key. `create_app` stores it on `app.state`; a route asks for it with a
+mesh that runs requests, the API key and the body deadline. `create_app` stores it on `app.state`; a route asks for it with a
 `GatewayDep` parameter."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ class Gateway:
     frontend: Frontend
     mesh: Mesh
     api_key: str | None = None
+    body_timeout_s: float = 30.0  # for a request's body, once its headers are in
 
     def token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False) if self.frontend.tokenizer else ""

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltamesh.engine import RequestError, SamplingParams
 from deltamesh.services.router import openai_schema as oa
+from deltamesh.services.router.limits import InvalidParam
 from deltamesh.services.router.mesh import MeshError
 
 log = structlog.get_logger("deltamesh.gateway")
@@ -30,7 +31,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
-ERROR_RESPONSES = {code: {"model": oa.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 502, 503)}
+ERROR_RESPONSES = {code: {"model": oa.ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 502, 503)}
 
 
 class ApiError(Exception):
@@ -51,8 +52,11 @@ class ApiError(Exception):
         return cls(status, e.message, kind)
 
     def response(self) -> JSONResponse:
-        # nothing to serve with yet (503), or no room for the request now (429): come back soon
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        headers = None
+        if self.status in (429, 503):  # nothing to serve with yet (503), or no room for the request now (429)
+            headers = {"Retry-After": "1"}  # come back soon
+        elif self.status in (408, 413):  # the rest of the body goes unread: close, rather than read it to the end
+            headers = {"Connection": "close"}
         return _AsciiJSON(oa.ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=headers)
 
 
@@ -76,14 +80,27 @@ def body_too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body over {limit} bytes")
 
 
+class BodySlow(Exception):
+    """A request's body did not all arrive within the deadline (--http-body-timeout)."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(timeout_s)
+        self.timeout_s = timeout_s
+
+
+def body_slow(timeout_s: float) -> ApiError:
+    return ApiError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout")
+
+
 @contextlib.contextmanager
-def as_api_error(param: str):
-    """A request the frontend or the engine refuses is the client's error: 400 naming the parameter."""
+def as_api_error(param: str | None):
+    """A request the frontend or the engine refuses is the client's error: 400 naming the parameter (the one the
+    error names itself, else `param`)."""
     try:
         yield
     except RequestError as e:
         code = "context_length_exceeded" if "context length" in str(e) else None
-        raise ApiError(400, str(e), param=param, code=code) from None
+        raise ApiError(400, str(e), param=getattr(e, "param", None) or param, code=code) from None
 
 
 async def _api_error(request: Request, e: ApiError):
@@ -92,6 +109,10 @@ async def _api_error(request: Request, e: ApiError):
 
 async def _too_large(request: Request, e: BodyTooLarge):
     return body_too_large(e.limit).response()
+
+
+async def _slow(request: Request, e: BodySlow):
+    return body_slow(e.timeout_s).response()
 
 
 # REST fields whose bounds the engine's own check (SamplingParams.validate) also enforces: a bad value gets that
@@ -124,6 +145,9 @@ async def _invalid(request: Request, e: RequestValidationError):
     err = e.errors()[0] if e.errors() else {}
     if err.get("type") == "json_invalid":
         return ApiError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}").response()
+    refused = err.get("ctx", {}).get("error")
+    if isinstance(refused, InvalidParam):  # the router's own rule, raised in a schema validator: as gRPC says it
+        return ApiError(400, str(refused), param=refused.param).response()
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if not loc and "json" not in request.headers.get("content-type", ""):  # FastAPI read it as a plain string
         return ApiError(
@@ -141,6 +165,8 @@ async def _invalid(request: Request, e: RequestValidationError):
 async def _http_error(request: Request, e: StarletteHTTPException):
     if isinstance(e.__cause__, BodyTooLarge):  # FastAPI wraps errors raised while reading the body
         return await _too_large(request, e.__cause__)
+    if isinstance(e.__cause__, BodySlow):
+        return await _slow(request, e.__cause__)
     return ApiError(e.status_code, str(e.detail), "invalid_request_error").response()
 
 
@@ -153,6 +179,7 @@ def add_error_handlers(app: FastAPI) -> None:
     handlers = {
         ApiError: _api_error,
         BodyTooLarge: _too_large,
+        BodySlow: _slow,
         RequestValidationError: _invalid,
         StarletteHTTPException: _http_error,
         Exception: _bug,

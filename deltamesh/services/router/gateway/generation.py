@@ -13,6 +13,7 @@ from fastapi import Request
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.gateway.choices import Choice
 from deltamesh.services.router.gateway.errors import ApiError
+from deltamesh.services.router.gateway.fanout import Fanout
 from deltamesh.services.router.mesh import Mesh, MeshError
 from deltamesh.v1 import common_pb2
 
@@ -25,11 +26,16 @@ _FINISH = {
 }
 
 
-async def _produce(mesh: Mesh, choice: Choice, out: asyncio.Queue) -> None:
+async def _produce(mesh: Mesh, choice: Choice, out: asyncio.Queue, fanout: Fanout) -> None:
+    """Runs a choice that `fanout` let start, and counts it out of `fanout` as it gets its first token and ends."""
+    prefilling = True  # until its first token
     try:
         deltas = mesh.generate(choice.request_id, choice.prompt_ids, choice.params)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
+                if prefilling:
+                    fanout.prefilled(len(choice.prompt_ids))
+                    prefilling = False
                 await out.put((choice.index, delta))
     except MeshError as e:
         await out.put((choice.index, ApiError.from_mesh(e)))
@@ -37,6 +43,9 @@ async def _produce(mesh: Mesh, choice: Choice, out: asyncio.Queue) -> None:
         log.exception("choice failed", request_id=choice.request_id)
         await out.put((choice.index, ApiError(500, "internal error", "server_error")))
     finally:
+        if prefilling:
+            fanout.prefilled(len(choice.prompt_ids))
+        fanout.ended()
         await out.put((choice.index, None))
 
 
@@ -66,11 +75,21 @@ def merge_delta(delta: common_pb2.TokenDelta, later: common_pb2.TokenDelta) -> N
     delta.text = text
 
 
-async def run_choices(mesh: Mesh, choices: list[Choice]) -> AsyncIterator[tuple[int, common_pb2.TokenDelta]]:
+async def run_choices(
+    mesh: Mesh, choices: list[Choice], fanout: Fanout
+) -> AsyncIterator[tuple[int, common_pb2.TokenDelta]]:
     """Deltas of all choices as they arrive; raises ApiError on the first failure. Leaving early
-    (client gone) cancels every choice in the mesh."""
+    (client gone) cancels every choice in the mesh. The choices start in order, as `fanout` lets them (fanout.py:
+    a request of many prompts must not hold back other clients' requests)."""
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_produce(mesh, c, queue)) for c in choices]
+    tasks: list[asyncio.Task] = []
+
+    async def start_in_turn() -> None:
+        for c in choices:
+            await fanout.start(len(c.prompt_ids))
+            tasks.append(asyncio.create_task(_produce(mesh, c, queue, fanout)))
+
+    tasks.append(asyncio.create_task(start_in_turn()))
     open_choices = len(choices)
     finished: set[int] = set()
     try:
@@ -114,12 +133,13 @@ class Accumulator:
         return oa.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
-async def collect(request: Request, mesh: Mesh, choices: list[Choice]) -> Accumulator:
-    """All choices run to the end; a client that hangs up aborts its request in the mesh (499)."""
+async def collect(request: Request, mesh: Mesh, choices: list[Choice], fanout: Fanout) -> Accumulator:
+    """All choices run to the end (started as `fanout` lets them); a client that hangs up aborts its request in
+    the mesh (499)."""
     acc = Accumulator(choices)
 
     async def consume():
-        async for index, delta in run_choices(mesh, choices):
+        async for index, delta in run_choices(mesh, choices, fanout):
             acc.add(index, delta)
 
     task = asyncio.create_task(consume())

@@ -1,20 +1,22 @@
-"""ASGI middleware of the gateway: the API key and the request-size checks on /v1 routes."""
+"""ASGI middleware of the gateway: the API key and the request-size and body-time checks on /v1 routes."""
 
 from __future__ import annotations
 
+import asyncio
+
 from deltamesh.services.common.settings import RequestLimits
 from deltamesh.services.router import openai_schema as oa
-from deltamesh.services.router.gateway.errors import ApiError, BodyTooLarge, body_too_large
-
-MAX_BODY_BYTES = 4 << 20
+from deltamesh.services.router.gateway.errors import ApiError, BodySlow, BodyTooLarge, body_too_large
+from deltamesh.services.router.limits import MAX_REQUEST_BYTES
 
 
 class LimitsAndAuth:
-    """API key, body-size and request-size checks on /v1 routes. Plain ASGI (not BaseHTTPMiddleware) so that
-    handlers still see the client's disconnect, which aborts its request in the mesh."""
+    """API key, body-size and request-size checks on /v1 routes, and the deadline of a request's body. Plain ASGI
+    (not BaseHTTPMiddleware) so that handlers still see the client's disconnect, which aborts its request in the
+    mesh."""
 
-    def __init__(self, app, api_key: str | None, limits: RequestLimits):
-        self.app, self.api_key, self.limits = app, api_key, limits
+    def __init__(self, app, api_key: str | None, limits: RequestLimits, body_timeout_s: float = 30.0):
+        self.app, self.api_key, self.limits, self.body_timeout_s = app, api_key, limits, body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
@@ -26,25 +28,34 @@ class LimitsAndAuth:
                 error = ApiError(
                     401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
                 )
-            elif length.isdigit() and int(length) > MAX_BODY_BYTES:
-                error = body_too_large(MAX_BODY_BYTES)
+            elif length.isdigit() and int(length) > MAX_REQUEST_BYTES:
+                error = body_too_large(MAX_REQUEST_BYTES)
             if error is not None:
                 return await error.response()(scope, receive, send)
-            return await self.app(scope, _capped(receive), send)
+            return await self.app(scope, _bounded(receive, self.body_timeout_s), send)
         return await self.app(scope, receive, send)
 
 
-def _capped(receive):
-    """A receive that stops a body without Content-Length (chunked) once it passes the limit."""
-    received = 0
+def _bounded(receive, timeout_s: float):
+    """A receive that stops a body without Content-Length (chunked) once it passes the size limit, and a body that
+    is not all in `timeout_s` after the headers (uvicorn calls the app once they are in); once the body is in,
+    receive as it was (a handler waits on it for the client's disconnect)."""
+    received, body_done = 0, False
+    deadline = asyncio.get_running_loop().time() + timeout_s
 
-    async def capped():
-        nonlocal received
-        message = await receive()
+    async def bounded():
+        nonlocal received, body_done
+        if body_done:
+            return await receive()
+        try:
+            message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+        except TimeoutError:
+            raise BodySlow(timeout_s) from None
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
-            if received > MAX_BODY_BYTES:
-                raise BodyTooLarge(MAX_BODY_BYTES)
+            if received > MAX_REQUEST_BYTES:
+                raise BodyTooLarge(MAX_REQUEST_BYTES)
+        body_done = message["type"] != "http.request" or not message.get("more_body", False)
         return message
 
-    return capped
+    return bounded

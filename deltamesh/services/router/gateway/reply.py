@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.gateway.choices import Choice
 from deltamesh.services.router.gateway.dependencies import Gateway
+from deltamesh.services.router.gateway.fanout import Fanout
 from deltamesh.services.router.gateway.generation import Accumulator, collect
 from deltamesh.services.router.gateway.streaming import Deltas, stream_response
 
@@ -40,7 +41,9 @@ async def respond(
     chunks: Callable[[Reply, Deltas], AsyncIterator[str]],
     whole: Callable[[Reply, Accumulator], BaseModel],
 ) -> Response:
+    limits, mesh = reply.gateway.frontend.limits, reply.gateway.mesh
+    fanout = Fanout(limits.max_running_choices, limits.max_prefilling_tokens)
     if reply.body.stream:
-        return await stream_response(reply.gateway.mesh, reply.choices, lambda deltas: chunks(reply, deltas))
-    acc = await collect(request, reply.gateway.mesh, reply.choices)
+        return await stream_response(mesh, reply.choices, fanout, lambda deltas: chunks(reply, deltas))
+    acc = await collect(request, mesh, reply.choices, fanout)
     return JSONResponse(whole(reply, acc).model_dump())

@@ -10,6 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.gateway.choices import Choice
 from deltamesh.services.router.gateway.errors import ApiError
+from deltamesh.services.router.gateway.fanout import Fanout
 from deltamesh.services.router.gateway.generation import run_choices
 from deltamesh.services.router.mesh import Mesh
 from deltamesh.v1 import common_pb2
@@ -28,11 +29,12 @@ def sse_responses(description: str) -> dict:
 
 
 async def stream_response(
-    mesh: Mesh, choices: list[Choice], chunks: Callable[[Deltas], AsyncIterator[str]]
+    mesh: Mesh, choices: list[Choice], fanout: Fanout, chunks: Callable[[Deltas], AsyncIterator[str]]
 ) -> Response:
-    """SSE response of `chunks(deltas)`; waits for the first delta so that an early failure is a proper HTTP
-    error. A failure once the stream has begun is sent as an error event before [DONE]."""
-    deltas = run_choices(mesh, choices)
+    """SSE response of `chunks(deltas)` (the choices started as `fanout` lets them); waits for the first delta so
+    that an early failure is a proper HTTP error. A failure once the stream has begun is sent as an error event
+    before [DONE]."""
+    deltas = run_choices(mesh, choices, fanout)
     try:
         first = await deltas.__anext__()
     except StopAsyncIteration:

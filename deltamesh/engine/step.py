@@ -1,0 +1,126 @@
+"""One step on the device, launched without waiting for it, in stages: the forward pass over the scheduled items
+(one rank, tensor parallel, or every data-parallel rank's own requests: `_forward`), the requests' progress and
+what the prefix cache takes from it (`_advance`), sampling (`_sample`); later, once the next step is launched,
+its tokens on the host (`LaunchedStep.read`). The step loop around it is core.py.
+
+Where what comes next goes: a stage that changes the logits before sampling (penalties, grammar bitmasks, with
+their per-request state on the device) between `_forward` and `_sample`, on the rows of `sampling`; a step that
+verifies drafted tokens (MTP) in place of `_sample`, its accepted tokens per request returned by `read`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deltamesh.engine import data_parallel
+from deltamesh.engine.interfaces import PrefixCacheInterface, SchedulerInterface
+from deltamesh.engine.request import Request
+from deltamesh.engine.runner import ModelRunner
+from deltamesh.engine.sampling import SampledTokens, TokenLogprobs, sample_async
+from deltamesh.engine.scheduler import ScheduledItem
+from deltamesh.engine.stats import EngineStats
+from deltamesh.engine.tp_workers import Followers
+
+
+@dataclass
+class LaunchedStep:
+    """A launched step: the requests that sample in it (in row order) and their tokens on the way; on CUDA, events
+    around its forward pass (the GPU's time on it: step_report.py)."""
+
+    requests: list[Request]
+    sampled: SampledTokens
+    span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    taken: bool = False  # its tokens went into their requests during the next step's launch (EngineCore._take_early)
+
+    def read(self, stats: EngineStats) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The step's tokens (and logprobs) on the host, row by row; waits for the device."""
+        tokens, logprobs = self.sampled.result()
+        if self.span is not None:
+            self.span[1].synchronize()  # returns at once: both events precede the tokens' copy on the stream
+            stats.gpu_step_ms += self.span[0].elapsed_time(self.span[1])
+        return tokens, logprobs
+
+
+class StepLauncher:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        followers: Followers | None,
+        scheduler: SchedulerInterface,
+        stats: EngineStats,
+        device: torch.device,
+        seed: int,
+        data_parallel: bool,
+    ):
+        self.runner, self.followers, self.scheduler, self.stats = runner, followers, scheduler, stats
+        self.data_parallel = data_parallel
+        self.gpu_timed = device.type == "cuda"  # each step's GPU time (EngineStats.gpu_step_ms)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.prefix_cache: PrefixCacheInterface | None = None  # once made (after the warm-up)
+
+    def launch(
+        self, items: list[ScheduledItem], previous: LaunchedStep | None, between_layers: Callable[[], None] | None
+    ) -> LaunchedStep:
+        """Queue the step on the device; `previous`: the step launched before, whose tokens this one's decodes take
+        as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only)."""
+        # decode-first, as kernels expect; the chunks that take a state in passing last (runner.host_step)
+        items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
+        started = time.monotonic()
+        span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.gpu_timed else None
+        if span:
+            span[0].record()
+        logits = self._forward(items, previous, between_layers)
+        if span:
+            span[1].record()
+        sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
+        self._advance(items, started)
+        sampled = self._sample(logits, sampling)
+        self.stats.steps += 1
+        return LaunchedStep(sampling, sampled, span)
+
+    def _forward(
+        self, items: list[ScheduledItem], previous: LaunchedStep | None, between_layers: Callable[[], None] | None
+    ) -> torch.Tensor:
+        """The forward pass: the logits of the items' sampled rows (in `items` order)."""
+        pending = previous.sampled.tokens if previous is not None else None
+        if self.data_parallel:
+            return data_parallel.execute(self.runner, self.followers, items, pending)
+        return self.runner.execute(items, pending, between_layers=between_layers)
+
+    def _advance(self, items: list[ScheduledItem], started: float) -> None:
+        """The items' requests have their tokens computed (once the step runs): their counts, and the prompt pages
+        and checkpoints the prefix cache takes from them (queued after the step: they read what it writes)."""
+        mixed = False
+        for it in items:
+            req = it.request
+            if req.scheduled_time is None and req.arrival_time is not None:
+                req.scheduled_time = started
+                self.stats.queue_seconds += started - req.arrival_time
+                self.stats.queued += 1
+            in_prompt = req.num_computed < len(req.prompt_ids)
+            mixed |= in_prompt
+            req.num_computed += it.num_tokens
+            if req.num_computed <= len(req.prompt_ids):
+                self.stats.prompt_tokens += it.num_tokens
+            if in_prompt and self.prefix_cache is not None:
+                self.prefix_cache.register(req, it.snapshot_at, it.snapshot_slot)
+        self.scheduler.release_snapshot_slots(items)
+        self.stats.mixed_steps += mixed
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> SampledTokens:
+        """One token per row of `logits` (the rows of `sampling`, in order), on the device; the requests count it
+        as pending until it is read."""
+        sampled = sample_async(
+            logits,
+            [r.params for r in sampling],
+            [len(r.output_ids) + r.num_pending for r in sampling],
+            self.generator,
+        )
+        for row, req in enumerate(sampling):
+            req.num_pending += 1
+            req.pending_row = row
+        return sampled

@@ -1,0 +1,236 @@
+"""The worker calls of a request's legs (prefill, decode or colocated, the reverse pull's offer, lease releases):
+which worker, retries, and how a worker's failure reaches the client. `Mesh` strings them into a request."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from deltamesh.services.router import metrics
+from deltamesh.services.router.pd_decider import PdDecider
+from deltamesh.services.router.policies import Policy
+from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
+from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
+
+log = structlog.get_logger("deltamesh.mesh")
+
+
+class MeshError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class NotHeld(Exception):
+    """A decode worker refused a direct request: its prefix cache does not hold the conversation (any more)."""
+
+
+@dataclass
+class Inflight:
+    owner: bytes = b""  # what Abort must present (the nonce of the abort token; empty: only cancelling aborts it)
+    call: object = None  # the worker call in progress
+    worker: WorkerHandle | None = None  # the decode (or colocated) worker that streams its tokens
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.call is not None:
+            self.call.cancel()
+
+
+# A worker's own words reach the client only where they are about the request (its input, or no room for it now);
+# any other failure is the mesh's: the client gets its status and a generic message, the log gets the worker's
+# address and details.
+_CLIENT_DETAILS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def _worker_failure(code: grpc.StatusCode, leg: str, w: WorkerHandle, details: str, told: str = "") -> MeshError:
+    """The error a client gets for a failed worker call (`told`: what to tell it instead of a generic message);
+    the worker and its details are logged."""
+    log.warning("worker call failed", leg=leg, worker=w.address, code=code.name, details=details)
+    return MeshError(code, told or f"the request failed in the mesh ({leg} worker: {code.name}); retry it")
+
+
+def _leg_error(e: grpc.aio.AioRpcError, leg: str, w: WorkerHandle) -> MeshError:
+    return _worker_failure(e.code(), leg, w, e.details(), e.details() if e.code() in _CLIENT_DETAILS else "")
+
+
+def _cancelled_call(inflight: Inflight, leg: str, w: WorkerHandle) -> MeshError:
+    """A worker call was cancelled but not our task: an abort, or the call's channel went away. Anything but
+    a silent end of the stream. (When our own task is being cancelled, the caller re-raises instead.)"""
+    if inflight.aborted:
+        return MeshError(grpc.StatusCode.CANCELLED, f"aborted during the {leg} call")
+    return _worker_failure(grpc.StatusCode.UNAVAILABLE, leg, w, "call cancelled (connection closed)")
+
+
+def _own_task_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class Legs:
+    """Calls to the workers for one router: picks a worker per leg, retries a prefill (and a decode that has not
+    streamed yet) on another worker when one is unavailable, and releases leases in the background."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: Policy,
+        pd: PdDecider | None,
+        prefill_retries: int,
+        timeout_s: float,
+    ):
+        self.registry, self.policy, self.pd = registry, policy, pd
+        self.prefill_retries, self.timeout_s = prefill_retries, timeout_s
+        self._background: set[asyncio.Task] = set()
+
+    def pick(self, role: str, exclude: set[str], prompt_ids=()) -> WorkerHandle:
+        candidates = [w for w in self.registry.healthy(role) if w.address not in exclude]
+        if not candidates:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker is available")
+        # decode workers cache nothing of a transferred prompt: only prefill and colocated picks see the prompt
+        return self.policy.pick(candidates, prompt_ids if role != "decode" else ())
+
+    async def offer_prefix(self, prompt_ids: list[int]) -> tuple[WorkerHandle, prefill_pb2.PrefixSource] | None:
+        """The reverse pull: the decode worker that holds the longest prefix of this prompt (a conversation it
+        finished), asked to offer it to the prefill worker under a lease whose token is ours. None when no decode
+        worker holds one, or it has nothing (evicted) or fails to answer: the prefill worker computes it all."""
+        holder, _ = self.pd.holder(self.registry.healthy("decode"), prompt_ids)
+        if holder is None:
+            return None
+        token = secrets.token_bytes(16)
+        ask = decode_pb2.OfferPrefixRequest(
+            prompt_token_ids=prompt_ids, lease_token=token, min_tokens=self.pd.held.block
+        )
+        try:
+            offer = await holder.stub.OfferPrefix(ask, metadata=self.registry.call_metadata(), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            log.warning("prefix offer failed", worker=holder.address, code=e.code().name, details=e.details())
+            metrics.PD_DECISIONS.labels("offer_failed").inc()
+            return None
+        if not offer.HasField("lease"):
+            metrics.PD_DECISIONS.labels("offer_none").inc()
+            return None
+        metrics.PD_DECISIONS.labels("offered").inc()
+        return holder, prefill_pb2.PrefixSource(lease=offer.lease, layout=offer.layout, transport=offer.transport)
+
+    async def prefill(self, req: prefill_pb2.PrefillRequest, inflight: Inflight):
+        tried: set[str] = set()
+        while True:
+            w = self.pick("prefill", tried, req.prompt_token_ids)
+            w.inflight += 1
+            inflight.call = w.stub.Prefill(
+                req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s
+            )
+            try:
+                return await inflight.call, w
+            except asyncio.CancelledError:
+                # an answer on its way is lost with the call (client gone, or an abort): end the lease it may
+                # carry, whose token we chose
+                self.release_later(w, prefill_pb2.Lease(lease_id=req.request_id, token=req.lease_token))
+                if _own_task_cancelled():
+                    raise
+                raise _cancelled_call(inflight, "prefill", w) from None
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
+                    self.registry.mark_failed(w, "prefill call unavailable")
+                    tried.add(w.address)
+                    if len(tried) <= self.prefill_retries:
+                        metrics.RETRIES.labels("prefill").inc()
+                        log.warning("retrying prefill on another worker", failed=w.address)
+                        continue
+                raise _leg_error(e, "prefill", w) from None
+            finally:
+                w.inflight -= 1
+                inflight.call = None
+
+    async def remembered(self, deltas, prompt_ids: list[int], inflight: Inflight, first=None):
+        """`deltas`, and once they end normally, the whole sequence handed to the P/D decider as held by the
+        decode worker that streamed them. `first`: the prefill worker's first token, already streamed."""
+        tokens = list(first.token_ids) if first is not None else []
+        async for delta in deltas:
+            tokens += delta.token_ids
+            if delta.finished and delta.finish_reason in (
+                common_pb2.FINISH_REASON_STOP,
+                common_pb2.FINISH_REASON_LENGTH,
+            ):
+                self.pd.finished(inflight.worker.address, prompt_ids + tokens)
+            yield delta
+
+    async def decode(
+        self, req: decode_pb2.DecodeRequest, role: str, inflight: Inflight, first_choice: WorkerHandle | None = None
+    ):
+        tried: set[str] = set()
+        while True:
+            w = first_choice if first_choice is not None and not tried else self.pick(role, tried, req.prompt_token_ids)
+            inflight.worker = w
+            w.inflight += 1
+            call = inflight.call = w.stub.Decode(
+                req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s
+            )
+            streamed = finished = False
+            try:
+                async for delta in call:
+                    streamed = True
+                    finished = delta.finished
+                    yield delta
+                if not finished:
+                    raise _worker_failure(grpc.StatusCode.UNAVAILABLE, role, w, "stream ended early")
+                return
+            except asyncio.CancelledError:
+                if _own_task_cancelled():
+                    raise
+                raise _cancelled_call(inflight, role, w) from None
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
+                    self.registry.mark_failed(w, "decode call unavailable")
+                    if self.pd is not None:
+                        self.pd.forget(w.address)
+                    tried.add(w.address)
+                    if not streamed and len(tried) <= 1:
+                        metrics.RETRIES.labels(role).inc()
+                        log.warning("retrying decode on another worker", failed=w.address)
+                        continue
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and req.max_uncached_tokens and not streamed:
+                    raise NotHeld() from None
+                if tried and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # the failed worker may have pulled (used up) the lease before dying: a worker fault
+                    raise _worker_failure(
+                        grpc.StatusCode.UNAVAILABLE,
+                        role,
+                        w,
+                        e.details(),
+                        "a decode worker failed and the retry could not take over the request's state; retry it",
+                    ) from None
+                raise _leg_error(e, role, w) from None
+            finally:
+                w.inflight -= 1
+                inflight.call = None
+                if not finished:
+                    call.cancel()  # the client left or the stream broke: stop the worker's request
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def release_later(self, w: WorkerHandle, lease: prefill_pb2.Lease) -> None:
+        async def release() -> None:
+            try:
+                await w.stub.ReleaseLease(
+                    prefill_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token),
+                    metadata=self.registry.call_metadata(),
+                    timeout=5,
+                )
+            except Exception:
+                pass
+
+        self._in_background(release())
