@@ -143,7 +143,7 @@ def _setup_process(opts: Options, gpu: int):
 
     if opts.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    transport = UcxTransport("127.0.0.1", opts.error_handling, opts.spin_s)
+    transport = UcxTransport(None, opts.error_handling, opts.spin_s)
     if opts.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
     import structlog

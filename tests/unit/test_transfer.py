@@ -69,7 +69,7 @@ def _sizes(buffers) -> list[int]:
 @contextlib.asynccontextmanager
 async def _transport(settle_grace_s: float = 10.0):
     """A holder (lease table + UCX holder) and a puller in this process; UCX released afterwards."""
-    transport = UcxTransport("127.0.0.1")
+    transport = UcxTransport()
     leases = LeaseTable()
     holder = transport.holder(leases)
     await holder.start()
@@ -141,7 +141,7 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
 def test_a_descriptor_of_another_transport_or_version_is_refused_before_anything_moves():
     """The puller reads no payload it does not speak: another kind, another version, a payload that does not
     parse or does not fit the state's regions, a missing descriptor. Nothing of UCX is started to find out."""
-    puller = UcxTransport("127.0.0.1").puller()
+    puller = UcxTransport().puller()
     key = LeaseKey("L", b"t" * 16)
     good = descriptors.lease_descriptor(
         b"addr", [descriptors.RemoteRegion(4, 4096, b"k")], descriptors.RemoteRegion(8, 64, b"w")
@@ -181,20 +181,72 @@ def _with_peers(descriptor: TransportDescriptor, peers: list[bytes], index: list
     return TransportDescriptor(kind=descriptor.kind, version=descriptor.version, payload=d.SerializeToString())
 
 
+WORDS = descriptors.RemoteRegion(64 * 8, 1 << 20, b"w")  # a holder's lease words in the tests below
+
+
+def _announced(holder: bytes, pools: list) -> TransportDescriptor:
+    return descriptors.holder_descriptor(holder, pools, WORDS)
+
+
+def _word(index: int, rkey: bytes = b"w") -> descriptors.RemoteRegion:
+    return descriptors.RemoteRegion(8, WORDS.address + 8 * index, rkey)
+
+
 def test_a_region_names_the_worker_that_holds_it():
     """A region held in another process of the holder's worker (another rank) is read from that process's UCX
     worker; the lease word and the notices stay the holder's."""
-    puller = UcxTransport("127.0.0.1").puller()
+    puller = UcxTransport().puller()
     regions = [
         descriptors.RemoteRegion(4, 4096, b"k"),
         descriptors.RemoteRegion(4, 8192, b"j", b"rank1"),
         descriptors.RemoteRegion(2, 100, b"k"),
     ]
-    d = descriptors.lease_descriptor(b"holder", regions, descriptors.RemoteRegion(8, 64, b"w"))
+    assert puller.announce(_announced(b"holder", regions))  # its registration names rank1 as its rank
+    d = descriptors.lease_descriptor(b"holder", regions, _word(3))
     source = puller.source(d, LeaseKey("L", b"t" * 16), [4, 4, 2])
     assert source.address == b"holder" and [r.worker for r in source.regions] == [b"holder", b"rank1", b"holder"]
-    own = descriptors.lease_descriptor(b"holder", regions[:1], descriptors.RemoteRegion(8, 64, b"w"))
+    own = descriptors.lease_descriptor(b"holder", regions[:1], _word(3))
     assert not _lease_payload(own).peer_addresses  # a holder's own regions name no peer
+
+
+def test_a_lease_word_vouches_only_for_its_holders_memory():
+    """The insider attack of the 2026-12-04 review, in descriptors: a caller holding the mesh secret names another
+    request's regions in a prefill worker (as a "peer") and a lease word in memory of its own, set to match. The
+    word must be read from the worker holding the regions or one the control plane announced as its rank, and
+    from among the lease words the holder announced: anything else is refused before any byte moves (no UCX
+    here at all)."""
+    puller = UcxTransport().puller()
+    victim_regions = [descriptors.RemoteRegion(64, 4096, b"k"), descriptors.RemoteRegion(32, 8192, b"j", b"rank1")]
+    assert puller.announce(_announced(b"prefill", victim_regions))
+    key = LeaseKey("mine", b"t" * 16)
+
+    def source(holder, regions, word):
+        return puller.source(descriptors.lease_descriptor(holder, regions, word), key, [r.nbytes for r in regions])
+
+    source(b"prefill", victim_regions, _word(5))  # the holder's own layout: accepted
+    as_peers = [descriptors.RemoteRegion(r.nbytes, r.address, r.rkey, r.worker or b"prefill") for r in victim_regions]
+    for holder in (b"insider", b"rank1"):  # another worker's word for the prefill worker's regions
+        with pytest.raises(DescriptorError, match="not announced as a rank"):
+            source(holder, as_peers, _word(5))
+    # announcing itself with the prefill worker (or its rank) as its own rank does not help: first come
+    assert not puller.announce(_announced(b"insider", as_peers[:1]))
+    assert not puller.announce(_announced(b"insider", as_peers[1:]))
+    assert not puller.announce(descriptors.holder_descriptor(b"prefill", victim_regions[:1], WORDS))
+    with pytest.raises(DescriptorError, match="not announced as a rank"):
+        source(b"insider", as_peers, _word(5))
+    # the word moved elsewhere in the holder's memory (into its pool, past its lease words, unaligned, another key)
+    for word in (
+        descriptors.RemoteRegion(8, 4096 + 8, b"k"),
+        _word(64),
+        descriptors.RemoteRegion(8, WORDS.address + 4, b"w"),
+        _word(5, rkey=b"k"),
+    ):
+        with pytest.raises(DescriptorError, match="not one of the lease words"):
+            source(b"prefill", victim_regions, word)
+    # a holder never announced (given to the router statically) may name only its own memory
+    source(b"static", victim_regions[:1], _word(5))
+    with pytest.raises(DescriptorError, match="not announced as a rank"):
+        source(b"static", as_peers, _word(5))
 
 
 def test_a_warm_up_reads_the_pools_and_lease_words_and_ends_no_lease():
@@ -271,7 +323,7 @@ def test_an_idle_holder_costs_no_cpu_and_needs_no_helper_thread():
 
     async def main():
         threads = threading.active_count()
-        transport = UcxTransport("127.0.0.1")
+        transport = UcxTransport()
         holder = transport.holder(LeaseTable())
         await holder.start()
         try:
@@ -296,7 +348,7 @@ def test_a_spinning_receive_spins_only_until_done_or_its_budget():
 
     from deltamesh.transfer.ucx import loop_worker
 
-    transport = UcxTransport("127.0.0.1")
+    transport = UcxTransport()
 
     async def main():
         ucx = loop_worker.get()
@@ -343,7 +395,7 @@ def _peer_process(conn):
     test's process holds through the same API (a pull the other way round), and waits."""
 
     async def main():
-        transport = UcxTransport("127.0.0.1")
+        transport = UcxTransport()
         leases = LeaseTable()
         holder, puller = transport.holder(leases), transport.puller()
         await holder.start()

@@ -38,6 +38,7 @@ from deltamesh.transfer.base import LeaseKey, StatePuller, TransferError, Transf
 from deltamesh.transfer.ucx import descriptors, loop_worker, notices
 from deltamesh.transfer.ucx.descriptors import UcxSource
 from deltamesh.transfer.ucx.endpoints import Endpoints
+from deltamesh.transfer.ucx.holders import KnownHolders
 from deltamesh.v1 import ucx_pb2
 from deltamesh.v1.common_pb2 import TransportDescriptor
 
@@ -45,12 +46,20 @@ log = structlog.get_logger("deltamesh.transfer")
 
 
 class UcxPuller(StatePuller):
-    def __init__(self, error_handling: bool = True, settle_grace_s: float = 10.0, spin_s: float = 0.02):
-        """`error_handling`: UCX peer error handling (a dead holder is reported; off lets UCX use shared memory
-        and cuda_ipc). `spin_s`: how long a pull into GPU buffers may keep the event loop progressing UCX on every
-        turn instead of waiting to be woken (see loop_worker); 0 never spins. Host pulls never spin: their bytes
-        are copied by CPU cores, which spinning would take away."""
-        self._eps = Endpoints(error_handling)
+    def __init__(
+        self,
+        error_handling: bool = True,
+        settle_grace_s: float = 10.0,
+        spin_s: float = 0.02,
+        interface: str | None = None,
+    ):
+        """`error_handling`: UCX peer error handling (a dead holder is reported). `spin_s`: how long a pull into
+        GPU buffers may keep the event loop progressing UCX on every turn instead of waiting to be woken (see
+        loop_worker); 0 never spins. Host pulls never spin: their bytes are copied by CPU cores, which spinning
+        would take away. `interface`: the network interface the side channel also uses (UcxTransport), named
+        when a holder is out of reach."""
+        self._eps = Endpoints(error_handling, interface)
+        self._holders = KnownHolders()
         self.spin_s = spin_s
         self._notices: set[asyncio.Future] = set()  # done and abandon notices on their way
         # failed pulls whose reads may still write into their buffers: lease id -> resolves when they no longer can
@@ -66,7 +75,12 @@ class UcxPuller(StatePuller):
         self._eps.close()
 
     def source(self, descriptor: TransportDescriptor, lease: LeaseKey, region_bytes: Sequence[int]) -> UcxSource:
-        return descriptors.read_lease(descriptor, lease, region_bytes)
+        source = descriptors.read_lease(descriptor, lease, region_bytes)
+        self._holders.check(source)  # the word is where the holder of these regions keeps lease words
+        return source
+
+    def announce(self, holder: TransportDescriptor) -> bool:
+        return self._holders.announce(holder)
 
     async def warm(self, holder: TransportDescriptor, device: torch.device, timeout_s: float) -> float:
         """What UCX sets up on the first pull from a holder: the endpoint, the remote keys, the first read of each
