@@ -243,10 +243,45 @@ def test_a_lease_word_vouches_only_for_its_holders_memory():
     ):
         with pytest.raises(DescriptorError, match="not one of the lease words"):
             source(b"prefill", victim_regions, word)
-    # a holder never announced (given to the router statically) may name only its own memory
+    # a holder never announced (given to the router statically) may name its own memory, and no announced worker's
     source(b"static", victim_regions[:1], _word(5))
     with pytest.raises(DescriptorError, match="not announced as a rank"):
         source(b"static", as_peers, _word(5))
+
+
+def test_a_pull_naming_ranks_of_a_holder_not_announced_yet_waits_for_its_announcement():
+    """A parallel prefill worker may be routed to up to a heartbeat before the decode workers hear of it: its leases
+    pass `source` (their ranks are no one else's), and the pull waits for the announcement, then is checked
+    against it: refused, before any byte moves, if none comes."""
+    from deltamesh.transfer.ucx.holders import KnownHolders
+
+    regions = [descriptors.RemoteRegion(4, 4096, b"k"), descriptors.RemoteRegion(4, 8192, b"j", b"tp-rank1")]
+    descriptor = descriptors.lease_descriptor(b"tp-prefill", regions, _word(1))
+    key = LeaseKey("L", b"t" * 16)
+
+    async def main():
+        transport = UcxTransport()
+        puller = transport.puller()
+        try:
+            src = puller.source(descriptor, key, [4, 4])
+            started = time.monotonic()
+            with pytest.raises(TransferError, match="not announced as a rank") as e:
+                await puller.pull(src, [torch.zeros(8, dtype=torch.uint8)], timeout_s=0.3)
+            assert e.value.refused and time.monotonic() - started >= 0.15  # half its deadline, at most 2 s
+
+            holders = KnownHolders()  # an announcement ends the wait at once, and then vouches for the ranks
+            waiting = asyncio.create_task(holders.announced(b"tp-prefill", 30))
+            await asyncio.sleep(0.05)
+            assert holders.awaits_announcement(src) and not waiting.done()
+            assert holders.announce(_announced(b"tp-prefill", regions))
+            await asyncio.wait_for(waiting, 1)
+            assert not holders.awaits_announcement(src)
+            holders.check(src)
+        finally:
+            await puller.close()
+            transport.close()
+
+    asyncio.run(main())
 
 
 def test_a_warm_up_reads_the_pools_and_lease_words_and_ends_no_lease():
@@ -467,3 +502,41 @@ def test_the_wire_api_names_no_transport_field_outside_a_transports_own_messages
     names = {f.name for m in messages for f in m.fields}
     assert not {n for n in names if "ucx" in n or "rkey" in n or n in ("region_addresses", "word_address")}
     assert {f.name for f in common_pb2.TransportDescriptor.DESCRIPTOR.fields} == {"kind", "version", "payload"}
+
+
+_LISTENERS = """
+import asyncio, json, os, re, sys
+from deltamesh.transfer.ucx import UcxTransport, loop_worker
+
+async def main():
+    loop_worker.get()  # this process's UCX worker, as a worker's holder makes it
+
+UcxTransport(sys.argv[1] or None)
+asyncio.run(main())
+links = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:  # the listing's own descriptor, closed by now
+        pass
+sockets = {m.group(1) for link in links if (m := re.fullmatch(r"socket:\\[(\\d+)\\]", link))}
+rows = [line.split() for t in ("tcp", "tcp6") for line in open(f"/proc/self/net/{t}").readlines()[1:]]
+print("LISTENING", json.dumps([r[1] for r in rows if r[3] == "0A" and r[9] in sockets]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("interface", ["", "lo"])
+def test_the_side_channel_listens_on_a_network_only_when_given_an_interface(interface):
+    """One host (the default): UCX opens no network transport, so a worker's UCX listens on no socket (the review
+    forged addresses to those sockets). --side-channel-interface lo: TCP on that interface only (127.0.0.1)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LISTENERS, interface], capture_output=True, text=True, timeout=120)
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("LISTENING ")]  # UCX logs to stdout too
+    listening = json.loads(line.split(" ", 1)[1])  # local "address:port", hex as /proc shows it
+    if not interface:
+        assert listening == []
+    else:
+        assert listening and all(a.split(":")[0] in ("0100007F", "0000000000000000FFFF00000100007F") for a in listening)

@@ -1,17 +1,17 @@
-"""The UCX transport (ucxx + UCX RMA): one-sided pulls of leased state (deltamesh/transfer/ucx/puller.py), its descriptors
-(deltamesh/transfer/ucx/descriptors.py, protos/deltamesh/v1/ucx.proto).
+"""The UCX transport (ucxx + UCX RMA): one-sided pulls of leased state (deltamesh/transfer/ucx/puller.py), its
+descriptors (deltamesh/transfer/ucx/descriptors.py, protos/deltamesh/v1/ucx.proto).
 
-Who can reach the side channel is decided here, by the UCX transports a worker opens (docs/notes/side-channel-security.md
-has the measurements behind each choice). UCX answers a peer's *software* RMA request (the emulation it falls back to
-on transports without RMA in hardware, TCP and shared-memory queues among them) by copying from or to whatever
-address the peer names, with no check of a remote key: any peer that reaches a worker's UCX can read or write its
-whole memory, or crash it with an unmapped address. So the only defence is who can be a peer at all:
+Who can reach the side channel is decided here, by the UCX transports a worker opens (the measurements behind each
+choice: docs/notes/side-channel-security.md). UCX answers a peer's *software* RMA request (the emulation it falls
+back to on transports without RMA in hardware, TCP and shared-memory queues among them) by copying from or to
+whatever address the peer names, with no check of a remote key: any peer that reaches a worker's UCX can read or
+write its whole memory, or crash it with an unmapped address. So the only defence is who can be a peer at all:
 
 - one host (the default): shared memory (`posix`, its file shared through /proc/<pid>/fd, which the kernel opens
-  only for the owner's user or root), CMA (process_vm_readv: ptrace rights, the same user or root), CUDA IPC, and
-  no network transport, so no listening socket. Another user of the host cannot open the worker's shared memory or
-  read it by CMA; the workers of a mesh must run as one user. (System V shared memory is left out: UCX makes its
-  segments group-writable.)
+  only for the owner's user or root), CMA (process_vm_readv: ptrace rights, the same user or root), CUDA IPC on
+  GPUs, and no network transport, so no listening socket. Another user of the host cannot open the worker's shared
+  memory or read it by CMA; the workers of a mesh must run as one user. (System V shared memory is left out: UCX
+  makes its segments group-writable.)
 - across hosts (`--side-channel-interface IFACE`): the same, plus TCP on that interface only. TCP carries RMA in
   software, so anyone who can open a connection to the worker's UCX port can read or write its memory: the
   interface must be a network only the mesh's hosts reach (docs/RELIABILITY.md, threat model).
@@ -31,15 +31,16 @@ from deltamesh.transfer.ucx.puller import UcxPuller
 
 log = structlog.get_logger("deltamesh.transfer")
 
-# Within a host: shared memory (through /proc/<pid>/fd), CMA, CUDA IPC (and its copies), the process itself.
-LOCAL_TRANSPORTS = "self,posix,cma,cuda_copy,cuda_ipc"
+# Within a host: the process itself, shared memory (through /proc/<pid>/fd), CMA; with GPUs, CUDA IPC and copies.
+LOCAL_TRANSPORTS, CUDA_TRANSPORTS = "self,posix,cma", "cuda_copy,cuda_ipc"
 
 
-def side_channel_env(interface: str | None) -> dict[str, str]:
+def side_channel_env(interface: str | None, cuda: bool = False) -> dict[str, str]:
     """The UCX settings of a worker's side channel: on one host only (`interface` None), or also over TCP on
-    `interface`."""
+    `interface`; `cuda`: its pools are in GPU memory."""
+    transports = [LOCAL_TRANSPORTS] + [CUDA_TRANSPORTS] * cuda + ["tcp"] * bool(interface)
     return {
-        "UCX_TLS": LOCAL_TRANSPORTS + (",tcp" if interface else ""),
+        "UCX_TLS": ",".join(transports),
         # the shared-memory file opened through /proc/<pid>/fd (the kernel's ptrace check), never by a name in
         # /dev/shm
         "UCX_POSIX_USE_PROC_LINK": "y",
@@ -58,11 +59,13 @@ class UcxTransport(Transport):
     kind, version = descriptors.KIND, descriptors.VERSION
     rank_exporter = "deltamesh.transfer.ucx.rank_memory:export"
 
-    def __init__(self, interface: str | None = None, error_handling: bool = True, spin_s: float = 0.02):
+    def __init__(
+        self, interface: str | None = None, error_handling: bool = True, spin_s: float = 0.02, cuda: bool = False
+    ):
         """Made before UCX starts in this process (its settings are read then; a parallel worker's other ranks
-        inherit them): the side channel on one host only, or also over TCP on network `interface`
-        (side_channel_env). `error_handling`, `spin_s`: see UcxPuller."""
-        env = side_channel_env(interface)
+        inherit them): the side channel on one host only, or also over TCP on network `interface`, for pools in
+        host memory or (`cuda`) on GPUs (side_channel_env). `error_handling`, `spin_s`: see UcxPuller."""
+        env = side_channel_env(interface, cuda)
         replaced = {k: os.environ[k] for k in env if os.environ.get(k, env[k]) != env[k]}
         if replaced:  # a UCX_TLS set by hand could open TCP to every local user again
             log.warning("UCX settings replaced by the side channel's own", replaced=replaced, now=env)
@@ -72,7 +75,8 @@ class UcxTransport(Transport):
 
     @classmethod
     def from_settings(cls, settings) -> UcxTransport:
-        return cls(settings.side_channel_interface, settings.ucx_error_handling)
+        cuda = settings.engine.torch_device().type == "cuda"
+        return cls(settings.side_channel_interface, settings.ucx_error_handling, cuda=cuda)
 
     def holder(self, leases: LeaseTable) -> UcxHolder:
         return UcxHolder(leases)

@@ -14,14 +14,19 @@ its own, set to the value that matches, and have that state decoded for it. So, 
 
 A worker address belongs to the first holder announced with it: a later announcement naming it again, as its own
 or as a rank (someone registering a "worker" whose ranks are another worker's), is refused. The addresses are
-UCX's, made when a process starts, so no one can name one before its owner registers it.
+UCX's, made when a process starts, so no one can name one before its owner registers it. A pull whose holder names
+ranks but was not announced yet waits briefly for the announcement (UcxPuller.pull), then is refused.
 
-Not covered: a holder that was never announced (a prefill worker given to the router with --prefill, the decode
-workers' prefix offers to prefill workers) may name no ranks, and its word is read from its own memory but not
-checked against its lease words, which the puller does not know (docs/RELIABILITY.md, threat model).
+Not covered (docs/RELIABILITY.md, threat model): a holder that was never announced (a prefill worker given to the
+router with --prefill, the decode workers' prefix offers to prefill workers) may name no ranks, and its word is read
+from its own memory but not checked against its lease words, which the puller does not know; and since only prefill
+workers are announced (to decode workers), a caller holding the mesh secret can register a "prefill worker" that
+names such a never-announced worker (a decode worker whose offers it has seen) as its rank.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import structlog
 
@@ -36,6 +41,7 @@ class KnownHolders:
     def __init__(self):
         self._holders: dict[bytes, AnnouncedHolder] = {}  # a holder's worker address -> what it announced
         self._owner: dict[bytes, bytes] = {}  # a worker address -> the holder that announced it (itself or a rank)
+        self._news: asyncio.Event | None = None  # set by the next announcement, for pulls awaiting one
 
     def announce(self, descriptor: TransportDescriptor) -> bool:
         """Record a holder the control plane announced; False (and nothing recorded) if it names a worker that
@@ -54,13 +60,18 @@ class KnownHolders:
         self._holders[holder.address] = holder
         for address in (holder.address, *holder.ranks):
             self._owner[address] = holder.address
+        if self._news is not None:
+            self._news.set()
+            self._news = None
         return True
 
-    def check(self, source: UcxSource) -> None:
-        """Raise DescriptorError unless `source`'s regions and word are where its holder keeps leased memory."""
+    def check(self, source: UcxSource, final: bool = True) -> None:
+        """Raise DescriptorError unless `source`'s regions and word are where its holder keeps leased memory.
+        `final` False: a holder not announced yet may name workers no one announced (see `awaits_announcement`)."""
         holder = self._holders.get(source.address)
         ranks = holder.ranks if holder is not None else frozenset()
-        if any(r.worker not in (source.address, *ranks) for r in source.regions):
+        strangers = {r.worker for r in source.regions} - {source.address, *ranks}
+        if strangers and (final or holder is not None or strangers & self._owner.keys()):
             raise DescriptorError(
                 "ucx descriptor: it names regions in a worker that was not announced as a rank of the holder whose "
                 "lease word vouches for them"
@@ -74,3 +85,20 @@ class KnownHolders:
             or source.check.rkey != words.rkey
         ):
             raise DescriptorError("ucx descriptor: its lease word is not one of the lease words its holder announced")
+
+    def awaits_announcement(self, source: UcxSource) -> bool:
+        """Only an announcement of its holder can vouch for `source`: the holder names other workers as its ranks
+        but was not announced (yet). A parallel prefill worker is routed to once the router finds it healthy,
+        which may be up to a heartbeat before the decode workers hear of it."""
+        return source.address not in self._holders and any(r.worker != source.address for r in source.regions)
+
+    async def announced(self, address: bytes, timeout_s: float) -> None:
+        """Until the holder at `address` is announced, or `timeout_s` passed."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while address not in self._holders:
+            self._news = self._news or asyncio.Event()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._news.wait()
+            except TimeoutError:
+                return

@@ -34,7 +34,7 @@ import structlog
 import torch
 
 from deltamesh.transfer import failpoints
-from deltamesh.transfer.base import LeaseKey, StatePuller, TransferError, TransferStats, segments
+from deltamesh.transfer.base import DescriptorError, LeaseKey, StatePuller, TransferError, TransferStats, segments
 from deltamesh.transfer.ucx import descriptors, loop_worker, notices
 from deltamesh.transfer.ucx.descriptors import UcxSource
 from deltamesh.transfer.ucx.endpoints import Endpoints
@@ -43,6 +43,11 @@ from deltamesh.v1 import ucx_pb2
 from deltamesh.v1.common_pb2 import TransportDescriptor
 
 log = structlog.get_logger("deltamesh.transfer")
+
+# How long (at most, and at most half its deadline) a pull from a holder that names ranks waits for the control plane
+# to announce that holder: decode workers hear of the prefill workers the router found healthy every heartbeat,
+# half a second by default
+ANNOUNCEMENT_WAIT_S = 2.0
 
 
 class UcxPuller(StatePuller):
@@ -76,11 +81,17 @@ class UcxPuller(StatePuller):
 
     def source(self, descriptor: TransportDescriptor, lease: LeaseKey, region_bytes: Sequence[int]) -> UcxSource:
         source = descriptors.read_lease(descriptor, lease, region_bytes)
-        self._holders.check(source)  # the word is where the holder of these regions keeps lease words
+        self._holders.check(source, final=False)  # the word is where the holder of these regions keeps lease words
         return source
 
     def announce(self, holder: TransportDescriptor) -> bool:
         return self._holders.announce(holder)
+
+    def _vouched(self, source: UcxSource) -> None:
+        try:
+            self._holders.check(source)
+        except DescriptorError as e:
+            raise TransferError(str(e), refused=True) from None
 
     async def warm(self, holder: TransportDescriptor, device: torch.device, timeout_s: float) -> float:
         """What UCX sets up on the first pull from a holder: the endpoint, the remote keys, the first read of each
@@ -147,6 +158,9 @@ class UcxPuller(StatePuller):
         lease_id = source.lease.lease_id
         try:
             async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the reads
+                if self._holders.awaits_announcement(source):
+                    await self._holders.announced(source.address, min(timeout_s / 2, ANNOUNCEMENT_WAIT_S))
+                    self._vouched(source)
                 return await self._pull(source, buffers, started)
         except TimeoutError:
             for worker in _workers(source):
