@@ -328,3 +328,38 @@ def test_a_lease_word_is_bound_to_the_memory_it_vouches_for(mesh, reference_engi
         "test_a_lease_word_is_bound_to_the_memory_it_vouches_for",
         "both refused, nothing reserved; the victim's own pull then token-exact",
     )
+
+
+def test_across_hosts_whoever_reaches_the_interface_reads_the_workers(tmp_path, reference_engine):
+    """The known limit, measured: with --side-channel-interface (here lo) a worker's UCX listens on TCP there, and
+    UCX serves reads over TCP in software at any address, so the review's forging attack reads the worker's memory
+    again. Hence the deployment rule: that interface must be a network only the mesh's hosts reach."""
+    nobody = another_user()
+    mesh = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--side-channel-interface", "lo"])
+    try:
+        holder = mesh.workers("prefill")[0]
+        grpc_port = int(holder.address.rsplit(":", 1)[1])
+        ucx_ports = listening_ports(holder.popen.pid) - {grpc_port}
+        assert len(ucx_ports) == 1, ucx_ports  # UCX's TCP listener, on 127.0.0.1 (lo) only
+        environ = environ_of(holder.popen.pid)
+        got = attack(
+            {
+                "user": nobody,
+                "ucx_env": FORGER_ENV,
+                "attempts": [{"name": "prefill", "forge_port": ucx_ports.pop(), "reads": [environ]}],
+            }
+        )
+        print([{k: v for k, v in r.items() if k != "data"} for r in got])
+        assert got[0]["outcome"] == "read" and mesh.secret.encode() in bytes.fromhex(got[0]["data"])
+        assert serves_exactly(mesh, reference_engine, list(range(400, 430)))
+        record(
+            "with `--side-channel-interface lo`, another local user forges a UCX address to a worker's UCX port "
+            "and reads its environment",
+            "the known limit across hosts: UCX listens on TCP on that interface and serves reads there in software "
+            "at any address, so the interface must be a network only the mesh's hosts reach (threat model)",
+            "test_across_hosts_whoever_reaches_the_interface_reads_the_workers",
+            f"read {environ['nbytes']:,} bytes of the prefill worker's environment, the mesh secret among them; the "
+            "mesh went on serving",
+        )
+    finally:
+        mesh.stop()
