@@ -214,6 +214,8 @@ def test_workers_register_with_the_router_under_their_pod_ip(rendered):
             )
             advertise = {e["name"]: e for e in c["env"]}["DELTAMESH_ADVERTISE_HOST"]
             assert advertise["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, f"{overlay}: {owner}"
+            # pods share no memory: without the interface the side channel reaches no other pod's worker
+            assert params["side_channel_interface"] == "eth0", f"{overlay}: {owner}: the side channel stays in its pod"
 
 
 def test_probes_metrics_and_ports_match_what_each_process_serves(rendered):
@@ -322,3 +324,40 @@ def test_the_renderer_refuses_what_it_does_not_understand(tmp_path):
     )
     with pytest.raises(render_module.KustomizeError, match="patch of ConfigMap a"):
         render_module.render(tmp_path)
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions with In / NotIn) against a pod's labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        inside = labels.get(e["key"]) in e["values"]
+        if (e["operator"] == "In") != inside:
+            return False
+    return True
+
+
+def test_only_the_meshs_pods_reach_the_workers(rendered):
+    """The side channel (UCX over TCP between worker pods) serves reads at any address a peer names: every worker
+    pod is covered by a policy admitting the mesh's own pods, and others only to the metrics port; the router takes
+    clients on its client ports and workers only on its control port."""
+    for overlay, resources in rendered.items():
+        policies = by_kind(resources, "NetworkPolicy")
+        for owner, template in pod_templates(resources):
+            labels, (c,) = template["metadata"]["labels"], template["spec"]["containers"]
+            covering = [p for p in policies.values() if selects(p["spec"]["podSelector"], labels)]
+            assert len(covering) == 1, f"{overlay}: {owner} is covered by {len(covering)} policies"
+            rules = covering[0]["spec"]["ingress"]
+            named = {port["name"] for port in c["ports"]}
+            for rule in rules:
+                ports = {port["port"] for port in rule.get("ports", [])}
+                assert ports <= named, f"{overlay}: {owner}: the policy names ports {ports - named} it lacks"
+                open_to_all = "from" not in rule
+                if c["args"][0] == "router":
+                    assert ports <= ({"grpc", "http"} if open_to_all else {"control"}), f"{overlay}: {owner}: {rule}"
+                else:
+                    assert ports == {"metrics"} if open_to_all else not ports, f"{overlay}: {owner}: {rule}"
+                for peer in rule.get("from", []):
+                    assert set(peer) == {"podSelector"} and peer["podSelector"] == {
+                        "matchLabels": {"app.kubernetes.io/name": "deltamesh"}
+                    }, f"{overlay}: {owner}: admits {peer}"
