@@ -7,7 +7,7 @@ PROTO_SRC := protos
 PROTO_OUT := sdk/src
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup protos run test lint test-fast test-gpu test-docker reliability bench-cpu bench-transfer bench-soak bench-multi-turn bench-multi-turn-gpu \
+.PHONY: setup protos run test lint test-fast test-gpu test-docker reliability bench-cpu bench-transfer bench-multihost bench-soak bench-multi-turn bench-multi-turn-gpu \
 	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity bench-peers bench-host-gap \
 	bench-parallel bench-disagg-parallel clean help
 
@@ -71,6 +71,10 @@ bench-cpu:
 
 bench-transfer:
 	$(PYTHON) bench/transfer.py --out bench/results/transfer_cpu.json
+
+bench-multihost:  # root: state pull times between network namespaces (UCX over TCP) and on one host (bench/RESULTS.md)
+	rm -f bench/results/pulls_multihost_cpu.json
+	DELTAMESH_PULL_TIMES_OUT=bench/results/pulls_multihost_cpu.json $(BIN)/pytest -q tests/e2e/test_multihost.py -k pull_times
 
 bench-soak:
 	$(PYTHON) bench/load_soak.py soak --duration 600 --out bench/results/soak_cpu.json

@@ -10,7 +10,8 @@
 #    `docker import`; needs root). Its tarball is kept in the cache.
 # 2. The wheelhouse: every wheel the image installs (the pinned torch, the package and SDK with their
 #    dependencies, grpcio-tools, pip, setuptools, wheel), downloaded with this machine's pip into the cache, one
-#    folder per set of requirements (a hash of the pyproject files, the extras and the torch pin).
+#    folder per set of requirements (a hash of the package's and the SDK's dependencies, the extras and the torch
+#    pin).
 # 3. docker build with pip pointed at the wheelhouse only (PIP_FIND_LINKS=http://127.0.0.1:PORT/ PIP_NO_INDEX=1),
 #    served for the length of the build from loopback (hence --network host: the wheelhouse never enters the
 #    image or its build context). The classic builder is enough.
@@ -59,7 +60,12 @@ base_image() {
 
 wheelhouse() {
     local key dir
-    key=$(cat pyproject.toml sdk/pyproject.toml <(echo "$EXTRAS $TORCH_VERSION $TORCH_INDEX") | sha256sum | cut -c1-16)
+    # the requirements themselves, not the files around them (a new test setting needs no new wheelhouse)
+    key=$("$PYTHON" -c 'import sys, tomllib
+for path in ("pyproject.toml", "sdk/pyproject.toml"):
+    project = tomllib.load(open(path, "rb"))["project"]
+    print(sorted(project["dependencies"]), sorted(project.get("optional-dependencies", {}).get(sys.argv[1], [])))
+' "$EXTRAS" | cat - <(echo "$EXTRAS $TORCH_VERSION $TORCH_INDEX") | sha256sum | cut -c1-16)
     dir="$CACHE/wheelhouse-$key"
     if [ ! -f "$dir/.complete" ]; then
         say "downloading the wheelhouse into $dir"
@@ -75,7 +81,15 @@ wheelhouse() {
 
 base=$(base_image)
 wheels=$(wheelhouse)
-port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# The wheelhouse's URL is a build arg, and build args are part of Docker's cache key: the same port for the same
+# wheelhouse keeps the layers cached (another only if that one is taken).
+port=$("$PYTHON" -c 'import socket, sys, zlib
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", 20000 + zlib.crc32(sys.argv[1].encode()) % 10000))
+except OSError:
+    s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])' "$wheels")
 "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$wheels" "$port" > "$CACHE/wheelhouse-server.log" 2>&1 &
 server=$!
 trap 'kill $server 2> /dev/null || true' EXIT
