@@ -1,8 +1,9 @@
-"""The mesh across hosts, on one machine: the router, a prefill worker and a decode worker each in a network
-namespace of its own, joined by veth pairs to a bridge in a fourth namespace (the switch), so that every byte
-between them crosses a network interface: gRPC between addresses, workers registering under --advertise-host,
-the UCX side channel over TCP (--side-channel-interface). The test process reaches the mesh through a veth of its
-own. Needs root and iproute2 (`ip netns`); skipped, saying why, where namespaces cannot be made.
+"""The mesh across hosts, on one machine: the router, a prefill worker and a decode worker each on a host of its
+own (a network namespace joined by a veth pair to a bridge in a fourth namespace, the switch; and IPC, PID, mount
+and UTS namespaces, so that no shared memory or CMA joins them either), so that every byte between them crosses a
+network interface: gRPC between addresses, workers registering under --advertise-host, the UCX side channel over
+TCP (--side-channel-interface). The test process reaches the mesh through a veth of its own. Needs root, iproute2
+(`ip`, `tc`) and util-linux's `unshare`; skipped, saying why, where they or namespaces are missing.
 
 Checked: greedy output token for token against the monolithic engine, the state's bytes counted on the prefill
 host's interface, pull times (with DELTAMESH_PULL_TIMES_OUT=FILE they are written there as JSON: make
@@ -56,15 +57,20 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def namespaces_unavailable() -> str | None:
     """Why network namespaces cannot be made here, or None."""
-    if shutil.which("ip") is None:
-        return "iproute2's `ip` is not installed (apt-get install iproute2)"
+    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (apt-get install iproute2 util-linux)"
     if os.geteuid() != 0:
         return "network namespaces need root (CI runs as root)"
     probe = f"dmprobe{os.getpid()}"
     made = run("ip", "netns", "add", probe, check=False)
     if made.returncode:
         return f"`ip netns add` failed: {made.stderr.strip()}"
+    host = Host(probe, "", "")
+    isolated = run(*host.exec("true"), check=False)
     run("ip", "netns", "del", probe, check=False)
+    if isolated.returncode:
+        return f"a host's own namespaces could not be made: {isolated.stderr.strip()}"
     return None
 
 
