@@ -171,7 +171,7 @@ def pulled_where_held(engine: EngineCore, transport, rids: list[str]) -> dict[st
         await holder.start()
         puller = transport.puller()
         await puller.start()
-        assert puller.announce(holder.describe(engine.pool_views()))  # as the router announces a prefill worker
+        assert puller.announce(holder.describe(engine.held.pool_views()))  # as the router announces a prefill worker
         pulled = {}
         for rid in rids:
             buffers = [r.tensor if isinstance(r, Region) else r for r in engine.held.regions(rid)]
