@@ -100,13 +100,16 @@ def _ports_free(command: str, host: str, ports: dict[str, int | None]) -> None:
             raise typer.Exit(2) from None
 
 
-def _transport_known(name: str) -> None:
+def _transport_known(name: str, interface: str | None) -> None:
     from deltamesh.transfer import TRANSPORTS
 
     if name not in TRANSPORTS:
         raise typer.BadParameter(
             f"unknown transport {name!r}; transports: {', '.join(TRANSPORTS)}", param_hint="--transport"
         )
+    if interface is not None and interface not in {n for _, n in socket.if_nameindex()}:
+        names = ", ".join(n for _, n in socket.if_nameindex())
+        raise typer.BadParameter(f"no interface {interface!r} here ({names})", param_hint="--side-channel-interface")
 
 
 def _servable(command: str, model: str, engine=None, code: int = CONFIG_ERROR) -> None:
@@ -179,7 +182,7 @@ def _worker_command(role: str):
             mesh_secret=_mesh_secret(values["mesh_secret_file"]),
         )
         _ports_free(role, settings.host, {"--port": settings.port, "--metrics-port": settings.metrics_port})
-        _transport_known(settings.transport)
+        _transport_known(settings.transport, settings.side_channel_interface)
         _check_tls(settings.tls)
         _servable(role, settings.engine.model, settings.engine)
         if role == "prefill":
@@ -294,7 +297,9 @@ def serve(ctx: typer.Context, **values) -> None:
     has_secret = values["mesh_secret_file"] or os.environ.get("DELTAMESH_MESH_SECRET")
     secret = _mesh_secret(values["mesh_secret_file"], create=True) if has_secret else secrets.token_urlsafe(32)
     router, roles, gpus = _plan(values, secret)
-    engine = settings_from(WorkerSettings, WORKER, values, role=roles[0], mesh_secret=secret).engine
+    worker = settings_from(WorkerSettings, WORKER, values, role=roles[0], mesh_secret=secret)
+    _transport_known(worker.transport, worker.side_channel_interface)
+    engine = worker.engine
     _servable("serve", engine.model, engine, code=2)  # every worker runs the same model on the same kind of device
     specs, metrics_urls = _children(values, secret, router, roles, gpus)
     where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")

@@ -147,7 +147,15 @@ class StatePuller(ABC):
     @abstractmethod
     def source(self, descriptor: TransportDescriptor, lease: LeaseKey, region_bytes: Sequence[int]) -> Source:
         """The state that `descriptor` describes, held under `lease` in regions of `region_bytes`, as this puller
-        reaches it. Raises DescriptorError (another transport or version, a malformed payload); moves nothing."""
+        reaches it. Raises DescriptorError (another transport or version, a malformed payload, memory the holder
+        it names cannot vouch for: see `announce`); moves nothing."""
+
+    @abstractmethod
+    def announce(self, holder: TransportDescriptor) -> bool:
+        """The control plane announced this holder (`StateHolder.describe` of a registered worker): where its
+        leases' memory may be. Sources from it are checked against it from now on. False when the transport
+        refuses the announcement (it names memory another announced holder named first); raises DescriptorError
+        for one it cannot read."""
 
     @abstractmethod
     async def pull(self, source: Source, buffers: list[torch.Tensor], timeout_s: float) -> TransferStats:

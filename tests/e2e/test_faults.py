@@ -122,8 +122,8 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
 
 
 def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
-    # the failpoint holds the puller before it reads the lease word, so SIGSTOP lands mid-transfer; on this CPU
-    # mesh (UCX error handling on) RMA reads go over TCP and need the holder's progress
+    # the failpoint holds the puller before it reads the lease word, so SIGSTOP lands mid-transfer; on one host
+    # the reads (CMA) and the word's read are the puller's own syscalls: they need nothing of the stopped holder
     mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=sleep:0.5")
     try:
         client = mesh.client(retries=0)
@@ -133,11 +133,9 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
         mesh.kill(prefill, signal.SIGSTOP)
         stopped_at = time.monotonic()
         job.wait(10)
-        assert isinstance(job.error, Unavailable), job.error
-        error_after = job.ended_at - stopped_at
-        # the reservation is over; its pages go back once UCX can no longer write into them (the stopped holder
-        # may still send when it resumes), at the latest after the 2 s transfer deadline once more
-        assert mesh.workers("decode")[0].load().reservations == 0
+        assert job.error is None and job.tokens == 50, job.error
+        done_after = job.ended_at - stopped_at
+        # the pulled state is still held: the done notice waits in the stopped holder's queue
         time.sleep(1.0)
         mesh.kill(prefill, signal.SIGCONT)
         resumed_at = time.monotonic()
@@ -145,12 +143,12 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
         freed_after = time.monotonic() - resumed_at
         assert client.generate("Still serving", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
         record(
-            "SIGSTOP the prefill worker during a state transfer, SIGCONT 1 s after the client's error",
-            "decode's pull hits its deadline (2 s here: over TCP, its reads need the stopped holder), fails the "
-            "request (UNAVAILABLE) and frees its reservation once UCX can no longer write into it; once resumed, "
-            "the prefill worker reads the abandon notice and frees the held state",
+            "SIGSTOP the prefill worker during a state transfer, SIGCONT 1 s after",
+            "the pull completes anyway (on one host its reads and the lease word's are the decode worker's own CMA "
+            "syscalls) and the request is served; once resumed, the prefill worker reads the done notice waiting "
+            "for it and frees the held state",
             "test_sigstop_prefill_during_transfer_then_sigcont",
-            f"client error {error_after:.2f}s after SIGSTOP; prefill memory freed {freed_after:.2f}s after SIGCONT",
+            f"request completed {done_after:.2f}s after SIGSTOP; prefill memory freed {freed_after:.2f}s after SIGCONT",
         )
     finally:
         mesh.stop()

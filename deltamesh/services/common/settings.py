@@ -44,10 +44,16 @@ class WorkerSettings(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     # how held state moves between workers (deltamesh/transfer/registry.py)
     transport: str = Field("ucx", description="How held state moves between workers: ucx")
-    # False lets UCX use shared memory / cuda_ipc, but peer failures go undetected by UCX
-    ucx_error_handling: bool = Field(
-        True, description="UCX peer error handling (off lets UCX use shared memory / cuda_ipc)"
+    # who can reach the side channel (deltamesh/transfer/ucx/__init__.py): this host's workers of this user only,
+    # or also TCP on this interface (whoever reaches it can read the workers' memory)
+    side_channel_interface: str | None = Field(
+        None,
+        description="Network interface the side channel may also use, to reach workers on other hosts (UCX over "
+        "TCP: anyone who can connect to it can read the workers' memory, so only a network of the mesh's hosts). "
+        "Unset: this host only (shared memory, CMA, CUDA IPC), workers of one user",
     )
+    # off: UCX cannot report a dead peer (deadlines still end every pull)
+    ucx_error_handling: bool = Field(True, description="UCX peer error handling (a dead peer ends a pull at once)")
     # prefill: how long a held state waits for its decode worker
     lease_ttl_s: float = Field(
         30.0, description="Prefill: seconds a held state waits to be pulled", **_flag("lease_ttl")

@@ -1,6 +1,7 @@
-"""Decode worker: set up the transport to each prefill worker the router names, once and in the background, so
-that the first request from a prefill worker does not pay for it (a first pull without it stalls a decode step;
-figures in docs/notes/transport-seam.md)."""
+"""Decode worker: hand the transport each prefill worker the router names (the memory that worker's leases may
+name: StatePuller.announce), and set the transport up to it, once and in the background, so that the first request
+from a prefill worker does not pay for it (a first pull without it stalls a decode step; figures in
+docs/notes/transport-seam.md)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ class PeerWarmer:
             if key in self._seen:
                 continue
             self._seen.add(key)  # a failed warm-up is not retried: the first pull sets the transport up anyway
+            try:
+                if not self.puller.announce(peer):
+                    continue  # names another worker's memory: nothing from it is pulled or warmed up
+            except DescriptorError as e:
+                log.warning("side channel announcement unreadable", error=str(e))
+                continue
             task = asyncio.get_running_loop().create_task(self._warm(peer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

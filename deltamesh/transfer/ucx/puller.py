@@ -34,23 +34,37 @@ import structlog
 import torch
 
 from deltamesh.transfer import failpoints
-from deltamesh.transfer.base import LeaseKey, StatePuller, TransferError, TransferStats, segments
+from deltamesh.transfer.base import DescriptorError, LeaseKey, StatePuller, TransferError, TransferStats, segments
 from deltamesh.transfer.ucx import descriptors, loop_worker, notices
 from deltamesh.transfer.ucx.descriptors import UcxSource
 from deltamesh.transfer.ucx.endpoints import Endpoints
+from deltamesh.transfer.ucx.holders import KnownHolders
 from deltamesh.v1 import ucx_pb2
 from deltamesh.v1.common_pb2 import TransportDescriptor
 
 log = structlog.get_logger("deltamesh.transfer")
 
+# How long (at most, and at most half its deadline) a pull from a holder that names ranks waits for the control plane
+# to announce that holder: decode workers hear of the prefill workers the router found healthy every heartbeat,
+# half a second by default
+ANNOUNCEMENT_WAIT_S = 2.0
+
 
 class UcxPuller(StatePuller):
-    def __init__(self, error_handling: bool = True, settle_grace_s: float = 10.0, spin_s: float = 0.02):
-        """`error_handling`: UCX peer error handling (a dead holder is reported; off lets UCX use shared memory
-        and cuda_ipc). `spin_s`: how long a pull into GPU buffers may keep the event loop progressing UCX on every
-        turn instead of waiting to be woken (see loop_worker); 0 never spins. Host pulls never spin: their bytes
-        are copied by CPU cores, which spinning would take away."""
-        self._eps = Endpoints(error_handling)
+    def __init__(
+        self,
+        error_handling: bool = True,
+        settle_grace_s: float = 10.0,
+        spin_s: float = 0.02,
+        interface: str | None = None,
+    ):
+        """`error_handling`: UCX peer error handling (a dead holder is reported). `spin_s`: how long a pull into
+        GPU buffers may keep the event loop progressing UCX on every turn instead of waiting to be woken (see
+        loop_worker); 0 never spins. Host pulls never spin: their bytes are copied by CPU cores, which spinning
+        would take away. `interface`: the network interface the side channel also uses (UcxTransport), named
+        when a holder is out of reach."""
+        self._eps = Endpoints(error_handling, interface)
+        self._holders = KnownHolders()
         self.spin_s = spin_s
         self._notices: set[asyncio.Future] = set()  # done and abandon notices on their way
         # failed pulls whose reads may still write into their buffers: lease id -> resolves when they no longer can
@@ -66,7 +80,18 @@ class UcxPuller(StatePuller):
         self._eps.close()
 
     def source(self, descriptor: TransportDescriptor, lease: LeaseKey, region_bytes: Sequence[int]) -> UcxSource:
-        return descriptors.read_lease(descriptor, lease, region_bytes)
+        source = descriptors.read_lease(descriptor, lease, region_bytes)
+        self._holders.check(source, final=False)  # the word is where the holder of these regions keeps lease words
+        return source
+
+    def announce(self, holder: TransportDescriptor) -> bool:
+        return self._holders.announce(holder)
+
+    def _vouched(self, source: UcxSource) -> None:
+        try:
+            self._holders.check(source)
+        except DescriptorError as e:
+            raise TransferError(str(e), refused=True) from None
 
     async def warm(self, holder: TransportDescriptor, device: torch.device, timeout_s: float) -> float:
         """What UCX sets up on the first pull from a holder: the endpoint, the remote keys, the first read of each
@@ -133,6 +158,9 @@ class UcxPuller(StatePuller):
         lease_id = source.lease.lease_id
         try:
             async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the reads
+                if self._holders.awaits_announcement(source):
+                    await self._holders.announced(source.address, min(timeout_s / 2, ANNOUNCEMENT_WAIT_S))
+                    self._vouched(source)
                 return await self._pull(source, buffers, started)
         except TimeoutError:
             for worker in _workers(source):
