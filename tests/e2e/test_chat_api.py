@@ -86,7 +86,7 @@ def test_tools_are_rendered_into_the_prompt_and_a_reply_without_calls_is_text(cl
     assert (message.reasoning_content, message.content) == thinking_reply(ref.text)
 
 
-def test_a_reply_continuing_an_open_call_returns_the_call_streamed_and_whole(client, reference_engine):
+def test_a_reply_continuing_an_open_call_returns_the_call_streamed_and_whole(mesh, client, reference_engine):
     """A random-weight model rarely starts a call itself; a prompt that ends inside one (continue_final_message)
     makes its reply the value of the call's parameter, which the qwen3_coder parser returns as a tool call."""
     messages = [*ASK, OPEN_CALL]
@@ -118,6 +118,16 @@ def test_a_reply_continuing_an_open_call_returns_the_call_streamed_and_whole(cli
     with client.chat.completions.stream(**body) as stream:
         final = stream.get_final_completion()
     assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    with mesh.client() as grpc_client:  # gRPC continues the same prompt (its reply is the text)
+        result = grpc_client.generate(
+            messages,
+            tools=[WEATHER],
+            add_generation_prompt=False,
+            continue_final_message=True,
+            max_tokens=8,
+            temperature=0,
+        )
+    assert (result.usage.prompt_tokens, result.token_ids) == (len(ids), ref.token_ids)
 
 
 def test_a_tool_result_round_trip_renders_the_same_prompt_over_rest_and_grpc(mesh, client, reference_engine):
