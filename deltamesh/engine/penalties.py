@@ -104,7 +104,7 @@ class LogitAdjustments:
         copy when a request asks for logprobs (those are of `logits` as they were)."""
         if self._rows:
             self._release_stopped()
-        at = [i for i, r in enumerate(sampling) if r.params.adjusts_logits and r.status is Status.RUNNING]
+        at = [i for i, r in enumerate(sampling) if r.adjusts_logits and r.status is Status.RUNNING]
         if not at:
             return logits, None
         if any(r.params.logprobs is not None for r in sampling):
@@ -113,15 +113,18 @@ class LogitAdjustments:
 
     def _adjust(self, logits: torch.Tensor, sampling: list[Request], at: list[int]) -> _Counting:
         rows = [self._rows.get(id(sampling[i])) or self._build(sampling[i]) for i in at]
-        sparse = on_device([r.sparse for r in rows], torch.int64, self.device)
-        self._apply_sparse(logits, on_device(at, torch.int64, self.device), sparse)
-        counted_at = [i for i, r in zip(at, rows) if r.counted is not None]
-        if not counted_at:
-            return _Counting(None, None, sparse)
-        counted_at_t = on_device(counted_at, torch.int64, self.device)
-        counted = on_device([r.counted for r in rows if r.counted is not None], torch.int64, self.device)
-        self._apply_penalties(logits, counted_at_t, counted)
-        return _Counting(counted_at_t, counted, sparse)
+        counted = [(i, r.counted) for i, r in zip(at, rows) if r.counted is not None]
+        # every index the step needs in one copy to the device: batch rows and sparse rows of the adjusted
+        # requests, then batch rows and counted rows of the penalized ones
+        n, m = len(at), len(counted)
+        index = on_device(
+            at + [r.sparse for r in rows] + [i for i, _ in counted] + [c for _, c in counted], torch.int64, self.device
+        )
+        self._apply_sparse(logits, index[:n], index[n : 2 * n])
+        if not counted:
+            return _Counting(None, None, index[n : 2 * n])
+        self._apply_penalties(logits, index[2 * n : 2 * n + m], index[2 * n + m :])
+        return _Counting(index[2 * n : 2 * n + m], index[2 * n + m :], index[n : 2 * n])
 
     @torch.inference_mode()
     def count(self, counting: _Counting | None, tokens: torch.Tensor) -> None:

@@ -97,12 +97,16 @@ class Request:
     num_registered_pages: int = 0
     turn_end: int = 0  # where the prompt's first chat message ends (a checkpoint position there), 0: nowhere
     status: Status = Status.WAITING
+    adjusts_logits: bool = field(init=False)  # its params' (penalties.py reads it every step: a plain attribute)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     # time.monotonic() when the engine took it in (its commands), first scheduled it, and read its first token
     arrival_time: float | None = None
     scheduled_time: float | None = None
     first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.adjusts_logits = self.params.adjusts_logits
 
     def ids_between(self, start: int, stop: int) -> list[int]:
         """(prompt_ids + output_ids)[start:stop] without concatenating them (a decode step needs one id of a

@@ -35,8 +35,8 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, stop: common_pb2.StopCond
 
 
 def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, common_pb2.StopConditions]:
-    sp = common_pb2.SamplingParams(**{name: getattr(p, name) for name in _PLAIN}, logit_bias=p.logit_bias)
-    sp.top_k = max(p.top_k, 0)  # vLLM's -1 (off) is 0 on the wire
+    plain = {name: getattr(p, name) for name in _PLAIN} | {"top_k": max(p.top_k, 0)}  # vLLM's -1 (off) is 0 here
+    sp = common_pb2.SamplingParams(**plain, logit_bias=p.logit_bias)
     for name in _OPTIONAL:
         if (value := getattr(p, name)) is not None:
             setattr(sp, name, value)

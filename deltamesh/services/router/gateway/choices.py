@@ -37,8 +37,10 @@ def unknown_model(frontend: Frontend, model: str) -> ApiError:
 
 
 def check_model(frontend: Frontend, body: oa._Sampling) -> None:
+    """The model named is served here; none named is the served one, which the reply then names (as vLLM)."""
     if not frontend.serves(body.model):
         raise unknown_model(frontend, body.model)
+    body.model = body.model or frontend.model_id
 
 
 def check_sizes(frontend: Frontend, prompt_count: int, body: oa._Sampling) -> None:

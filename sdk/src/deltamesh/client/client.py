@@ -49,7 +49,7 @@ def build_request(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=top_k,
+        top_k=0 if top_k == -1 else top_k,  # vLLM's -1 is off, as 0 is
         min_p=min_p,
         seed=seed,
         logprobs=logprobs,
