@@ -45,11 +45,8 @@ class _Pool:
         self.free: list[int] = []
         self._grow(rows)
 
-    def __getattr__(self, name: str) -> torch.Tensor:
-        try:
-            return self.__dict__["tensors"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
     @property
     def capacity(self) -> int:
@@ -131,23 +128,23 @@ class LogitAdjustments:
         """Count the step's sampled tokens (`tokens`, one per batch row, on the device) into the rows."""
         if counting is None:
             return
-        self._sparse.generated[counting.sparse] += 1
+        self._sparse["generated"][counting.sparse] += 1
         if counting.counted is not None:  # one token per row: no (row, token) pair twice
-            self._counted.counts[counting.counted, tokens[counting.counted_at]] += 1
+            self._counted["counts"][counting.counted, tokens[counting.counted_at]] += 1
 
     # ---- on the device ---------------------------------------------------------------------------------
     def _apply_sparse(self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
         pool = self._sparse
-        holding = pool.generated[rows] < pool.min_tokens[rows]  # min_tokens not reached yet
-        added = torch.where(pool.is_stop[rows] & holding[:, None], float("-inf"), pool.values[rows])
-        logits[at] = logits[at].scatter_add_(1, pool.ids[rows], added)  # padding adds 0 to token 0
+        holding = pool["generated"][rows] < pool["min_tokens"][rows]  # min_tokens not reached yet
+        added = torch.where(pool["is_stop"][rows] & holding[:, None], float("-inf"), pool["values"][rows])
+        logits[at] = logits[at].scatter_add_(1, pool["ids"][rows], added)  # padding adds 0 to token 0
 
     def _apply_penalties(self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
         pool = self._counted
-        x, counts = logits[at], pool.counts[rows]
+        x, counts = logits[at], pool["counts"][rows]
         generated = counts > 0
-        repetition, frequency, presence = pool.penalties[rows].unbind(1)
-        seen = pool.in_prompt[rows] | generated
+        repetition, frequency, presence = pool["penalties"][rows].unbind(1)
+        seen = pool["in_prompt"][rows] | generated
         x = torch.where(seen, torch.where(x > 0, x / repetition[:, None], x * repetition[:, None]), x)
         x -= frequency[:, None] * counts + presence[:, None] * generated
         logits[at] = x
@@ -186,15 +183,15 @@ class LogitAdjustments:
         stops = sorted({*p.stop_token_ids, *(() if p.ignore_eos else req.eos_token_ids)}) if p.min_tokens else []
         ids = [*p.logit_bias, *stops]
         s, r, n = self._sparse, rows.sparse, len(ids)
-        s.ids[r].zero_()
-        s.values[r].zero_()
-        s.is_stop[r].zero_()
+        s["ids"][r].zero_()
+        s["values"][r].zero_()
+        s["is_stop"][r].zero_()
         if n:
-            s.ids[r, :n] = on_device(ids, torch.int64, self.device)
-            s.values[r, : len(p.logit_bias)] = on_device(list(p.logit_bias.values()), torch.float32, self.device)
-            s.is_stop[r, len(p.logit_bias) : n] = True
-        s.min_tokens[r] = p.min_tokens
-        s.generated[r] = len(req.output_ids)
+            s["ids"][r, :n] = on_device(ids, torch.int64, self.device)
+            s["values"][r, : len(p.logit_bias)] = on_device(list(p.logit_bias.values()), torch.float32, self.device)
+            s["is_stop"][r, len(p.logit_bias) : n] = True
+        s["min_tokens"][r] = p.min_tokens
+        s["generated"][r] = len(req.output_ids)
         if p.penalized:
             rows.counted = self._build_counted(req)
         self._rows[id(req)] = rows
@@ -213,16 +210,16 @@ class LogitAdjustments:
                 rows=4,
             )
         c, r, p = self._counted, self._counted.take(), req.params
-        c.counts[r].zero_()
+        c["counts"][r].zero_()
         if req.output_ids:
-            c.counts[r].index_add_(
+            c["counts"][r].index_add_(
                 0,
                 on_device(req.output_ids, torch.int64, self.device),
                 torch.ones(len(req.output_ids), dtype=torch.int32, device=self.device),
             )
-        c.in_prompt[r].zero_()
-        c.in_prompt[r, on_device(req.prompt_ids, torch.int64, self.device)] = True
-        c.penalties[r] = on_device(
+        c["in_prompt"][r].zero_()
+        c["in_prompt"][r, on_device(req.prompt_ids, torch.int64, self.device)] = True
+        c["penalties"][r] = on_device(
             [p.repetition_penalty, p.frequency_penalty, p.presence_penalty], torch.float32, self.device
         )
         return r

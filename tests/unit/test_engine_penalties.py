@@ -122,3 +122,13 @@ def test_min_tokens_holds_back_eos_and_stop_strings_and_the_stop_string_can_be_k
         tokens_to_first = next(n for n in range(1, 25) if stop in engine.tokenizer.decode(base.token_ids[:n]))
         [late] = engine.generate("The Python language", SamplingParams(**kw, min_tokens=tokens_to_first + 1))
         assert len(late.token_ids) > tokens_to_first and late.text.startswith(base.text[: first + len(stop)])
+
+
+def test_a_prompt_served_from_the_prefix_cache_gets_the_same_tokens(model_dir):
+    """The counts come from the prompt's ids, never from what was computed: a cached prefix changes nothing."""
+    engine = EngineCore(EngineConfig(model=model_dir, page_size=4))
+    prompt = prompts(1, seed=3)[0] + list(range(1, 33))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, repetition_penalty=1.5, presence_penalty=1.0)
+    first, _ = run_all(engine, [engine.make_request(prompt, params, "a")])
+    again, _ = run_all(engine, [engine.make_request(prompt, params, "b")])
+    assert engine.stats.prefix_cache_hit_tokens > 0 and again["b"] == first["a"]
