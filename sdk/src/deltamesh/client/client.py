@@ -22,37 +22,50 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_retries
 def build_request(
     prompt: Prompt,
     *,
-    max_tokens: int = 16,
+    max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
-    top_k: int = 0,
-    min_p: float = 0.0,
+    top_k: int | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     logprobs: int | None = None,
-    ignore_eos: bool = False,
+    ignore_eos: bool | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int | None = None,
+    include_stop_str_in_output: bool | None = None,
+    skip_special_tokens: bool | None = None,
     model: str = "",
     request_id: str | None = None,
 ) -> router_pb2.GenerateRequest:
-    """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...}). Values the protocol
-    cannot carry (negative counts, ids over 32 bits) raise InvalidRequest before anything is sent."""
+    """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...}). A sampling keyword left None
+    takes the server's default (the router's SamplingParams). Values the protocol cannot carry (negative counts, ids
+    over 32 bits) raise InvalidRequest before anything is sent."""
+    sampling = dict(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0 if top_k == -1 else top_k,  # vLLM's -1 is off, as 0 is
+        min_p=min_p,
+        seed=seed,
+        logprobs=logprobs,
+        ignore_eos=ignore_eos,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias,
+        min_tokens=min_tokens,
+        skip_special_tokens=skip_special_tokens,
+    )
+    stops = dict(
+        stop=list(stop), stop_token_ids=list(stop_token_ids), include_stop_str_in_output=include_stop_str_in_output
+    )
     try:
-        return _build(
-            prompt,
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            min_p,
-            seed,
-            stop,
-            stop_token_ids,
-            logprobs,
-            ignore_eos,
-            model,
-            request_id,
-        )
+        return _build(prompt, sampling, stops, model, request_id)
     except (ValueError, TypeError) as e:
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {e}") from None
 
@@ -72,30 +85,13 @@ def _request(prompt: Prompt, kwargs: dict) -> router_pb2.GenerateRequest:
     return build_request(prompt, **kwargs)
 
 
-def _build(
-    prompt,
-    max_tokens,
-    temperature,
-    top_p,
-    top_k,
-    min_p,
-    seed,
-    stop,
-    stop_token_ids,
-    logprobs,
-    ignore_eos,
-    model,
-    request_id,
-) -> router_pb2.GenerateRequest:
+def _build(prompt, sampling: dict, stops: dict, model: str, request_id: str | None) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
         model=model,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p, ignore_eos=ignore_eos),
-        stop=common_pb2.StopConditions(stop=list(stop), stop_token_ids=list(stop_token_ids)),
+        sampling=common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+        stop=common_pb2.StopConditions(**{k: v for k, v in stops.items() if v is not None}),
     )
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed), ("logprobs", logprobs)):
-        if value is not None:
-            setattr(req.sampling, name, value)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -178,7 +174,9 @@ class Client:
 
     def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
         """The whole result. `kwargs`: build_request's sampling keywords (max_tokens, temperature, top_p, top_k,
-        min_p, seed, stop, stop_token_ids, logprobs, ignore_eos, model, request_id)."""
+        min_p, seed, stop, stop_token_ids, logprobs, ignore_eos, repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model,
+        request_id)."""
         request = _request(prompt, kwargs)
         for attempt in range(self.retries + 1):
             result = Result(request.request_id)
