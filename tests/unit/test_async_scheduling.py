@@ -38,6 +38,7 @@ def mixed_requests(engine: EngineCore, stop_token: int):
     return [engine.make_request(p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(ps, params))]
 
 
+@pytest.mark.slow
 def test_same_outputs_as_finishing_every_step(model_dir):
     sync_engine = core(model_dir, False)
     probe = sync_engine.make_request(prompts(7, seed=5)[3], SamplingParams(max_tokens=30, temperature=0), "p")
@@ -74,6 +75,7 @@ def test_same_outputs_as_finishing_every_step(model_dir):
     assert len(tokens["r4"]) == 1 and len(tokens["r5"]) == 2
 
 
+@pytest.mark.slow
 def test_same_outputs_under_preemption_and_aborts(model_dir):
     """A pool too small for every request: running requests are preempted and recomputed, some while their
     last token is still pending; two requests are aborted while a step that contains them runs."""
