@@ -230,10 +230,10 @@ def test_client_disconnect_aborts_the_request_in_the_mesh(mesh, base_url):
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
         # leaving the block closes the connection mid-stream
-    assert mesh.wait_idle(timeout=15) == {}
+    assert mesh.wait_idle() == {}
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=1.0)
-    assert mesh.wait_idle(timeout=15) == {}
+    assert mesh.wait_idle() == {}
 
 
 def test_a_json_body_without_a_json_content_type_is_told_so(base_url):
