@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -46,7 +45,6 @@ def test_a_taken_port_is_named_at_once():
         port = taken.getsockname()[1]
         router = ["router", "--grpc-port", "0", "--control-port", "0", "--http-port", str(port)]
         for argv, flag in ((["prefill", "--port", str(port)], "--port"), (router, "--http-port")):
-            started = time.monotonic()
             done = subprocess.run(
                 [sys.executable, "-m", "deltamesh.services.cli", *argv],
                 cwd=ROOT,
@@ -58,7 +56,7 @@ def test_a_taken_port_is_named_at_once():
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 2 and len(lines) == 1, done.stderr
             assert f"127.0.0.1:{port} ({flag})" in lines[0] and "in use" in lines[0]
-            assert time.monotonic() - started < 10  # the process's start-up; the model never loads
+            assert "model loaded" not in done.stdout + done.stderr  # at once: before the model loads
 
 
 def test_settings_handed_to_another_process_are_ignored_with_a_warning():
@@ -235,7 +233,6 @@ def test_a_model_or_device_this_machine_cannot_serve_is_named_at_once(tmp_path):
             )
         )
     for argv, code, why in cases:
-        started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "deltamesh.services.cli", *argv],
             cwd=ROOT,
@@ -246,7 +243,7 @@ def test_a_model_or_device_this_machine_cannot_serve_is_named_at_once(tmp_path):
         )
         lines = done.stderr.strip().splitlines()
         assert done.returncode == code and len(lines) == 1 and why in lines[0], (argv, done.stderr)
-        assert time.monotonic() - started < 15, argv  # the process's start-up; no model loads
+        assert "model loaded" not in done.stdout + done.stderr, argv  # at once: no model loads
 
 
 def test_the_sdk_script_without_its_cli_extra_says_how_to_install_it():
