@@ -23,7 +23,7 @@ from deltamesh.services.common.auth import MESH_SECRET_ENV
 from deltamesh.services.common.options import SETTINGS_ENV
 from deltamesh.services.router.control import read_loads
 
-pytestmark = [pytest.mark.e2e, pytest.mark.security]
+pytestmark = [pytest.mark.e2e, pytest.mark.fault]  # processes killed and restarted: fault injection
 # A killed worker's mesh serves again within 10 s on an idle machine (the issue's bound; docs/RELIABILITY.md records
 # the time measured: 5.5 to 6.5 s on 2 cores with nothing else running). Most of it is the new process's start
 # (torch, the model), which takes several times as long on a 2-core machine shared with other tests' meshes; this
