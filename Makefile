@@ -46,10 +46,11 @@ run:
 	$(BIN)/deltamesh serve
 
 # Every test on 4 pytest-xdist workers, also on 2 cores: the real-process (e2e) tests mostly wait on their meshes.
-# An e2e module's tests run on one worker (their shared mesh starts once), the longest units first; a test marked
-# `alone` runs with nothing beside it (tests/conftest.py, tests/machine_share.py).
+# An e2e module's tests run on one worker, so that a mesh they share starts once (tests/conftest.py). Then the tests
+# that bound wall-clock times (marker `alone`), one at a time.
 test:
-	$(BIN)/pytest -q -n 4 --durations=25 tests
+	$(BIN)/pytest -q -n 4 -m "not alone" --durations=25 tests
+	$(BIN)/pytest -q -m alone tests/e2e
 
 lint:
 	$(BIN)/ruff check .

@@ -19,24 +19,6 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 DIRECTORY_MARKERS = {"e2e": "e2e", "fidelity": "fidelity", "gpu": "gpu"}
 
 
-def pytest_configure(config):
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its basetemp is <the run's basetemp>/popen-gwN
-        from machine_share import MachineShare
-
-        config.machine_share = MachineShare(Path(config.option.basetemp).parent)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Side by side under pytest-xdist, but a test marked `alone` (it bounds wall-clock times) with no other test
-    of the run beside it, from its setup to its teardown (machine_share.py)."""
-    share = getattr(item.config, "machine_share", None)
-    if share is None:
-        return (yield)
-    with share.exclusive() if item.get_closest_marker("alone") else share.shared():
-        return (yield)
-
-
 def pytest_xdist_make_scheduler(config, log):
     """Under `-n N` (--dist load, make test): the tests of one e2e module on one worker, in their order, so that a
     mesh they share starts once; every other test on whichever worker is free. The units go out largest first,
