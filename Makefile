@@ -47,10 +47,10 @@ run:
 
 # Every test on 4 pytest-xdist workers, also on 2 cores: the real-process (e2e) tests mostly wait on their meshes.
 # An e2e module's tests run on one worker, so that a mesh they share starts once (tests/conftest.py). Then the tests
-# that bound wall-clock times (marker `alone`), one at a time.
+# that bound wall-clock times (marker `alone`), one at a time; they run when the others failed too.
 test:
-	$(BIN)/pytest -q -n 4 -m "not alone" --durations=25 tests
-	$(BIN)/pytest -q -m alone tests/e2e
+	$(BIN)/pytest -q -n 4 -m "not alone" --durations=25 tests; status=$$?; \
+	$(BIN)/pytest -q -m alone tests/e2e && exit $$status
 
 lint:
 	$(BIN)/ruff check .

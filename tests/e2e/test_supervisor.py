@@ -26,9 +26,11 @@ from deltamesh.services.router.control import read_loads
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]  # processes killed and restarted: fault injection
 # A killed worker's mesh serves again within 10 s on an idle machine (the issue's bound; docs/RELIABILITY.md records
 # the time measured: 5.5 to 6.5 s on 2 cores with nothing else running). Most of it is the new process's start
-# (torch, the model), which takes several times as long on a 2-core machine shared with other tests' meshes; this
-# bound tells a restart from none with room for that.
-RESTART_BOUND_S = 60.0
+# (torch, the model), which on a 2-core machine shared with other work took over 60 s once; this bound tells a
+# restart from none with room for that.
+RESTART_BOUND_S = 120.0
+# serve gives up after a process failed to start 5 times in a row, each a process start: 25 s on an idle machine
+GIVE_UP_WITHIN_S = 480.0
 
 
 def environ(pid: int) -> dict[str, str]:
@@ -112,7 +114,7 @@ class Serve:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGINT)
         try:
-            return self.popen.wait(30)
+            return self.popen.wait(60)  # serve's own stop: SIGTERM, then SIGKILL 10 s on
         finally:
             for pid in self.pids_left():  # never leave a mesh behind, even when the test failed
                 os.kill(pid, signal.SIGKILL)
@@ -233,7 +235,7 @@ def test_serve_gives_up_on_a_process_that_cannot_start(tmp_path):
     serve = Serve(tmp_path, prefill=1, decode=1, env={"DELTAMESH_MAX_PROMPTS": "not-a-number"})
     started = time.monotonic()
     try:
-        code = serve.popen.wait(150)
+        code = serve.popen.wait(GIVE_UP_WITHIN_S)
     finally:
         serve.stop()
     print(f"\nserve gave up after {time.monotonic() - started:.1f} s with exit code {code}")
@@ -253,7 +255,7 @@ def test_a_killed_serve_leaves_no_process_behind(tmp_path):
         assert len(serve.children()) == 3
         serve.popen.kill()
         serve.popen.wait(10)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a poll: the children's own stop, slow only on a loaded machine
         while serve.pids_left() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert serve.pids_left() == [], "children of a SIGKILLed serve kept running"
