@@ -9,7 +9,6 @@ import pytest
 
 from deltamesh.client import AsyncClient, Client, InvalidRequest, Unavailable, build_request
 from deltamesh.client.client import _KEYWORDS, _request
-from deltamesh.services.common.ports import free_port
 
 
 def test_generate_names_its_keywords_and_refuses_unknown_ones():
@@ -47,7 +46,7 @@ def test_requests_carry_the_prompt_kind_and_only_the_sampling_fields_set():
 def test_both_clients_raise_the_same_errors_without_a_router():
     """A closed port: every call is UNAVAILABLE once its retries are spent (retried, never another error); input
     the protocol cannot carry is InvalidRequest from both, before any call."""
-    address = f"127.0.0.1:{free_port()}"
+    address = "127.0.0.1:1"  # a privileged port no test listens on
 
     def sync_errors():
         out = []
