@@ -119,11 +119,13 @@ def run_point(
     timeout: float,
     gpus: int = 1,
     observer: PointObserver | None = None,
+    serve_args: list[str] = (),
 ) -> dict:
     """One load point with bench/serve.py (random prompts, one warm-up request): per-GPU throughput, TTFT and
     TPOT, or {"error": ...}. Each point draws its own prompts (a seed of its own), so that points run one after
     another on one server never reuse each other's prompts through its prefix cache. `observer`: the server
-    side's figures of the point (bench/server_side.py) go into the row too."""
+    side's figures of the point (bench/server_side.py) go into the row too. `serve_args`: more flags of
+    bench/serve.py (sampling on every request: --presence-penalty 1.5 ...)."""
     seed = (input_len * 1_000_003 + output_len) * 1_009 + concurrency
     cmd = [
         sys.executable,
@@ -149,6 +151,7 @@ def run_point(
         "1",
         "--seed",
         str(seed),
+        *serve_args,
     ]
     if observer is not None:
         observer.start()

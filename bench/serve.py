@@ -276,9 +276,7 @@ class OpenAIBackend:
             body["max_tokens"] = req.output_len
         if args.ignore_eos:
             body["ignore_eos"] = True
-        if args.temperature is not None:
-            body["temperature"] = args.temperature
-        return body
+        return body | sampling(args)
 
     async def send(self, req: SampleRequest, out: RequestOutput, args: argparse.Namespace) -> None:
         body = self.payload(req, args)
@@ -352,8 +350,7 @@ class GrpcBackend:
             model=self.model,
             request_id=f"bench-{uuid.uuid4().hex}",
         )
-        if args.temperature is not None:
-            kwargs["temperature"] = args.temperature
+        kwargs |= sampling(args)
         out.start_time = time.perf_counter()
         complete, n_tokens = False, 0
         try:
@@ -704,6 +701,16 @@ def _log(args: argparse.Namespace, msg: str) -> None:
 # ------------------------------------------------------------------------------------------------- args
 
 
+# vllm bench serve's sampling flags, sent with every request under their API names (REST and gRPC alike)
+SAMPLING_FLAGS = ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+
+
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling fields of every request: --temperature and those of SAMPLING_FLAGS that are set."""
+    fields = {name: getattr(args, name, None) for name in ("temperature", *SAMPLING_FLAGS)}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def _goodput(items: list[str] | dict | None) -> dict[str, float]:
     if not items:
         return {}
@@ -783,7 +790,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="generate exactly the requested output tokens (the ignore_eos extension)",
     )
+    g = p.add_argument_group("sampling, on every request (vllm bench serve's flags; unset: the server's default)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    for name in SAMPLING_FLAGS:
+        kind = int if name == "top_k" else float
+        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     g = p.add_argument_group("report")
     g.add_argument(
         "--goodput",

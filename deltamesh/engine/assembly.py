@@ -25,12 +25,12 @@ from deltamesh.engine.prefix_cache import TURN_START, PrefixCache
 from deltamesh.engine.rank import Rank, build_rank
 from deltamesh.engine.request import RequestBuilder
 from deltamesh.engine.reservations import Reservations
-from deltamesh.engine.sampling import SamplingParams
 from deltamesh.engine.scheduler import Scheduler
 from deltamesh.engine.stats import EngineStats
 from deltamesh.engine.tokenizer import Tokenizer
 from deltamesh.engine.tp_handoff import AreaSize, Handoff, TensorParallelHandoff
 from deltamesh.engine.tp_workers import Followers, RankMemory, exports_rank_memory
+from deltamesh.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from deltamesh.engine.core import EngineCore

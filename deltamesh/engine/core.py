@@ -36,10 +36,10 @@ from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.interfaces import PrefixCacheInterface
 from deltamesh.engine.request import FinishReason, Request, RequestOutput, Status
 from deltamesh.engine.reservations import Reservation
-from deltamesh.engine.sampling import SamplingParams
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.stats import EngineStats, loads
 from deltamesh.engine.step import LaunchedStep, StepLauncher
+from deltamesh.protocol.sampling import SamplingParams
 
 log = structlog.get_logger("deltamesh.engine")
 

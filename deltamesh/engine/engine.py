@@ -18,10 +18,10 @@ from deltamesh.engine.core import EngineCore
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.handoff import check_layouts, compat_hash
 from deltamesh.engine.prefix_cache import PinnedPrefix
-from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput
+from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, TokenLogprobs
 from deltamesh.engine.reservations import Reservation
-from deltamesh.engine.sampling import SamplingParams, TokenLogprobs
 from deltamesh.engine.step_report import StepReport
+from deltamesh.protocol.sampling import SamplingParams
 
 log = structlog.get_logger("deltamesh.engine")
 

@@ -3,8 +3,8 @@
 what the prefix cache takes from it (`_advance`), sampling (`_sample`); later, once the next step is launched,
 its tokens on the host (`LaunchedStep.read`). The step loop around it is core.py.
 
-Where what comes next goes: a stage that changes the logits before sampling (penalties, grammar bitmasks, with
-their per-request state on the device) between `_forward` and `_sample`, on the rows of `sampling`; a step that
+Between the forward pass and sampling, the logits stage: penalties, logit_bias and min_tokens (penalties.py, their
+per-request state on the device); a grammar's bitmask goes there too, after them. What comes next: a step that
 verifies drafted tokens (MTP) in place of `_sample`, its accepted tokens per request returned by `read`.
 """
 
@@ -18,9 +18,10 @@ import torch
 
 from deltamesh.engine import data_parallel
 from deltamesh.engine.interfaces import PrefixCacheInterface, SchedulerInterface
-from deltamesh.engine.request import Request
+from deltamesh.engine.penalties import LogitAdjustments
+from deltamesh.engine.request import Request, TokenLogprobs
 from deltamesh.engine.runner import ModelRunner
-from deltamesh.engine.sampling import SampledTokens, TokenLogprobs, sample_async
+from deltamesh.engine.sampling import SampledTokens, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.stats import EngineStats
 from deltamesh.engine.tp_workers import Followers
@@ -61,6 +62,7 @@ class StepLauncher:
         self.gpu_timed = device.type == "cuda"  # each step's GPU time (EngineStats.gpu_step_ms)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.prefix_cache: PrefixCacheInterface | None = None  # once made (after the warm-up)
+        self.adjustments = LogitAdjustments(runner.model.cfg.vocab_size, device)
 
     def launch(
         self, items: list[ScheduledItem], previous: LaunchedStep | None, between_layers: Callable[[], None] | None
@@ -114,12 +116,15 @@ class StepLauncher:
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> SampledTokens:
         """One token per row of `logits` (the rows of `sampling`, in order), on the device; the requests count it
         as pending until it is read."""
+        adjusted, counting = self.adjustments.apply(logits, sampling)  # penalties, logit_bias, min_tokens
         sampled = sample_async(
-            logits,
+            adjusted,
             [r.params for r in sampling],
             [len(r.output_ids) + r.num_pending for r in sampling],
             self.generator,
+            raw_logits=logits,
         )
+        self.adjustments.count(counting, sampled.tokens)
         for row, req in enumerate(sampling):
             req.num_pending += 1
             req.pending_row = row

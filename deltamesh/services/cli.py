@@ -368,7 +368,21 @@ def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
     return ",".join(gpu_ids[(worker * ranks + r) % len(gpu_ids)] for r in range(ranks))
 
 
+def one_flag_per_value(argv: list[str], flag: str) -> list[str]:
+    """`flag a b c` as `flag a flag b flag c`: vLLM takes several values after one flag (nargs="+"), click takes
+    a repeated flag."""
+    out, after_flag = [], False
+    for arg in argv:
+        if after_flag and not arg.startswith("-"):
+            out += [arg] if out[-1] == flag else [flag, arg]
+            continue
+        after_flag = arg == flag
+        out.append(arg)
+    return out
+
+
 def main() -> None:
+    sys.argv = one_flag_per_value(sys.argv, "--served-model-name")
     app()
 
 

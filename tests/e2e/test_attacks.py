@@ -282,6 +282,7 @@ def test_a_lease_is_bound_to_its_regions_and_token_and_pulled_once(mesh, referen
     )
 
 
+@pytest.mark.alone  # bounds wall-clock times
 def test_abandoned_streams_free_every_lease_within_a_second(mesh):
     """Six n=16 streams, each dropped by its client after its first chunk (the review: they held all 32 prefill
     slots until their leases' TTL, and other users waited 2-26 s)."""
@@ -329,6 +330,7 @@ def test_abandoned_streams_free_every_lease_within_a_second(mesh):
     )
 
 
+@pytest.mark.alone  # bounds wall-clock times
 def test_a_request_whose_holder_died_fails_fast(tmp_path):
     """The review: requests whose prefill holder died waited ~28 s, then got 429 'decode worker is full'."""
     mesh = start_mesh(str(DEFAULT_MODEL), tmp_path)

@@ -16,6 +16,12 @@ from deltamesh.engine import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 MODEL = str(DEFAULT_MODEL)
+# How long a request may take to end after a fault before the test calls it hung. Whether it failed fast is told
+# by what ended it (the killed worker's broken stream; a dropped connection, well within a transfer deadline set
+# far off), not by a few seconds' bound: on a 2-core machine shared with other work, times vary tenfold. The
+# seconds measured go to docs/RELIABILITY.md.
+ENDS_WITHIN_S = 60.0
+DROP_DEADLINE_S = 60.0
 
 
 class Background:
@@ -46,11 +52,11 @@ class Background:
         assert not self.thread.is_alive(), "the request outlived its deadline"
 
 
-def mesh_with_failpoint(tmp_path, spec: str):
-    """A mesh whose workers carry the failpoint `spec` and a 2 s transfer deadline."""
+def mesh_with_failpoint(tmp_path, spec: str, transfer_timeout_s: float):
+    """A mesh whose workers carry the failpoint `spec` and the given transfer deadline."""
     os.environ["DELTAMESH_FAILPOINTS"] = spec
     try:
-        return start_mesh(MODEL, tmp_path, worker_args=["--transfer-timeout", "2"])
+        return start_mesh(MODEL, tmp_path, worker_args=["--transfer-timeout", str(transfer_timeout_s)])
     finally:
         del os.environ["DELTAMESH_FAILPOINTS"]
 
@@ -80,7 +86,7 @@ def test_sigkill_prefill_mid_prefill_is_retried_transparently(tmp_path):
         assert wait_until(lambda: busy.extend(p for p in mesh.workers("prefill") if p.load().running) or busy)
         killed_at = time.monotonic()
         mesh.kill(busy[0], signal.SIGKILL)
-        job.wait(60)
+        job.wait(ENDS_WITHIN_S)
         assert job.error is None and job.result.usage.completion_tokens == 8
         assert mesh.wait_idle() == {}
         record(
@@ -103,17 +109,19 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
         victim = next(p for p in mesh.workers("decode") if p.load().running)
         killed_at = time.monotonic()
         mesh.kill(victim, signal.SIGKILL)
-        job.wait(10)
-        assert isinstance(job.error, Unavailable)
+        job.wait(ENDS_WITHIN_S)
+        # ended by the killed worker's broken stream, named in the error: the router does not wait for a deadline
+        # (600 s) or for missed heartbeats, which fail no call in flight
+        assert isinstance(job.error, Unavailable) and victim.address in job.error.message, job.error
         error_after = job.ended_at - killed_at
-        assert error_after < 2.0
         t = time.monotonic()
         for _ in range(3):
             assert client.generate("A list is", max_tokens=5, ignore_eos=True).usage.completion_tokens == 5
         assert mesh.wait_idle() == {}
         record(
             "SIGKILL a decode worker mid-stream",
-            "client gets UNAVAILABLE within 2 s; new requests go to the surviving decode worker",
+            "client gets UNAVAILABLE from the broken stream at once (no deadline waited); new requests go to the "
+            "surviving decode worker",
             "test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving",
             f"error {error_after * 1000:.0f} ms after the kill; next 3 requests served in {time.monotonic() - t:.2f}s",
         )
@@ -121,25 +129,27 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
         mesh.stop()
 
 
+@pytest.mark.alone  # the holder must be stopped within the failpoint's 0.5 s: no neighbour to delay that
 def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
     # the failpoint holds the puller before it reads the lease word, so SIGSTOP lands mid-transfer; on one host
     # the reads (CMA) and the word's read are the puller's own syscalls: they need nothing of the stopped holder
     mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=sleep:0.5")
     try:
         client = mesh.client(retries=0)
-        prefill = mesh.workers("prefill")[0]
+        prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
         job = Background(client, "A list is", max_tokens=50, temperature=0, ignore_eos=True)
-        assert job.first_token.wait(30)
+        # the puller logs the failpoint as it starts its 0.5 s sleep: stop the holder then, not at a guessed time
+        assert wait_until(lambda: "failpoint hit" in decode.log.read_text(), timeout=ENDS_WITHIN_S)
         mesh.kill(prefill, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        job.wait(10)
+        job.wait(ENDS_WITHIN_S)
         assert job.error is None and job.tokens == 50, job.error
         done_after = job.ended_at - stopped_at
         # the pulled state is still held: the done notice waits in the stopped holder's queue
         time.sleep(1.0)
         mesh.kill(prefill, signal.SIGCONT)
         resumed_at = time.monotonic()
-        assert mesh.wait_idle(timeout=15) == {}
+        assert mesh.wait_idle() == {}
         freed_after = time.monotonic() - resumed_at
         assert client.generate("Still serving", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
         record(
@@ -155,14 +165,16 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
 
 
 def test_side_channel_dropped_mid_transfer(tmp_path):
-    mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=drop")
+    # a transfer deadline far beyond what the drop takes (milliseconds), so that an error well within it is the
+    # drop's doing
+    mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=drop", transfer_timeout_s=DROP_DEADLINE_S)
     try:
         client = mesh.client(retries=0)
         t = time.monotonic()
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unavailable) as e:
             client.generate("A list is", max_tokens=20, temperature=0)
         error_after = time.monotonic() - t
-        assert error_after < 5
+        assert error_after < DROP_DEADLINE_S / 2, e.value  # not the deadline: the drop ended the pull
         assert mesh.wait_idle() == {}
         record(
             "side-channel connection dropped by the decode worker after its reads, before the lease check (failpoint)",
@@ -197,7 +209,7 @@ def test_restarted_router_and_worker_are_rejoined(tmp_path):
         mesh.wait_ready()
         worker_back = time.monotonic() - restarted
         assert client.generate("after worker restart", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
-        assert wait_until(lambda: old.address not in {w.address for w in mesh.loads()}, timeout=10)
+        assert wait_until(lambda: old.address not in {w.address for w in mesh.loads()}, timeout=ENDS_WITHIN_S)
         assert new.address in {w.address for w in mesh.loads() if w.healthy}
         assert mesh.wait_idle() == {}
         record(

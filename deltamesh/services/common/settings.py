@@ -119,6 +119,12 @@ class RouterSettings(BaseModel):
     # OpenAI-compatible REST gateway (None: off)
     http_port: int | None = Field(8000, description="OpenAI-compatible REST port (0: off)")
     model: str = _engine_setting("model")  # checkpoint directory: tokenizer, chat template, model id
+    served_model_name: list[str] | None = Field(
+        None,
+        description="The model's names in the API (repeatable, or several after one flag, as vLLM takes them): "
+        "/v1/models lists the first; requests may give any of them or the checkpoint path (default: the "
+        "checkpoint directory's name)",
+    )
     max_model_len: int | None = _engine_setting("max_model_len")
     # the workers' KV page size: the block the cache_aware policy and the P/D decider name prefixes by, as the
     # workers' prefix caches do

@@ -28,7 +28,7 @@ log = structlog.get_logger("deltamesh.router")
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
-    frontend = Frontend(settings.model, settings.max_model_len, settings.limits)
+    frontend = Frontend(settings.model, settings.max_model_len, settings.limits, settings.served_model_name)
     secret = settings.mesh_secret.get_secret_value()
     registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, secret, settings.tls)
     for role in ("prefill", "decode", "colocated"):
@@ -51,7 +51,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         max_request_bytes=MAX_REQUEST_BYTES,  # REST's body cap: one limit on both edges
     )
     name = control_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name
-    control_servicer = ControlServicer(registry, frontend.model_id)
+    control_servicer = ControlServicer(registry, frontend.checkpoint_name)
     control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, control_servicer, name)]
     control = GrpcServer(
         settings.host, settings.control_port, control_api, settings.tls, interceptors=(mesh_interceptor(secret),)
@@ -74,7 +74,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         grpc=server.address,
         control=control.address,
         http=settings.http_port,
-        model=frontend.model_id,
+        model=frontend.served_model_names,
         policy=settings.policy,
         reasoning_parser=output_format.reasoning,
         tool_call_parser=output_format.tool_calls,

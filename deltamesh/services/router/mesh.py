@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from deltamesh.engine import SamplingParams
+from deltamesh.protocol.sampling import SamplingParams
 from deltamesh.services.common.convert import sampling_to_proto
 from deltamesh.services.router import metrics
 from deltamesh.services.router.legs import Inflight, Legs, MeshError, NotHeld

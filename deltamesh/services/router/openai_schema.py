@@ -22,10 +22,10 @@ from pydantic import (
     model_validator,
 )
 
-from deltamesh.engine.sampling import MAX_STOP_STRINGS
+from deltamesh.protocol.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
 from deltamesh.services.common.settings import RequestLimits
 from deltamesh.services.router.chat_request import MAX_TOOLS
-from deltamesh.services.router.limits import ChatRole, check_count
+from deltamesh.services.router.limits import ChatRole, check_count, check_logit_bias_count
 
 MAX_N = 16
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # integer bounds of the wire types (common.proto)
@@ -72,9 +72,13 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
+    """The sampling parameters both endpoints take. None (or null) is SamplingParams' default
+    (deltamesh/protocol/sampling.py), which the gateway fills in; bounds the schema states are the engine's rule,
+    whose message a bad value gets (errors.py)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = Field(None, description="One of the served model names; omitted: the first (as vLLM)")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -84,15 +88,28 @@ class _Sampling(BaseModel):
     seed: StrictInt | None = Field(
         None, ge=0, le=UINT64_MAX, description="makes sampling reproducible; choice i of n uses seed + i (mod 2**64)"
     )
-    presence_penalty: float | None = Field(None, description="Only 0 is supported")
-    frequency_penalty: float | None = Field(None, description="Only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Over the generated tokens")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Over the generated tokens")
+    logit_bias: dict[int, float] | None = Field(
+        None, description=f"Token id -> bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS} entries"
+    )
     user: str | None = None
-    # extensions (vLLM-style)
-    top_k: StrictInt | None = Field(None, ge=0, le=UINT32_MAX)
+    # vLLM's extensions, with vLLM's meanings
+    top_k: StrictInt | None = Field(None, ge=-1, le=UINT32_MAX, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0, le=1)
-    ignore_eos: bool = False
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="Over the prompt and generated tokens (transformers' definition); 1: off"
+    )
+    min_tokens: StrictInt | None = Field(
+        None, ge=0, le=UINT32_MAX, description="No end-of-sequence, stop token or stop string before this many"
+    )
+    ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = Field(
+        None, description="Accepted; as in vLLM it changes nothing with a fast tokenizer (the only kind served here)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -108,8 +125,11 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _few_enough_stop_strings(cls, data):
+    def _few_enough_stop_strings_and_biases(cls, data):
         _check_count(data, "stop", MAX_STOP_STRINGS, "stop strings")
+        bias = data.get("logit_bias") if isinstance(data, dict) else None
+        if isinstance(bias, dict):
+            check_logit_bias_count(len(bias))
         return data
 
     def stop_list(self) -> list[str]:
@@ -120,7 +140,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: StrictInt | None = Field(16, ge=1, le=UINT32_MAX)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX, description=f"default {SamplingParams.max_tokens}")
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     echo: bool = Field(False, description="Not supported (must be false)")
     suffix: str | None = Field(None, description="Not supported")
@@ -389,6 +409,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "deltamesh"
+    root: str  # the checkpoint it serves, as vLLM's model card has it (vllm bench serve reads it)
+    parent: str | None = None
     max_model_len: int
 
 

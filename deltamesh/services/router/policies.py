@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from deltamesh.engine.prefix_cache import block_key
+from deltamesh.protocol.blocks import block_key
 from deltamesh.services.router import metrics
 from deltamesh.services.router.registry import WorkerHandle
 

@@ -18,7 +18,7 @@ from deltamesh.services.router.gateway.chat_output import ChatOutput, OutputDelt
 from deltamesh.services.router.gateway.choices import (
     Choice,
     build_choices,
-    check_model_and_sampling,
+    check_model,
     check_sampling,
     check_sizes,
 )
@@ -64,7 +64,7 @@ def chat_request(body: oa.ChatCompletionRequest) -> ChatRequest:
 async def chat_choices(
     frontend: Frontend, rid: str, body: oa.ChatCompletionRequest, fmt: OutputFormat
 ) -> tuple[list[Choice], Callable[[], ChatOutput]]:
-    check_model_and_sampling(frontend, body)
+    check_model(frontend, body)
     if body.response_format and body.response_format.get("type") != "text":
         raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
