@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltamesh.protocol.structured import StructuredOutputs
+
 MAX_LOGPROBS = 20
 
 
@@ -27,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: chosen + top k
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # the output follows a grammar (engine/grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab_size}) (the vocabulary), got {bad[:8]}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
 
 UINT32, UINT64 = 2**32, 2**64

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from deltamesh.engine import FinishReason, RequestOutput, SamplingParams
+from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.v1 import common_pb2
 
 FINISH_TO_PROTO = {
@@ -29,7 +32,36 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, stop: common_pb2.StopCond
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
     )
+    if sp.HasField("structured_outputs"):
+        params.structured_outputs = structured_from_proto(sp.structured_outputs)
     return params
+
+
+def structured_from_proto(so: common_pb2.StructuredOutputs) -> StructuredOutputs:
+    """Raises ValueError for a message without a kind or a schema that is not JSON (StructuredOutputs.validate
+    checks the rest)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs needs one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(so.json_schema)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"structured_outputs.json_schema is not valid JSON: {e}") from None
+        return StructuredOutputs(json=schema, disable_any_whitespace=so.disable_any_whitespace)
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return StructuredOutputs(**{kind: value}, disable_any_whitespace=so.disable_any_whitespace)
+
+
+def structured_to_proto(s: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    so = common_pb2.StructuredOutputs(disable_any_whitespace=s.disable_any_whitespace)
+    if s.kind == "json":
+        so.json_schema = json.dumps(s.json, ensure_ascii=False)
+    elif s.kind == "choice":
+        so.choice.choices.extend(s.choice)
+    else:
+        setattr(so, s.kind, s.value)
+    return so
 
 
 def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, common_pb2.StopConditions]:
@@ -46,6 +78,8 @@ def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, com
         sp.seed = p.seed
     if p.logprobs is not None:
         sp.logprobs = p.logprobs
+    if p.structured_outputs is not None:
+        sp.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     return sp, common_pb2.StopConditions(stop=p.stop, stop_token_ids=p.stop_token_ids)
 
 

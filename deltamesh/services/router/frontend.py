@@ -91,6 +91,8 @@ class Frontend:
             self._check_field(name, **{name: getattr(params, name)})
         check_stop(params.stop)
         self._check_field("stop_token_ids", stop_token_ids=params.stop_token_ids)
+        if params.structured_outputs is not None:  # its shape; whether it parses is the worker's check
+            self._check_field("structured_outputs", structured_outputs=params.structured_outputs)
 
     def _check_field(self, param: str, **value) -> None:
         try:  # the engine's own rule for the field, on its own

@@ -71,6 +71,7 @@ def _params(body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: i
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        structured_outputs=body.structured,  # response_format / structured_outputs, one object for all choices
     )
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import grpc
 
 from deltamesh.client.errors import DeltameshError, InvalidRequest, Unavailable, from_rpc_error
+from deltamesh.client.structured import structured_message
 from deltamesh.client.types import Delta, Result
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -34,9 +35,16 @@ def build_request(
     ignore_eos: bool = False,
     model: str = "",
     request_id: str | None = None,
+    response_format: dict | None = None,
+    structured_outputs: dict | None = None,
 ) -> router_pb2.GenerateRequest:
     """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...}). Values the protocol
-    cannot carry (negative counts, ids over 32 bits) raise InvalidRequest before anything is sent."""
+    cannot carry (negative counts, ids over 32 bits) raise InvalidRequest before anything is sent.
+
+    Structured outputs, as the REST API takes them: `response_format` in OpenAI's shape ({"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) or `structured_outputs` in vLLM's
+    ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": EBNF}, {"json_object": True}, and
+    "disable_any_whitespace")."""
     try:
         return _build(
             prompt,
@@ -52,6 +60,7 @@ def build_request(
             ignore_eos,
             model,
             request_id,
+            structured_message(structured_outputs, response_format),
         )
     except (ValueError, TypeError) as e:
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {e}") from None
@@ -86,6 +95,7 @@ def _build(
     ignore_eos,
     model,
     request_id,
+    structured,
 ) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
@@ -96,6 +106,8 @@ def _build(
     for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed), ("logprobs", logprobs)):
         if value is not None:
             setattr(req.sampling, name, value)
+    if structured is not None:
+        req.sampling.structured_outputs.CopyFrom(structured)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -178,7 +190,8 @@ class Client:
 
     def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
         """The whole result. `kwargs`: build_request's sampling keywords (max_tokens, temperature, top_p, top_k,
-        min_p, seed, stop, stop_token_ids, logprobs, ignore_eos, model, request_id)."""
+        min_p, seed, stop, stop_token_ids, logprobs, ignore_eos, model, request_id, response_format,
+        structured_outputs)."""
         request = _request(prompt, kwargs)
         for attempt in range(self.retries + 1):
             result = Result(request.request_id)
