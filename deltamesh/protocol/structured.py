@@ -30,7 +30,8 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | None = None  # the output is exactly one of these
     grammar: str | None = None  # EBNF, xgrammar's dialect
-    # vLLM's option: no whitespace between a JSON output's tokens (json, json_object), for a compact output
+    # vLLM's option: a JSON output (json, json_object) laid out as json.dumps writes it, one space after each , and :
+    # and no other whitespace
     disable_any_whitespace: bool = False
 
     @property

@@ -58,6 +58,7 @@ def structured_to_proto(s: StructuredOutputs) -> common_pb2.StructuredOutputs:
     if s.kind == "json":
         so.json_schema = json.dumps(s.json, ensure_ascii=False)
     elif s.kind == "choice":
+        so.choice.SetInParent()
         so.choice.choices.extend(s.choice)
     else:
         setattr(so, s.kind, s.value)

@@ -40,6 +40,7 @@ def structured_message(
     if kind == "json":
         message.json_schema = value if isinstance(value, str) else json.dumps(value)
     elif kind == "choice":
+        message.choice.SetInParent()  # an empty list is still a choice (which the router refuses, saying why)
         message.choice.choices.extend(value)
     else:
         setattr(message, kind, value)
