@@ -145,11 +145,13 @@ class Grammars:
         grammar = parse(spec)
         with self._lock:
             job = self._compiling.get(spec.key)
-            if job is None:
+            started = job is None
+            if started:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
                 job = self._compiling[spec.key] = self._pool.submit(self._compile, grammar)
-                job.add_done_callback(lambda _, key=spec.key: self._done(key))
+        if started:  # not under the lock: a job done already calls back at once, here, and `_done` takes the lock
+            job.add_done_callback(lambda _, key=spec.key: self._done(key))
         return RequestGrammar(job)
 
     def _done(self, key: str) -> None:

@@ -157,7 +157,8 @@ def test_a_request_whose_grammar_compiles_does_not_hold_up_the_batch(engine):
 
 def test_same_outputs_under_preemption(engine):
     """Pools too small for every request: requests are preempted and recomputed; each keeps its matcher, and the
-    outputs are those of an engine with room for all."""
+    outputs are those of an engine with room for all, and of one that finishes every step before the next (no
+    async scheduling: the matchers are up to date at launch)."""
     specs = [
         StructuredOutputs(json=PERSON, disable_any_whitespace=True),
         StructuredOutputs(regex="[a-z]{30,40}"),
@@ -177,7 +178,8 @@ def test_same_outputs_under_preemption(engine):
 
     roomy = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), page_size=4))
     small = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), page_size=4, num_kv_pages=20, max_num_batched_tokens=16))
-    assert run(small) == run(roomy)
+    in_order = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), page_size=4, async_scheduling=False))
+    assert run(small) == run(roomy) == run(in_order)
     assert small.scheduler.num_preemptions > 0
     assert_idle(small)
 
@@ -212,3 +214,24 @@ def test_a_transferred_request_replays_its_first_token_into_its_matcher():
             decode.dispatch(decode.step())
         assert {rid: first[rid] + got[rid] for rid in got} == ref
     assert_idle(decode)
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request_with_the_reason(engine):
+    """Parsing passed, compiling failed (here: made to raise): the request ends with an error saying so, and the
+    batch it was in goes on."""
+    grammars = engine.core.grammars
+
+    def failing(grammar):
+        raise RuntimeError("[00:00:00] /project/cpp/compiler.cc:1: out of memory")
+
+    grammars._compile = failing
+    try:
+        doomed = engine.make_request("x", params(StructuredOutputs(regex="[0-9]{2}")))
+    finally:
+        del grammars._compile
+    done, finals = threading.Event(), []
+    engine.submit(doomed, lambda out: out.finished and (finals.append(out), done.set()))
+    other = engine.generate("Other", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert done.wait(60) and other.finish_reason == FinishReason.LENGTH
+    assert finals[0].finish_reason == FinishReason.ERROR and not finals[0].new_token_ids
+    assert finals[0].error == "the structured output grammar failed to compile: out of memory"
