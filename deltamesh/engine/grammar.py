@@ -120,9 +120,21 @@ class RequestGrammar:
                 return
         for token in output_ids[self._accepted :]:
             if not self.matcher.accept_token(token):
-                self.error = f"token {token} does not follow the structured output grammar"
+                self.error = self._rejected(token)
                 return
             self._accepted += 1
+
+    def _rejected(self, token: int) -> str:
+        """Why the matcher refused a token: the grammar allowed none there (it matches nothing, or nothing
+        longer), or the token was sampled against its mask (a bug)."""
+        xgr = xgrammar()
+        bitmask = xgr.allocate_token_bitmask(1, self._compiled.result().tokenizer_info.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        if not bitmask.any():
+            return (
+                f"the structured output grammar allows no token after {self._accepted} tokens: it cannot be completed"
+            )
+        return f"token {token} does not follow the structured output grammar"
 
 
 class Grammars:

@@ -235,3 +235,11 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_with_the_reason(engine
     assert done.wait(60) and other.finish_reason == FinishReason.LENGTH
     assert finals[0].finish_reason == FinishReason.ERROR and not finals[0].new_token_ids
     assert finals[0].error == "the structured output grammar failed to compile: out of memory"
+
+
+def test_a_grammar_that_matches_nothing_ends_its_request_saying_so(engine):
+    """A regex that parses but no text matches (a class of no character): nothing is allowed, the sampled token is
+    refused, and the error says that the grammar cannot be completed."""
+    out = engine.generate("x", params(StructuredOutputs(regex="[^\\x00-\\U0010FFFF]"), max_tokens=4))[0]
+    assert out.finish_reason == FinishReason.ERROR
+    assert out.error == "the structured output grammar allows no token after 0 tokens: it cannot be completed"
