@@ -13,6 +13,7 @@ from deltamesh.services.common.convert import sampling_from_proto, sampling_to_p
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.limits import InvalidParam
 
+pytestmark = pytest.mark.api
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["b"]}
 SPECS = [
     StructuredOutputs(json=SCHEMA),
