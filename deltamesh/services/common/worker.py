@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -56,14 +57,16 @@ class Role(abc.ABC):
 
 async def engine_request(engine, request, context, hold_state: bool = False):
     """The engine request of a Prefill/Decode call, with its id bound to the logs; INVALID_ARGUMENT for bad
-    input, so nothing invalid reaches the engine loop."""
+    input, so nothing invalid reaches the engine loop. A request with structured outputs is made in a thread: its
+    grammar is parsed then (xgrammar, imported by the first one), which would hold the event loop."""
     rid = request.request_id or request_id_from(context)
     if not rid:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
     bind_request(rid)
     try:
         params = sampling_from_proto(request.sampling, request.stop)
-        return engine.make_request(list(request.prompt_token_ids), params, rid, hold_state=hold_state)
+        make = functools.partial(engine.make_request, list(request.prompt_token_ids), params, rid, hold_state)
+        return await asyncio.to_thread(make) if params.structured_outputs is not None else make()
     except (ValueError, RequestError) as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
