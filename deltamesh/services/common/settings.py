@@ -139,6 +139,13 @@ class RouterSettings(BaseModel):
         "holds all but at most this many tokens of its prompt (a conversation's "
         "earlier turns, kept by decode workers' prefix caches). 0: off",
     )
+    # router/admission.py: requests wait at the router for room on a decode worker, before their prefill
+    max_queued_requests: int = Field(
+        1024,
+        ge=0,
+        description="Requests that may wait at the router for room on a decode worker (P/D); one more is refused "
+        "at once (429 / RESOURCE_EXHAUSTED). 0: no queue",
+    )
     health_interval_s: float = Field(0.5, json_schema_extra=_NO_OPTION)
     heartbeat_interval_s: float = Field(1.0, json_schema_extra=_NO_OPTION)
     prefill_retries: int = Field(2, json_schema_extra=_NO_OPTION)
