@@ -122,6 +122,10 @@ def test_a_request_waits_at_most_max_wait_and_one_that_goes_away_leaves_the_queu
         assert not adm._queue
         adm.release(held)
         assert (await adm.admit(10, 6)) is not None  # the slot went to nobody else
+        registry.mark_failed(registry.workers["d0"], "test")
+        with pytest.raises(MeshError) as gone:
+            await adm.admit(10, 6)
+        assert gone.value.code == grpc.StatusCode.UNAVAILABLE and "no healthy decode worker" in gone.value.message
 
     asyncio.run(run())
 

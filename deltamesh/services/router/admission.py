@@ -19,7 +19,10 @@ Waiting requests are served first come, first served: a request is placed as soo
 and none placed after it takes a worker it is waiting for. A request for a given worker (the P/D decider sends a
 conversation's next turn to the decode worker holding it) blocks only that worker; one for any worker blocks all.
 The queue is bounded: a request that finds it full is refused at once (RESOURCE_EXHAUSTED, REST 429), before any
-work is done. Colocated workers are not gated here: they queue requests in their own engine, as vLLM and SGLang do."""
+work is done; one that waits longer than the worker-call deadline is refused too (UNAVAILABLE when no decode worker
+is left). Colocated workers are not gated here: they queue requests in their own engine, as vLLM and SGLang do. A
+decode call that the mesh retries on another decode worker (the first failed before streaming) goes there without a
+ticket of its own, so that worker's --admission-timeout may still refuse it."""
 
 from __future__ import annotations
 
@@ -114,6 +117,10 @@ class Admission:
         except TimeoutError:
             self._leave(waiter)
             metrics.ADMISSION_REJECTED.labels("timeout").inc()
+            if not self.registry.healthy("decode"):
+                raise MeshError(
+                    grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker for {self.max_wait_s:g} s; retry shortly"
+                ) from None
             raise MeshError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"no decode worker had room for the request within {self.max_wait_s:g} s; retry shortly",
