@@ -35,6 +35,8 @@
 #            decode worker's log and every process's GPU memory sampled by nvidia-smi (within 8 minutes; the full
 #            run: --waves 4 and no --warm-once, about 25 minutes). In two calls if need be: SETUPS=disagg (or
 #            colocated) runs that setup alone, P1_FIDELITY=0 skips the fidelity check
+#   stage 1m: (a call of its own, after 1) stage u's multi-turn chats, 9B shape, through 1P+1D on GPU 0 (0.45 + 0.45)
+#            with the P/D decider (--pd-direct-max-tokens 256), prefix cache off then on
 #   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
 #            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
@@ -42,7 +44,7 @@
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, g or 1}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, g, 1 or 1m}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -206,6 +208,13 @@ r)
   echo "GPU memory, the most each process held (MiB; the GPU: $(nvidia-smi --query-gpu=memory.total --format=csv,noheader))"
   awk -F, '$3 > m[$2 " " $4] {m[$2 " " $4] = $3} END {for (k in m) print "  pid", k, m[k]}' "$OUT/p1_gpu_memory.csv"
   grep -h '"engine ready"' "$OUT"/serve-*.log | grep -o '"kv_cache_gib": [0-9.]*, "gpu_memory_gib": [0-9.]*, "gpu_memory_utilization": [0-9.]*'
+  ;;
+1m)
+  TAIL=30 run p1_multi_turn 580 python bench/multi_turn.py --setup disagg --device cuda --dtype bfloat16 \
+    --load-format dummy --model bench/configs/qwen3.5-9b --system-len 6144 --message-len 200 --reply-len 128 \
+    --users 8 --turns 3 --vocab 30000 --serve-flag=--gpus=0 --serve-flag=--prefill-gpu-memory-utilization=0.45 \
+    --serve-flag=--decode-gpu-memory-utilization=0.45 --serve-flag=--pd-direct-max-tokens=256 \
+    --serve-flag=--no-ucx-error-handling --log-dir "$OUT" --out "$OUT/p1_multi_turn_9b.json"
   ;;
 g)
   checked=()
