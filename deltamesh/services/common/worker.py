@@ -157,14 +157,20 @@ class Worker:
 
 async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role: Callable[[Worker, Transport], Role]):
     """Start a worker: transport, engine, and the role `make_role(worker, transport)` with its gRPC services."""
+    from deltamesh.engine.memory_budget import MemoryBudgetError
     from deltamesh.services.common.metrics import serve_worker_metrics
     from deltamesh.services.common.server import GrpcServer
+    from deltamesh.services.supervisor import CONFIG_ERROR
     from deltamesh.transfer import open_transport
 
     transport = open_transport(settings.transport, settings)  # first: it may set up the process's environment
     if settings.role == "prefill":  # the worker that offers held states: read where its ranks hold them
         settings.engine = dataclasses.replace(settings.engine, rank_exporter=transport.rank_exporter)
-    worker = Worker(settings)
+    try:
+        worker = Worker(settings)
+    except MemoryBudgetError as e:  # its share of the GPU, measured once the weights are in: one line, no restart
+        write_line(sys.stderr, f"deltamesh {settings.role}: {e}")
+        raise SystemExit(CONFIG_ERROR) from None
     device = settings.engine.torch_device()
     if device.type == "cuda":
         import torch

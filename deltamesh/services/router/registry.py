@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,6 +36,7 @@ class WorkerHandle:
     load: common_pb2.WorkerLoad | None = None
     last_registered: float = field(default_factory=time.monotonic)
     inflight: int = 0  # requests the router has sent here and not yet seen end
+    admitted: int = 0  # decode: requests admitted here (router/admission.py), prefilling or decoding
     missed_polls: int = 0  # consecutive load polls without an answer in time
 
     @property
@@ -51,6 +53,8 @@ class WorkerRegistry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, WorkerHandle] = {}
         self._closing: set[asyncio.Task] = set()
+        # called with a worker after each of its load polls and when it is marked failed (router/admission.py)
+        self.listeners: list[Callable[[WorkerHandle], None]] = []
 
     def add(self, address: str, role: str, static: bool, compat_hash: str = "") -> WorkerHandle:
         if role not in ROLES:
@@ -93,6 +97,11 @@ class WorkerRegistry:
         if w.healthy:
             log.warning("worker failed", address=w.address, role=w.role, why=why)
         w.healthy = False
+        self._tell(w)
+
+    def _tell(self, w: WorkerHandle) -> None:
+        for listener in self.listeners:
+            listener(w)
 
     async def poll_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -123,6 +132,7 @@ class WorkerRegistry:
             if not w.healthy:
                 log.info("worker healthy", address=w.address, role=w.role)
             w.healthy = True
+            self._tell(w)
         except grpc.aio.AioRpcError as e:
             w.missed_polls += 1
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.missed_polls >= MAX_MISSED_POLLS:
