@@ -249,7 +249,7 @@ def sweep(args, colocated: bool, rows: list[dict]) -> None:
                     args.point_timeout,
                     gpus,
                     observer,
-                    0 if args.warm_once and not first else 1,
+                    warmups=0 if args.warm_once and not first else 1,
                 )
                 first = False
                 if not colocated:
