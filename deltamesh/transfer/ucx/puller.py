@@ -44,9 +44,8 @@ from deltamesh.v1.common_pb2 import TransportDescriptor
 
 log = structlog.get_logger("deltamesh.transfer")
 
-# How long (at most, and at most half its deadline) a pull from a holder that names ranks waits for the control plane
-# to announce that holder: decode workers hear of the prefill workers the router found healthy every heartbeat,
-# half a second by default
+# How long (at most, and at most half its deadline) a pull from a holder not announced yet waits for the control plane
+# to announce it: the router announces holders in its load polls, every half second by default
 ANNOUNCEMENT_WAIT_S = 2.0
 
 
@@ -160,7 +159,7 @@ class UcxPuller(StatePuller):
             async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the reads
                 if self._holders.awaits_announcement(source):
                     await self._holders.announced(source.address, min(timeout_s / 2, ANNOUNCEMENT_WAIT_S))
-                    self._vouched(source)
+                self._vouched(source)  # against its holder's announcement, which may have come since `source()`
                 return await self._pull(source, buffers, started)
         except TimeoutError:
             for worker in _workers(source):
