@@ -124,17 +124,16 @@ class WorkerRegistry:
         source = PULLS_FROM.get(role)
         return [w.holder for w in self.workers.values() if w.role == source and w.holder is not None]
 
-    def _take_holder(self, w: WorkerHandle, reply: common_pb2.GetLoadsResponse) -> bool:
-        """Record the holder descriptor `w` answered; False (and nothing recorded) if it names a transport endpoint
-        that another worker's names, or none at all."""
-        if not reply.HasField("holder"):
-            w.holder = None
+    def record_holder(self, w: WorkerHandle, described: common_pb2.TransportDescriptor | None) -> bool:
+        """Record the holder descriptor `w` answered (None: it holds nothing); False (and nothing recorded) if it
+        names a transport endpoint that another worker's names, or none at all."""
+        w.holder = None
+        if described is None:
             return True
         claimed = {e for o in self.workers.values() if o is not w and o.holder is not None for e in o.holder.endpoints}
-        if not reply.holder.endpoints or claimed & set(reply.holder.endpoints):
-            w.holder = None
+        if not described.endpoints or claimed & set(described.endpoints):
             return False
-        w.holder = reply.holder
+        w.holder = described
         return True
 
     async def _check(self, w: WorkerHandle) -> None:
@@ -146,7 +145,7 @@ class WorkerRegistry:
                 metadata=self.call_metadata(),
                 timeout=max(self.health_interval_s * 4, 2.0),
             )
-            if not self._take_holder(w, reply):
+            if not self.record_holder(w, reply.holder if reply.HasField("holder") else None):
                 if not w.refused:  # logged once, not at every poll
                     log.warning(
                         "worker refused: its side channel names a process another worker holds state in",
