@@ -28,21 +28,14 @@ log = structlog.get_logger("deltamesh.worker")
 
 
 class Role(abc.ABC):
-    """What a worker role (prefill, decode) adds to the worker all roles share: its gRPC services, what the router
-    learns and answers at registration, and its own start, stop and background work. The defaults do nothing."""
+    """What a worker role (prefill, decode) adds to the worker all roles share: its gRPC services, and its own start,
+    stop and background work. The defaults do nothing."""
 
     leases: LeaseTable | None = None  # held states, exported in the worker's metrics
 
     @abc.abstractmethod
     def services(self) -> list[tuple]:
         """(add_servicer_to_server, servicer, service name) of each gRPC service, for GrpcServer."""
-
-    def transport_descriptor(self) -> common_pb2.TransportDescriptor | None:
-        """How this worker's memory is reached over its transport, told to the router at registration."""
-        return None
-
-    def on_registered(self, reply: control_pb2.RegisterWorkerResponse) -> None:
-        """Each registration reply (a heartbeat's); must not block: it runs in the heartbeat."""
 
     async def on_start(self) -> None:
         pass
@@ -101,7 +94,7 @@ class Worker:
             prefix_cache=self.engine.has_prefix_cache,
         )
 
-    async def register_forever(self, stop: asyncio.Event, role: Role) -> None:
+    async def register_forever(self, stop: asyncio.Event) -> None:
         """Keep this worker registered with the router's control plane; survives router restarts."""
         router = self.settings.router
         if not router:
@@ -112,7 +105,6 @@ class Worker:
             role=self.settings.role,
             model=self.model_id,
             compat_hash=self.compat_hash,
-            transport=role.transport_descriptor(),
         )
         interval = 1.0
         async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
@@ -122,7 +114,6 @@ class Worker:
                 try:
                     reply = await stub.RegisterWorker(request, metadata=auth, timeout=2.0)
                     interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
-                    role.on_registered(reply)
                     if not registered:
                         log.info("registered with router", router=router)
                     registered = True
@@ -201,7 +192,7 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     )
     tasks = [
         asyncio.create_task(c)
-        for c in [worker.register_forever(stop, role), worker.stop_on_engine_failure(stop), *role.background(stop)]
+        for c in [worker.register_forever(stop), worker.stop_on_engine_failure(stop), *role.background(stop)]
     ]
     write_line(sys.stdout, f"DELTAMESH_READY {settings.role} {server.address}")
     await stop.wait()

@@ -205,7 +205,7 @@ class Mesh:
             req = decode_pb2.DecodeRequest(
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
             )
-            deltas = self.legs.decode(req, "decode", inflight, ticket.worker)
+            deltas = self.legs.decode(req, "decode", inflight, ticket.worker, holder=pw)
             if self.pd is not None:
                 deltas = self.legs.remembered(deltas, prompt_ids, inflight, first.first)
             async for delta in deltas:
