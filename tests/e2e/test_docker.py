@@ -26,6 +26,7 @@ from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from deltamesh.services.common.ports import free_port
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.docker,
     # a build of minutes: only where asked for (make test-docker), never inside make test's ten minutes
     pytest.mark.skipif(os.environ.get("DELTAMESH_DOCKER_TEST") != "1", reason="run by make test-docker"),

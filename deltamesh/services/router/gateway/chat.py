@@ -65,8 +65,6 @@ async def chat_choices(
     frontend: Frontend, rid: str, body: oa.ChatCompletionRequest, fmt: OutputFormat
 ) -> tuple[list[Choice], Callable[[], ChatOutput]]:
     check_model(frontend, body)
-    if body.response_format and body.response_format.get("type") != "text":
-        raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_sampling(frontend, body, max_tokens, logprobs)
@@ -80,12 +78,17 @@ async def chat_choices(
                 'tool_choice "required" or a named function needs structured decoding, which this server has not',
                 param="tool_choice",
             )
+        structured = body.structured is not None
+        if structured:  # the grammar holds from the reply's first token: no think block before it (README)
+            chat.template_kwargs = {"enable_thinking": False, **chat.template_kwargs}
         parsed = fmt.reasoning != "none" or bool(chat.tools and chat.tool_choice != "none")
         prompt, choices = await frontend.off_loop(_prepare, frontend, rid, body, chat, parsed, max_tokens, logprobs)
     tools = chat.tool_parameters
 
     def new_output() -> ChatOutput:
-        return chat_output(fmt, prompt.assistant_prefix, tools, chat.tool_choice, body.parallel_tool_calls)
+        return chat_output(
+            fmt, prompt.assistant_prefix, tools, chat.tool_choice, body.parallel_tool_calls, reasoning=not structured
+        )
 
     return choices, new_output
 

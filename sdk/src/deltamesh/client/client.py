@@ -17,6 +17,7 @@ import grpc
 
 from deltamesh.client.chat import chat_messages
 from deltamesh.client.errors import DeltameshError, InvalidRequest, Unavailable, from_rpc_error
+from deltamesh.client.structured import structured_message
 from deltamesh.client.types import Delta, Result
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -48,6 +49,8 @@ def build_request(
     skip_special_tokens: bool | None = None,
     model: str = "",
     request_id: str | None = None,
+    response_format: dict | None = None,
+    structured_outputs: dict | None = None,
     tools: Sequence[dict] = (),
     chat_template_kwargs: dict | None = None,
     add_generation_prompt: bool = True,
@@ -58,7 +61,12 @@ def build_request(
     function tools), `chat_template_kwargs` (e.g. {"enable_thinking": False}), `add_generation_prompt` and
     `continue_final_message` (chat.py). A sampling keyword left None takes the server's default (the router's
     SamplingParams). Values the protocol cannot carry (negative counts, ids over 32 bits) raise InvalidRequest
-    before anything is sent."""
+    before anything is sent.
+
+    Structured outputs, as the REST API takes them: `response_format` in OpenAI's shape ({"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) or `structured_outputs` in vLLM's
+    ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": EBNF}, {"json_object": True}, and
+    "disable_any_whitespace")."""
     sampling = dict(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -91,6 +99,9 @@ def build_request(
             sampling=common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
             stop=common_pb2.StopConditions(**{k: v for k, v in stops.items() if v is not None}),
         )
+        structured = structured_message(structured_outputs, response_format)
+        if structured is not None:
+            req.sampling.structured_outputs.CopyFrom(structured)
         if isinstance(prompt, str):
             req.text = prompt
         elif prompt and isinstance(prompt[0], dict):
@@ -249,8 +260,8 @@ class Client(_ClientBase):
     def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
         """The whole result. `kwargs`: build_request's keywords (max_tokens, temperature, top_p, top_k, min_p, seed,
         stop, stop_token_ids, logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
-        logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model, request_id; for a chat,
-        tools, chat_template_kwargs, add_generation_prompt, continue_final_message)."""
+        logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model, request_id, response_format,
+        structured_outputs; for a chat, tools, chat_template_kwargs, add_generation_prompt, continue_final_message)."""
         request = _request(prompt, kwargs)
         for attempt in itertools.count():
             result = Result(request.request_id)
