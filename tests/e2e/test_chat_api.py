@@ -1,11 +1,12 @@
 """Tools, tool calls, reasoning and the chat template's options through a real mesh (1P+1D), with the official
 `openai` client and the gRPC SDK, on the default model (Qwen3.5's format, random-ish weights): each reply is the
 monolithic engine's text on the same prompt, as Qwen3.5's format reads it; REST and gRPC render the same prompt
-from the same fields and refuse bad ones alike."""
+from the same fields and refuse bad ones alike; tool_choice required and named are enforced by structured decoding."""
 
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from harness import start_mesh
@@ -13,6 +14,8 @@ from test_openai_api import thinking_reply
 
 from deltamesh.client import InvalidRequest
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
+from deltamesh.protocol.structured import StructuredOutputs
+from deltamesh.services.router.gateway.chat_output import named_schema, required_schema
 
 pytestmark = [pytest.mark.e2e, pytest.mark.api]
 MODEL_ID = DEFAULT_MODEL.name
@@ -220,12 +223,87 @@ def test_bad_tool_and_template_fields_are_refused_alike_on_both_edges(mesh, fiel
     assert mesh.wait_idle() == {}
 
 
-def test_a_tools_definition_takes_only_openais_fields_and_forced_choices_need_structured_decoding(mesh):
+def test_a_tools_definition_takes_only_openais_fields_and_a_forced_choice_takes_no_other_structure(mesh):
     url = f"http://127.0.0.1:{mesh.http_port}/v1/chat/completions"
     typo = {"type": "function", "function": {"name": "f", "parameter": {}}}
     r = httpx.post(url, json={"model": MODEL_ID, "messages": ASK, "tools": [typo]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("Unrecognized request argument"), r.text
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    for choice in ("required", NAMED):
         body = {"model": MODEL_ID, "messages": ASK, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 2}
-        r = httpx.post(url, json=body, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        r = httpx.post(url, json=body | {"response_format": {"type": "json_object"}}, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "tool_choice" and "response_format" in error["message"]
+    assert mesh.wait_idle() == {}
+
+
+# A tool whose arguments are a few tokens: a random-weight model under its schema ends the JSON within max_tokens
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Lyon"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "additionalProperties": False,
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    "choice,parallel",
+    [("required", False), ("required", True), ({"type": "function", "function": {"name": "forecast"}}, True)],
+)
+def test_a_forced_tool_choice_is_enforced_by_structured_decoding_streamed_and_whole(
+    client, reference_engine, choice, parallel
+):
+    """tool_choice required / named: the reply is written under the JSON schema built from the tools (thinking off),
+    so it parses into calls of the tools with arguments that match their schemas; the mesh's tokens are the
+    monolithic engine's under the same schema."""
+    tools = [FORECAST, CLOCK]
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    named = isinstance(choice, dict)
+    schema = named_schema(parameters["forecast"]) if named else required_schema(parameters, parallel)
+    ids = reference_engine.tokenizer.encode_chat(ASK, True, tools=tools, variables={"enable_thinking": False})
+    params = SamplingParams(
+        max_tokens=96, temperature=0, structured_outputs=StructuredOutputs(json=schema, disable_any_whitespace=True)
+    )
+    ref = reference_engine.generate(ids, params)[0]
+    assert ref.finish_reason.value == "stop", ref.text  # the schema's JSON was finished
+    written = json.loads(ref.text)
+    jsonschema.validate(written, schema)
+    expected = [("forecast", written)] if named else [(c["name"], c["parameters"]) for c in written]
+    body = dict(model=MODEL_ID, messages=ASK, tools=tools, tool_choice=choice, max_tokens=96, temperature=0)
+    body["parallel_tool_calls"] = parallel
+    res = client.chat.completions.create(**body)
+    message, finish = res.choices[0].message, "stop" if named else "tool_calls"
+    assert res.usage.prompt_tokens == len(ids) and res.usage.completion_tokens == len(ref.token_ids)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
+    assert all(c.id.startswith("call_") for c in message.tool_calls) and res.choices[0].finish_reason == finish
+    assert message.content is None and message.reasoning_content is None
+    for call in message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+    reasoning, content, deltas, last = streamed(client, **body)
+    assert (reasoning, content, last.choices[0].finish_reason) == (None, None, finish)
+    headers = [d for d in deltas if d.id]
+    assert [(d.index, d.function.name) for d in headers] == [
+        (i, c.function.name) for i, c in enumerate(message.tool_calls)
+    ]
+    joined = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in range(len(headers))]
+    assert [json.loads(a) for a in joined] == [json.loads(c.function.arguments) for c in message.tool_calls]

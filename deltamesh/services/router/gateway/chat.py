@@ -11,10 +11,18 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.frontend import ChatPrompt, Frontend
-from deltamesh.services.router.gateway.chat_output import ChatOutput, OutputDelta, OutputFormat, chat_output
+from deltamesh.services.router.gateway.chat_output import (
+    ChatOutput,
+    OutputDelta,
+    OutputFormat,
+    chat_output,
+    named_schema,
+    required_schema,
+)
 from deltamesh.services.router.gateway.choices import (
     Choice,
     build_choices,
@@ -23,10 +31,11 @@ from deltamesh.services.router.gateway.choices import (
     check_sizes,
 )
 from deltamesh.services.router.gateway.dependencies import GatewayDep
-from deltamesh.services.router.gateway.errors import ApiError, as_api_error
+from deltamesh.services.router.gateway.errors import as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
 from deltamesh.services.router.gateway.reply import Reply, respond
 from deltamesh.services.router.gateway.streaming import Deltas, sse, sse_responses
+from deltamesh.services.router.limits import InvalidParam
 from deltamesh.v1 import common_pb2
 
 router = APIRouter()
@@ -72,17 +81,14 @@ async def chat_choices(
     with as_api_error("messages"):
         check_sizes(frontend, 1, body)
         frontend.check_chat(chat)
-        if chat.tool_choice == "required" or isinstance(chat.tool_choice, dict):
-            raise ApiError(
-                400,
-                'tool_choice "required" or a named function needs structured decoding, which this server has not',
-                param="tool_choice",
-            )
-        structured = body.structured is not None
+        forced = _forced_calls(chat, body)
+        structured = forced is not None or body.structured is not None
         if structured:  # the grammar holds from the reply's first token: no think block before it (README)
             chat.template_kwargs = {"enable_thinking": False, **chat.template_kwargs}
         parsed = fmt.reasoning != "none" or bool(chat.tools and chat.tool_choice != "none")
-        prompt, choices = await frontend.off_loop(_prepare, frontend, rid, body, chat, parsed, max_tokens, logprobs)
+        prompt, choices = await frontend.off_loop(
+            _prepare, frontend, rid, body, chat, parsed, max_tokens, logprobs, forced
+        )
     tools = chat.tool_parameters
 
     def new_output() -> ChatOutput:
@@ -93,6 +99,32 @@ async def chat_choices(
     return choices, new_output
 
 
+def _forced_calls(chat: ChatRequest, body: oa.ChatCompletionRequest) -> StructuredOutputs | None:
+    """tool_choice "required" or a named function, enforced as vLLM enforces it: the reply is written under a JSON
+    schema built from the tools (chat_output/forced.py), so its calls always parse and match the tools' schemas."""
+    choice = chat.tool_choice
+    if choice == "required":
+        schema = required_schema(chat.tool_parameters, body.parallel_tool_calls)
+    elif isinstance(choice, dict):
+        schema = named_schema(chat.tool_parameters[choice["name"]])
+    else:
+        return None
+    if body.structured is not None:
+        raise InvalidParam(
+            "tool_choice",
+            'tool_choice "required" or a named function sets the output\'s structure: leave out response_format and '
+            "structured_outputs",
+        )
+    # laid out as json.dumps writes it: whitespace in the calls carries nothing, and a model that drifts into it
+    # (up to the grammar's 32 characters per gap) can spend its max_tokens before the calls are complete
+    forced = StructuredOutputs(json=schema, disable_any_whitespace=True)
+    try:
+        forced.validate()
+    except ValueError as e:  # too large: the tools' schemas, put together
+        raise InvalidParam("tools", f"tool_choice {choice!r} cannot be enforced for these tools: {e}") from None
+    return forced
+
+
 def _prepare(
     frontend: Frontend,
     rid: str,
@@ -101,9 +133,10 @@ def _prepare(
     with_prefix: bool,
     max_tokens: int | None,
     logprobs: int | None,
+    forced: StructuredOutputs | None,
 ) -> tuple[ChatPrompt, list[Choice]]:
     prompt = frontend.encode_chat(chat, with_prefix)
-    return prompt, build_choices(frontend, rid, [prompt.ids], body, max_tokens, logprobs)
+    return prompt, build_choices(frontend, rid, [prompt.ids], body, max_tokens, logprobs, structured=forced)
 
 
 def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob]) -> oa.ChatLogprobs | None:
