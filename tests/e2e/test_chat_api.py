@@ -307,3 +307,28 @@ def test_a_forced_tool_choice_is_enforced_by_structured_decoding_streamed_and_wh
     ]
     joined = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in range(len(headers))]
     assert [json.loads(a) for a in joined] == [json.loads(c.function.arguments) for c in message.tool_calls]
+
+
+def test_a_chat_under_structured_outputs_is_rendered_without_thinking_on_both_edges(mesh, client, reference_engine):
+    """The grammar holds from the reply's first token, so REST and gRPC both render the chat with thinking off
+    (unless chat_template_kwargs turns it on) and REST returns the whole reply as content."""
+    spec = {"choice": ["sunny", "rainy"]}
+    for kwargs in ({}, {"enable_thinking": True}):
+        variables = {"enable_thinking": False} | kwargs
+        ids = reference_engine.tokenizer.encode_chat(ASK, True, variables=variables)
+        params = SamplingParams(
+            max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(choice=spec["choice"])
+        )
+        ref = reference_engine.generate(ids, params)[0]
+        assert ref.text in spec["choice"]
+        extra = {"structured_outputs": spec, "chat_template_kwargs": kwargs}
+        res = client.chat.completions.create(
+            model=MODEL_ID, messages=ASK, max_tokens=8, temperature=0, extra_body=extra
+        )
+        message = res.choices[0].message
+        assert (res.usage.prompt_tokens, message.content, message.reasoning_content) == (len(ids), ref.text, None)
+        with mesh.client() as grpc_client:
+            result = grpc_client.generate(
+                ASK, structured_outputs=spec, chat_template_kwargs=kwargs, max_tokens=8, temperature=0
+            )
+        assert (result.usage.prompt_tokens, result.token_ids) == (len(ids), ref.token_ids)

@@ -47,6 +47,12 @@ class ChatRequest:
             template_kwargs=json_format.MessageToDict(chat.chat_template_kwargs),
         )
 
+    def think_not_before_a_grammar(self) -> None:
+        """A reply under structured outputs: its grammar holds from the first token (the engine cannot let a model
+        think first, as vLLM's reasoning parsers can), so the template's thinking is off unless the request sets
+        enable_thinking. Both edges apply it."""
+        self.template_kwargs = {"enable_thinking": False, **self.template_kwargs}
+
     @property
     def tool_parameters(self) -> dict[str, dict]:
         """Each tool's name -> its parameters schema ({} when it takes none)."""

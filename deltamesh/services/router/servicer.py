@@ -74,6 +74,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             check_count(len(request.chat.messages), f.limits.max_messages, "chat messages", "messages")
             chat = ChatRequest.from_proto(request.chat)
             f.check_chat(chat)
+            if request.sampling.HasField("structured_outputs"):
+                chat.think_not_before_a_grammar()
             return (await f.off_loop(f.encode_chat, chat)).ids
         raise RequestError("a prompt is required (text, token_ids or chat)")
 

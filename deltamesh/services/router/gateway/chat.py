@@ -83,8 +83,8 @@ async def chat_choices(
         frontend.check_chat(chat)
         forced = _forced_calls(chat, body)
         structured = forced is not None or body.structured is not None
-        if structured:  # the grammar holds from the reply's first token: no think block before it (README)
-            chat.template_kwargs = {"enable_thinking": False, **chat.template_kwargs}
+        if structured:
+            chat.think_not_before_a_grammar()
         parsed = fmt.reasoning != "none" or bool(chat.tools and chat.tool_choice != "none")
         prompt, choices = await frontend.off_loop(
             _prepare, frontend, rid, body, chat, parsed, max_tokens, logprobs, forced
