@@ -14,6 +14,8 @@ import pytest
 from harness import READY_TIMEOUT_S, ROOT, Mesh, free_port
 
 from deltamesh.engine import DEFAULT_MODEL
+from deltamesh.services.common.auth import MESH_SECRET_ENV
+from deltamesh.services.supervisor import CONFIG_ERROR
 
 pytestmark = pytest.mark.e2e
 
@@ -71,6 +73,48 @@ def test_a_mesh_without_workers_answers_503_with_retry_after_naming_what_is_miss
         assert r.status_code == 503 and "no healthy decode worker" in r.json()["error"]["message"], r.text
     finally:
         mesh.stop()
+
+
+# A worker the router refuses stops at its first registration, right after it serves: a gRPC call and its own
+# graceful stop (2 s grace, nothing in flight), about a second on an idle machine. The bound leaves room for a
+# loaded 2-core machine and still tells an exit from the retry loop of before (which never ended).
+REFUSED_EXIT_S = 30.0
+
+
+@pytest.mark.alone  # bounds wall-clock times
+def test_a_worker_with_the_wrong_mesh_secret_exits_in_one_line(tmp_path):
+    """The likeliest mistake of a mesh started by hand: a worker with another secret than its router's. It exits
+    with the configuration-error status (so that `serve` or an orchestrator's restarts show the problem) and one
+    line saying what to fix, soon after it starts serving, instead of retrying every second for ever."""
+    mesh, _ = router_alone(tmp_path, READY_TIMEOUT_S)
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "deltamesh.services.cli", "decode", "--router", mesh.control_address]
+        + ["--port", str(free_port()), "--torch-threads", "1"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", MESH_SECRET_ENV: "not-the-routers-secret"},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "DELTAMESH_READY decode" not in log.read_text():  # the event the bound counts from
+            assert time.monotonic() < deadline and worker.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        serving = time.monotonic()
+        code = worker.wait(REFUSED_EXIT_S + 30)
+        exit_s = time.monotonic() - serving
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        mesh.stop()
+    print(f"\nthe refused worker exited {exit_s:.2f} s after it started serving")
+    refused = [line for line in log.read_text().splitlines() if "refused this worker's mesh secret" in line]
+    assert code == CONFIG_ERROR and exit_s < REFUSED_EXIT_S, log.read_text()[-3000:]
+    assert refused == [
+        f"deltamesh decode: the router at {mesh.control_address} refused this worker's mesh secret: give every "
+        "process of the mesh the same DELTAMESH_MESH_SECRET (or --mesh-secret-file)"
+    ]
 
 
 def test_serve_stops_quickly_and_logs_json_lines(tmp_path):
