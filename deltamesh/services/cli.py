@@ -279,7 +279,6 @@ def loads(
 ) -> None:
     """Print every worker's load as the router sees it (JSON lines); needs the mesh secret."""
     import grpc
-    from google.protobuf.json_format import MessageToJson
 
     from deltamesh.services.router.control import read_loads
 
@@ -289,7 +288,15 @@ def loads(
         print(f"{control}: {e.code().name}: {e.details()}", file=sys.stderr)
         raise typer.Exit(1) from None
     for load in workers:
-        print(MessageToJson(load, indent=None, always_print_fields_with_no_presence=True))
+        print(load_line(load))
+
+
+def load_line(load) -> str:
+    """A WorkerLoad as one JSON object: its fields by their proto names, counters as numbers (protobuf's JSON
+    mapping writes 64-bit ones as strings, "0"). WorkerLoad is flat, so its fields' values are JSON's own."""
+    import json
+
+    return json.dumps({f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields})
 
 
 @app.command()

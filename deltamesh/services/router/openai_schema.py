@@ -315,10 +315,15 @@ class ChatCompletionRequest(_Sampling):
     _top_logprobs_need_logprobs = _only_with("top_logprobs", "logprobs")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # of prompt_tokens, those a worker's prefix cache served
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
