@@ -31,7 +31,7 @@ from deltamesh.services.common.ports import ListenProblem, check_listeners, free
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
 from deltamesh.services.ready_notice import announce_when_ready
-from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor, die_with_parent
+from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor, die_with_parent, exit_without_teardown
 
 # plain help (rich_markup_mode=None): rich tables cut long option names at 80 columns; plain help wraps them
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
@@ -323,9 +323,7 @@ def serve(ctx: typer.Context, **values) -> None:
     )
     write_line(sys.stderr, f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}")
     announce_when_ready(f"{host}:{router.control_port}", secret, Counter(mesh.roles), router.tls, where)
-    code = Supervisor(specs).run()
-    if code:
-        raise typer.Exit(code)
+    exit_without_teardown(Supervisor(specs).run())  # every child reaped
 
 
 def _plan(values: dict, secret: str) -> tuple[RouterSettings, ServeSettings]:
