@@ -10,6 +10,9 @@ TORCH_PIN := torch==2.13.0
 TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu130
 # run / run-gpu: more `deltamesh serve` flags, e.g. ARGS="--model /models/Qwen3.5-9B"
 ARGS ?=
+# run / run-gpu: the services' log level; warning keeps the terminal to serve's own lines until "mesh ready" and
+# problems after it (LOG_LEVEL=info: each request and the engines' step lines; debug: every process's settings too)
+LOG_LEVEL ?= warning
 # run-gpu: each worker's share of its GPU's memory (1P+1D share GPU 0 unless CUDA_VISIBLE_DEVICES lists more)
 GPU_SHARE ?= 0.4
 
@@ -63,10 +66,10 @@ protos: $(PYTHON)
 		$(shell find $(PROTO_SRC) -name '*.proto' | sort)
 
 run:
-	$(BIN)/deltamesh serve $(ARGS)
+	$(BIN)/deltamesh serve --log-level $(LOG_LEVEL) $(ARGS)
 
 run-gpu:
-	$(BIN)/deltamesh serve --device cuda --dtype bfloat16 --gpu-memory-utilization $(GPU_SHARE) $(ARGS)
+	$(BIN)/deltamesh serve --log-level $(LOG_LEVEL) --device cuda --dtype bfloat16 --gpu-memory-utilization $(GPU_SHARE) $(ARGS)
 
 # Every test on 4 pytest-xdist workers, also on 2 cores: the real-process (e2e) tests mostly wait on their meshes.
 # An e2e module's tests run on one worker, so that a mesh they share starts once (tests/conftest.py). Then the tests

@@ -127,13 +127,15 @@ def _servable(command: str, model: str, engine=None, code: int = CONFIG_ERROR, b
     request unless `budget` is False) this machine can serve, or one line saying why and exit `code`: at once, not
     after imports and a model load, and not once per restart."""
     from deltamesh.engine.config import ModelConfig
-    from deltamesh.engine.memory_budget import check_before_start
 
     try:
         ModelConfig.from_dir(model)
         if engine is not None:
             engine.validate()
             if budget:
+                from deltamesh.engine.memory_budget import check_before_start  # torch: workers only (the router
+                # and serve, which start none of their own, leave it out of their memory)
+
                 check_before_start(engine)
     except (ValueError, OSError) as e:
         print(f"deltamesh {command}: {e}", file=sys.stderr)
@@ -180,7 +182,8 @@ def _start(name: str, settings, serve) -> None:
     if started_by_serve():
         die_with_parent(os.getppid())
     configure_logging(name, settings.log_level)
-    print_settings(name, settings)
+    if settings.log_level == "debug":  # a page of JSON per process: what a start-up problem needs, not every start
+        print_settings(name, settings)
     run(lambda stop: serve(settings, stop))
 
 

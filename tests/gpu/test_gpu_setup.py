@@ -1,7 +1,7 @@
 """The README's GPU section followed on a GPU host (after `make setup-gpu`): the command `make run-gpu` runs (read
-with `make -n`, on free ports through serve's environment variables) starts a mesh on CUDA in bfloat16 that
-answers over REST and the SDK, and stops on Ctrl-C. tests/unit/test_gpu_setup_docs.py checks the same section
-without a GPU."""
+with `make -n`, at LOG_LEVEL=info, on free ports through serve's environment variables) starts a mesh on CUDA in
+bfloat16 that answers over REST and the SDK, and stops on Ctrl-C. tests/unit/test_gpu_setup_docs.py checks the
+same section without a GPU."""
 
 import json
 import os
@@ -32,7 +32,9 @@ def cuda():
 
 
 def test_make_run_gpu_serves_on_cuda_in_bfloat16(tmp_path):
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "run-gpu"], cwd=ROOT, capture_output=True, text=True)
+    # LOG_LEVEL=info: the engines' "engine ready" lines say where they run
+    make = ["make", "-n", "--no-print-directory", "run-gpu", "LOG_LEVEL=info"]
+    dry = subprocess.run(make, cwd=ROOT, capture_output=True, text=True)
     [line] = [x for x in dry.stdout.splitlines() if x.strip()]
     grpc_port, http_port = free_port(), free_port()
     env = {
