@@ -6,14 +6,25 @@ PYTHON  := $(BIN)/python
 PROTO_SRC := protos
 PROTO_OUT := sdk/src
 TORCH_PIN := torch==2.13.0
+# setup-gpu: PyTorch's own index of CUDA builds (cu130 needs an NVIDIA driver for CUDA 13; cu128 runs on 570+)
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu130
+# run / run-gpu: more `deltamesh serve` flags, e.g. ARGS="--model /models/Qwen3.5-9B"
+ARGS ?=
+# run / run-gpu: the services' log level; warning keeps the terminal to serve's own lines until "mesh ready" and
+# problems after it (LOG_LEVEL=info: each request and the engines' step lines; debug: every process's settings too)
+LOG_LEVEL ?= warning
+# run-gpu: each worker's share of its GPU's memory (1P+1D share GPU 0 unless CUDA_VISIBLE_DEVICES lists more)
+GPU_SHARE ?= 0.4
 
-.PHONY: setup protos run test lint test-fast test-gpu test-docker reliability bench-cpu bench-transfer bench-multihost bench-soak bench-multi-turn bench-multi-turn-gpu \
+.PHONY: setup setup-gpu protos run run-gpu test lint test-fast test-gpu test-docker reliability bench-cpu bench-transfer bench-multihost bench-soak bench-multi-turn bench-multi-turn-gpu \
 	bench-gpu-kernels bench-gpu-model bench-transfer-gpu bench-disagg bench-gpu-fidelity bench-peers bench-host-gap \
 	bench-parallel bench-disagg-parallel clean help
 
 help:
 	@echo "make setup     create .venv and install everything ($(TORCH_PIN) from pip's index: README, Quickstart)"
 	@echo "make run       start the mesh (router + 1 prefill + 1 decode) on the embedded default model"
+	@echo "make setup-gpu like setup, with torch built for CUDA ($(TORCH_CUDA_INDEX)) and the GPU kernels"
+	@echo "make run-gpu   the mesh on CUDA in bfloat16 (ARGS=\"--model DIR\" for a checkpoint of your own)"
 	@echo "make test      run the test suite (what CI runs)"
 	@echo "make lint      ruff (lint + format check); CI runs it before the tests"
 	@echo "make test-docker  build the image offline, run docker-compose.yml's cpu profile and a request (Docker)"
@@ -38,13 +49,27 @@ setup: $(PYTHON)
 	$(PYTHON) -m pip install -q -e sdk
 	@echo "setup done: make run | make test"
 
+setup-gpu: $(PYTHON)
+	@echo "setup-gpu 1/4: $(TORCH_PIN) built for CUDA, from $(TORCH_CUDA_INDEX)"
+	$(PYTHON) -m pip install -q $(TORCH_PIN) --index-url $(TORCH_CUDA_INDEX)
+	@echo "setup-gpu 2/4: deltamesh with its GPU kernels (the gpu extra: flashinfer, fla) and test tools"
+	$(PYTHON) -m pip install -q -e ".[dev,gpu]"
+	@echo "setup-gpu 3/4: gRPC stubs"
+	$(MAKE) --no-print-directory protos
+	@echo "setup-gpu 4/4: the SDK (deltamesh-client)"
+	$(PYTHON) -m pip install -q -e sdk
+	$(PYTHON) -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA GPU'; print('setup-gpu done:', torch.__version__, torch.cuda.get_device_name(0), '| make run-gpu')"
+
 protos: $(PYTHON)
 	$(PYTHON) -m grpc_tools.protoc -I $(PROTO_SRC) \
 		--python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
 		$(shell find $(PROTO_SRC) -name '*.proto' | sort)
 
 run:
-	$(BIN)/deltamesh serve
+	$(BIN)/deltamesh serve --log-level $(LOG_LEVEL) $(ARGS)
+
+run-gpu:
+	$(BIN)/deltamesh serve --log-level $(LOG_LEVEL) --device cuda --dtype bfloat16 --gpu-memory-utilization $(GPU_SHARE) $(ARGS)
 
 # Every test on 4 pytest-xdist workers, also on 2 cores: the real-process (e2e) tests mostly wait on their meshes.
 # An e2e module's tests run on one worker, so that a mesh they share starts once (tests/conftest.py). Then the tests

@@ -345,7 +345,7 @@ class GrpcBackend:
         if not models:
             raise RuntimeError("the router lists no model")
         m = models[0]
-        return {"model": m.id, "max_model_len": m.max_model_len or None, "vocab_size": m.vocab_size or None}
+        return {"model": m.id, "max_model_len": m.max_model_len, "vocab_size": m.vocab_size}
 
     async def send(self, req: SampleRequest, out: RequestOutput, args: argparse.Namespace) -> None:
         from deltamesh.client import DeltameshError

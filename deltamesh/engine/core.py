@@ -314,7 +314,12 @@ class EngineCore:
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
         if out is None:
             out = RequestOutput(
-                req.request_id, [], "", num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids)
+                req.request_id,
+                [],
+                "",
+                num_prompt_tokens=len(req.prompt_ids),
+                num_output_tokens=len(req.output_ids),
+                num_cached_tokens=req.num_cached_tokens or 0,
             )
         out.finished, out.finish_reason, out.stop_reason, out.error = True, reason, req.stop_reason, error
         return out

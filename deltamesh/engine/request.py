@@ -52,6 +52,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    num_cached_tokens: int = 0  # of its prompt, the tokens its first admission took from the prefix cache
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as one (what a consumer that fell behind takes at once)."""
@@ -66,6 +67,7 @@ class RequestOutput:
             later.num_prompt_tokens,
             later.num_output_tokens,
             later.error,
+            later.num_cached_tokens,
         )
 
 
@@ -97,6 +99,9 @@ class Request:
     block_keys: list[int] = field(default_factory=list)
     num_registered_pages: int = 0
     turn_end: int = 0  # where the prompt's first chat message ends (a checkpoint position there), 0: nowhere
+    # prompt tokens its first admission did not compute: a prefix-cache hit, or a prefix pulled from another
+    # worker's cache (usage's cached_tokens, as vLLM counts them: a preempted request's re-admission adds none)
+    num_cached_tokens: int | None = None
     grammar: RequestGrammar | None = None  # structured outputs: what its tokens must follow (grammar.py)
     status: Status = Status.WAITING
     adjusts_logits: bool = field(init=False)  # its params' (penalties.py reads it every step: a plain attribute)
@@ -159,6 +164,7 @@ class Request:
             [logprob] if logprob else [],
             num_prompt_tokens=len(self.prompt_ids),
             num_output_tokens=len(self.output_ids),
+            num_cached_tokens=self.num_cached_tokens or 0,
         )
 
     def _stops_on(self, token_id: int) -> bool:

@@ -218,6 +218,8 @@ class Scheduler(SchedulerInterface):
         req.pages = cached + self.alloc_pages(need)
         if cached or tail:
             cache.restore(req, len(cached), tail)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_computed
         req.status = Status.RUNNING
         return True
 
@@ -231,6 +233,8 @@ class Scheduler(SchedulerInterface):
         req.pages += self.alloc_pages(need, after=req.pages[-1] if req.pages else None)
         if self.prefix_cache is not None:
             req.turn_end = self.prefix_cache.positions.turn_end(req)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_computed
         req.status = Status.RUNNING
         return True
 

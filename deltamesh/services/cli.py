@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Annotated, Optional
 
 import typer
+from pydantic import ValidationError
 
 from deltamesh.client.cli import generate
 from deltamesh.planner.commands import plan, profile
@@ -22,14 +23,15 @@ from deltamesh.services.common.options import (
     handed_settings,
     options,
     settings_from,
+    settings_problem,
     started_by_serve,
     with_options,
 )
-from deltamesh.services.common.ports import free_port
+from deltamesh.services.common.ports import ListenProblem, check_listeners, free_port
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
 from deltamesh.services.ready_notice import announce_when_ready
-from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor, die_with_parent
+from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor, die_with_parent, exit_without_teardown
 
 # plain help (rich_markup_mode=None): rich tables cut long option names at 80 columns; plain help wraps them
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
@@ -85,19 +87,27 @@ def _check_tls(tls: TlsSettings) -> None:
         raise typer.BadParameter(str(e)) from None
 
 
-def _ports_free(command: str, host: str, ports: dict[str, int | None]) -> None:
-    """Exit at once, in one line naming the port and its flag, when a fixed port is taken: before the model
-    loads, not after it with the server's tracebacks."""
-    for flag, port in ports.items():
-        if not port:
-            continue
-        try:
-            socket.create_server((host, port)).close()  # SO_REUSEADDR as the servers bind: TIME_WAIT is no clash
-        except OSError as e:
-            print(
-                f"deltamesh {command}: cannot listen on {host}:{port} ({flag}): {os.strerror(e.errno)}", file=sys.stderr
-            )
-            raise typer.Exit(2) from None
+def _refuse(command: str, message: str, code: int = 2) -> None:
+    """One line saying what to change, and exit `code` (2: a usage error), before anything starts."""
+    write_line(sys.stderr, f"deltamesh {command}: {message}")
+    raise typer.Exit(code)
+
+
+def _settings(command: str, model, opts: list[Option], values: dict, handed: dict | None = None, **fixed):
+    """settings_from, a value out of its range refused in one line naming its flag."""
+    try:
+        return settings_from(model, opts, values, handed, **fixed)
+    except ValidationError as e:
+        _refuse(command, settings_problem(e, opts))
+
+
+def _can_listen(command: str, host: str, ports: dict[str, int | None]) -> None:
+    """Exit at once, in one line naming the flag, when the host or a port cannot be listened on: before the
+    model loads, not after it with the server's tracebacks."""
+    try:
+        check_listeners(host, ports)
+    except ListenProblem as e:
+        _refuse(command, str(e))
 
 
 def _transport_known(name: str, interface: str | None) -> None:
@@ -172,14 +182,16 @@ def _start(name: str, settings, serve) -> None:
     if started_by_serve():
         die_with_parent(os.getppid())
     configure_logging(name, settings.log_level)
-    print_settings(name, settings)
+    if settings.log_level == "debug":  # a page of JSON per process: what a start-up problem needs, not every start
+        print_settings(name, settings)
     run(lambda stop: serve(settings, stop))
 
 
 def _worker_command(role: str):
     @with_options(WORKER)
     def command(**values) -> None:
-        settings = settings_from(
+        settings = _settings(
+            role,
             WorkerSettings,
             WORKER,
             values,
@@ -187,7 +199,7 @@ def _worker_command(role: str):
             role=role,
             mesh_secret=_mesh_secret(values["mesh_secret_file"]),
         )
-        _ports_free(role, settings.host, {"--port": settings.port, "--metrics-port": settings.metrics_port})
+        _can_listen(role, settings.host, {"--port": settings.port, "--metrics-port": settings.metrics_port})
         _transport_known(settings.transport, settings.side_channel_interface)
         _check_tls(settings.tls)
         _servable(role, settings.engine.model, settings.engine)
@@ -213,18 +225,15 @@ for _role in ("prefill", "decode", "colocated"):
 @with_options(ROUTER)
 def router(ctx: typer.Context, **values) -> None:
     """Run the router: gRPC client API, OpenAI-compatible REST gateway, and the workers' control plane."""
-    settings = settings_from(
+    settings = _settings(
+        "router",
         RouterSettings,
         ROUTER,
         {**values, "api_key": _api_key(ctx, values)},
         handed_settings(),
         mesh_secret=_mesh_secret(values["mesh_secret_file"], create=True),
     )
-    _ports_free(
-        "router",
-        settings.host,
-        {"--grpc-port": settings.grpc_port, "--control-port": settings.control_port, "--http-port": settings.http_port},
-    )
+    _can_listen("router", settings.host, _router_ports(settings))
     _check_tls(settings.tls)
     _servable("router", settings.model)
     from deltamesh.services.router.main import serve
@@ -273,7 +282,6 @@ def loads(
 ) -> None:
     """Print every worker's load as the router sees it (JSON lines); needs the mesh secret."""
     import grpc
-    from google.protobuf.json_format import MessageToJson
 
     from deltamesh.services.router.control import read_loads
 
@@ -283,7 +291,15 @@ def loads(
         print(f"{control}: {e.code().name}: {e.details()}", file=sys.stderr)
         raise typer.Exit(1) from None
     for load in workers:
-        print(MessageToJson(load, indent=None, always_print_fields_with_no_presence=True))
+        print(load_line(load))
+
+
+def load_line(load) -> str:
+    """A WorkerLoad as one JSON object: its fields by their proto names, counters as numbers (protobuf's JSON
+    mapping writes 64-bit ones as strings, "0"). WorkerLoad is flat, so its fields' values are JSON's own."""
+    import json
+
+    return json.dumps({f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields})
 
 
 @app.command()
@@ -292,46 +308,57 @@ def serve(ctx: typer.Context, **values) -> None:
     """Start the mesh on one box: router + N prefill + M decode worker processes, each restarted if it exits.
     Ctrl-C stops them all."""
     values["api_key"] = _api_key(ctx, values)  # its router gets it in its environment
-    host, http_port = values["host"], values["http_port"]
-    _ports_free(
-        "serve",
-        host,
-        {"--grpc-port": values["grpc_port"], "--control-port": values["control_port"], "--http-port": http_port},
-    )
     # one secret per mesh, made here unless given (a --mesh-secret-file that does not exist yet is made, as the
     # router makes it); children get it in their environment (never on a command line)
     has_secret = values["mesh_secret_file"] or os.environ.get("DELTAMESH_MESH_SECRET")
     secret = _mesh_secret(values["mesh_secret_file"], create=True) if has_secret else secrets.token_urlsafe(32)
-    router, roles, gpus = _plan(values, secret)
-    worker = settings_from(WorkerSettings, WORKER, values, role=roles[0], mesh_secret=secret)
+    router, mesh = _plan(values, secret)
+    _can_listen("serve", router.host, _serve_ports(router, mesh))
+    worker = _settings("serve", WorkerSettings, WORKER, values, role=mesh.roles[0], mesh_secret=secret)
     _transport_known(worker.transport, worker.side_channel_interface)
     engine = worker.engine
     _servable("serve", engine.model, engine, code=2, budget=False)  # the same model and kind of device for all
-    _budgets_fit(_planned(values, secret, roles, gpus))  # each worker's own, before anything starts
-    specs, metrics_urls = _children(values, secret, router, roles, gpus)
-    where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
-    write_line(sys.stderr, f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}")
-    announce_when_ready(f"{host}:{router.control_port}", secret, Counter(roles), router.tls, where)
-    code = Supervisor(specs).run()
-    if code:
-        raise typer.Exit(code)
-
-
-def _plan(values: dict, secret: str) -> tuple[RouterSettings, list[str], str | None]:
-    """What `serve` starts: its router's settings, one role per worker, the GPUs to spread them over."""
-    mesh = settings_from(ServeSettings, options(ServeSettings), values)
-    router = settings_from(RouterSettings, SERVE_ROUTER, values, mesh_secret=secret)
-    _check_tls(router.tls)
-    roles = (
-        ["colocated"] * mesh.decode_workers
-        if mesh.colocated
-        else (["prefill"] * mesh.prefill_workers + ["decode"] * mesh.decode_workers)
+    _budgets_fit(_planned(values, secret, mesh.roles, mesh.gpus))  # each worker's own, before anything starts
+    specs, metrics_urls = _children(values, secret, router, mesh)
+    host = router.host
+    where = f"gRPC {host}:{router.grpc_port}" + (
+        f", REST http://{host}:{router.http_port}/v1" if router.http_port else ""
     )
-    return router, roles, mesh.gpus
+    write_line(sys.stderr, f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}")
+    announce_when_ready(f"{host}:{router.control_port}", secret, Counter(mesh.roles), router.tls, where)
+    exit_without_teardown(Supervisor(specs).run())  # every child reaped
+
+
+def _plan(values: dict, secret: str) -> tuple[RouterSettings, ServeSettings]:
+    """What `serve` starts: its router's settings, and which workers (ServeSettings.roles)."""
+    mesh = _settings("serve", ServeSettings, options(ServeSettings), values)
+    router = _settings("serve", RouterSettings, SERVE_ROUTER, values, mesh_secret=secret)
+    _check_tls(router.tls)
+    return router, mesh
+
+
+def _router_ports(router: RouterSettings) -> dict[str, int | None]:
+    return {"--grpc-port": router.grpc_port, "--control-port": router.control_port, "--http-port": router.http_port}
+
+
+def _serve_ports(router: RouterSettings, mesh: ServeSettings) -> dict[str, int | None]:
+    """Every port `serve` binds that is known before its children start, by the flag that sets it."""
+    ports = _router_ports(router)
+    for i, name in enumerate(_worker_names(mesh.roles)):
+        if fixed := mesh.worker_ports(i):
+            grpc_port, metrics_port = fixed
+            ports[f"{name}'s gRPC port from --worker-port-base"] = grpc_port
+            ports[f"{name}'s metrics port from --worker-port-base"] = metrics_port
+    return ports
+
+
+def _worker_names(roles: list[str]) -> list[str]:
+    """What serve's logs call its workers: prefill-0, prefill-1, decode-0, ..."""
+    return [f"{role}-{roles[:i].count(role)}" for i, role in enumerate(roles)]
 
 
 def _children(
-    values: dict, secret: str, router: RouterSettings, roles: list[str], gpus: str | None
+    values: dict, secret: str, router: RouterSettings, mesh: ServeSettings
 ) -> tuple[list[ChildSpec], list[str]]:
     """The processes `serve` starts (its router, then a worker per role), each handed its settings in its
     environment, and the workers' metrics URLs."""
@@ -343,14 +370,17 @@ def _children(
     router_env = {**base_env, "DELTAMESH_API_KEY": router.api_key} if router.api_key else base_env
     cli = [sys.executable, "-m", "deltamesh.services.cli"]
     specs = [ChildSpec("router", cli + ["router"], {**router_env, **hand_over(router)})]
-    gpu_ids = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
-    host, metrics_urls = router.host, []
-    for i, role in enumerate(roles):
+    gpu_ids = (mesh.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
+    host, metrics_urls, roles = router.host, [], mesh.roles
+    taken = frozenset(p for p in _serve_ports(router, mesh).values() if p)
+    for i, (role, name) in enumerate(zip(roles, _worker_names(roles))):
         # fixed ports, chosen once: a restarted worker comes back at the address the router knows it by
+        port, metrics_port = mesh.worker_ports(i) or (free_port(host, taken), free_port(host, taken))
+        taken |= {port, metrics_port}
         own = {
-            "port": free_port(host),
+            "port": port,
             "router": f"{host}:{router.control_port}",
-            "metrics_port": free_port(host),
+            "metrics_port": metrics_port,
             "torch_threads": max(1, (os.cpu_count() or 1) // len(roles)) if values["device"] == "cpu" else None,
         }
         worker = settings_from(
@@ -360,7 +390,7 @@ def _children(
         if worker.engine.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = _worker_gpus(gpu_ids, i, worker.engine.num_ranks)
         metrics_urls.append(f"{role} http://{host}:{worker.metrics_port}/metrics")
-        specs.append(ChildSpec(f"{role}-{roles[:i].count(role)}", cli + [role], env))
+        specs.append(ChildSpec(name, cli + [role], env))
     return specs, metrics_urls
 
 

@@ -344,10 +344,10 @@ def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, 
 
 def chat_like_the_reference(
     mesh, reference_engine, messages: list[dict], questions: list[str], model: Path
-) -> list[tuple[int, int]]:
+) -> list[tuple[int, int, int]]:
     """Ask each question in turn through the mesh's REST gateway, the whole conversation every time; each answer
     must be the monolithic engine's (same weights; the mesh serves `model`, a chatml_model). Returns (prompt tokens,
-    reply tokens) per turn."""
+    reply tokens, cached prompt tokens) per turn."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="unused", max_retries=0)
     tokenizer = Tokenizer(model)
     turns = []
@@ -358,7 +358,7 @@ def chat_like_the_reference(
         res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=24, temperature=0)
         assert res.choices[0].message.content == ref.text
         messages.append({"role": "assistant", "content": ref.text})
-        turns.append((len(ids), len(ref.token_ids)))
+        turns.append((len(ids), len(ref.token_ids), res.usage.prompt_tokens_details.cached_tokens))
     return turns
 
 
@@ -375,7 +375,7 @@ def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, refe
     m = start_mesh(str(model), tmp_path, worker_args=["--prefix-cache"], router_args=router_args, http=True, **counts)
     try:
         questions = ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]
-        prompts, replies = zip(*chat_like_the_reference(m, reference_engine, [], questions, model))
+        prompts, replies, cached = zip(*chat_like_the_reference(m, reference_engine, [], questions, model))
         earlier = sum(p + r - 1 for p, r in zip(prompts[:-1], replies[:-1]))  # all but each last reply token
         hits = {role: [w.load().prefix_cache_hit_tokens for w in m.workers(role)] for role in ("prefill", "decode")}
         if layout == "colocated":
@@ -386,6 +386,8 @@ def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, refe
             assert sum((p - 1) // page * page for p in prompts[:-1]) <= hits["prefill"][0] < earlier
         else:
             assert hits["prefill"] == [0] and hits["decode"][0] >= earlier
+        # each turn's usage reports the hit of the worker that computed its prompt: theirs add up to the workers'
+        assert cached[0] == 0 and sum(cached) == sum(w.load().prefix_cache_hit_tokens for w in m.workers())
         assert m.wait_idle() == {}
     finally:
         m.stop()

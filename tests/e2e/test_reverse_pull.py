@@ -68,7 +68,7 @@ def router_offers(mesh) -> float:
 def test_later_turns_pull_the_conversation_and_compute_only_the_new_message(mesh, reference_engine):
     questions = ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]
     before, offers_before = worker_counters(mesh.prefill_metrics), router_offers(mesh)
-    prompts, replies = zip(
+    prompts, replies, _ = zip(
         *chat_like_the_reference(mesh, reference_engine, [system_message("Python")], questions, mesh.model)
     )
     # each turn's whole sequence stays on the decode worker, but for its last reply token (never computed) unless

@@ -3,17 +3,21 @@ instead of failing at once, and the whole mesh stops quickly with every log line
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from harness import READY_TIMEOUT_S, ROOT, Mesh, free_port
 
 from deltamesh.engine import DEFAULT_MODEL
+from deltamesh.services.common.auth import MESH_SECRET_ENV
+from deltamesh.services.supervisor import CONFIG_ERROR
 
 pytestmark = pytest.mark.e2e
 
@@ -71,6 +75,62 @@ def test_a_mesh_without_workers_answers_503_with_retry_after_naming_what_is_miss
         assert r.status_code == 503 and "no healthy decode worker" in r.json()["error"]["message"], r.text
     finally:
         mesh.stop()
+
+
+def test_the_router_never_loads_torch(tmp_path):
+    """The router tokenizes, routes and streams; it has no use for torch (idle RSS 297 MB with it, 102 MB without; #48
+    item 10). Read from the live process's memory map after a request went through its gateway and tokenizer."""
+    mesh, url = router_alone(tmp_path, 1)
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL.name, "prompt": "Hello"}, timeout=10)
+        assert r.status_code == 503, r.text  # tokenized, then no worker to serve it
+        [router] = [p for p in mesh.procs if p.role == "router"]
+        maps = Path(f"/proc/{router.popen.pid}/maps").read_text()
+        assert "libtorch" not in maps and "/torch/" not in maps
+    finally:
+        mesh.stop()
+
+
+# A worker the router refuses stops at its first registration, right after it serves: a gRPC call and its own
+# graceful stop (2 s grace, nothing in flight), about a second on an idle machine. The bound leaves room for a
+# loaded 2-core machine and still tells an exit from the retry loop of before (which never ended).
+REFUSED_EXIT_S = 30.0
+
+
+@pytest.mark.alone  # bounds wall-clock times
+def test_a_worker_with_the_wrong_mesh_secret_exits_in_one_line(tmp_path):
+    """The likeliest mistake of a mesh started by hand: a worker with another secret than its router's. It exits
+    with the configuration-error status (so that `serve` or an orchestrator's restarts show the problem) and one
+    line saying what to fix, soon after it starts serving, instead of retrying every second for ever."""
+    mesh, _ = router_alone(tmp_path, READY_TIMEOUT_S)
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "deltamesh.services.cli", "decode", "--router", mesh.control_address]
+        + ["--port", str(free_port()), "--torch-threads", "1"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", MESH_SECRET_ENV: "not-the-routers-secret"},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "DELTAMESH_READY decode" not in log.read_text():  # the event the bound counts from
+            assert time.monotonic() < deadline and worker.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        serving = time.monotonic()
+        code = worker.wait(REFUSED_EXIT_S + 30)
+        exit_s = time.monotonic() - serving
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        mesh.stop()
+    print(f"\nthe refused worker exited {exit_s:.2f} s after it started serving")
+    refused = [line for line in log.read_text().splitlines() if "refused this worker's mesh secret" in line]
+    assert code == CONFIG_ERROR and exit_s < REFUSED_EXIT_S, log.read_text()[-3000:]
+    assert refused == [
+        f"deltamesh decode: the router at {mesh.control_address} refused this worker's mesh secret: give every "
+        "process of the mesh the same DELTAMESH_MESH_SECRET (or --mesh-secret-file)"
+    ]
 
 
 def test_serve_stops_quickly_and_logs_json_lines(tmp_path):
@@ -133,3 +193,35 @@ def test_serve_stops_quickly_and_logs_json_lines(tmp_path):
     own = [line for line in log.read_text().splitlines() if line.startswith("deltamesh:")]
     ended = sum("stopped after" in line or line.startswith("deltamesh: killing") for line in own)
     assert ended == 3, own
+
+
+def make_dry_run(*args: str) -> str:
+    return subprocess.run(
+        ["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+
+
+def test_make_run_is_quiet_until_the_mesh_is_ready(tmp_path):
+    """`make run`'s command (read with make -n, run on free ports through serve's environment variables): before
+    "mesh ready" the terminal gets serve's own lines and the readiness markers only, not each process's settings
+    and info logs (~25 JSON lines before); LOG_LEVEL=info brings those back."""
+    [line] = [x for x in make_dry_run("run").splitlines() if x.strip()]
+    assert "--log-level info" in make_dry_run("run", "LOG_LEVEL=info")
+    ports = {f"DELTAMESH_{name}_PORT": str(free_port()) for name in ("GRPC", "CONTROL", "HTTP")}
+    log = tmp_path / "serve.log"
+    env = {**os.environ, **ports, "PYTHONUNBUFFERED": "1"}
+    serve = subprocess.Popen(shlex.split(line), cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "mesh ready" not in log.read_text():
+            assert time.monotonic() < deadline and serve.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    lines = log.read_text().splitlines()
+    before = lines[: next(i for i, x in enumerate(lines) if "mesh ready" in x)]
+    assert all(x.startswith(("deltamesh:", "DELTAMESH_READY")) for x in before), before
+    assert len(before) == 4  # serve's addresses, and the router's and two workers' markers

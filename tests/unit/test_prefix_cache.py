@@ -112,6 +112,27 @@ def test_concurrent_requests_sharing_a_prefix(model_dir, params):
     assert engine.stats.prefix_cache_hits >= 5  # the third of `together`, admitted a step later, may hit too
 
 
+def test_each_output_reports_the_prompt_tokens_its_request_took_from_the_cache(hf_checkpoints):
+    """usage's cached_tokens (vLLM's num_cached_tokens): what the request's admission did not compute, on every
+    output of it, 0 for a miss; the engine's hit counter agrees."""
+    engine = core(hf_checkpoints["qwen3_5"], True)
+    cached: dict[str, set[int]] = {}
+    done = set()
+
+    def sink(o):
+        cached.setdefault(o.request_id, set()).add(o.num_cached_tokens)
+        if o.finished:
+            done.add(o.request_id)
+
+    for rid, prompt in (("miss", P), ("hit", P + tokens(9, 2)), ("other", tokens(12, 3))):
+        engine.submit(engine.make_request(prompt, GREEDY, rid), sink)
+        while rid not in done:
+            engine.dispatch(engine.process_commands())
+            engine.dispatch(engine.step())
+    assert cached == {"miss": {0}, "hit": {28}, "other": {0}}  # 28: the checkpoint at P's last full page
+    assert engine.stats.prefix_cache_hit_tokens == 28
+
+
 def conversation(engine: EngineCore, turns: list[list[int]], params) -> list[list[int]]:
     """Each turn's prompt is the whole conversation so far (prompts and replies) plus the turn's new message."""
     history, replies = [], []

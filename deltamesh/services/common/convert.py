@@ -86,7 +86,11 @@ def delta_from_output(out: RequestOutput) -> common_pb2.TokenDelta:
         text=out.new_text,
         finished=out.finished and out.finish_reason is not None,
         finish_reason=FINISH_TO_PROTO[out.finish_reason],
-        usage=common_pb2.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens),
+        usage=common_pb2.Usage(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+        ),
     )
     for lp in out.logprobs:
         delta.logprobs.add(

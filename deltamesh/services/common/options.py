@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional
 
 import typer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 SETTINGS_ENV = "DELTAMESH_SETTINGS_JSON"
 # the pid of the `serve` that handed the settings: only its own children take them, so a copy of the variable
@@ -112,6 +112,19 @@ def settings_from(model: type[BaseModel], opts: list[Option], values: dict, hand
             node[option.path[-1]] = value
     _lay_over(data, handed or {})
     return model.model_validate({**data, **fixed})
+
+
+def settings_problem(error: ValidationError, opts: list[Option]) -> str:
+    """A settings model's first validation error as one line naming the option the user gave (`--grpc-port
+    99999: input should be ...`); a check across fields (a model validator) says it all in its own words."""
+    first = error.errors()[0]
+    cause = first.get("ctx", {}).get("error")
+    message = str(cause) if isinstance(cause, ValueError) else first["msg"]
+    message = message[:1].lower() + message[1:]
+    flags = [o for o in opts if o.path == tuple(first["loc"])]
+    if flags:
+        return f"--{flags[0].name.replace('_', '-')} {first['input']}: {message}"
+    return message if not first["loc"] else f"{'.'.join(map(str, first['loc']))}: {message}"
 
 
 def hand_over(settings: BaseModel) -> dict[str, str]:

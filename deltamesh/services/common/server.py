@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from deltamesh.services.common.logs import write_line
+from deltamesh.services.supervisor import exit_without_teardown
 
 log = structlog.get_logger("deltamesh.server")
 
@@ -110,6 +111,7 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
 
     uvloop.run(runner())
+    exit_without_teardown(0)  # everything it owns is closed: the interpreter's teardown only costs seconds
 
 
 def _exit_after(seconds: float) -> None:

@@ -11,13 +11,14 @@ import json
 import sys
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.services.common.tls import TlsSettings
 
 Role = Literal["prefill", "decode", "colocated"]
 _NO_OPTION = {"cli": False}
+PORT = {"ge": 0, "le": 65535}  # a port setting's range (0: any free port, or off where the field says so)
 
 
 def _flag(name: str) -> dict:
@@ -33,7 +34,7 @@ def _engine_setting(name: str):
 class WorkerSettings(BaseModel):
     role: Role = Field(json_schema_extra=_NO_OPTION)  # the command
     host: str = Field("127.0.0.1", description="Address to bind (loopback unless told otherwise)")
-    port: int = Field(0, description="gRPC port (0: any free port)")
+    port: int = Field(0, **PORT, description="gRPC port (0: any free port)")
     # registration and heartbeats
     router: str | None = Field(
         None, description="The router's control-plane address (its --control-port) to register with"
@@ -73,7 +74,7 @@ class WorkerSettings(BaseModel):
         **_flag("admission_timeout"),
     )
     # Prometheus /metrics over HTTP (None: off)
-    metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port")
+    metrics_port: int | None = Field(None, **PORT, description="Serve Prometheus /metrics on this port")
     tls: TlsSettings = Field(default_factory=TlsSettings, json_schema_extra={"prefix": "tls_"})
     log_level: str = Field("info", description="debug | info | warning | error")
 
@@ -111,13 +112,13 @@ class RequestLimits(BaseModel):
 
 class RouterSettings(BaseModel):
     host: str = WorkerSettings.model_fields["host"]
-    grpc_port: int = Field(50051, description="Router gRPC port of the client API")
+    grpc_port: int = Field(50051, **PORT, description="Router gRPC port of the client API")
     control_port: int = Field(
-        50052, description="Router gRPC port of the control plane (workers register here; mesh secret required)"
+        50052, **PORT, description="Router gRPC port of the control plane (workers register here; mesh secret required)"
     )
     mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
     # OpenAI-compatible REST gateway (None: off)
-    http_port: int | None = Field(8000, description="OpenAI-compatible REST port (0: off)")
+    http_port: int | None = Field(8000, **PORT, description="OpenAI-compatible REST port (0: off)")
     model: str = _engine_setting("model")  # checkpoint directory: tokenizer, chat template, model id
     served_model_name: list[str] | None = Field(
         None,
@@ -202,8 +203,8 @@ class RouterSettings(BaseModel):
 class ServeSettings(BaseModel):
     """What `deltamesh serve` adds to its router's and workers' settings: which processes to start."""
 
-    prefill_workers: int = Field(1, description="Prefill worker processes")
-    decode_workers: int = Field(1, description="Decode worker processes")
+    prefill_workers: int = Field(1, ge=0, description="Prefill worker processes")
+    decode_workers: int = Field(1, ge=1, description="Decode worker processes")
     colocated: bool = Field(
         False,
         description="Aggregated baseline: --decode-workers colocated workers prefill and "
@@ -227,6 +228,48 @@ class ServeSettings(BaseModel):
     decode_kv_cache_memory_gb: float | None = Field(
         None, description="Decode workers' --kv-cache-memory-gb (default: --kv-cache-memory-gb)"
     )
+    # a firewall or a Prometheus configuration names the workers' ports: fixed ones, in a block of their own
+    worker_port_base: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Workers' ports from this one up, two per worker in start order (prefill workers, then decode): "
+        "worker i's gRPC port is BASE+2i, its metrics port BASE+2i+1 (default: free ports chosen at start)",
+    )
+
+    @model_validator(mode="after")
+    def _workers_that_can_serve(self) -> ServeSettings:
+        # a mesh of decode workers alone would take every request and answer none (no prefill worker to hand
+        # them their state)
+        if self.prefill_workers == 0 and not self.colocated:
+            raise ValueError(
+                "--prefill-workers 0 leaves the decode workers nothing to decode: give at least 1, or --colocated "
+                "for workers that prefill and decode their own requests"
+            )
+        last = self.worker_port_base + 2 * self.num_workers - 1 if self.worker_port_base else 0
+        if last > 65535:
+            raise ValueError(
+                f"--worker-port-base {self.worker_port_base}: {self.num_workers} workers need ports up to {last}; "
+                "ports end at 65535"
+            )
+        return self
+
+    @property
+    def roles(self) -> list[str]:
+        """One role per worker, in start order."""
+        if self.colocated:
+            return ["colocated"] * self.decode_workers
+        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.roles)
+
+    def worker_ports(self, index: int) -> tuple[int, int] | None:
+        """(gRPC, metrics) port of the `index`-th worker under --worker-port-base; None without it."""
+        if self.worker_port_base is None:
+            return None
+        return self.worker_port_base + 2 * index, self.worker_port_base + 2 * index + 1
 
 
 def print_settings(name: str, settings: BaseModel) -> None:

@@ -21,6 +21,7 @@ from deltamesh.services.common.logs import bind_request, request_id_from, write_
 from deltamesh.services.common.server import CHANNEL_OPTIONS
 from deltamesh.services.common.settings import WorkerSettings
 from deltamesh.services.common.tls import aio_channel
+from deltamesh.services.supervisor import CONFIG_ERROR
 from deltamesh.transfer import LeaseTable, Transport
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
 
@@ -73,6 +74,7 @@ class Worker:
         self.address = ""  # host:port once the gRPC server is bound
         self.reservations = 0
         self.failure: str | None = None  # why the engine stopped serving, once it did
+        self.refused: str | None = None  # why the router will not take this worker, once it said so
 
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
         l = self.engine.loads()  # noqa: E741
@@ -118,9 +120,14 @@ class Worker:
                         log.info("registered with router", router=router)
                     registered = True
                 except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                        log.error("the router refused this worker's mesh secret", router=router)
-                    elif registered:
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # no retry can change that: stop, and say why
+                        self.refused = (
+                            f"the router at {router} refused this worker's mesh secret: give every process of the "
+                            "mesh the same DELTAMESH_MESH_SECRET (or --mesh-secret-file)"
+                        )
+                        stop.set()
+                        return
+                    if registered:
                         log.warning("router unreachable", router=router, code=e.code().name)
                     registered = False
                 try:
@@ -151,7 +158,6 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     from deltamesh.engine.memory_budget import MemoryBudgetError
     from deltamesh.services.common.metrics import serve_worker_metrics
     from deltamesh.services.common.server import GrpcServer
-    from deltamesh.services.supervisor import CONFIG_ERROR
     from deltamesh.transfer import open_transport
 
     transport = open_transport(settings.transport, settings)  # first: it may set up the process's environment
@@ -202,5 +208,8 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     await role.on_stop()
     transport.close()
     worker.shutdown()
+    if worker.refused:  # a configuration no restart mends (supervisor.CONFIG_ERROR)
+        write_line(sys.stderr, f"deltamesh {settings.role}: {worker.refused}")
+        raise SystemExit(CONFIG_ERROR)
     if worker.failure:
         raise SystemExit(1)

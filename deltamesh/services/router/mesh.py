@@ -106,7 +106,7 @@ class Mesh:
             # closed explicitly: a client gone mid-stream releases what its request holds at once, not at GC
             async with contextlib.aclosing(self._generate(request_id, prompt_ids, params, owner)) as deltas:
                 async for delta in deltas:
-                    timer.delta(len(delta.token_ids), delta.usage.prompt_tokens)
+                    timer.delta(len(delta.token_ids), delta.usage)
                     if delta.finished:
                         outcome = "aborted" if delta.finish_reason == common_pb2.FINISH_REASON_ABORT else "completed"
                     yield delta
@@ -208,7 +208,9 @@ class Mesh:
             deltas = self.legs.decode(req, "decode", inflight, ticket.worker, holder=pw)
             if self.pd is not None:
                 deltas = self.legs.remembered(deltas, prompt_ids, inflight, first.first)
+            cached = first.first.usage.cached_tokens  # the prompt's cache hit was the prefill worker's
             async for delta in deltas:
+                delta.usage.cached_tokens = cached
                 yield delta
         finally:  # never let the lease outlive the request (a no-op once decode pulled the state)
             if first.HasField("lease"):

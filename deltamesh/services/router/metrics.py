@@ -21,6 +21,14 @@ TPOT = Histogram(
 E2E = Histogram("deltamesh_router_e2e_request_latency_seconds", "From arrival to the last token", buckets=_LATENCY)
 RUNNING = Gauge("deltamesh_router_requests_running", "Requests in flight through the mesh")
 PROMPT_TOKENS = Counter("deltamesh_router_prompt_tokens", "Prompt tokens of finished requests")
+# the workers' prefix-cache hits as the router's clients got them (usage's cached_tokens), across every worker;
+# the hit rate is _prefix_cache_hits / _prompt_tokens
+PREFIX_CACHE_HITS = Counter(
+    "deltamesh_router_prefix_cache_hits", "Prompt tokens of finished requests served from a worker's prefix cache"
+)
+PREFIX_CACHE_HIT_REQUESTS = Counter(
+    "deltamesh_router_prefix_cache_hit_requests", "Finished requests that started from a cached prefix"
+)
 GENERATION_TOKENS = Counter("deltamesh_router_generation_tokens", "Output tokens streamed to clients")
 RETRIES = Counter("deltamesh_router_retries", "Requests re-sent to another worker", ["leg"])
 ROUTING_DECISIONS = Counter(
@@ -61,15 +69,18 @@ class RequestTimer:
         self.first: float | None = None
         self.tokens = 0
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         RUNNING.inc()
 
-    def delta(self, n_tokens: int, prompt_tokens: int) -> None:
+    def delta(self, n_tokens: int, usage) -> None:
+        """A delta of `n_tokens` tokens with its `usage` (common_pb2.Usage: running totals, 0 where unknown)."""
         now = time.monotonic()
         if self.first is None and n_tokens:
             self.first = now
             TTFT.observe(now - self.start)
         self.tokens += n_tokens
-        self.prompt_tokens = prompt_tokens or self.prompt_tokens
+        self.prompt_tokens = usage.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = usage.cached_tokens or self.cached_tokens
         GENERATION_TOKENS.inc(n_tokens)
 
     def end(self, outcome: str) -> None:
@@ -79,6 +90,8 @@ class RequestTimer:
         if outcome == "completed":
             E2E.observe(now - self.start)
             PROMPT_TOKENS.inc(self.prompt_tokens)
+            PREFIX_CACHE_HITS.inc(self.cached_tokens)
+            PREFIX_CACHE_HIT_REQUESTS.inc(self.cached_tokens > 0)
             if self.first is not None and self.tokens > 1:
                 TPOT.observe((now - self.first) / (self.tokens - 1))
 

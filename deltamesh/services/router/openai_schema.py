@@ -324,10 +324,15 @@ class ChatCompletionRequest(_Sampling):
         return self.tool_choice if isinstance(self.tool_choice, str) else {"name": self.tool_choice.function.name}
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # of prompt_tokens, those a worker's prefix cache served
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):

@@ -120,17 +120,23 @@ class Accumulator:
         self.logprobs = {c.index: [] for c in choices}
         self.prompt_tokens = {c.prompt_index: len(c.prompt_ids) for c in choices}  # once per prompt, as OpenAI
         self.completion_tokens = {c.index: 0 for c in choices}
+        # per prompt, as prompt_tokens: the most any of its choices (each a request of its own) found cached
+        self.cached_tokens = {c.prompt_index: 0 for c in choices}
+        self.prompt_of = {c.index: c.prompt_index for c in choices}
 
     def add(self, index: int, delta: common_pb2.TokenDelta) -> None:
         self.text[index] += delta.text
         self.logprobs[index] += list(delta.logprobs)
         self.completion_tokens[index] = delta.usage.completion_tokens or self.completion_tokens[index]
+        prompt = self.prompt_of[index]
+        self.cached_tokens[prompt] = max(self.cached_tokens[prompt], delta.usage.cached_tokens)
         if delta.finished:
             self.finish[index] = _FINISH.get(delta.finish_reason)
 
     def usage(self) -> oa.Usage:
         p, c = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
-        return oa.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        details = oa.PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()))
+        return oa.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details)
 
 
 async def collect(request: Request, mesh: Mesh, choices: list[Choice], fanout: Fanout) -> Accumulator:

@@ -12,7 +12,7 @@ from deltamesh.client.errors import (
     PermissionDenied,
     Unavailable,
 )
-from deltamesh.client.types import Delta, Result, TokenLogprob, Usage
+from deltamesh.client.types import Delta, Model, Result, TokenLogprob, Usage
 
 __all__ = [
     "AsyncClient",
@@ -24,6 +24,7 @@ __all__ = [
     "DeltameshError",
     "InternalError",
     "InvalidRequest",
+    "Model",
     "NotFound",
     "Overloaded",
     "PermissionDenied",

@@ -18,7 +18,7 @@ import grpc
 from deltamesh.client.chat import chat_messages
 from deltamesh.client.errors import DeltameshError, InvalidRequest, Unavailable, from_rpc_error
 from deltamesh.client.structured import structured_message
-from deltamesh.client.types import Delta, Result
+from deltamesh.client.types import Delta, Model, Result
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -284,8 +284,8 @@ class Client(_ClientBase):
         """Abort a request of this client's from elsewhere, with the `abort_token` of its stream."""
         return self._retry(self._abort_call(request_id, abort_token)).found
 
-    def list_models(self) -> list[router_pb2.Model]:
-        return list(self._retry(self._list_models_call()).models)
+    def list_models(self) -> list[Model]:
+        return [Model.from_proto(m) for m in self._retry(self._list_models_call()).models]
 
     def close(self) -> None:
         self._channel.close()
@@ -335,8 +335,8 @@ class AsyncClient(_ClientBase):
         """Abort a request of this client's from elsewhere, with the `abort_token` of its stream."""
         return (await self._retry(self._abort_call(request_id, abort_token))).found
 
-    async def list_models(self) -> list[router_pb2.Model]:
-        return list((await self._retry(self._list_models_call())).models)
+    async def list_models(self) -> list[Model]:
+        return [Model.from_proto(m) for m in (await self._retry(self._list_models_call())).models]
 
     async def close(self) -> None:
         await self._channel.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deltamesh.v1 import common_pb2
+from deltamesh.v1 import common_pb2, router_pb2
 
 _FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -18,10 +18,25 @@ _FINISH = {
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those a worker's prefix cache served (OpenAI's prompt_tokens_details)
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model the router serves (OpenAI's /v1/models entry)."""
+
+    id: str  # the name requests give
+    root: str  # the checkpoint it serves
+    max_model_len: int | None  # None: the router does not know it
+    vocab_size: int | None
+
+    @classmethod
+    def from_proto(cls, m: router_pb2.Model) -> Model:
+        return cls(m.id, m.root, m.max_model_len or None, m.vocab_size or None)
 
 
 @dataclass(frozen=True)
@@ -57,7 +72,7 @@ class Delta:
             finished=d.finished,
             finish_reason=_FINISH.get(d.finish_reason),
             stop_reason=getattr(d, kind) if kind else None,
-            usage=Usage(d.usage.prompt_tokens, d.usage.completion_tokens),
+            usage=Usage(d.usage.prompt_tokens, d.usage.completion_tokens, d.usage.cached_tokens),
         )
 
 
