@@ -214,13 +214,22 @@ def router(ctx: typer.Context, **values) -> None:
         handed_settings(),
         mesh_secret=_mesh_secret(values["mesh_secret_file"], create=True),
     )
+    from deltamesh.services.router.processes import own_control_port, router_ports
+
+    # one of several router processes checks only its own control port: its siblings share the client ports
+    one_of_several = settings.process_index is not None
     _ports_free(
         "router",
         settings.host,
-        {"--grpc-port": settings.grpc_port, "--control-port": settings.control_port, "--http-port": settings.http_port},
+        {"--control-port": own_control_port(settings)} if one_of_several else router_ports(settings),
     )
     _check_tls(settings.tls)
     _servable("router", settings.model)
+    if settings.api_server_count > 1 and not one_of_several:
+        from deltamesh.services.router.processes import run_router_processes
+
+        env = _child_env(settings.mesh_secret.get_secret_value(), settings.api_key)
+        raise typer.Exit(run_router_processes(settings, env))
     from deltamesh.services.router.main import serve
 
     _start("router", settings, serve)
@@ -285,18 +294,16 @@ def loads(
 def serve(ctx: typer.Context, **values) -> None:
     """Start the mesh on one box: router + N prefill + M decode worker processes, each restarted if it exits.
     Ctrl-C stops them all."""
+    from deltamesh.services.router.processes import control_ports, router_ports
+
     values["api_key"] = _api_key(ctx, values)  # its router gets it in its environment
     host, http_port = values["host"], values["http_port"]
-    _ports_free(
-        "serve",
-        host,
-        {"--grpc-port": values["grpc_port"], "--control-port": values["control_port"], "--http-port": http_port},
-    )
     # one secret per mesh, made here unless given (a --mesh-secret-file that does not exist yet is made, as the
     # router makes it); children get it in their environment (never on a command line)
     has_secret = values["mesh_secret_file"] or os.environ.get("DELTAMESH_MESH_SECRET")
     secret = _mesh_secret(values["mesh_secret_file"], create=True) if has_secret else secrets.token_urlsafe(32)
     router, roles, gpus = _plan(values, secret)
+    _ports_free("serve", host, router_ports(router))
     worker = settings_from(WorkerSettings, WORKER, values, role=roles[0], mesh_secret=secret)
     _transport_known(worker.transport, worker.side_channel_interface)
     engine = worker.engine
@@ -304,7 +311,7 @@ def serve(ctx: typer.Context, **values) -> None:
     specs, metrics_urls = _children(values, secret, router, roles, gpus)
     where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
     write_line(sys.stderr, f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}")
-    announce_when_ready(f"{host}:{router.control_port}", secret, Counter(roles), router.tls, where)
+    announce_when_ready([f"{host}:{p}" for p in control_ports(router)], secret, Counter(roles), router.tls, where)
     code = Supervisor(specs).run()
     if code:
         raise typer.Exit(code)
@@ -328,21 +335,24 @@ def _children(
 ) -> tuple[list[ChildSpec], list[str]]:
     """The processes `serve` starts (its router, then a worker per role), each handed its settings in its
     environment, and the workers' metrics URLs."""
-    # what every child gets: the mesh's secret travels in the environment, never on a command line
-    base_env = {
-        k: v for k, v in os.environ.items() if k not in ("DELTAMESH_MESH_SECRET_FILE", "DELTAMESH_API_KEY_FILE")
-    }
-    base_env["DELTAMESH_MESH_SECRET"] = secret
-    router_env = {**base_env, "DELTAMESH_API_KEY": router.api_key} if router.api_key else base_env
+    from deltamesh.services.router.processes import control_ports, router_specs
+
+    base_env = _child_env(secret)
+    router_env = _child_env(secret, router.api_key)
     cli = [sys.executable, "-m", "deltamesh.services.cli"]
-    specs = [ChildSpec("router", cli + ["router"], {**router_env, **hand_over(router)})]
+    if router.api_server_count > 1:
+        specs = router_specs(router, router_env)
+    else:
+        specs = [ChildSpec("router", cli + ["router"], {**router_env, **hand_over(router)})]
+    # every worker registers with every process of the router (a registration reply would name them too)
+    routers = ",".join(f"{router.host}:{port}" for port in control_ports(router))
     gpu_ids = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
     host, metrics_urls = router.host, []
     for i, role in enumerate(roles):
         # fixed ports, chosen once: a restarted worker comes back at the address the router knows it by
         own = {
             "port": free_port(host),
-            "router": f"{host}:{router.control_port}",
+            "router": routers,
             "metrics_port": free_port(host),
             "torch_threads": max(1, (os.cpu_count() or 1) // len(roles)) if values["device"] == "cpu" else None,
         }
@@ -353,6 +363,16 @@ def _children(
         metrics_urls.append(f"{role} http://{host}:{worker.metrics_port}/metrics")
         specs.append(ChildSpec(f"{role}-{roles[:i].count(role)}", cli + [role], env))
     return specs, metrics_urls
+
+
+def _child_env(secret: str, api_key: str | None = None) -> dict[str, str]:
+    """The environment of a process this one starts: the mesh secret (and the router's API key) travel here, never
+    on a command line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DELTAMESH_MESH_SECRET_FILE", "DELTAMESH_API_KEY_FILE")}
+    env["DELTAMESH_MESH_SECRET"] = secret
+    if api_key:
+        env["DELTAMESH_API_KEY"] = api_key
+    return env
 
 
 def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
