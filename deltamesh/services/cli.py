@@ -159,6 +159,8 @@ def _api_key(ctx: typer.Context, values: dict) -> str | None:
 
 
 def _start(name: str, settings, serve) -> None:
+    import structlog
+
     from deltamesh.services.common.logs import configure_logging
     from deltamesh.services.common.server import run
     from deltamesh.services.common.settings import print_settings
@@ -166,6 +168,8 @@ def _start(name: str, settings, serve) -> None:
     if started_by_serve():
         die_with_parent(os.getppid())
     configure_logging(name, settings.log_level)
+    if getattr(settings, "process_index", None) is not None:  # one of several router processes: which, in every line
+        structlog.contextvars.bind_contextvars(process=settings.process_index)
     print_settings(name, settings)
     run(lambda stop: serve(settings, stop))
 

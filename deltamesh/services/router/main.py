@@ -75,7 +75,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
     if settings.http_port:
-        gateway = Gateway(frontend, mesh, settings.api_key, settings.http_body_timeout_s)
+        gateway = Gateway(
+            frontend, mesh, settings.api_key, settings.http_body_timeout_s, settings.process_index if shared else None
+        )
         http, http_task = await start_gateway(
             gateway, settings.host, settings.http_port, settings.http_header_timeout_s, reuse_port=shared
         )

@@ -174,6 +174,7 @@ class WorkerRegistry:
             if w.load is not None:
                 load.CopyFrom(w.load)
             load.address, load.role, load.healthy = w.address, w.role, w.healthy
+            load.prefixes = self.index.keys_of(w.address)
             out.append(load)
         return out
 
