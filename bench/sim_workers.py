@@ -112,13 +112,13 @@ class FakePrefill(FakeWorker, prefill_pb2_grpc.PrefillWorkerServicer):
             return prefill_pb2.PrefillResponse(first=first)
         return prefill_pb2.PrefillResponse(
             first=first,
-            lease=prefill_pb2.Lease(lease_id=request.request_id, token=request.lease_token),
-            layout=prefill_pb2.StateLayout(compat_hash="sim", num_tokens=n),
+            lease=common_pb2.Lease(lease_id=request.request_id, token=request.lease_token),
+            layout=common_pb2.StateLayout(compat_hash="sim", num_tokens=n),
             transport=common_pb2.TransportDescriptor(kind="sim", version=1),
         )
 
     async def ReleaseLease(self, request, context):
-        return prefill_pb2.LeaseResponse(ok=True)
+        return common_pb2.LeaseResponse(ok=True)
 
 
 class Steps:
@@ -160,7 +160,7 @@ class FakeDecode(FakeWorker, decode_pb2_grpc.DecodeWorkerServicer):
             self.running -= 1
 
     async def ReleaseLease(self, request, context):
-        return prefill_pb2.LeaseResponse(ok=True)
+        return common_pb2.LeaseResponse(ok=True)
 
 
 async def serve_one(worker: FakeWorker, host: str, secret: str) -> grpc.aio.Server:

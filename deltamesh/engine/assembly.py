@@ -166,13 +166,20 @@ def make_prefix_cache(config: EngineConfig, parts: EngineParts, stats: EngineSta
 
 
 def log_ready(config: EngineConfig, parts: EngineParts) -> None:
+    memory = {}
+    if parts.rank.device.type == "cuda":  # what the worker holds after its warm-up and graphs, against its share
+        memory["gpu_memory_gib"] = round(torch.cuda.memory_reserved(parts.rank.device) / 2**30, 2)
+        memory["gpu_memory_utilization"] = config.gpu_memory_utilization
+    kv_pool = parts.rank.kv_pool
     log.info(
         "engine ready",
         model=config.model,
         family=parts.model_config.family,
         device=str(parts.rank.device),
         dtype=str(parts.rank.dtype),
-        kv_pages=parts.rank.kv_pool.num_pages,
+        kv_pages=kv_pool.num_pages,
+        kv_cache_gib=round(kv_pool.num_pages * kv_pool.page_bytes / 2**30, 2),
+        **memory,
         page_size=config.page_size,
         state_slots=config.max_num_seqs,
         max_model_len=parts.max_model_len,

@@ -14,6 +14,7 @@ from deltamesh.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from deltamesh.engine.cache import KVPagePool
+    from deltamesh.engine.grammar import RequestGrammar
     from deltamesh.engine.tokenizer import Tokenizer
 
 
@@ -96,6 +97,7 @@ class Request:
     block_keys: list[int] = field(default_factory=list)
     num_registered_pages: int = 0
     turn_end: int = 0  # where the prompt's first chat message ends (a checkpoint position there), 0: nowhere
+    grammar: RequestGrammar | None = None  # structured outputs: what its tokens must follow (grammar.py)
     status: Status = Status.WAITING
     adjusts_logits: bool = field(init=False)  # its params' (penalties.py reads it every step: a plain attribute)
     finish_reason: FinishReason | None = None
@@ -130,6 +132,11 @@ class Request:
         )
 
     @property
+    def may_sample(self) -> bool:
+        """False while its grammar compiles: it may run its prompt, not the token that samples (scheduler)."""
+        return self.grammar is None or self.grammar.ready
+
+    @property
     def remaining(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return self.num_tokens - self.num_computed
@@ -160,15 +167,23 @@ class Request:
         p = self.params
         if len(self.output_ids) < p.min_tokens:
             return False
-        return (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids
+        # under a grammar an EOS token is only ever its stop token, which ends it even with ignore_eos
+        eos = token_id in self.eos_token_ids and (not p.ignore_eos or self.grammar is not None)
+        return eos or token_id in p.stop_token_ids
 
     def check_stop(self, token_id: int, max_model_len: int) -> None:
-        """Decide whether the token just appended ends the request."""
-        p = self.params
-        if self._stops_on(token_id):
+        """Decide whether the token just appended ends the request (its grammar, if any, fed it first)."""
+        p, grammar = self.params, self.grammar
+        if grammar is not None:
+            grammar.advance(self.output_ids)
+        if grammar is not None and grammar.error is not None:
+            self.finish_reason = FinishReason.ERROR
+        elif self._stops_on(token_id):
             self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
         elif self.detokenizer is not None and self.detokenizer.stopped_on is not None:
             self.finish_reason, self.stop_reason = FinishReason.STOP, self.detokenizer.stopped_on
+        elif grammar is not None and grammar.terminated:  # its stop token, which ignore_eos would pass
+            self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
         elif len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
 

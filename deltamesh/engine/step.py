@@ -3,9 +3,16 @@
 what the prefix cache takes from it (`_advance`), sampling (`_sample`); later, once the next step is launched,
 its tokens on the host (`LaunchedStep.read`). The step loop around it is core.py.
 
-Between the forward pass and sampling, the logits stage: penalties, logit_bias and min_tokens (penalties.py, their
-per-request state on the device); a grammar's bitmask goes there too, after them. What comes next: a step that
-verifies drafted tokens (MTP) in place of `_sample`, its accepted tokens per request returned by `read`.
+Between the forward pass and sampling, the logits stage: first grammar bitmasks (structured outputs, grammar.py), in
+place, so that the log-probabilities a request asks for are of the masked distribution, as vLLM's are; then
+penalties, logit_bias and min_tokens (penalties.py, their per-request state on the device), which log-probabilities
+do not see (vLLM's default too). What comes next: a step that verifies drafted tokens (MTP) in place of `_sample`,
+its accepted tokens per request returned by `read`.
+
+Bitmasks run only in a step where some sampled row has a grammar: a row's mask depends on the token its request
+sampled in the step before, which under async scheduling reaches the host only now, so the step's caller takes those
+tokens first (`before_masks`), while the device runs the forward pass queued above; the masks are then filled on the
+host and applied on the device.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from deltamesh.engine import data_parallel
+from deltamesh.engine.grammar import GrammarMasks
 from deltamesh.engine.interfaces import PrefixCacheInterface, SchedulerInterface
 from deltamesh.engine.penalties import LogitAdjustments
 from deltamesh.engine.request import Request, TokenLogprobs
@@ -63,12 +71,19 @@ class StepLauncher:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.prefix_cache: PrefixCacheInterface | None = None  # once made (after the warm-up)
         self.adjustments = LogitAdjustments(runner.model.cfg.vocab_size, device)
+        self.masks = GrammarMasks()
 
     def launch(
-        self, items: list[ScheduledItem], previous: LaunchedStep | None, between_layers: Callable[[], None] | None
+        self,
+        items: list[ScheduledItem],
+        previous: LaunchedStep | None,
+        between_layers: Callable[[], None] | None,
+        before_masks: Callable[[list[Request]], None] | None = None,
     ) -> LaunchedStep:
         """Queue the step on the device; `previous`: the step launched before, whose tokens this one's decodes take
-        as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only)."""
+        as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only);
+        `before_masks`: called with the sampled requests before their grammars mask the logits (when one has a
+        grammar), to bring their matchers up to date."""
         # decode-first, as kernels expect; the chunks that take a state in passing last (runner.host_step)
         items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
         started = time.monotonic()
@@ -80,6 +95,11 @@ class StepLauncher:
             span[1].record()
         sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
         self._advance(items, started)
+        if any(r.grammar is not None for r in sampling):
+            if before_masks is not None:
+                before_masks(sampling)
+            self.stats.grammar_mask_seconds += self.masks.apply(logits, sampling)
+            self.stats.grammar_mask_steps += 1
         sampled = self._sample(logits, sampling)
         self.stats.steps += 1
         return LaunchedStep(sampling, sampled, span)

@@ -52,6 +52,11 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` tokenizer itself (its vocabulary: structured outputs, grammar.py)."""
+        return self._tok
+
+    @property
     def max_token_chars(self) -> int:
         """The longest token's length in characters, as the vocabulary spells it (a byte-level vocabulary
         spells one character per byte, so no token decodes to more)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from deltamesh.protocol.structured import StructuredOutputs
+
 UINT32, UINT64 = 2**32, 2**64  # the wire types' bounds (common.proto)
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -40,6 +42,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0
+    structured_outputs: StructuredOutputs | None = None  # the output follows a grammar (engine/grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +82,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
         self._validate_adjustments(vocab_size)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def _validate_adjustments(self, vocab_size: int) -> None:
         if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:

@@ -1,6 +1,7 @@
 """Fault injection against real processes on loopback: killed, stopped and restarted workers and routers, and
 a side-channel connection dropped mid-transfer. Each test records what it measured for docs/RELIABILITY.md."""
 
+import json
 import os
 import random
 import signal
@@ -12,7 +13,7 @@ from harness import start_mesh
 from reliability import record
 
 from deltamesh.client import DeltameshError, Unavailable
-from deltamesh.engine import DEFAULT_MODEL
+from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 MODEL = str(DEFAULT_MODEL)
@@ -110,9 +111,11 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
         killed_at = time.monotonic()
         mesh.kill(victim, signal.SIGKILL)
         job.wait(ENDS_WITHIN_S)
-        # ended by the killed worker's broken stream, named in the error: the router does not wait for a deadline
-        # (600 s) or for missed heartbeats, which fail no call in flight
-        assert isinstance(job.error, Unavailable) and victim.address in job.error.message, job.error
+        # ended by the killed worker's broken stream: the router does not wait for a deadline (600 s) or for missed
+        # heartbeats, which fail no call in flight; the client is told which leg failed, the router's log which worker
+        assert isinstance(job.error, Unavailable) and "decode worker" in job.error.message, job.error
+        router_log_file = next(p for p in mesh.procs if p.role == "router").log
+        assert wait_until(lambda: victim.address in router_log_file.read_text(), timeout=ENDS_WITHIN_S)
         error_after = job.ended_at - killed_at
         t = time.monotonic()
         for _ in range(3):
@@ -133,7 +136,7 @@ def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_p
 def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
     # the failpoint holds the puller before it reads the lease word, so SIGSTOP lands mid-transfer; on one host
     # the reads (CMA) and the word's read are the puller's own syscalls: they need nothing of the stopped holder
-    mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=sleep:0.5")
+    mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=sleep:0.5", transfer_timeout_s=30)
     try:
         client = mesh.client(retries=0)
         prefill, decode = mesh.workers("prefill")[0], mesh.workers("decode")[0]
@@ -164,24 +167,90 @@ def test_sigstop_prefill_during_transfer_then_sigcont(tmp_path):
         mesh.stop()
 
 
+def router_log(mesh) -> list[dict]:
+    """The router's JSON log lines."""
+    router = next(p for p in mesh.procs if p.role == "router")
+    lines = []
+    for line in router.log.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:  # its settings and the ready line are not log lines
+            pass
+    return lines
+
+
 def test_side_channel_dropped_mid_transfer(tmp_path):
     # a transfer deadline far beyond what the drop takes (milliseconds), so that an error well within it is the
     # drop's doing
     mesh = mesh_with_failpoint(tmp_path, "deltamesh.transfer.before_check=drop", transfer_timeout_s=DROP_DEADLINE_S)
     try:
         client = mesh.client(retries=0)
+        decode = mesh.workers("decode")[0]
         t = time.monotonic()
         with pytest.raises(Unavailable) as e:
             client.generate("A list is", max_tokens=20, temperature=0)
         error_after = time.monotonic() - t
         assert error_after < DROP_DEADLINE_S / 2, e.value  # not the deadline: the drop ended the pull
+        # the client is told the transfer failed, not that no decode worker is left; the router did not take the
+        # healthy decode worker out of routing (the pull's abandon notice ended the lease: no retry)
+        assert "state transfer failed" in e.value.message and "no healthy" not in e.value.message
+        assert not [line for line in router_log(mesh) if line.get("event") == "worker failed"]
+        assert next(w for w in mesh.loads() if w.address == decode.address).healthy
         assert mesh.wait_idle() == {}
         record(
             "side-channel connection dropped by the decode worker after its reads, before the lease check (failpoint)",
-            "the pull fails at once: decode frees its reservation and fails the request "
-            "(UNAVAILABLE); the router releases the lease, so the prefill worker frees the state",
+            "the pull fails at once: decode frees its reservation and ends the call ABORTED (state transfer "
+            "failed); the router keeps the decode worker in routing and fails the request UNAVAILABLE naming the "
+            "transfer, and releases the lease, so the prefill worker frees the state",
             "test_side_channel_dropped_mid_transfer",
-            f"client error {error_after:.2f}s after submit; both workers back to zero",
+            f"client error {error_after:.2f}s after submit; the decode worker stayed healthy; both workers back to "
+            "zero",
+        )
+    finally:
+        mesh.stop()
+
+
+def test_a_failed_pull_is_retried_on_another_decode_worker_while_the_lease_lives(tmp_path, reference_engine):
+    """One of two decode workers stalls every pull before its first read (failpoint) past the 2 s transfer deadline:
+    the lease is untouched (no read, no abandon notice), so the router, finding it alive (ExtendLease), has the
+    other decode worker pull it. Every request is answered token for token, and the stalling worker, whose failure
+    was the transfer's, stays in routing."""
+    mesh = start_mesh(MODEL, tmp_path, decode=1, worker_args=["--transfer-timeout", "2"])
+    try:
+        os.environ["DELTAMESH_FAILPOINTS"] = "deltamesh.transfer.before_reads=sleep:30"
+        try:
+            stalling = mesh.start_worker("decode")
+        finally:
+            del os.environ["DELTAMESH_FAILPOINTS"]
+        mesh.wait_ready()
+        client = mesh.client(retries=0)
+        greedy = dict(temperature=0, ignore_eos=True)
+        # a long stream keeps one decode worker busy (the other one, after a retry, if it met the stalling worker
+        # first), so that the next request goes to the stalling one (the least loaded)
+        long = Background(client, "The Python language", max_tokens=300, **greedy)
+        assert wait_until(lambda: long.tokens >= 5, timeout=60)
+        started = time.monotonic()
+        short = client.generate("A list is", max_tokens=8, **greedy)
+        short_s = time.monotonic() - started
+        long.wait(120)
+        assert long.error is None and long.result.usage.completion_tokens == 300, long.error
+        # the second request always met the stalling worker (idle, beside the one streaming): pulled on the retry
+        want = reference_engine.generate("A list is", SamplingParams(max_tokens=8, **greedy))[0]
+        assert list(short.token_ids) == want.token_ids
+        log = router_log(mesh)
+        retries = [line for line in log if line.get("event") == "retrying the state transfer on another decode worker"]
+        assert retries and all(line["failed"] == stalling.address for line in retries)
+        assert not [line for line in log if line.get("event") == "worker failed"]
+        assert next(w for w in mesh.loads() if w.address == stalling.address).healthy
+        assert mesh.wait_idle() == {}
+        record(
+            "a decode worker's pull stalls past its deadline before reading (failpoint), another decode worker free",
+            "the decode worker ends the call ABORTED (state transfer failed) and stays in routing; the prefill "
+            "worker still holds the lease (asked with ExtendLease, which renews it), so the router has the other "
+            "decode worker pull it; the client sees no error",
+            "test_a_failed_pull_is_retried_on_another_decode_worker_while_the_lease_lives",
+            f"{len(retries)} pull(s) retried; the request meeting the stalling worker answered in {short_s:.2f}s "
+            "(2 s deadline included), token-exact",
         )
     finally:
         mesh.stop()

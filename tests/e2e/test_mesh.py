@@ -216,18 +216,18 @@ def test_wrong_lease_layout_or_transport_is_refused_and_the_state_stays_held(mes
             **{"kind": "ucx", "version": first.transport.version, "payload": payload.SerializeToString(), **changes}
         )
 
-    wrong_token = prefill_pb2.Lease()
+    wrong_token = common_pb2.Lease()
     wrong_token.CopyFrom(first.lease)
     wrong_token.token = bytes(b ^ 1 for b in first.lease.token)
-    refused(grpc.StatusCode.FAILED_PRECONDITION, "ended before its state was read", lease=wrong_token)
+    refused(grpc.StatusCode.ABORTED, "state transfer failed: lease 'guarded' ended before its state", lease=wrong_token)
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    refused(invalid, "its token is needed", lease=prefill_pb2.Lease(lease_id="guarded"))
+    refused(invalid, "its token is needed", lease=common_pb2.Lease(lease_id="guarded"))
     refused(invalid, "lease word's address and key", transport=ucx_descriptor(cleared=["word_address", "word_rkey"]))
     # a transport this worker does not speak, or another version of its own: refused before any byte moves
     version = first.transport.version
     refused(invalid, f"'tcp' version {version} is not spoken here", transport=ucx_descriptor(kind="tcp"))
     refused(invalid, f"'ucx' version {version + 1} is not spoken here", transport=ucx_descriptor(version=version + 1))
-    bad_layout = prefill_pb2.StateLayout(compat_hash="0" * 20, num_tokens=40, region_bytes=first.layout.region_bytes)
+    bad_layout = common_pb2.StateLayout(compat_hash="0" * 20, num_tokens=40, region_bytes=first.layout.region_bytes)
     refused(grpc.StatusCode.FAILED_PRECONDITION, "incompatible", layout=bad_layout)
     unreadable = ucx_descriptor(cleared=["region_addresses", "region_rkeys"])  # no addresses or keys
     refused(invalid, "one address and key per region", transport=unreadable)

@@ -100,7 +100,7 @@ def test_a_sender_layout_that_cannot_hold_the_model_is_refused_before_any_byte_m
         prompt = PROMPTS[1]
         first = prefill(prefill_worker, "r", prompt)
         for ranks in (3, 4):
-            forged = prefill_pb2.StateLayout()
+            forged = common_pb2.StateLayout()
             forged.CopyFrom(first.layout)
             forged.tensor_parallel_size = ranks
             with pytest.raises(grpc.RpcError) as e:

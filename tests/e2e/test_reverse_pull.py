@@ -92,7 +92,7 @@ def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_e
     )
     assert offer.layout.num_tokens > len(prompt) // 2  # the first turn's prompt and reply
     if gone == "released":
-        release = prefill_pb2.LeaseRequest(lease_id=offer.lease.lease_id, token=TOKEN)
+        release = common_pb2.LeaseRequest(lease_id=offer.lease.lease_id, token=TOKEN)
         assert decode.stub().ReleaseLease(release, timeout=5).ok
     else:
         time.sleep(0.5)
@@ -113,6 +113,6 @@ def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_e
     own = grown(before, after, 'deltamesh_engine_prefix_cache_hit_tokens_total{role="prefill"}')
     computed = grown(before, after, 'deltamesh_engine_prompt_tokens_total{role="prefill"}')
     assert computed == len(prompt) - own  # all but what its own cache held
-    release = prefill_pb2.LeaseRequest(lease_id=ask.request_id, token=answer.lease.token)
+    release = common_pb2.LeaseRequest(lease_id=ask.request_id, token=answer.lease.token)
     assert prefill.stub().ReleaseLease(release, timeout=5).ok
     assert mesh.wait_idle() == {}

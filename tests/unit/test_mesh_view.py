@@ -15,7 +15,7 @@ from deltamesh.services.router.policies import CacheAware
 from deltamesh.services.router.prefix_index import PrefixIndex
 from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
 from deltamesh.services.router.shared_counts import SharedCounts, create
-from deltamesh.v1 import common_pb2, control_pb2_grpc
+from deltamesh.v1 import common_pb2, control_pb2_grpc, decode_pb2_grpc
 
 pytestmark = pytest.mark.scale
 
@@ -131,6 +131,56 @@ async def _restart(address: str, keys: set[int]):
     assert server.add_insecure_port(address)
     await server.start()
     return server, address
+
+
+class _Puller(decode_pb2_grpc.DecodeWorkerServicer):
+    """A decode worker's GetLoads as far as announcements go: what the router told it."""
+
+    def __init__(self):
+        self.told: list[list[bytes]] = []
+
+    async def GetLoads(self, request, context):
+        self.told.append([e for h in request.holders for e in h.endpoints])
+        return common_pb2.GetLoadsResponse(workers=[common_pb2.WorkerLoad()])
+
+
+async def _reporting(holder: common_pb2.TransportDescriptor | None, puller: _Puller | None = None):
+    server = grpc.aio.server()
+    source = ReportSource(lambda: common_pb2.WorkerLoad(), set, lambda: holder)
+    control_pb2_grpc.add_WorkerReportsServicer_to_server(ReportsServicer(source), server)
+    if puller is not None:
+        decode_pb2_grpc.add_DecodeWorkerServicer_to_server(puller, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_holder_reported_is_announced_to_its_pullers_and_one_claiming_its_endpoint_is_refused():
+    """A prefill worker's holder descriptor comes in its reports; the router announces it to the decode worker (a
+    GetLoads call carrying it) without being asked, and a second "prefill worker" whose descriptor names the same
+    endpoint stays out of routing and out of the announcements."""
+
+    async def run():
+        described = common_pb2.TransportDescriptor(kind="ucx", endpoints=[b"P"])
+        puller = _Puller()
+        servers = [await _reporting(described), await _reporting(None, puller), await _reporting(described)]
+        (_, prefill), (_, decode), (_, impostor) = servers
+        registry = WorkerRegistry(0.02, 1.0, "s" * 16)
+        stop = asyncio.Event()
+        tending = asyncio.create_task(registry.poll_forever(stop))
+        p, d = registry.add(prefill, "prefill", static=True), registry.add(decode, "decode", static=True)
+        await _until(lambda: p.healthy and d.healthy and [b"P"] in puller.told)
+        i = registry.add(impostor, "prefill", static=True)
+        await _until(lambda: i.refused)
+        await asyncio.sleep(0.2)  # ten report intervals
+        assert not i.healthy and i.holder is None and all(told == [b"P"] for told in puller.told[1:])
+        stop.set()
+        await tending
+        await registry.close()
+        for server, _ in servers:
+            await server.stop(0)
+
+    asyncio.run(run())
 
 
 def test_router_processes_see_each_others_admissions_and_a_restarted_one_starts_from_nothing():

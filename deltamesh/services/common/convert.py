@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from deltamesh.engine.request import FinishReason, RequestOutput
 from deltamesh.protocol.sampling import SamplingParams
+from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.v1 import common_pb2
 
 FINISH_TO_PROTO = {
@@ -31,7 +34,36 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, stop: common_pb2.StopCond
         stop=list(stop.stop),
         stop_token_ids=list(stop.stop_token_ids),
         include_stop_str_in_output=stop.include_stop_str_in_output,
+        structured_outputs=structured_from_proto(sp.structured_outputs) if sp.HasField("structured_outputs") else None,
     )
+
+
+def structured_from_proto(so: common_pb2.StructuredOutputs) -> StructuredOutputs:
+    """Raises ValueError for a message without a kind or a schema that is not JSON (StructuredOutputs.validate
+    checks the rest)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs needs one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(so.json_schema)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"structured_outputs.json_schema is not valid JSON: {e}") from None
+        return StructuredOutputs(json=schema, disable_any_whitespace=so.disable_any_whitespace)
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return StructuredOutputs(**{kind: value}, disable_any_whitespace=so.disable_any_whitespace)
+
+
+def structured_to_proto(s: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    so = common_pb2.StructuredOutputs(disable_any_whitespace=s.disable_any_whitespace)
+    if s.kind == "json":
+        so.json_schema = json.dumps(s.json, ensure_ascii=False)
+    elif s.kind == "choice":
+        so.choice.SetInParent()
+        so.choice.choices.extend(s.choice)
+    else:
+        setattr(so, s.kind, s.value)
+    return so
 
 
 def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, common_pb2.StopConditions]:
@@ -43,6 +75,8 @@ def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, com
     stop = common_pb2.StopConditions(
         stop=p.stop, stop_token_ids=p.stop_token_ids, include_stop_str_in_output=p.include_stop_str_in_output
     )
+    if p.structured_outputs is not None:
+        sp.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     return sp, stop
 
 

@@ -1,5 +1,6 @@
-"""What a worker tells the routers that watch it (WorkerReports.Watch, protos/deltamesh/v1/control.proto): its load
-and the prefixes its cache holds, pushed over one stream per watching router process.
+"""What a worker tells the routers that watch it (WorkerReports.Watch, protos/deltamesh/v1/control.proto): its load,
+the prefixes its cache holds and, if it holds state for pullers, its holder descriptor (which the routers announce
+to the workers that pull from it), pushed over one stream per watching router process.
 
 Each process of each router the worker registered with watches it, so a worker has as many streams as its routers
 have processes. One `ReportSource` samples the load and the cache's resume keys for all of them, at most once per
@@ -30,13 +31,19 @@ class Sample:
     at: float
     load: common_pb2.WorkerLoad
     keys: frozenset[int]
+    holder: common_pb2.TransportDescriptor | None = None
 
 
 class ReportSource:
-    """The worker's load and resume keys, sampled on demand and shared by every stream."""
+    """The worker's load, resume keys and holder descriptor, sampled on demand and shared by every stream."""
 
-    def __init__(self, load: Callable[[], common_pb2.WorkerLoad], keys: Callable[[], set[int]]):
-        self._load, self._keys = load, keys
+    def __init__(
+        self,
+        load: Callable[[], common_pb2.WorkerLoad],
+        keys: Callable[[], set[int]],
+        holder: Callable[[], common_pb2.TransportDescriptor | None] = lambda: None,
+    ):
+        self._load, self._keys, self._holder = load, keys, holder
         self._sample = Sample(0, 0.0, common_pb2.WorkerLoad(), frozenset())
         self._changes: deque[tuple[int, frozenset[int], frozenset[int]]] = deque(maxlen=HISTORY)
 
@@ -49,7 +56,7 @@ class ReportSource:
         old = self._sample
         if keys != old.keys:
             self._changes.append((old.number + 1, keys - old.keys, old.keys - keys))
-        self._sample = Sample(old.number + 1, now, self._load(), keys)
+        self._sample = Sample(old.number + 1, now, self._load(), keys, self._holder())
         return self._sample
 
     def changes(self, since: int) -> tuple[set[int], set[int]] | None:
@@ -90,7 +97,11 @@ class ReportsServicer(control_pb2_grpc.WorkerReportsServicer):
             else:
                 added, removed = changes
                 report = control_pb2.WorkerReport(load=sample.load, prefixes_added=added, prefixes_removed=removed)
-            changed = changes is None or changes != (set(), set()) or sample.load != seen.load
+            if sample.holder is not None:
+                report.holder.CopyFrom(sample.holder)
+            changed = (
+                changes is None or changes != (set(), set()) or (sample.load, sample.holder) != (seen.load, seen.holder)
+            )
             if changed or quiet + 1 >= REPORT_KEEPALIVE_INTERVALS:
                 yield report
                 seen, quiet = sample, 0

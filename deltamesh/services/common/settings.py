@@ -158,6 +158,13 @@ class RouterSettings(BaseModel):
         "holds all but at most this many tokens of its prompt (a conversation's "
         "earlier turns, kept by decode workers' prefix caches). 0: off",
     )
+    # router/admission.py: requests wait at the router for room on a decode worker, before their prefill
+    max_queued_requests: int = Field(
+        1024,
+        ge=0,
+        description="Requests that may wait at the router for room on a decode worker (P/D); one more is refused "
+        "at once (429 / RESOURCE_EXHAUSTED). 0: no queue",
+    )
     health_interval_s: float = Field(0.5, json_schema_extra=_NO_OPTION)
     heartbeat_interval_s: float = Field(1.0, json_schema_extra=_NO_OPTION)
     prefill_retries: int = Field(2, json_schema_extra=_NO_OPTION)
@@ -205,7 +212,23 @@ class ServeSettings(BaseModel):
         "decode their own requests (--prefill-workers is ignored)",
         json_schema_extra={"decls": ("--colocated",)},
     )
-    gpus: str | None = Field(None, description="GPU ids to spread workers over, e.g. 0,1 (cuda only)")
+    gpus: str | None = Field(
+        None, description="GPU ids to spread workers over, e.g. 0,1 (cuda only; 0 with 1P+1D: both on GPU 0)"
+    )
+    # each role's own memory budget on the GPU (engine/memory_budget.py), over --gpu-memory-utilization /
+    # --kv-cache-memory-gb: a decode worker wants KV cache, a prefill worker little beyond the states it holds
+    prefill_gpu_memory_utilization: float | None = Field(
+        None, description="Prefill workers' --gpu-memory-utilization (default: --gpu-memory-utilization)"
+    )
+    decode_gpu_memory_utilization: float | None = Field(
+        None, description="Decode workers' --gpu-memory-utilization (default: --gpu-memory-utilization)"
+    )
+    prefill_kv_cache_memory_gb: float | None = Field(
+        None, description="Prefill workers' --kv-cache-memory-gb (default: --kv-cache-memory-gb)"
+    )
+    decode_kv_cache_memory_gb: float | None = Field(
+        None, description="Decode workers' --kv-cache-memory-gb (default: --kv-cache-memory-gb)"
+    )
 
 
 def print_settings(name: str, settings: BaseModel) -> None:

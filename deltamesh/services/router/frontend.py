@@ -37,6 +37,7 @@ _CHECKED_ALONE = {
     "frequency_penalty": (),
     "logit_bias": (),
     "min_tokens": ("max_tokens",),
+    "structured_outputs": (),  # its shape; whether it parses is the worker's check
 }
 # Tokenising is CPU work and the tokenizer's batch encode already spreads one request over the cores; two
 # threads let a small request pass a big one without letting many requests crowd out the event loop's core.

@@ -11,6 +11,7 @@ from deltamesh.services.common.auth import api_key_interceptor, mesh_interceptor
 from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.server import GrpcServer
 from deltamesh.services.common.settings import RouterSettings
+from deltamesh.services.router.admission import AdmissionLimits
 from deltamesh.services.router.control import ControlServicer
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway import Gateway, start_gateway
@@ -43,7 +44,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         else None
     )
     policy = make_policy(settings.policy, settings.page_size, registry.index)
-    mesh = Mesh(registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd)
+    admission = AdmissionLimits(settings.max_queued_requests, settings.page_size, frontend.max_model_len)
+    mesh = Mesh(
+        registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd, admission
+    )
     # Two listeners: the client API (the API key, when set) and the control plane (the mesh secret)
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
     client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh), name)]

@@ -32,8 +32,9 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """Fewest requests: the more of what this router process has sent and not seen end, and of what the worker last
-    reported running and queued (every router's requests, as of its report); then the lowest KV-page use."""
+    """Fewest requests: the most of what this router process has sent or admitted and not seen end, and of what the
+    worker last reported running and queued (every router's requests, as of its report); then the lowest KV-page
+    use."""
 
     def pick(self, candidates: list[WorkerHandle], prompt_ids: Sequence[int] = ()) -> WorkerHandle:
         return min(candidates, key=_load_score)
@@ -43,7 +44,8 @@ def _load_score(w: WorkerHandle):
     load = w.load
     reported = load.running + load.waiting if load else 0
     kv = load.kv_pages_used / load.kv_pages_total if load and load.kv_pages_total else 0.0
-    return (max(w.inflight, reported), kv, w.address)
+    # a decode worker's admitted requests include those still prefilling elsewhere: bound here, not yet sent
+    return (max(w.inflight, w.admitted, reported), kv, w.address)
 
 
 class SentBlocks:

@@ -3,13 +3,23 @@
 worker pushes its load and the prefixes its cache holds (services/common/reports.py), which every process of every
 router receives alike, so no process depends on another for its view of the mesh. A worker whose stream breaks, or
 that a call found dead, is left out of routing until a new stream's first report; one that stays silent on its
-stream for MAX_SILENT_REPORTS report intervals (a stopped process, or a loop held by long work) is out too."""
+stream for MAX_SILENT_REPORTS report intervals (a stopped process, or a loop held by long work) is out too.
+
+The reports also carry the side channel's announcements (docs/notes/side-channel-security.md): a worker that holds
+state for pullers reports its holder descriptor, and the router names the holders of the role a puller pulls from
+(decode workers pull from prefill workers; prefill workers from decode workers, the prefixes they offer) in a
+GetLoads call to that puller whenever they change, and again on each new report stream (a restarted worker knows
+none). Pullers refuse the leases of holders never announced to them. No two workers may claim one transport endpoint
+(`TransportDescriptor.endpoints`: for UCX, a worker's and its ranks' UCX worker addresses): a worker whose
+description names an endpoint another worker's names is left out of routing and announced to no one, so that a
+caller holding the mesh secret cannot pose as the holder of another worker's memory."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,6 +37,7 @@ log = structlog.get_logger("deltamesh.registry")
 ROLES = ("prefill", "decode", "colocated")
 MAX_MISSED_HEARTBEATS = 5  # a registered worker that stops registering for this many intervals is dropped
 MAX_SILENT_REPORTS = 5  # a worker silent on its report stream for this many keep-alive periods is out of routing
+PULLS_FROM = {"decode": "prefill", "prefill": "decode"}  # a role -> the role whose held states it pulls
 
 
 @dataclass
@@ -36,14 +47,19 @@ class WorkerHandle:
     static: bool
     channel: grpc.aio.Channel
     compat_hash: str = ""
-    # a registered prefill worker's transport descriptor, passed on to decode workers unread
-    transport: common_pb2.TransportDescriptor | None = None
+    # its holder descriptor (from its reports), announced to the workers pulling from its role; read by no one here
+    holder: common_pb2.TransportDescriptor | None = None
     healthy: bool = False
     load: common_pb2.WorkerLoad | None = None
     last_registered: float = field(default_factory=time.monotonic)
     last_report: float = 0.0  # when its report stream last delivered
     watch: asyncio.Task | None = None  # the task reading its report stream
     inflight: int = 0  # requests the router has sent here and not yet seen end
+    admitted: int = 0  # decode: requests admitted here (router/admission.py), prefilling or decoding
+    refused: bool = False  # its holder descriptor claims another worker's endpoint: never routed to or announced
+    # the holders last announced to it over its current report stream (serialized), and whether a call is under way
+    announced: tuple[bytes, ...] | None = None
+    announcing: bool = False
 
     # stubs made once: making one per call costs more than the call's own Python work
     @functools.cached_property
@@ -67,6 +83,8 @@ class WorkerRegistry:
         self.workers: dict[str, WorkerHandle] = {}
         self.index = PrefixIndex()  # what the workers' prefix caches hold, as they report it
         self._closing: set[asyncio.Task] = set()
+        # called with a worker after each of its reports and when it is marked failed (router/admission.py)
+        self.listeners: list[Callable[[WorkerHandle], None]] = []
 
     def add(self, address: str, role: str, static: bool, compat_hash: str = "") -> WorkerHandle:
         if role not in ROLES:
@@ -113,6 +131,11 @@ class WorkerRegistry:
         if w.healthy:
             log.warning("worker failed", address=w.address, role=w.role, why=why)
         w.healthy = False
+        self._tell(w)
+
+    def _tell(self, w: WorkerHandle) -> None:
+        for listener in self.listeners:
+            listener(w)
 
     async def poll_forever(self, stop: asyncio.Event) -> None:
         """Tend the workers every health interval until `stop`: see `tend`."""
@@ -127,8 +150,8 @@ class WorkerRegistry:
                 w.watch.cancel()
 
     def tend(self) -> None:
-        """Drop registered workers that stopped registering, count silent ones as failed, and watch again every
-        worker whose stream ended."""
+        """Drop registered workers that stopped registering, count silent ones as failed, watch again every
+        worker whose stream ended, and announce again where an announcement failed."""
         now = time.monotonic()
         silent_s = MAX_SILENT_REPORTS * REPORT_KEEPALIVE_INTERVALS * self.health_interval_s
         for w in list(self.workers.values()):
@@ -138,6 +161,8 @@ class WorkerRegistry:
                 self._start_watch(w)
             elif w.healthy and now - w.last_report > silent_s:
                 self.mark_failed(w, f"no report for {now - w.last_report:.1f} s")
+            else:
+                self._announce(w)
 
     def _start_watch(self, w: WorkerHandle) -> None:
         w.watch = asyncio.get_running_loop().create_task(self._watch(w))
@@ -145,6 +170,7 @@ class WorkerRegistry:
     async def _watch(self, w: WorkerHandle) -> None:
         """Take in the worker's reports until its stream ends; it is out of routing from then until the next."""
         interval_ms = max(1, round(self.health_interval_s * 1000))
+        w.announced = None  # a new stream may be a restarted worker's: it knows no holder
         try:
             call = w.reports.Watch(control_pb2.WatchRequest(interval_ms=interval_ms), metadata=self.call_metadata())
             async for report in call:
@@ -156,6 +182,17 @@ class WorkerRegistry:
             self.index.forget(w.address)
 
     def _take(self, w: WorkerHandle, report: control_pb2.WorkerReport) -> None:
+        before = w.holder
+        if not self.record_holder(w, report.holder if report.HasField("holder") else None):
+            if not w.refused:  # logged once, not at every report
+                log.warning(
+                    "worker refused: its side channel names a process another worker holds state in",
+                    address=w.address,
+                    role=w.role,
+                )
+            w.refused, w.healthy = True, False
+            return
+        w.refused = False
         w.load = report.load
         w.last_report = time.monotonic()
         if report.prefixes_whole:
@@ -166,6 +203,58 @@ class WorkerRegistry:
         if not w.healthy:
             log.info("worker healthy", address=w.address, role=w.role)
         w.healthy = True
+        self._tell(w)
+        if w.holder != before:  # its pullers learn of it now, not at the next tend
+            for puller in self.workers.values():
+                if PULLS_FROM.get(puller.role) == w.role:
+                    self._announce(puller)
+        self._announce(w)
+
+    def announcements(self, role: str) -> list[common_pb2.TransportDescriptor]:
+        """The holders a worker of `role` may pull from."""
+        source = PULLS_FROM.get(role)
+        return [w.holder for w in self.workers.values() if w.role == source and w.holder is not None]
+
+    def record_holder(self, w: WorkerHandle, described: common_pb2.TransportDescriptor | None) -> bool:
+        """Record the holder descriptor `w` reported (None: it holds nothing); False (and nothing recorded) if it
+        names a transport endpoint that another worker's names, or none at all."""
+        w.holder = None
+        if described is None:
+            return True
+        claimed = {e for o in self.workers.values() if o is not w and o.holder is not None for e in o.holder.endpoints}
+        if not described.endpoints or claimed & set(described.endpoints):
+            return False
+        w.holder = described
+        return True
+
+    def _announce(self, w: WorkerHandle) -> None:
+        """Tell a healthy puller the holders of the role it pulls from, if they changed since it was last told."""
+        if w.role not in PULLS_FROM or not w.healthy or w.announcing:
+            return
+        if self._announcing_key(w) == w.announced:
+            return
+        w.announcing = True
+        task = asyncio.get_running_loop().create_task(self._send_announcements(w))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _announcing_key(self, w: WorkerHandle) -> tuple[bytes, ...]:
+        return tuple(sorted(h.SerializeToString(deterministic=True) for h in self.announcements(w.role)))
+
+    async def _send_announcements(self, w: WorkerHandle) -> None:
+        """Announce until what was told is what is current (holders may change during a call); a failed call is
+        tried again at the next tend."""
+        try:
+            while w.healthy and (key := self._announcing_key(w)) != w.announced:
+                request = common_pb2.GetLoadsRequest(holders=self.announcements(w.role))
+                await w.stub.GetLoads(
+                    request, metadata=self.call_metadata(), timeout=max(self.health_interval_s * 4, 2.0)
+                )
+                w.announced = key
+        except grpc.aio.AioRpcError as e:
+            log.warning("announcing holders failed", address=w.address, role=w.role, code=e.code().name)
+        finally:
+            w.announcing = False
 
     def loads(self) -> list[common_pb2.WorkerLoad]:
         out = []

@@ -40,8 +40,6 @@ async def chat_choices(frontend: Frontend, rid: str, body: oa.ChatCompletionRequ
     check_model(frontend, body)
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type") != "text":
-        raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_sampling(frontend, body, max_tokens, logprobs)

@@ -79,7 +79,13 @@ def _params(body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: i
     given = {name: value for name in _SAME if (value := getattr(body, name)) is not None}
     if body.seed is not None:
         given["seed"] = (body.seed + choice) % 2**64  # n choices must differ
-    return SamplingParams(**given, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs)
+    return SamplingParams(
+        **given,
+        max_tokens=max_tokens,
+        stop=body.stop_list(),
+        logprobs=logprobs,
+        structured_outputs=body.structured,  # response_format / structured_outputs, one object for all choices
+    )
 
 
 def build_choices(

@@ -16,6 +16,7 @@ from typing import ClassVar
 import grpc
 
 from deltamesh.client.errors import DeltameshError, InvalidRequest, Unavailable, from_rpc_error
+from deltamesh.client.structured import structured_message
 from deltamesh.client.types import Delta, Result
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -47,10 +48,17 @@ def build_request(
     skip_special_tokens: bool | None = None,
     model: str = "",
     request_id: str | None = None,
+    response_format: dict | None = None,
+    structured_outputs: dict | None = None,
 ) -> router_pb2.GenerateRequest:
     """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...}). A sampling keyword left None
     takes the server's default (the router's SamplingParams). Values the protocol cannot carry (negative counts, ids
-    over 32 bits) raise InvalidRequest before anything is sent."""
+    over 32 bits) raise InvalidRequest before anything is sent.
+
+    Structured outputs, as the REST API takes them: `response_format` in OpenAI's shape ({"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) or `structured_outputs` in vLLM's
+    ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": EBNF}, {"json_object": True}, and
+    "disable_any_whitespace")."""
     sampling = dict(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -77,6 +85,9 @@ def build_request(
             sampling=common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
             stop=common_pb2.StopConditions(**{k: v for k, v in stops.items() if v is not None}),
         )
+        structured = structured_message(structured_outputs, response_format)
+        if structured is not None:
+            req.sampling.structured_outputs.CopyFrom(structured)
         if isinstance(prompt, str):
             req.text = prompt
         elif prompt and isinstance(prompt[0], dict):
@@ -232,7 +243,7 @@ class Client(_ClientBase):
         """The whole result. `kwargs`: build_request's sampling keywords (max_tokens, temperature, top_p, top_k,
         min_p, seed, stop, stop_token_ids, logprobs, ignore_eos, repetition_penalty, presence_penalty,
         frequency_penalty, logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model,
-        request_id)."""
+        request_id, response_format, structured_outputs)."""
         request = _request(prompt, kwargs)
         for attempt in itertools.count():
             result = Result(request.request_id)
