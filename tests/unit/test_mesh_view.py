@@ -11,7 +11,8 @@ import pytest
 
 from deltamesh.protocol.blocks import block_keys
 from deltamesh.services.common.reports import ReportSource, ReportsServicer
-from deltamesh.services.router.policies import CacheAware
+from deltamesh.services.router.admission import Admission
+from deltamesh.services.router.policies import CacheAware, LeastLoaded
 from deltamesh.services.router.prefix_index import PrefixIndex
 from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
 from deltamesh.services.router.shared_counts import SharedCounts, create
@@ -200,3 +201,33 @@ def test_router_processes_see_each_others_admissions_and_a_restarted_one_starts_
         replaced.add(f"10.1.0.{i}:1", 1, 1)
     assert replaced.full
     assert sum(p1.others(f"10.1.0.{i}:1")[0] for i in range(9)) == 8
+
+
+def test_router_processes_admit_against_each_others_admissions():
+    """Two processes of one router, one decode worker of 2 state slots that has reported nothing in use: each
+    process admits one request; a third waits (without the shared counts each process would see a slot free and
+    admit it: 3 requests on 2 slots) and enters once the other process's request ends and the worker reports."""
+
+    def process(i: int, fd: int):
+        registry = WorkerRegistry(0.5, 1.0, "s" * 32)
+        load = common_pb2.WorkerLoad(address="d0", state_slots_total=2, kv_pages_total=1000)
+        w = WorkerHandle("d0", "decode", static=True, channel=None, healthy=True, load=load)
+        registry.workers["d0"] = w
+        shared = SharedCounts(fd, 2, i, capacity=8)
+        return Admission(registry, LeastLoaded().pick, 8, 30.0, page_size=16, max_model_len=4096, shared=shared), w
+
+    async def run():
+        fd = create(2, capacity=8)
+        (a, _), (b, wb) = process(0, fd), process(1, fd)
+        first = await a.admit(10, 6)
+        await b.admit(10, 6)
+        third = asyncio.create_task(b.admit(10, 6))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not third.done()
+        a.release(first)
+        b.on_report(wb)  # the worker's next report (its load unchanged: nothing reached it in this test)
+        ticket = await asyncio.wait_for(third, 5)
+        assert ticket.worker is wb and wb.admitted == 2
+
+    asyncio.run(run())

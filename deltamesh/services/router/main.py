@@ -23,6 +23,7 @@ from deltamesh.services.router.policies import make_policy
 from deltamesh.services.router.processes import control_ports, learn_from_siblings, own_control_port
 from deltamesh.services.router.registry import WorkerRegistry
 from deltamesh.services.router.servicer import RouterServicer
+from deltamesh.services.router.shared_counts import SharedCounts
 from deltamesh.v1 import control_pb2, control_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger("deltamesh.router")
@@ -44,7 +45,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         else None
     )
     policy = make_policy(settings.policy, settings.page_size, registry.index)
-    admission = AdmissionLimits(settings.max_queued_requests, settings.page_size, frontend.max_model_len)
+    counts = None  # the admissions of every process of this router, in memory they share (router/processes.py)
+    if shared and settings.shared_counts_fd is not None:
+        counts = SharedCounts(settings.shared_counts_fd, settings.api_server_count, settings.process_index or 0)
+    admission = AdmissionLimits(settings.max_queued_requests, settings.page_size, frontend.max_model_len, counts)
     mesh = Mesh(
         registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd, admission
     )

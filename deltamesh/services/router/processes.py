@@ -18,7 +18,9 @@ started again asks its siblings which workers they know, so that it serves with 
 waiting for the workers' next registrations.
 
 Admission (admission.py) counts the room each process's requests hold on each decode worker in memory the processes
-share (shared_counts.py), so that N processes never admit more than one would."""
+share (shared_counts.py), so that N processes never admit more than one would. Each process keeps its own queue
+(--max-queued-requests each, first come first served within it), and takes a sibling's released room in at the
+worker's next report."""
 
 from __future__ import annotations
 
