@@ -117,13 +117,14 @@ def _servable(command: str, model: str, engine=None, code: int = CONFIG_ERROR, b
     request unless `budget` is False) this machine can serve, or one line saying why and exit `code`: at once, not
     after imports and a model load, and not once per restart."""
     from deltamesh.engine.config import ModelConfig
-    from deltamesh.engine.memory_budget import check_before_start
 
     try:
         ModelConfig.from_dir(model)
         if engine is not None:
             engine.validate()
             if budget:
+                from deltamesh.engine.memory_budget import check_before_start  # imports torch: workers only
+
                 check_before_start(engine)
     except (ValueError, OSError) as e:
         print(f"deltamesh {command}: {e}", file=sys.stderr)
