@@ -57,8 +57,8 @@ class WorkerHandle:
     inflight: int = 0  # requests the router has sent here and not yet seen end
     admitted: int = 0  # decode: requests admitted here (router/admission.py), prefilling or decoding
     refused: bool = False  # its holder descriptor claims another worker's endpoint: never routed to or announced
-    # the holders last announced to it over its current report stream (serialized), and whether a call is under way
-    announced: tuple[bytes, ...] | None = None
+    # a puller: the holders to announce to it (by address), and whether a call is under way
+    to_announce: dict[str, common_pb2.TransportDescriptor] = field(default_factory=dict)
     announcing: bool = False
 
     # stubs made once: making one per call costs more than the call's own Python work
@@ -170,7 +170,11 @@ class WorkerRegistry:
     async def _watch(self, w: WorkerHandle) -> None:
         """Take in the worker's reports until its stream ends; it is out of routing from then until the next."""
         interval_ms = max(1, round(self.health_interval_s * 1000))
-        w.announced = None  # a new stream may be a restarted worker's: it knows no holder
+        # a new stream may be a restarted worker's, which knows no holder: all of them again
+        source = PULLS_FROM.get(w.role)
+        w.to_announce = {
+            o.address: o.holder for o in self.workers.values() if o.role == source and o.holder is not None
+        }
         try:
             call = w.reports.Watch(control_pb2.WatchRequest(interval_ms=interval_ms), metadata=self.call_metadata())
             async for report in call:
@@ -183,7 +187,8 @@ class WorkerRegistry:
 
     def _take(self, w: WorkerHandle, report: control_pb2.WorkerReport) -> None:
         before = w.holder
-        if not self.record_holder(w, report.holder if report.HasField("holder") else None):
+        reported = report.holder if report.HasField("holder") else None
+        if reported != before and not self.record_holder(w, reported):
             if not w.refused:  # logged once, not at every report
                 log.warning(
                     "worker refused: its side channel names a process another worker holds state in",
@@ -204,9 +209,10 @@ class WorkerRegistry:
             log.info("worker healthy", address=w.address, role=w.role)
         w.healthy = True
         self._tell(w)
-        if w.holder != before:  # its pullers learn of it now, not at the next tend
+        if w.holder != before and w.holder is not None:  # its pullers learn of it now, not at the next tend
             for puller in self.workers.values():
                 if PULLS_FROM.get(puller.role) == w.role:
+                    puller.to_announce[w.address] = w.holder
                     self._announce(puller)
         self._announce(w)
 
@@ -228,31 +234,30 @@ class WorkerRegistry:
         return True
 
     def _announce(self, w: WorkerHandle) -> None:
-        """Tell a healthy puller the holders of the role it pulls from, if they changed since it was last told."""
-        if w.role not in PULLS_FROM or not w.healthy or w.announcing:
-            return
-        if self._announcing_key(w) == w.announced:
+        """Tell a healthy puller the holders it was not told of yet (announcements add up at the puller: only the
+        new ones travel, so a mesh of W workers costs O(W) announcements as they start, not O(W) per change)."""
+        if not w.to_announce or not w.healthy or w.announcing:
             return
         w.announcing = True
         task = asyncio.get_running_loop().create_task(self._send_announcements(w))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _announcing_key(self, w: WorkerHandle) -> tuple[bytes, ...]:
-        return tuple(sorted(h.SerializeToString(deterministic=True) for h in self.announcements(w.role)))
-
     async def _send_announcements(self, w: WorkerHandle) -> None:
-        """Announce until what was told is what is current (holders may change during a call); a failed call is
+        """Announce until none is left to tell (holders may come during a call); what a failed call carried is
         tried again at the next tend."""
+        batch: dict[str, common_pb2.TransportDescriptor] = {}
         try:
-            while w.healthy and (key := self._announcing_key(w)) != w.announced:
-                request = common_pb2.GetLoadsRequest(holders=self.announcements(w.role))
+            while w.healthy and w.to_announce:
+                batch, w.to_announce = w.to_announce, {}
+                request = common_pb2.GetLoadsRequest(holders=list(batch.values()))
                 await w.stub.GetLoads(
                     request, metadata=self.call_metadata(), timeout=max(self.health_interval_s * 4, 2.0)
                 )
-                w.announced = key
+                batch = {}
         except grpc.aio.AioRpcError as e:
             log.warning("announcing holders failed", address=w.address, role=w.role, code=e.code().name)
+            w.to_announce = {**batch, **w.to_announce}
         finally:
             w.announcing = False
 
