@@ -114,9 +114,10 @@ class WorkerRegistry:
 
     @staticmethod
     async def _close_when_idle(w: WorkerHandle, limit_s: float = 600.0) -> None:
-        """Closing a channel cancels its calls: let the requests already on it finish first."""
+        """Closing a channel cancels its calls: let the requests already on it finish first, and those admitted to
+        it (router/admission.py) that have not called it yet, which would find its channel closed."""
         deadline = time.monotonic() + limit_s
-        while w.inflight and time.monotonic() < deadline:
+        while (w.inflight or w.admitted) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         await w.channel.close()
 
