@@ -4,6 +4,11 @@ model behind them), so that what is measured is the router alone.
 
     python bench/router_sim.py tokens --api grpc --concurrency 64 --max-tokens 256
         router CPU seconds per streamed token (the router's processes, user + system, from /proc), tokens/s
+    python bench/router_sim.py mesh --prefill 500 --decode 500 --processes 1,2,4
+        a router of N processes in front of that many simulated workers: time to see them all, idle router CPU and
+        control-plane traffic, RSS, then streamed tokens/s (gRPC) per process and router CPU per token
+    python bench/router_sim.py index --workers 1000 --keys 10000
+        the prefix index's size and lookup cost, the routing decision's latency (in process: bench/sim_index.py)
 
 Every run prints a table and writes JSON (the command, the date and the machine included) to bench/results/."""
 
@@ -162,6 +167,75 @@ def cmd_tokens(args) -> None:
     write_result(args.out or RESULTS / "router_sim_tokens.json", {"rows": rows, "warning": warning})
 
 
+def control_traffic() -> dict:
+    """Per second, between the simulated workers' last two SIM_CONTROL lines: registration calls and their payload
+    bytes (request + reply messages, without HTTP/2 framing), report messages and their payload bytes."""
+    lines = [line.split()[1:] for line in (LOGS / "workers.log").read_text().splitlines() if line.startswith("SIM_")]
+    samples = [dict(kv.split("=") for kv in line) for line in lines if line and "=" in line[0]]
+    if len(samples) < 2:
+        return {}
+    a, b = samples[-2], samples[-1]
+    dt = float(b["seconds"]) - float(a["seconds"])
+    return {
+        f"{name}_per_s": round((float(b[name]) - float(a[name])) / dt, 1)
+        for name in ("calls", "bytes", "reports", "report_bytes")
+    }
+
+
+def rss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return round(total / 1024, 1)
+
+
+def cmd_mesh(args) -> None:
+    rows = []
+    for n in (int(x) for x in args.processes.split(",")):
+        started = time.monotonic()
+        mesh = SimMesh(args.prefill, args.decode, args.token_rate, ["--api-server-count", str(n), *args.router_arg])
+        try:
+            mesh.wait_ready(args.ready_timeout)
+            row = {"processes": n, "workers": args.prefill + args.decode}
+            row["all_healthy_s"] = round(time.monotonic() - started, 1)
+            time.sleep(args.idle)  # settled: every stream past its first report
+            cpu0 = mesh.router_cpu()
+            time.sleep(args.idle)
+            row["idle_router_cores"] = round((mesh.router_cpu() - cpu0) / args.idle, 3)
+            row.update(control_traffic())
+            row["idle_rss_mib"] = rss_mib(tree_pids(mesh.router.pid))
+            load = measure_tokens(mesh, "grpc", args.concurrency, args.duration, args.max_tokens)
+            row["loaded_rss_mib"] = rss_mib(tree_pids(mesh.router.pid))
+            row["tokens_per_s"] = load["tokens_per_s"]
+            row["tokens_per_s_per_process"] = round(load["tokens_per_s"] / n, 1)
+            row["router_cpu_us_per_token"] = load["router_cpu_us_per_token"]
+            row["router_cores"] = load["router_core_share"]
+            row["errors"], row["wrong_streams"] = load["errors"], load["wrong_streams"]
+            rows.append(row)
+            print_table([row], list(row))
+        finally:
+            mesh.close()
+    warning = busy_warning("every figure here is bounded by the machine, not the router")
+    if warning:
+        print(warning)
+    write_result(args.out or RESULTS / "router_sim_mesh.json", {"rows": rows, "warning": warning})
+
+
+def cmd_index(args) -> None:
+    from bench.sim_index import run_index
+
+    row = run_index(args.workers, args.keys, args.prompt_tokens, args.decisions)
+    print_table([row], list(row))
+    warning = busy_warning("the microsecond figures are upper bounds")
+    if warning:
+        print(warning)
+    write_result(args.out or RESULTS / "router_sim_index.json", {"rows": [row], "warning": warning})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -177,8 +251,26 @@ def main() -> None:
     t.add_argument("--router-tree", help="run the router of this checkout (before/after comparisons)")
     t.add_argument("--py-spy", help="sample the router with py-spy (on PATH) into PREFIX.<api>.<pid>.txt")
     t.add_argument("--out")
+    m = sub.add_parser("mesh", help="N router processes in front of many simulated workers")
+    m.add_argument("--prefill", type=int, default=500)
+    m.add_argument("--decode", type=int, default=500)
+    m.add_argument("--processes", default="1,2,4", help="router process counts to run, comma-separated")
+    m.add_argument("--token-rate", type=float, default=50.0, help="tokens/s of each simulated stream")
+    m.add_argument("--concurrency", type=int, default=128)
+    m.add_argument("--duration", type=float, default=20.0)
+    m.add_argument("--max-tokens", type=int, default=128)
+    m.add_argument("--idle", type=float, default=10.0, help="seconds of each idle measurement")
+    m.add_argument("--ready-timeout", type=float, default=600.0)
+    m.add_argument("--router-arg", action="append", default=[], help="one more flag for the router (repeatable)")
+    m.add_argument("--out")
+    i = sub.add_parser("index", help="prefix index size and lookup cost, routing decision latency (in process)")
+    i.add_argument("--workers", type=int, default=1000)
+    i.add_argument("--keys", type=int, default=10_000, help="cached-prefix keys each worker reports")
+    i.add_argument("--prompt-tokens", type=int, default=2048)
+    i.add_argument("--decisions", type=int, default=2000)
+    i.add_argument("--out")
     args = p.parse_args()
-    {"tokens": cmd_tokens}[args.command](args)
+    {"tokens": cmd_tokens, "mesh": cmd_mesh, "index": cmd_index}[args.command](args)
 
 
 if __name__ == "__main__":

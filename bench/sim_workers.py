@@ -169,12 +169,24 @@ async def serve_one(worker: FakeWorker, host: str, secret: str) -> grpc.aio.Serv
         worker.role, decode_pb2_grpc.add_DecodeWorkerServicer_to_server
     )
     add(worker, server)
-    reports = ReportsServicer(ReportSource(worker.load, worker.keys))
+    reports = CountingReports(ReportSource(worker.load, worker.keys))
     control_pb2_grpc.add_WorkerReportsServicer_to_server(reports, server)
     port = server.add_insecure_port(f"{host}:0")
     worker.address = f"{host}:{port}"
     await server.start()
     return server
+
+
+class CountingReports(ReportsServicer):
+    """The workers' own report streams, their messages and bytes counted (control-plane traffic)."""
+
+    messages = bytes = 0
+
+    async def Watch(self, request, context):
+        async for report in super().Watch(request, context):
+            CountingReports.messages += 1
+            CountingReports.bytes += report.ByteSize()
+            yield report
 
 
 class Registrar:
@@ -225,7 +237,11 @@ async def main(args) -> None:
     while True:
         await asyncio.sleep(args.report_s)
         seconds = time.monotonic() - started
-        print(f"SIM_CONTROL calls={registrar.calls} bytes={registrar.bytes} seconds={seconds:.1f}", flush=True)
+        print(
+            f"SIM_CONTROL calls={registrar.calls} bytes={registrar.bytes} reports={CountingReports.messages} "
+            f"report_bytes={CountingReports.bytes} seconds={seconds:.1f}",
+            flush=True,
+        )
         assert tasks  # the registration loops live as long as this process
 
 
