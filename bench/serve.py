@@ -834,7 +834,6 @@ def validate_args(args: argparse.Namespace) -> None:
     args.goodput = _goodput(args.goodput)
     if args.result_file:
         args.save_result = True
-    args.response_format = _response_format(args.json_schema)
     checks = [
         (args.num_prompts >= 1, "--num-prompts must be at least 1"),
         (args.input_len >= 1 and args.output_len >= 1, "--input-len and --output-len must be at least 1"),
@@ -869,17 +868,16 @@ def _response_format(json_schema: str | None) -> dict | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     args._argv = sys.argv if argv is None else [sys.argv[0], *argv]
+    args.response_format = _response_format(args.json_schema)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args._argv = sys.argv if argv is None else [sys.argv[0], *argv]
+    args = parse_args(argv)
     try:
         validate_args(args)
     except ValueError as e:
-        parser.error(str(e))
+        build_parser().error(str(e))
 
     async def runner() -> dict:
         loop, stop = asyncio.get_running_loop(), asyncio.Event()

@@ -162,8 +162,9 @@ class ModeRun:
             self.h_conn.send(("start-loop",))
             if opts.overlap_model:
                 time.sleep(opts.overlap_idle_s)  # the engine loop runs undisturbed: its baseline
+            holder = self._announce()
             if opts.warm:
-                self._warm()
+                self._warm(holder)
             for n_tokens in self.lengths:
                 samples, first, info = [], None, {}
                 for rep in range(self.reps + 1):
@@ -186,9 +187,16 @@ class ModeRun:
             made.append(Offer(lease_id, *expect(self.h_conn, "offered", self.opts.timeout_s)))
         return made
 
-    def _warm(self) -> None:
+    def _announce(self):
+        """The holder's description, announced to the puller as the router announces a mesh's holders (pullers
+        refuse unannounced ones)."""
         self.h_conn.send(("pools",))
         (holder,) = expect(self.h_conn, "pools", 60)
+        self.p_conn.send(("announce", holder))
+        expect(self.p_conn, "announced", 60)
+        return holder
+
+    def _warm(self, holder) -> None:
         self.p_conn.send(("warm", holder))
         (warm_s,) = expect(self.p_conn, "warmed", self.opts.timeout_s + 30)
         print(f"[{self.label}] transport warmed in {warm_s * 1e3:.1f} ms", flush=True)

@@ -318,11 +318,15 @@ class PullerSide(_Side):
         steps = self.engine_loop.stop() if self.engine_loop else None
         self.conn.send(("overlap", steps, self.pulls, self.checks, self.warm_ups))
 
+    async def on_announce(self, holder) -> None:
+        """As the router's announcement does in a mesh: the holder's leases are checked against it."""
+        assert self.puller.announce(holder)
+        self.conn.send(("announced",))
+
     async def on_warm(self, holder) -> None:
         """As deltamesh/services/decode/peers.py does when a prefill worker joins."""
         import torch
 
-        assert self.puller.announce(holder)  # its leases are checked against it, as a decode worker's are
         t0 = time.perf_counter()
         await self.puller.warm(holder, torch.device(self.opts.device), self.opts.timeout_s)
         self.warm_ups.append((t0, time.perf_counter()))

@@ -37,6 +37,10 @@
 #            colocated) runs that setup alone, P1_FIDELITY=0 skips the fidelity check
 #   stage 1m: (a call of its own, after 1) stage u's multi-turn chats, 9B shape, through 1P+1D on GPU 0 (0.45 + 0.45)
 #            with the P/D decider (--pd-direct-max-tokens 256), prefix cache off then on
+#   stage n: every GPU test but those of stages v and F (penalties, structured outputs, memory budgets among them)
+#   stage P: what sampling penalties and structured outputs cost a decode step (#41): the 35B-A3B shape colocated,
+#            1024/1024 at concurrency 16 (bench/peers.py), plain, with presence/frequency/repetition penalties on
+#            every request, then with a long JSON schema on every request (compare tpot_median_ms)
 #   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
 #            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
@@ -44,10 +48,12 @@
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, g, 1 or 1m}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, n, P, g, 1 or 1m}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
-export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+# SITE_FIRST: folders of carried wheels installed with --target (scripts/gpu_session.sh sets it), before the staged
+# GPU packages and the host's own
+export PYTHONPATH="$PWD/sdk/src:$PWD:${SITE_FIRST:+$SITE_FIRST:}$PYTHONPATH" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -215,6 +221,22 @@ r)
     --users 8 --turns 3 --vocab 30000 --serve-flag=--gpus=0 --serve-flag=--prefill-gpu-memory-utilization=0.45 \
     --serve-flag=--decode-gpu-memory-utilization=0.45 --serve-flag=--pd-direct-max-tokens=256 \
     --serve-flag=--no-ucx-error-handling --log-dir "$OUT" --out "$OUT/p1_multi_turn_9b.json"
+  ;;
+n)
+  TAIL=40 run gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE \
+    --ignore=tests/gpu/test_gpu_spec.py --ignore=tests/gpu/test_gpu_fused_linear.py
+  ;;
+P)
+  peers=(python bench/peers.py --engines deltamesh --shapes qwen3.5-35b-a3b --loads 1024:1024 --concurrency 16
+    --log-dir "$OUT")
+  # a run cut by its timeout leaves its mesh (its own process group) holding the GPU: end it before the next
+  TAIL=10 run tpot_plain 200 "${peers[@]}" --out "$OUT/tpot_plain.json"
+  pkill -9 -f deltamesh.services.cli
+  TAIL=10 run tpot_penalties 200 "${peers[@]}" --out "$OUT/tpot_penalties.json" \
+    --serve-args='--presence-penalty 1.5 --frequency-penalty 0.5 --repetition-penalty 1.1'
+  pkill -9 -f deltamesh.services.cli
+  TAIL=10 run tpot_json_schema 200 "${peers[@]}" --serve-args='--json-schema long' --out "$OUT/tpot_json_schema.json"
+  pkill -9 -f deltamesh.services.cli
   ;;
 g)
   checked=()

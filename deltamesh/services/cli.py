@@ -123,7 +123,8 @@ def _servable(command: str, model: str, engine=None, code: int = CONFIG_ERROR, b
         if engine is not None:
             engine.validate()
             if budget:
-                from deltamesh.engine.memory_budget import check_before_start  # imports torch: workers only
+                # imported here: it imports torch, which the router (engine None) must not load
+                from deltamesh.engine.memory_budget import check_before_start
 
                 check_before_start(engine)
     except (ValueError, OSError) as e:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from deltamesh.protocol.sampling import SamplingParams
+from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.services.common import convert
 from deltamesh.v1 import common_pb2
 
@@ -23,6 +24,7 @@ def test_an_unset_wire_field_is_the_dataclass_default():
         "stop",
         "stop_token_ids",
         "include_stop_str_in_output",
+        "structured_outputs",
     }
     assert covered == {f.name for f in dataclasses.fields(SamplingParams)}  # a new field must travel
 
@@ -46,6 +48,7 @@ def test_every_field_survives_the_wire():
         frequency_penalty=0.75,
         logit_bias={3: -100.0, 2**31: 0.5},
         min_tokens=2,
+        structured_outputs=StructuredOutputs(json={"type": "object"}, disable_any_whitespace=True),
     )  # float32-exact values: the wire's floats are 32-bit
     assert convert.sampling_from_proto(*convert.sampling_to_proto(p)) == p
     off = convert.sampling_from_proto(*convert.sampling_to_proto(SamplingParams(top_k=-1)))
