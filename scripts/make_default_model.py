@@ -19,6 +19,14 @@ Everything is made from text shipped with the running CPython (3.11+):
 * model: 6 layers (GDN, GDN, attention, GDN, GDN, attention), hidden size 128,
   trained on 2 CPU threads with AdamW, warmup + cosine decay, a fixed number of
   steps and a seeded data order, then saved as float32 safetensors.
+* Qwen3.5's format, added after training: the rest of Qwen3.5's added vocabulary
+  (``<think>``, ``</think>``, ``<tool_call>``, ``<tool_response>``, the vision, audio
+  and fill-in-the-middle markers; ids 4096 and up, special or not as Qwen3.5 marks
+  them), whose embeddings are seeded random rows (the training data never has
+  them), and the chat template in ``scripts/deltamesh_tiny_chat_template.jinja``
+  (Qwen3.5's structure: thinking, tools, tool calls and results). The training data
+  keeps the plain ChatML exchanges of ``TRAINING_CHAT_TEMPLATE``, so the weights do
+  not depend on the served template.
 
 The run is deterministic: the same interpreter, torch, transformers and tokenizers
 versions reproduce the same files (wall-clock time does not matter, only the step
@@ -45,7 +53,7 @@ import jinja2
 import tokenizers
 import torch
 import transformers
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 DEFAULT_OUT = "models/deltamesh-tiny"
@@ -62,12 +70,49 @@ VAL_EVERY = 50
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 VOCAB_SIZE = 4096
+# The rest of Qwen3.5's added tokens, in Qwen's order, each with whether Qwen3.5 marks it special (a special token
+# is left out of decoded text; <think>, <tool_call> and the like are not special, so they stay in the text that
+# the gateway's reasoning and tool-call parsers read).
+QWEN3_5_ADDED_TOKENS = [
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+    ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
+    ("<tts_pad>", True),
+    ("<tts_text_bos>", True),
+    ("<tts_text_eod>", True),
+    ("<tts_text_bos_single>", True),
+    ("<|audio_pad|>", True),
+]
+ADDED_EMBEDDING_STD = 0.02  # the embeddings' init scale (initializer_range): the added rows start as untrained ones
 # Qwen3.5's pre-tokenisation regex (transformers' tokenization_qwen3_5.py).
 PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
     r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-CHAT_TEMPLATE = (
+# The training data's chat exchanges (plain ChatML); the served template is CHAT_TEMPLATE_FILE's.
+TRAINING_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
@@ -75,6 +120,7 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
 )
+CHAT_TEMPLATE_FILE = Path(__file__).with_name("deltamesh_tiny_chat_template.jinja")
 MODEL_MAX_LENGTH = 4096
 
 # Training.
@@ -140,7 +186,7 @@ def as_chat(kind: str, name: str, text: str) -> str:
         "function": f"What does {name}() do?",
     }[kind]
     messages = [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
-    return jinja2.Template(CHAT_TEMPLATE).render(messages=messages)
+    return jinja2.Template(TRAINING_CHAT_TEMPLATE).render(messages=messages)
 
 
 def build_documents() -> list[str]:
@@ -307,6 +353,24 @@ def continuations(model: Qwen3_5ForCausalLM, tokenizer: Tokenizer) -> list[str]:
     return texts
 
 
+# ----------------------------------------------------------------- Qwen3.5's format
+
+
+def add_qwen3_5_format(model: Qwen3_5ForCausalLM, tokenizer: Tokenizer) -> None:
+    """Qwen3.5's other added tokens after the trained vocabulary (one at a time: Qwen's order, special or not), and
+    their embedding rows (tied to the LM head): seeded random rows at the init scale, as untrained tokens have."""
+    for content, special in QWEN3_5_ADDED_TOKENS:
+        token = AddedToken(content, special=special, normalized=False)
+        (tokenizer.add_special_tokens if special else tokenizer.add_tokens)([token])
+    trained = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(tokenizer.get_vocab_size(), mean_resizing=False)
+    added = torch.randn(
+        len(QWEN3_5_ADDED_TOKENS), model.config.hidden_size, generator=torch.Generator().manual_seed(SEED)
+    )
+    with torch.no_grad():
+        model.get_input_embeddings().weight[trained:] = added * ADDED_EMBEDDING_STD
+
+
 # ------------------------------------------------------------------------- saving
 
 
@@ -316,22 +380,35 @@ def write_json(path: Path, data: dict) -> None:
 
 def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     tokenizer.save(str(out / "tokenizer.json"))
+    chat_template = CHAT_TEMPLATE_FILE.read_text()
+    added = {
+        str(i): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
+        for i, t in sorted(tokenizer.get_added_tokens_decoder().items())
+    }
     write_json(
         out / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": added,
             "bos_token": None,
-            "eos_token": ENDOFTEXT,
+            "eos_token": IM_END,
             "pad_token": ENDOFTEXT,
             "unk_token": None,
             "add_bos_token": False,
             "add_prefix_space": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": MODEL_MAX_LENGTH,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": chat_template,
         },
     )
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "chat_template.jinja").write_text(chat_template)
 
 
 def write_model_card(out: Path, stats: dict) -> None:
@@ -353,11 +430,18 @@ output gate, partial RoPE {config.rope_parameters["partial_rotary_factor"]}, the
 | Gated DeltaNet | {config.linear_num_key_heads} key / {config.linear_num_value_heads} value heads, \
 head dims {config.linear_key_head_dim} / {config.linear_value_head_dim}, conv kernel {config.linear_conv_kernel_dim} |
 | weights | {stats["params"]:,} parameters, float32, tied embeddings (no `lm_head.weight` stored) |
-| tokenizer | byte-level BPE, {config.vocab_size} tokens, Qwen3.5's pre-tokeniser, ChatML template |
+| tokenizer | byte-level BPE, {VOCAB_SIZE} tokens, Qwen3.5's pre-tokeniser, and Qwen3.5's {len(QWEN3_5_ADDED_TOKENS)} other added tokens ({config.vocab_size} in all) |
+| chat template | Qwen3.5's format: thinking (on unless `enable_thinking` is false), tools, XML-style tool calls, tool results |
 
 Special tokens: `<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2. Plain completion ends with
 `<|endoftext|>`, chat replies with `<|im_end|>`; `eos_token_id` is `{config.eos_token_id}` in both
-`config.json` and `generation_config.json`.
+`config.json` and `generation_config.json`. Qwen3.5's other added tokens follow the trained vocabulary (ids
+{VOCAB_SIZE} to {config.vocab_size - 1}), marked special or not as Qwen3.5 marks them: `<think>`, `</think>`,
+`<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>` and the fill-in-the-middle markers are not
+special (they stay in decoded text), the vision and audio markers are. Their embeddings are seeded random rows:
+the training data below never has them, and its chat exchanges are plain ChatML, so the model has not learnt
+Qwen3.5's chat format; it only carries its tokens and template, so that the server's tool-call and reasoning
+handling runs end to end on it.
 
 How it was made: `scripts/make_default_model.py`, deterministic for the same versions of
 Python ({platform.python_version()}), torch ({torch.__version__}), transformers ({transformers.__version__})
@@ -423,6 +507,8 @@ def main() -> None:
     samples = list(zip(SAMPLE_PROMPTS, continuations(model, tokenizer)))
     for prompt, text in samples:
         print(f"{prompt!r} -> {text!r}", flush=True)
+    add_qwen3_5_format(model, tokenizer)
+    config = model.config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -433,7 +519,7 @@ def main() -> None:
         out,
         {
             "config": config,
-            "params": params,
+            "params": sum(p.numel() for p in model.parameters()),
             "steps": args.steps,
             "out": args.out,
             "samples": samples,

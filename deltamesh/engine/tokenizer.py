@@ -1,27 +1,21 @@
-"""Tokenizer (HF `tokenizers`), the checkpoint's chat template (jinja2), and incremental detokenization
-with stop strings for streaming."""
+"""Tokenizer (HF `tokenizers`), the checkpoint's chat template (chat_template.py), and incremental
+detokenization with stop strings for streaming."""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from deltamesh.engine.chat_template import ChatTemplate, TemplateError
 
 if TYPE_CHECKING:
     from deltamesh.protocol.sampling import SamplingParams
 
 
-class TemplateError(ValueError):
-    """The chat template rejected the messages."""
-
-
-def _raise(message: str):
-    raise TemplateError(message)
+__all__ = ["IncrementalDetokenizer", "TemplateError", "Tokenizer"]
 
 
 class Tokenizer:
@@ -45,7 +39,7 @@ class Tokenizer:
             if eos_id is not None:
                 ids.add(eos_id)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
-        self._template = None
+        self._template: ChatTemplate | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -77,24 +71,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **options) -> str:
+        """The chat as the checkpoint's template writes it; `options` are ChatTemplate.render's
+        (continue_final_message, tools, variables)."""
         if not self.chat_template:
             raise TemplateError("this model has no chat template; use the completions API")
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=jinja2.BaseLoader())
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
-            )
-        except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template failed: {e}") from e
+            self._template = ChatTemplate(self.chat_template, self.special_tokens)
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, **options)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **options) -> list[int]:
         # The rendered text already carries the template's special tokens.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, **options), add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict:

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from harness import start_mesh
+from test_openai_api import thinking_reply
 
 from deltamesh.client import InvalidRequest
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
@@ -84,7 +85,8 @@ def test_chat_and_n_choices_with_penalties(client, reference_engine):
     )
     ids = reference_engine.tokenizer.encode_chat(messages)
     ref = reference_engine.generate(ids, SamplingParams(max_tokens=10, repetition_penalty=1.2, **kw))[0]
-    assert chat.choices[0].message.content == ref.text
+    message = chat.choices[0].message  # Qwen3.5's format: thinking is on, the reply starts in a <think> block
+    assert (message.reasoning_content, message.content) == thinking_reply(ref.text)
     # n choices are requests of their own, each with its counts: choice i is seed + i's sampling
     res = client.completions.create(
         model=NAMES[0], prompt=PROMPT, max_tokens=10, temperature=1.0, n=2, seed=7, frequency_penalty=1.0

@@ -1,6 +1,7 @@
 """The REST gateway, driven by the official `openai` client (unmodified) and by raw HTTP for bad input."""
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -8,9 +9,35 @@ import pytest
 from harness import start_mesh
 
 from deltamesh.engine import DEFAULT_MODEL, EngineConfig, SamplingParams
+from deltamesh.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
 MODEL_ID = DEFAULT_MODEL.name
+CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def thinking_reply(text: str) -> tuple[str | None, str | None]:
+    """(reasoning_content, content) of a reply whose prompt opened a <think> block (Qwen3.5's format, thinking on):
+    the text up to </think>, trimmed, and the rest without its leading blank lines (none without a </think>, which
+    a random-weight model rarely writes)."""
+    reasoning, closed, content = text.partition("</think>")
+    return reasoning.strip() or None, (content.lstrip() or None) if closed else None
+
+
+def chatml_model(directory: Path) -> Path:
+    """The default model served with a plain ChatML template (its template before Qwen3.5's), for the tests of reuse
+    across a conversation's turns: in Qwen3.5's format a turn does not extend the previous turn's sequence (the
+    template drops the earlier reply's reasoning, and writes it back trimmed), so reuse stops at the earlier reply."""
+    model = directory / DEFAULT_MODEL.name
+    model.mkdir()
+    for f in DEFAULT_MODEL.iterdir():
+        if f.name != "chat_template.jinja":
+            (model / f.name).symlink_to(f)
+    (model / "chat_template.jinja").write_text(CHATML)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +72,9 @@ def test_chat_uses_the_checkpoint_template(client, reference_engine):
     res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=12, temperature=0)
     ids = reference_engine.tokenizer.encode_chat(messages)
     ref = reference_engine.generate(ids, SamplingParams(max_tokens=12, temperature=0))[0]
-    assert res.choices[0].message.content == ref.text
-    assert res.choices[0].message.role == "assistant"
+    message = res.choices[0].message
+    assert (message.reasoning_content, message.content) == thinking_reply(ref.text)
+    assert message.role == "assistant"
     assert res.usage.prompt_tokens == len(ids)
 
 
@@ -62,7 +90,9 @@ def test_streaming_chat_with_usage(client, base_url):
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    text = "".join(d.content or "" for d in deltas)
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)  # a field of vLLM's
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
@@ -73,7 +103,10 @@ def test_streaming_chat_with_usage(client, base_url):
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-    assert text == full.choices[0].message.content
+    assert (reasoning or None, text or None) == (
+        full.choices[0].message.reasoning_content,
+        full.choices[0].message.content,
+    )
     # on the wire, only the first chunk names the role (the openai client reads a null one the same way)
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
     sse = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30).text.splitlines()
@@ -310,15 +343,17 @@ def test_rest_and_grpc_refuse_a_bad_value_with_the_same_message(mesh, base_url, 
 
 
 def chat_like_the_reference(
-    mesh, reference_engine, messages: list[dict], questions: list[str]
+    mesh, reference_engine, messages: list[dict], questions: list[str], model: Path
 ) -> list[tuple[int, int]]:
     """Ask each question in turn through the mesh's REST gateway, the whole conversation every time; each answer
-    must be the monolithic engine's. Returns (prompt tokens, reply tokens) per turn."""
+    must be the monolithic engine's (same weights; the mesh serves `model`, a chatml_model). Returns (prompt tokens,
+    reply tokens) per turn."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="unused", max_retries=0)
+    tokenizer = Tokenizer(model)
     turns = []
     for question in questions:
         messages.append({"role": "user", "content": question})
-        ids = reference_engine.tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(messages)
         ref = reference_engine.generate(ids, SamplingParams(max_tokens=24, temperature=0))[0]
         res = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=24, temperature=0)
         assert res.choices[0].message.content == ref.text
@@ -336,12 +371,11 @@ def test_a_four_turn_chat_with_the_prefix_cache_equals_it_without(tmp_path, refe
     turns skip the prefill worker and go to the decode worker that holds the conversation."""
     counts = dict(prefill=0, decode=0, colocated=1) if layout == "colocated" else {}
     router_args = ["--pd-direct-max-tokens", "64"] if layout.endswith("direct") else []
-    m = start_mesh(
-        str(DEFAULT_MODEL), tmp_path, worker_args=["--prefix-cache"], router_args=router_args, http=True, **counts
-    )
+    model = chatml_model(tmp_path)
+    m = start_mesh(str(model), tmp_path, worker_args=["--prefix-cache"], router_args=router_args, http=True, **counts)
     try:
         questions = ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]
-        prompts, replies = zip(*chat_like_the_reference(m, reference_engine, [], questions))
+        prompts, replies = zip(*chat_like_the_reference(m, reference_engine, [], questions, model))
         earlier = sum(p + r - 1 for p, r in zip(prompts[:-1], replies[:-1]))  # all but each last reply token
         hits = {role: [w.load().prefix_cache_hit_tokens for w in m.workers(role)] for role in ("prefill", "decode")}
         if layout == "colocated":
@@ -361,8 +395,9 @@ def test_a_decode_worker_that_lost_the_conversation_refuses_and_prefill_serves_i
     """The P/D decider sends turn 2 to the decode worker that finished turn 1, but that worker's cache keeps
     almost nothing (--prefix-cache-pages 1): it refuses rather than prefill the whole prompt itself, and the
     request goes through the prefill worker, with the same answer."""
+    model = chatml_model(tmp_path)
     m = start_mesh(
-        str(DEFAULT_MODEL),
+        str(model),
         tmp_path,
         worker_args=["--prefix-cache"],
         http=True,
@@ -371,7 +406,7 @@ def test_a_decode_worker_that_lost_the_conversation_refuses_and_prefill_serves_i
     )
     try:
         system = {"role": "system", "content": "You answer questions about Python in short sentences. " * 8}
-        chat_like_the_reference(m, reference_engine, [system], ["What is a list?", "And a tuple?"])
+        chat_like_the_reference(m, reference_engine, [system], ["What is a list?", "And a tuple?"], model)
         metrics = httpx.get(f"http://127.0.0.1:{m.http_port}/metrics").text
         assert 'deltamesh_router_pd_decisions_total{path="refused"} 1.0' in metrics
         [prefill] = m.workers("prefill")

@@ -8,9 +8,10 @@ import time
 import httpx
 import pytest
 from harness import free_port, start_mesh
-from test_openai_api import chat_like_the_reference
+from test_openai_api import chat_like_the_reference, chatml_model
 
-from deltamesh.engine import DEFAULT_MODEL, SamplingParams
+from deltamesh.engine import SamplingParams
+from deltamesh.engine.tokenizer import Tokenizer
 from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
 
 pytestmark = pytest.mark.e2e
@@ -39,15 +40,17 @@ def mesh(tmp_path_factory):
     """One mesh for the module: each test reads the counters' growth over its own requests, so what an earlier
     test left in the caches does not count."""
     port = free_port()
+    directory = tmp_path_factory.mktemp("reverse-pull")
+    model = chatml_model(directory)
     m = start_mesh(
-        str(DEFAULT_MODEL),
-        tmp_path_factory.mktemp("reverse-pull"),
+        str(model),
+        directory,
         worker_args=["--prefix-cache"],
         http=True,
         role_args={"prefill": ["--metrics-port", str(port)]},
         router_args=["--pd-direct-max-tokens", "4"],
     )
-    m.prefill_metrics = port
+    m.prefill_metrics, m.model = port, model
     try:
         yield m
     finally:
@@ -65,7 +68,9 @@ def router_offers(mesh) -> float:
 def test_later_turns_pull_the_conversation_and_compute_only_the_new_message(mesh, reference_engine):
     questions = ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]
     before, offers_before = worker_counters(mesh.prefill_metrics), router_offers(mesh)
-    prompts, replies = zip(*chat_like_the_reference(mesh, reference_engine, [system_message("Python")], questions))
+    prompts, replies = zip(
+        *chat_like_the_reference(mesh, reference_engine, [system_message("Python")], questions, mesh.model)
+    )
     # each turn's whole sequence stays on the decode worker, but for its last reply token (never computed) unless
     # that was a stop token, which the engine computes no further than the reply text
     kept = [(p + r - 1, p + r) for p, r in zip(prompts[:-1], replies[:-1])]
@@ -82,9 +87,9 @@ def test_later_turns_pull_the_conversation_and_compute_only_the_new_message(mesh
 @pytest.mark.parametrize("gone", ["released", "expired"])
 def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_engine, gone):
     messages = [system_message(f"Python's {gone} leases")]
-    chat_like_the_reference(mesh, reference_engine, messages, ["What is a list?"])
+    chat_like_the_reference(mesh, reference_engine, messages, ["What is a list?"], mesh.model)
     messages.append({"role": "user", "content": "And a tuple, and a dict?"})
-    prompt = reference_engine.tokenizer.encode_chat(messages)
+    prompt = Tokenizer(mesh.model).encode_chat(messages)
     [decode], [prefill] = mesh.workers("decode"), mesh.workers("prefill")
     ttl_ms = 1 if gone == "expired" else 0
     offer = decode.stub().OfferPrefix(

@@ -177,6 +177,17 @@ class RouterSettings(BaseModel):
         **_flag("ready_timeout"),
     )
     api_key: str | None = Field(None, description="Require this key on the REST /v1 routes and the gRPC client API")
+    # how the REST gateway reads a chat reply (vLLM's flags and names); auto: from the model's chat template
+    tool_call_parser: Literal["auto", "qwen3_coder", "hermes", "none"] = Field(
+        "auto",
+        description="REST: how the model writes tool calls: qwen3_coder (Qwen3.5's XML form), hermes (Qwen3's "
+        "JSON form), none; auto: read off the chat template",
+    )
+    reasoning_parser: Literal["auto", "qwen3", "none"] = Field(
+        "auto",
+        description="REST: qwen3 returns <think>...</think> as reasoning_content; auto: on when the chat "
+        "template thinks",
+    )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     # Seconds a client has to send a request's line and headers once it connects or starts a request (idle
     # keep-alive connections are closed by uvicorn's own keep-alive timeout).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ from deltamesh.engine.tokenizer import TemplateError, Tokenizer
 from deltamesh.protocol.requests import RequestError, validate_request
 from deltamesh.protocol.sampling import SamplingParams, check_text
 from deltamesh.services.common.settings import RequestLimits
+from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.limits import InvalidParam, check_count, check_roles, check_stop
 
 T = TypeVar("T")
@@ -42,6 +44,14 @@ _CHECKED_ALONE = {
 # Tokenising is CPU work and the tokenizer's batch encode already spreads one request over the cores; two
 # threads let a small request pass a big one without letting many requests crowd out the event loop's core.
 TOKENIZER_THREADS = 2
+
+
+@dataclass
+class ChatPrompt:
+    ids: list[int]
+    # what the template wrote of the reply before the model's first token (the generation prompt, or the final
+    # message that continue_final_message leaves open): where the reply starts, for the gateway's parsers
+    assistant_prefix: str = ""
 
 
 class Frontend:
@@ -108,14 +118,17 @@ class Frontend:
                 f"the prompt has {n} tokens; this model's maximum context length is {self.max_model_len} tokens"
             )
 
-    def check_chat(self, messages: list[dict]) -> None:
+    def check_chat(self, chat: ChatRequest) -> None:
+        messages = chat.messages
         if not messages:
             raise RequestError("a chat needs at least one message")
         check_count(len(messages), self.limits.max_messages, "chat messages", "messages")
         check_roles([m["role"] for m in messages])
-        self._check_length(sum(len(m["content"]) for m in messages), "the chat")
-        for m in messages:
-            self.check_text(m["content"], "a chat message")
+        texts = [t for m in messages for t in (m["content"], m.get("reasoning_content") or "")]
+        self._check_length(sum(map(len, texts)), "the chat")
+        for text in texts:
+            self.check_text(text, "a chat message")
+        chat.check()
 
     def check_sampling(self, params: SamplingParams) -> None:
         """The sampling parameters, each refused under its own name; on the loop (bounded work)."""
@@ -136,11 +149,28 @@ class Frontend:
         """All of a request's prompts in one batch (the tokenizer releases the GIL while it works)."""
         return self._need_tokenizer().encode_batch(texts)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, chat: ChatRequest, with_prefix: bool = False) -> ChatPrompt:
+        """The chat templated and tokenised (its tools' schemas checked first); with its assistant prefix if asked."""
+        tokenizer = self._need_tokenizer()
+        messages, tools = chat.prepare()
+        options = dict(tools=tools, variables=chat.template_kwargs)
         try:
-            return self._need_tokenizer().encode_chat(messages)
+            text = tokenizer.render_chat(
+                messages, chat.add_generation_prompt, continue_final_message=chat.continue_final_message, **options
+            )
         except TemplateError as e:
             raise RequestError(str(e)) from None
+        self.check_text(text, "the templated chat")  # tool-call arguments and names included
+        prefix = ""
+        if with_prefix and (chat.add_generation_prompt or chat.continue_final_message):
+            try:  # the chat up to the reply, rendered alone: the prompt past it is the reply's start
+                before = tokenizer.render_chat(
+                    messages[:-1] if chat.continue_final_message else messages, False, **options
+                )
+            except TemplateError:
+                before = None
+            prefix = text[len(before) :] if before is not None and text.startswith(before) else ""
+        return ChatPrompt(tokenizer.encode(text, add_special_tokens=False), prefix)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The prompt against the model (check_sampling has passed): its length with max_tokens, its token ids."""

@@ -15,6 +15,7 @@ from deltamesh.services.router.admission import AdmissionLimits
 from deltamesh.services.router.control import ControlServicer
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway import Gateway, start_gateway
+from deltamesh.services.router.gateway.chat_output import OutputFormat
 from deltamesh.services.router.limits import MAX_REQUEST_BYTES
 from deltamesh.services.router.mesh import Mesh
 from deltamesh.services.router.metrics import register_worker_gauge
@@ -82,9 +83,16 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         await learn_from_siblings(settings, registry)
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
+    template = frontend.tokenizer.chat_template if frontend.tokenizer else None
+    output_format = OutputFormat.resolve(template, settings.reasoning_parser, settings.tool_call_parser)
     if settings.http_port:
         gateway = Gateway(
-            frontend, mesh, settings.api_key, settings.http_body_timeout_s, settings.process_index if shared else None
+            frontend,
+            mesh,
+            settings.api_key,
+            settings.http_body_timeout_s,
+            output_format,
+            process=settings.process_index if shared else None,
         )
         http, http_task = await start_gateway(
             gateway, settings.host, settings.http_port, settings.http_header_timeout_s, reuse_port=shared
@@ -98,6 +106,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         model=frontend.served_model_names,
         policy=settings.policy,
         process=f"{settings.process_index} of {settings.api_server_count}" if shared else None,
+        reasoning_parser=output_format.reasoning,
+        tool_call_parser=output_format.tool_calls,
     )
     write_line(sys.stdout, f"DELTAMESH_READY router {server.address}")
     await stop.wait()

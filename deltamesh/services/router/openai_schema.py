@@ -2,16 +2,16 @@
 models: they validate input and make the served OpenAPI schema accurate. A parameter that neither OpenAI's API
 nor the extensions below define is refused with 400, as OpenAI refuses unrecognized arguments (a typo must not
 silently change nothing); OpenAI parameters that do not change the output here (user, store, metadata, ...) are
-accepted, and those we do not support are refused when set to a non-default value. Objects nested in a request
-(chat messages) keep ignoring fields they do not use, so a conversation echoed back with tool-call fields still
-parses."""
+accepted, and those we do not support are refused when set to a non-default value. A chat's messages and tools
+are in openai_chat_messages.py (messages keep ignoring fields they do not use; a tool's definition takes only
+OpenAI's fields)."""
 
 from __future__ import annotations
 
 import json
 from contextvars import ContextVar
 from functools import cached_property
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -28,7 +28,18 @@ from pydantic import (
 from deltamesh.protocol.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
 from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.services.common.settings import RequestLimits
-from deltamesh.services.router.limits import ChatRole, InvalidParam, check_count, check_logit_bias_count
+from deltamesh.services.router.chat_request import MAX_TOOLS
+from deltamesh.services.router.limits import InvalidParam, check_count, check_logit_bias_count
+from deltamesh.services.router.openai_chat_messages import (  # noqa: F401 (oa.ChatMessage and the rest, as before)
+    ChatMessage,
+    ChatTool,
+    ContentPart,
+    FunctionDefinition,
+    MessageFunctionCall,
+    MessageToolCall,
+    NamedFunction,
+    NamedToolChoice,
+)
 
 MAX_N = 16
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # integer bounds of the wire types (common.proto)
@@ -270,26 +281,6 @@ class CompletionRequest(_Sampling):
         return data
 
 
-class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: ChatRole
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(
@@ -298,9 +289,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = Field(None, description="Not supported")
-    tool_choice: Literal["none", "auto"] | None = Field(None, description="Without tools, none and auto are alike")
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool = Field(True, description="False: at most one tool call")
+    # extensions (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra chat template variables, e.g. {'enable_thinking': false}"
+    )
+    add_generation_prompt: bool = Field(True, description="End the prompt with the assistant's turn opened")
+    continue_final_message: bool = Field(
+        False, description="Leave the final message open and continue it (with add_generation_prompt false)"
+    )
+    include_reasoning: bool = Field(True, description="False: leave reasoning_content out of the reply")
     # OpenAI parameters about the service, not the output: accepted and not used
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -310,9 +312,16 @@ class ChatCompletionRequest(_Sampling):
     @classmethod
     def _few_enough_messages(cls, data):
         _check_count(data, "messages", LIMITS.get().max_messages, "chat messages")
+        _check_count(data, "tools", MAX_TOOLS, "tools")
         return data
 
     _top_logprobs_need_logprobs = _only_with("top_logprobs", "logprobs")
+
+    def tool_choice_value(self) -> str | dict:
+        """none | auto | required | {"name": NAME}, OpenAI's default filled in."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else {"name": self.tool_choice.function.name}
 
 
 class Usage(BaseModel):
@@ -358,16 +367,32 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+ChatFinish = Literal["stop", "length", "abort", "tool_calls"]
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinish | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -379,25 +404,42 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class _WithoutNulls(BaseModel):
+    """Serialised without its unset (None) fields, as OpenAI's deltas are."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunction(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """A tool call's first delta carries its id, type and name; the next ones fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
+class ChatDelta(_WithoutNulls):
     """What a chunk adds: the first carries the role, the others leave it out (as OpenAI sends them)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_role_after_the_first(self, handler) -> dict:
-        out = handler(self)
-        if out.get("role") is None:
-            out.pop("role", None)
-        return out
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinish | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -14,6 +14,7 @@ import structlog
 from deltamesh.protocol.requests import RequestError
 from deltamesh.services.common.convert import sampling_from_proto
 from deltamesh.services.common.logs import bind_request, request_id_from, request_id_problem
+from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.limits import check_count, check_logit_bias_count, check_request_id, check_stop
 from deltamesh.services.router.mesh import Mesh, MeshError
@@ -71,9 +72,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return list(request.token_ids.ids)
         if kind == "chat":
             check_count(len(request.chat.messages), f.limits.max_messages, "chat messages", "messages")
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            f.check_chat(messages)
-            return await f.off_loop(f.encode_chat, messages)
+            chat = ChatRequest.from_proto(request.chat)
+            f.check_chat(chat)
+            if request.sampling.HasField("structured_outputs"):
+                chat.think_not_before_a_grammar()
+            return (await f.off_loop(f.encode_chat, chat)).ids
         raise RequestError("a prompt is required (text, token_ids or chat)")
 
     async def Generate(self, request: router_pb2.GenerateRequest, context):

@@ -1,15 +1,28 @@
-"""POST /v1/chat/completions: messages rendered with the checkpoint's chat template, answered whole or
-streamed."""
+"""POST /v1/chat/completions: messages (with tools, tool calls and results) rendered with the checkpoint's chat
+template, answered whole or streamed; each choice's text split into reasoning, content and tool calls by the
+model family's parsers (chat_output/)."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.services.router import openai_schema as oa
-from deltamesh.services.router.frontend import Frontend
+from deltamesh.services.router.chat_request import ChatRequest
+from deltamesh.services.router.frontend import ChatPrompt, Frontend
+from deltamesh.services.router.gateway.chat_output import (
+    ChatOutput,
+    OutputDelta,
+    OutputFormat,
+    chat_output,
+    named_schema,
+    required_schema,
+)
 from deltamesh.services.router.gateway.choices import (
     Choice,
     build_choices,
@@ -18,13 +31,23 @@ from deltamesh.services.router.gateway.choices import (
     check_sizes,
 )
 from deltamesh.services.router.gateway.dependencies import GatewayDep
-from deltamesh.services.router.gateway.errors import ApiError, as_api_error
+from deltamesh.services.router.gateway.errors import as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
 from deltamesh.services.router.gateway.reply import Reply, respond
 from deltamesh.services.router.gateway.streaming import Deltas, sse, sse_responses
+from deltamesh.services.router.limits import InvalidParam
 from deltamesh.v1 import common_pb2
 
 router = APIRouter()
+
+
+@dataclass
+class ChatReply(Reply):
+    new_output: Callable[[], ChatOutput] | None = None  # a parser for one choice's text
+
+    @property
+    def named_tool(self) -> bool:
+        return isinstance(self.body.tool_choice_value(), dict)
 
 
 @router.post(
@@ -32,33 +55,88 @@ router = APIRouter()
 )
 async def chat_completions(request: Request, body: oa.ChatCompletionRequest, gateway: GatewayDep) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = await chat_choices(gateway.frontend, rid, body)
-    return await respond(request, Reply(gateway, body, rid, choices), _chunks, _chat_completion)
+    choices, new_output = await chat_choices(gateway.frontend, rid, body, gateway.output_format)
+    return await respond(request, ChatReply(gateway, body, rid, choices, new_output=new_output), _chunks, _whole)
 
 
-async def chat_choices(frontend: Frontend, rid: str, body: oa.ChatCompletionRequest) -> list[Choice]:
+def chat_request(body: oa.ChatCompletionRequest) -> ChatRequest:
+    return ChatRequest(
+        messages=[m.for_template() for m in body.messages],
+        tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+        tool_choice=body.tool_choice_value(),
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs or {},
+    )
+
+
+async def chat_choices(
+    frontend: Frontend, rid: str, body: oa.ChatCompletionRequest, fmt: OutputFormat
+) -> tuple[list[Choice], Callable[[], ChatOutput]]:
     check_model(frontend, body)
-    if body.tools:
-        raise ApiError(400, "tools are not supported", param="tools")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_sampling(frontend, body, max_tokens, logprobs)
+    chat = chat_request(body)
     with as_api_error("messages"):
         check_sizes(frontend, 1, body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        frontend.check_chat(messages)
-        return await frontend.off_loop(_prepare, frontend, rid, body, messages, max_tokens, logprobs)
+        frontend.check_chat(chat)
+        forced = _forced_calls(chat, body)
+        structured = forced is not None or body.structured is not None
+        if structured:
+            chat.think_not_before_a_grammar()
+        parsed = fmt.reasoning != "none" or bool(chat.tools and chat.tool_choice != "none")
+        prompt, choices = await frontend.off_loop(
+            _prepare, frontend, rid, body, chat, parsed, max_tokens, logprobs, forced
+        )
+    tools = chat.tool_parameters
+
+    def new_output() -> ChatOutput:
+        return chat_output(
+            fmt, prompt.assistant_prefix, tools, chat.tool_choice, body.parallel_tool_calls, reasoning=not structured
+        )
+
+    return choices, new_output
+
+
+def _forced_calls(chat: ChatRequest, body: oa.ChatCompletionRequest) -> StructuredOutputs | None:
+    """tool_choice "required" or a named function, enforced as vLLM enforces it: the reply is written under a JSON
+    schema built from the tools (chat_output/forced.py), so its calls always parse and match the tools' schemas."""
+    choice = chat.tool_choice
+    if choice == "required":
+        schema = required_schema(chat.tool_parameters, body.parallel_tool_calls)
+    elif isinstance(choice, dict):
+        schema = named_schema(chat.tool_parameters[choice["name"]])
+    else:
+        return None
+    if body.structured is not None:
+        raise InvalidParam(
+            "tool_choice",
+            'tool_choice "required" or a named function sets the output\'s structure: leave out response_format and '
+            "structured_outputs",
+        )
+    # laid out as json.dumps writes it: whitespace in the calls carries nothing, and a model that drifts into it
+    # (up to the grammar's 32 characters per gap) can spend its max_tokens before the calls are complete
+    forced = StructuredOutputs(json=schema, disable_any_whitespace=True)
+    try:
+        forced.validate()
+    except ValueError as e:  # too large: the tools' schemas, put together
+        raise InvalidParam("tools", f"tool_choice {choice!r} cannot be enforced for these tools: {e}") from None
+    return forced
 
 
 def _prepare(
     frontend: Frontend,
     rid: str,
     body: oa.ChatCompletionRequest,
-    messages: list[dict],
+    chat: ChatRequest,
+    with_prefix: bool,
     max_tokens: int | None,
     logprobs: int | None,
-) -> list[Choice]:
-    return build_choices(frontend, rid, [frontend.encode_chat(messages)], body, max_tokens, logprobs)
+    forced: StructuredOutputs | None,
+) -> tuple[ChatPrompt, list[Choice]]:
+    prompt = frontend.encode_chat(chat, with_prefix)
+    return prompt, build_choices(frontend, rid, [prompt.ids], body, max_tokens, logprobs, structured=forced)
 
 
 def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob]) -> oa.ChatLogprobs | None:
@@ -80,46 +158,80 @@ def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob]) -> oa.ChatLogp
     )
 
 
+def _finish_reason(reply: ChatReply, output: ChatOutput, finish: str | None) -> str | None:
+    """A reply that ends in tool calls finishes with "tool_calls" (one forced to call a named function with "stop",
+    as OpenAI answers)."""
+    return "tool_calls" if finish == "stop" and output.tool_calls and not reply.named_tool else finish
+
+
+def _delta(reply: ChatReply, part: OutputDelta) -> oa.ChatDelta:
+    calls = [
+        oa.DeltaToolCall(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id else None,
+            function=oa.DeltaFunction(name=c.name, arguments=c.arguments or None),
+        )
+        for c in part.calls
+    ]
+    return oa.ChatDelta(
+        content=part.content or None,
+        reasoning_content=(part.reasoning or None) if reply.body.include_reasoning else None,
+        tool_calls=calls or None,
+    )
+
+
 def _chunk(reply: Reply, choices: list[oa.ChatChunkChoice], usage: oa.Usage | None = None) -> str:
     return sse(
         oa.ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.body.model, choices=choices, usage=usage)
     )
 
 
-async def _chunks(reply: Reply, deltas: Deltas):
+async def _chunks(reply: ChatReply, deltas: Deltas):
     acc = Accumulator(reply.choices)
+    outputs = {c.index: reply.new_output() for c in reply.choices}
     for c in reply.choices:  # the role comes first, as OpenAI sends it
         yield _chunk(reply, [oa.ChatChunkChoice(index=c.index, delta=oa.ChatDelta(role="assistant", content=""))])
     async for index, d in deltas:
         acc.add(index, d)
-        yield _chunk(
-            reply,
-            [
-                oa.ChatChunkChoice(
-                    index=index,
-                    delta=oa.ChatDelta(content=d.text),
-                    logprobs=_logprobs(reply, list(d.logprobs)),
-                    finish_reason=acc.finish[index],
-                )
-            ],
-        )
+        output = outputs[index]
+        part = output.feed(d.text)
+        if d.finished:
+            last = output.finish()
+            part = OutputDelta(part.reasoning + last.reasoning, part.content + last.content, part.calls + last.calls)
+        delta, logprobs = _delta(reply, part), _logprobs(reply, list(d.logprobs))
+        finish = _finish_reason(reply, output, acc.finish[index])
+        if delta.model_dump() or logprobs is not None or finish is not None:
+            choice = oa.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
+            yield _chunk(reply, [choice])
     if reply.include_usage:
         yield _chunk(reply, [], usage=acc.usage())
 
 
-def _chat_completion(reply: Reply, acc: Accumulator) -> oa.ChatCompletion:
-    return oa.ChatCompletion(
-        id=reply.id,
-        created=reply.created,
-        model=reply.body.model,
-        usage=acc.usage(),
-        choices=[
+def _message(reply: ChatReply, output: ChatOutput) -> oa.ChatCompletionMessage:
+    calls = [
+        oa.ChatToolCall(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
+        for c in output.tool_calls
+    ]
+    reasoning = (output.reasoning or None) if reply.body.include_reasoning else None
+    content = output.content or (None if calls or output.reasoning else "")
+    return oa.ChatCompletionMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
+
+
+def _whole(reply: ChatReply, acc: Accumulator) -> oa.ChatCompletion:
+    choices = []
+    for c in reply.choices:
+        output = reply.new_output()
+        output.feed(acc.text[c.index])
+        output.finish()
+        choices.append(
             oa.ChatChoice(
                 index=c.index,
-                message=oa.ChatCompletionMessage(content=acc.text[c.index]),
-                finish_reason=acc.finish[c.index],
+                message=_message(reply, output),
+                finish_reason=_finish_reason(reply, output, acc.finish[c.index]),
                 logprobs=_logprobs(reply, acc.logprobs[c.index]),
             )
-            for c in reply.choices
-        ],
+        )
+    return oa.ChatCompletion(
+        id=reply.id, created=reply.created, model=reply.body.model, usage=acc.usage(), choices=choices
     )

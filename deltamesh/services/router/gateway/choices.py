@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltamesh.protocol.sampling import UINT32, SamplingParams
+from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
@@ -75,7 +76,11 @@ _SAME = (
 )
 
 
-def _params(body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+def _params(
+    body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: int, structured: StructuredOutputs | None = None
+) -> SamplingParams:
+    """`structured`: the output's structure when the caller sets it (a chat's forced tool calls), else the
+    request's response_format / structured_outputs."""
     given = {name: value for name in _SAME if (value := getattr(body, name)) is not None}
     if body.seed is not None:
         given["seed"] = (body.seed + choice) % 2**64  # n choices must differ
@@ -84,7 +89,7 @@ def _params(body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: i
         max_tokens=max_tokens,
         stop=body.stop_list(),
         logprobs=logprobs,
-        structured_outputs=body.structured,  # response_format / structured_outputs, one object for all choices
+        structured_outputs=structured if structured is not None else body.structured,  # one for all choices
     )
 
 
@@ -95,6 +100,7 @@ def build_choices(
     body: oa._Sampling,
     max_tokens: int | None,
     logprobs: int | None,
+    structured: StructuredOutputs | None = None,
 ) -> list[Choice]:
     """Each prompt is checked once (its n choices differ only in their seed). Runs off the loop: checking a
     prompt scans its token ids."""
@@ -102,7 +108,7 @@ def build_choices(
     for p, prompt_ids in enumerate(prompts):
         mt = max_tokens if max_tokens is not None else frontend.max_model_len - len(prompt_ids)
         for j in range(body.n):
-            params = _params(body, max(mt, 1), logprobs, j)
+            params = _params(body, max(mt, 1), logprobs, j, structured)
             if j == 0:
                 frontend.check(prompt_ids, params)
             index = p * body.n + j

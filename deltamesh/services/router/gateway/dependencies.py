@@ -1,5 +1,5 @@
 """What the gateway's routes depend on, as one object: the frontend (tokenizer, limits, request checks), the
-mesh that runs requests, the API key and the body deadline. `create_app` stores it on `app.state`; a route asks for it with a
+mesh that runs requests, the API key, the body deadline and the model's reasoning / tool-call format. `create_app` stores it on `app.state`; a route asks for it with a
 `GatewayDep` parameter."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from deltamesh.services.router.frontend import Frontend
+from deltamesh.services.router.gateway.chat_output import OutputFormat
 from deltamesh.services.router.mesh import Mesh
 
 
@@ -19,6 +20,7 @@ class Gateway:
     mesh: Mesh
     api_key: str | None = None
     body_timeout_s: float = 30.0  # for a request's body, once its headers are in
+    output_format: OutputFormat = OutputFormat()  # how the model writes reasoning and tool calls
     process: int | None = None  # which of the router's processes this is (--api-server-count > 1), for /ready
 
     def token_text(self, token_id: int) -> str:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import grpc
 
+from deltamesh.client.chat import chat_messages
 from deltamesh.client.errors import DeltameshError, InvalidRequest, Unavailable, from_rpc_error
 from deltamesh.client.structured import structured_message
 from deltamesh.client.types import Delta, Result
@@ -50,10 +51,17 @@ def build_request(
     request_id: str | None = None,
     response_format: dict | None = None,
     structured_outputs: dict | None = None,
+    tools: Sequence[dict] = (),
+    chat_template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> router_pb2.GenerateRequest:
-    """A prompt is text, token ids, or chat messages ({"role": ..., "content": ...}). A sampling keyword left None
-    takes the server's default (the router's SamplingParams). Values the protocol cannot carry (negative counts, ids
-    over 32 bits) raise InvalidRequest before anything is sent.
+    """A prompt is text, token ids, or chat messages in OpenAI's shape ({"role": ..., "content": ...}, an
+    assistant's "tool_calls", a tool result's "tool_call_id", "reasoning_content"). A chat takes `tools` (OpenAI's
+    function tools), `chat_template_kwargs` (e.g. {"enable_thinking": False}), `add_generation_prompt` and
+    `continue_final_message` (chat.py). A sampling keyword left None takes the server's default (the router's
+    SamplingParams). Values the protocol cannot carry (negative counts, ids over 32 bits) raise InvalidRequest
+    before anything is sent.
 
     Structured outputs, as the REST API takes them: `response_format` in OpenAI's shape ({"type": "json_object"},
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) or `structured_outputs` in vLLM's
@@ -78,6 +86,12 @@ def build_request(
     stops = dict(
         stop=list(stop), stop_token_ids=list(stop_token_ids), include_stop_str_in_output=include_stop_str_in_output
     )
+    chat = dict(
+        tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
     try:
         req = router_pb2.GenerateRequest(
             request_id=request_id or uuid.uuid4().hex,
@@ -91,9 +105,13 @@ def build_request(
         if isinstance(prompt, str):
             req.text = prompt
         elif prompt and isinstance(prompt[0], dict):
-            req.chat.messages.extend(router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+            req.chat.CopyFrom(chat_messages(prompt, **chat))
         else:
             req.token_ids.ids.extend(prompt)
+        if not req.HasField("chat") and (
+            tools or chat_template_kwargs or not add_generation_prompt or continue_final_message
+        ):
+            raise ValueError("tools and the chat template's options apply to chat messages only")
         return req
     except (ValueError, TypeError) as e:
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {e}") from None
@@ -240,10 +258,10 @@ class Client(_ClientBase):
             time.sleep(delay)
 
     def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
-        """The whole result. `kwargs`: build_request's sampling keywords (max_tokens, temperature, top_p, top_k,
-        min_p, seed, stop, stop_token_ids, logprobs, ignore_eos, repetition_penalty, presence_penalty,
-        frequency_penalty, logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model,
-        request_id, response_format, structured_outputs)."""
+        """The whole result. `kwargs`: build_request's keywords (max_tokens, temperature, top_p, top_k, min_p, seed,
+        stop, stop_token_ids, logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
+        logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model, request_id, response_format,
+        structured_outputs; for a chat, tools, chat_template_kwargs, add_generation_prompt, continue_final_message)."""
         request = _request(prompt, kwargs)
         for attempt in itertools.count():
             result = Result(request.request_id)
