@@ -205,6 +205,9 @@ class DataParallelPrefixCache(PrefixCacheInterface):
     def cached_tokens(self, prompt_ids: list[int]) -> int:
         return max(c.cached_tokens(prompt_ids) for c in self.caches)
 
+    def resume_keys(self) -> set[int]:
+        return set().union(*(c.resume_keys() for c in self.caches))
+
     def reclaimable(self) -> int:
         return sum(c.reclaimable() for c in self.caches)
 

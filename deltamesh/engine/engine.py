@@ -148,6 +148,11 @@ class Engine:
         cache = self.core.prefix_cache
         return cache.cached_tokens(prompt_ids) if cache is not None else 0
 
+    def prefix_resume_keys(self) -> set[int]:
+        """The keys of the cached prefixes a request can resume after (empty without a cache); any thread."""
+        cache = self.core.prefix_cache
+        return cache.resume_keys() if cache is not None else set()
+
     # ---- state hand-off (disaggregation): what the services use, with the layout the engine owns ---------------
     @functools.cached_property
     def compat_hash(self) -> str:

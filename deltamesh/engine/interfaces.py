@@ -104,6 +104,11 @@ class PrefixCacheInterface(ABC):
         """How many tokens of this prompt an admission would take from the cache now (any thread)."""
 
     @abstractmethod
+    def resume_keys(self) -> set[int]:
+        """The keys (deltamesh/protocol/blocks.py) of the cached prefixes a request can resume after: what a worker
+        publishes to its routers for cache-aware routing (any thread)."""
+
+    @abstractmethod
     def reclaimable(self) -> int:
         """KV pages only the cache holds: free on demand."""
 

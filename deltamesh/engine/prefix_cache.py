@@ -86,6 +86,10 @@ class PrefixCache(PrefixCacheInterface):
         """Pages that eviction can return to the pool: those only the cache holds."""
         return self.kv_pool.num_cached_alone
 
+    def resume_keys(self) -> set[int]:
+        with self._lock:
+            return self.entries.resume_keys()
+
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         ps = self.kv_pool.page_size
         return tuple(req.ids_between(i * ps, (i + 1) * ps))

@@ -111,6 +111,13 @@ class CacheEntries:
         cache's too once the request ends, so counting it keeps the bound true then) and every checkpoint."""
         return self.num_pages * self.kv_pool.page_bytes + self.num_checkpoints * self.checkpoints.slot_bytes
 
+    def resume_keys(self) -> set[int]:
+        """The block keys a request can resume after: blocks with a checkpoint, and the full blocks that tails
+        follow (a tail of a sequence shorter than a page follows none)."""
+        keys = {k if isinstance(k, int) else k[0] for k in self._checkpointed}
+        keys.discard(None)
+        return keys
+
     # ---- use ---------------------------------------------------------------------------------------------------
     def touch(self, keys: list[int]) -> None:
         """Blocks used now (given deepest first: among entries used together, the deepest goes first)."""

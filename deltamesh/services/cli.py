@@ -175,6 +175,8 @@ def _api_key(ctx: typer.Context, values: dict) -> str | None:
 
 
 def _start(name: str, settings, serve) -> None:
+    import structlog
+
     from deltamesh.services.common.logs import configure_logging
     from deltamesh.services.common.server import run
     from deltamesh.services.common.settings import print_settings
@@ -182,6 +184,8 @@ def _start(name: str, settings, serve) -> None:
     if started_by_serve():
         die_with_parent(os.getppid())
     configure_logging(name, settings.log_level)
+    if getattr(settings, "process_index", None) is not None:  # one of several router processes: which, in every line
+        structlog.contextvars.bind_contextvars(process=settings.process_index)
     if settings.log_level == "debug":  # a page of JSON per process: what a start-up problem needs, not every start
         print_settings(name, settings)
     run(lambda stop: serve(settings, stop))
@@ -233,9 +237,22 @@ def router(ctx: typer.Context, **values) -> None:
         handed_settings(),
         mesh_secret=_mesh_secret(values["mesh_secret_file"], create=True),
     )
-    _can_listen("router", settings.host, _router_ports(settings))
+    from deltamesh.services.router.processes import own_control_port, router_ports
+
+    # one of several router processes checks only its own control port: its siblings share the client ports
+    one_of_several = settings.process_index is not None
+    _can_listen(
+        "router",
+        settings.host,
+        {"--control-port": own_control_port(settings)} if one_of_several else router_ports(settings),
+    )
     _check_tls(settings.tls)
     _servable("router", settings.model)
+    if settings.api_server_count > 1 and not one_of_several:
+        from deltamesh.services.router.processes import run_router_processes
+
+        env = _child_env(settings.mesh_secret.get_secret_value(), settings.api_key)
+        raise typer.Exit(run_router_processes(settings, env))
     from deltamesh.services.router.main import serve
 
     _start("router", settings, serve)
@@ -307,6 +324,8 @@ def load_line(load) -> str:
 def serve(ctx: typer.Context, **values) -> None:
     """Start the mesh on one box: router + N prefill + M decode worker processes, each restarted if it exits.
     Ctrl-C stops them all."""
+    from deltamesh.services.router.processes import control_ports
+
     values["api_key"] = _api_key(ctx, values)  # its router gets it in its environment
     # one secret per mesh, made here unless given (a --mesh-secret-file that does not exist yet is made, as the
     # router makes it); children get it in their environment (never on a command line)
@@ -325,7 +344,7 @@ def serve(ctx: typer.Context, **values) -> None:
         f", REST http://{host}:{router.http_port}/v1" if router.http_port else ""
     )
     write_line(sys.stderr, f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}")
-    announce_when_ready(f"{host}:{router.control_port}", secret, Counter(mesh.roles), router.tls, where)
+    announce_when_ready([f"{host}:{p}" for p in control_ports(router)], secret, Counter(mesh.roles), router.tls, where)
     exit_without_teardown(Supervisor(specs).run())  # every child reaped
 
 
@@ -337,13 +356,11 @@ def _plan(values: dict, secret: str) -> tuple[RouterSettings, ServeSettings]:
     return router, mesh
 
 
-def _router_ports(router: RouterSettings) -> dict[str, int | None]:
-    return {"--grpc-port": router.grpc_port, "--control-port": router.control_port, "--http-port": router.http_port}
-
-
 def _serve_ports(router: RouterSettings, mesh: ServeSettings) -> dict[str, int | None]:
     """Every port `serve` binds that is known before its children start, by the flag that sets it."""
-    ports = _router_ports(router)
+    from deltamesh.services.router.processes import router_ports
+
+    ports = router_ports(router)
     for i, name in enumerate(_worker_names(mesh.roles)):
         if fixed := mesh.worker_ports(i):
             grpc_port, metrics_port = fixed
@@ -362,14 +379,17 @@ def _children(
 ) -> tuple[list[ChildSpec], list[str]]:
     """The processes `serve` starts (its router, then a worker per role), each handed its settings in its
     environment, and the workers' metrics URLs."""
-    # what every child gets: the mesh's secret travels in the environment, never on a command line
-    base_env = {
-        k: v for k, v in os.environ.items() if k not in ("DELTAMESH_MESH_SECRET_FILE", "DELTAMESH_API_KEY_FILE")
-    }
-    base_env["DELTAMESH_MESH_SECRET"] = secret
-    router_env = {**base_env, "DELTAMESH_API_KEY": router.api_key} if router.api_key else base_env
+    from deltamesh.services.router.processes import control_ports, router_specs
+
+    base_env = _child_env(secret)
+    router_env = _child_env(secret, router.api_key)
     cli = [sys.executable, "-m", "deltamesh.services.cli"]
-    specs = [ChildSpec("router", cli + ["router"], {**router_env, **hand_over(router)})]
+    if router.api_server_count > 1:
+        specs = router_specs(router, router_env)
+    else:
+        specs = [ChildSpec("router", cli + ["router"], {**router_env, **hand_over(router)})]
+    # every worker registers with every process of the router (a registration reply would name them too)
+    routers = ",".join(f"{router.host}:{port}" for port in control_ports(router))
     gpu_ids = (mesh.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
     host, metrics_urls, roles = router.host, [], mesh.roles
     taken = frozenset(p for p in _serve_ports(router, mesh).values() if p)
@@ -379,7 +399,7 @@ def _children(
         taken |= {port, metrics_port}
         own = {
             "port": port,
-            "router": f"{host}:{router.control_port}",
+            "router": routers,
             "metrics_port": metrics_port,
             "torch_threads": max(1, (os.cpu_count() or 1) // len(roles)) if values["device"] == "cpu" else None,
         }
@@ -392,6 +412,16 @@ def _children(
         metrics_urls.append(f"{role} http://{host}:{worker.metrics_port}/metrics")
         specs.append(ChildSpec(name, cli + [role], env))
     return specs, metrics_urls
+
+
+def _child_env(secret: str, api_key: str | None = None) -> dict[str, str]:
+    """The environment of a process this one starts: the mesh secret (and the router's API key) travel here, never
+    on a command line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DELTAMESH_MESH_SECRET_FILE", "DELTAMESH_API_KEY_FILE")}
+    env["DELTAMESH_MESH_SECRET"] = secret
+    if api_key:
+        env["DELTAMESH_API_KEY"] = api_key
+    return env
 
 
 # serve's per-role memory budgets (--prefill-gpu-memory-utilization, ...) over the flags every worker takes

@@ -16,21 +16,25 @@ from deltamesh.services.common.tls import TlsSettings, channel_credentials
 
 
 def announce_when_ready(
-    control: str, secret: str, roles: Counter, tls: TlsSettings, where: str, timeout_s: float = 3600.0
+    controls: list[str], secret: str, roles: Counter, tls: TlsSettings, where: str, timeout_s: float = 3600.0
 ) -> threading.Thread:
-    """Print "deltamesh: mesh ready ..." once the router at `control` sees `roles` healthy workers."""
+    """Print "deltamesh: mesh ready ..." once every process of the router (at `controls`, their control planes)
+    sees `roles` healthy workers."""
 
-    def watch() -> None:
+    def sees_all(control: str, credentials) -> bool:
         from deltamesh.services.router.control import read_loads
 
+        try:
+            healthy = Counter(w.role for w in read_loads(control, secret, credentials, timeout=2) if w.healthy)
+        except grpc.RpcError:
+            return False
+        return all(healthy[role] >= n for role, n in roles.items())
+
+    def watch() -> None:
         credentials = channel_credentials(tls) if tls.cert else None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            try:
-                healthy = Counter(w.role for w in read_loads(control, secret, credentials, timeout=2) if w.healthy)
-            except grpc.RpcError:
-                healthy = Counter()
-            if all(healthy[role] >= n for role, n in roles.items()):
+            if all(sees_all(control, credentials) for control in controls):
                 counts = " + ".join(f"{n} {role}" for role, n in roles.items())
                 write_line(sys.stderr, f"deltamesh: mesh ready ({counts}): {where}")
                 return

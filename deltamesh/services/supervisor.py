@@ -38,6 +38,7 @@ class ChildSpec:
     name: str  # e.g. "router", "decode-1": what the logs call it
     argv: list[str]
     env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (router processes' shared counts)
 
 
 @dataclass
@@ -129,7 +130,9 @@ class Supervisor:
     def _start(self, child: Child) -> None:
         # a group of its own: orphaned when serve dies, so that the kernel wakes the child if it is stopped (see
         # die_with_parent); the terminal's Ctrl-C reaches serve only, which stops the children in order
-        child.popen = subprocess.Popen(child.spec.argv, env=child.spec.env, process_group=0)
+        child.popen = subprocess.Popen(
+            child.spec.argv, env=child.spec.env, process_group=0, pass_fds=child.spec.pass_fds
+        )
         child.started_at = time.monotonic()
         child.restart_at = None
 

@@ -1,5 +1,5 @@
 """Insider binding, the rest (docs/notes/side-channel-security.md): the router announces every holder, static or
-registered, in its load polls, and a puller refuses the leases of holders never announced to it; no worker may
+registered, as its report comes, and a puller refuses the leases of holders never announced to it; no worker may
 claim another worker's side-channel memory. Real processes: a router given a prefill worker statically
 (`--prefill`, the worker not registering), a registered decode worker, and a prefill worker the router was never
 told of; a fake worker registered from the test over the control plane."""
@@ -75,7 +75,7 @@ def mesh(tmp_path_factory):
 
 def test_a_static_prefill_worker_is_announced_and_serves(mesh, reference_engine):
     """Before, a prefill worker given with --prefill was never announced: its leases were pulled unchecked against
-    its lease words. Now the router announces it from its load poll: the decode worker warms up to it (it does so
+    its lease words. Now the router announces it once it reports: the decode worker warms up to it (it does so
     only for announced holders) and pulls from it, which it would refuse otherwise."""
     prompt = list(range(300, 340))
     with mesh.client() as client:
@@ -145,6 +145,20 @@ class FakePrefill(prefill_pb2_grpc.PrefillWorkerServicer):
         )
 
 
+class FakeReports(control_pb2_grpc.WorkerReportsServicer):
+    """The fake worker's reports to the router (what real workers push: services/common/reports.py), its false
+    description in each."""
+
+    def __init__(self, described: common_pb2.TransportDescriptor):
+        self.described = described
+
+    def Watch(self, request, context):
+        load = common_pb2.WorkerLoad(role="prefill", healthy=True)
+        while context.is_active():
+            yield control_pb2.WorkerReport(load=load, prefixes_whole=True, holder=self.described)
+            time.sleep(0.25)
+
+
 def test_no_registration_claims_another_workers_side_channel(mesh, reference_engine):
     """The decode worker holds state too (the prefixes it offers). A caller holding the mesh secret registers a
     "prefill worker" whose description names the decode worker's UCX worker as its rank, so that decode workers
@@ -154,8 +168,10 @@ def test_no_registration_claims_another_workers_side_channel(mesh, reference_eng
         mesh.decode.stub().GetLoads(common_pb2.GetLoadsRequest(), timeout=5).holder.endpoints
     )  # what anyone with the mesh secret can learn
     assert decode_endpoints
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(FakePrefill(decode_endpoints[0]), server)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    fake_prefill = FakePrefill(decode_endpoints[0])
+    prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(fake_prefill, server)
+    control_pb2_grpc.add_WorkerReportsServicer_to_server(FakeReports(fake_prefill.described), server)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
@@ -165,7 +181,7 @@ def test_no_registration_claims_another_workers_side_channel(mesh, reference_eng
             control = control_pb2_grpc.MeshControlStub(channel)
             register = control_pb2.RegisterWorkerRequest(address=fake, role="prefill", model="deltamesh-tiny")
             polls_seen = 0
-            deadline = time.monotonic() + 3.0  # six load polls at the router's 0.5 s
+            deadline = time.monotonic() + 3.0  # twelve reports at the fake's 0.25 s
             while time.monotonic() < deadline:
                 control.RegisterWorker(register, metadata=mesh_metadata(mesh.secret), timeout=5)
                 loads = {w.address: w for w in mesh.loads()}
@@ -174,7 +190,7 @@ def test_no_registration_claims_another_workers_side_channel(mesh, reference_eng
                 time.sleep(0.25)
         router = next(p for p in mesh.procs if p.role == "router")
         refused = log_events(router, "worker refused: its side channel names a process another worker holds state in")
-        assert [e["address"] for e in refused] == [fake]  # once, however many polls
+        assert [e["address"] for e in refused] == [fake]  # once, however many reports
         prompt = list(range(500, 530))
         with mesh.client() as client:
             got = client.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
@@ -188,5 +204,5 @@ def test_no_registration_claims_another_workers_side_channel(mesh, reference_eng
         "the router refuses a worker whose description names a transport endpoint another worker's names: never "
         "healthy, never routed to, announced to no one; pullers also keep the first claim to an address",
         "test_no_registration_claims_another_workers_side_channel",
-        f"unhealthy through {polls_seen} looks over 3 s of polls; the mesh served the next request token-exact",
+        f"unhealthy through {polls_seen} looks over 3 s of reports; the mesh served the next request token-exact",
     )

@@ -47,12 +47,14 @@ class GrpcServer:
         tls=None,
         interceptors: tuple = (),
         max_request_bytes: int = MAX_MESSAGE_BYTES,
+        reuse_port: bool = False,
     ):
         """`services`: (add_XServicer_to_server, servicer, full service name); `tls`: TlsSettings or None;
         `interceptors`: e.g. deltamesh.services.common.auth's, which refuse calls without credentials;
-        `max_request_bytes`: the largest request message taken (larger: RESOURCE_EXHAUSTED, unread)."""
-        options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
-        options.append(("grpc.max_receive_message_length", max_request_bytes))
+        `max_request_bytes`: the largest request message taken (larger: RESOURCE_EXHAUSTED, unread); `reuse_port`:
+        share the port with other processes of this user that bind it so (router/processes.py)."""
+        options = [o for o in SERVER_OPTIONS if o[0] not in ("grpc.max_receive_message_length", "grpc.so_reuseport")]
+        options += [("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", int(reuse_port))]
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.health = health_async.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

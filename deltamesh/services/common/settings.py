@@ -37,7 +37,9 @@ class WorkerSettings(BaseModel):
     port: int = Field(0, **PORT, description="gRPC port (0: any free port)")
     # registration and heartbeats
     router: str | None = Field(
-        None, description="The router's control-plane address (its --control-port) to register with"
+        None,
+        description="The router's control-plane address (its --control-port) to register with; several router hosts "
+        "comma-separated (the worker also registers with every process of each: --api-server-count)",
     )
     # shared by the router and every worker of the mesh (deltamesh/services/common/auth.py); --mesh-secret-file
     mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
@@ -119,6 +121,17 @@ class RouterSettings(BaseModel):
     mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
     # OpenAI-compatible REST gateway (None: off)
     http_port: int | None = Field(8000, **PORT, description="OpenAI-compatible REST port (0: off)")
+    # several router processes (deltamesh/services/router/processes.py)
+    api_server_count: int = Field(
+        1,
+        ge=1,
+        description="Router processes sharing the gRPC and REST ports (SO_REUSEPORT), each with the whole mesh's "
+        "view; process i's control plane listens on --control-port + i",
+    )
+    # set by the parent that started this process as one of --api-server-count router processes: its number
+    process_index: int | None = Field(None, json_schema_extra=_NO_OPTION)
+    # that parent's memory shared by its router processes (admission counts): a file descriptor this process inherited
+    shared_counts_fd: int | None = Field(None, json_schema_extra=_NO_OPTION)
     model: str = _engine_setting("model")  # checkpoint directory: tokenizer, chat template, model id
     served_model_name: list[str] | None = Field(
         None,

@@ -176,7 +176,7 @@ class PullerSide:
         self._announced: set[bytes] = set()  # every holder descriptor seen, accepted or not
 
     def announce(self, holders: Iterable[common_pb2.TransportDescriptor]) -> None:
-        """The holders the router announced (in its load polls, again and again): the ones new to this worker go to
+        """The holders the router announced (when they change, and on each new report stream): the ones new to this worker go to
         the puller, which vouches from now on for their leases only."""
         for holder in holders:
             key = holder.SerializeToString(deterministic=True)

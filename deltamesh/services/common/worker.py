@@ -10,6 +10,7 @@ import functools
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -18,12 +19,16 @@ from deltamesh.engine import Engine, RequestError
 from deltamesh.services.common.auth import mesh_interceptor, mesh_metadata
 from deltamesh.services.common.convert import sampling_from_proto
 from deltamesh.services.common.logs import bind_request, request_id_from, write_line
+from deltamesh.services.common.reports import ReportSource, ReportsServicer
 from deltamesh.services.common.server import CHANNEL_OPTIONS
 from deltamesh.services.common.settings import WorkerSettings
 from deltamesh.services.common.tls import aio_channel
 from deltamesh.services.supervisor import CONFIG_ERROR
 from deltamesh.transfer import LeaseTable, Transport
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
+
+if TYPE_CHECKING:  # state_exchange imports this module
+    from deltamesh.services.common.state_exchange import HolderSide
 
 log = structlog.get_logger("deltamesh.worker")
 
@@ -33,6 +38,7 @@ class Role(abc.ABC):
     stop and background work. The defaults do nothing."""
 
     leases: LeaseTable | None = None  # held states, exported in the worker's metrics
+    holding: HolderSide | None = None  # its side of holding states for pullers: its description goes to the routers
 
     @abc.abstractmethod
     def services(self) -> list[tuple]:
@@ -63,6 +69,11 @@ async def engine_request(engine, request, context, hold_state: bool = False):
         return await asyncio.to_thread(make) if params.structured_outputs is not None else make()
     except (ValueError, RequestError) as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+def router_addresses(routers: str | None) -> list[str]:
+    """The control-plane addresses in --router: one, or several comma-separated (several router hosts)."""
+    return [a.strip() for a in (routers or "").split(",") if a.strip()]
 
 
 class Worker:
@@ -97,10 +108,23 @@ class Worker:
         )
 
     async def register_forever(self, stop: asyncio.Event) -> None:
-        """Keep this worker registered with the router's control plane; survives router restarts."""
-        router = self.settings.router
-        if not router:
-            return
+        """Keep this worker registered with every router it knows of: the control-plane addresses of --router
+        (comma-separated: several router hosts), and every process of each of those routers, which their replies
+        name (`--api-server-count`). Survives router restarts."""
+        loops: dict[str, asyncio.Task] = {}
+
+        def know(address: str) -> None:
+            if address not in loops:
+                loops[address] = asyncio.create_task(self._register_with(address, stop, know))
+
+        for address in router_addresses(self.settings.router):
+            know(address)
+        await stop.wait()
+        await asyncio.gather(*loops.values(), return_exceptions=True)
+
+    async def _register_with(self, router: str, stop: asyncio.Event, know: Callable[[str], None]) -> None:
+        """Register with the router process at `router` again and again (its heartbeat); `know` each process of
+        that router its replies name, at the host this one was reached at."""
         auth = mesh_metadata(self.settings.mesh_secret.get_secret_value())
         request = control_pb2.RegisterWorkerRequest(
             address=self.address,
@@ -108,6 +132,7 @@ class Worker:
             model=self.model_id,
             compat_hash=self.compat_hash,
         )
+        host = router.rsplit(":", 1)[0]
         interval = 1.0
         async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
             stub = control_pb2_grpc.MeshControlStub(channel)
@@ -116,6 +141,8 @@ class Worker:
                 try:
                     reply = await stub.RegisterWorker(request, metadata=auth, timeout=2.0)
                     interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
+                    for port in reply.router_control_ports:
+                        know(f"{host}:{port}")
                     if not registered:
                         log.info("registered with router", router=router)
                     registered = True
@@ -149,6 +176,10 @@ class Worker:
             except TimeoutError:
                 pass
 
+    def prefix_keys(self) -> set[int]:
+        """The cached prefixes a request can resume after, as the routers name prompts (none without a cache)."""
+        return self.engine.prefix_resume_keys()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -178,11 +209,20 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     role = make_role(worker, transport)
     serve_worker_metrics(worker, settings.host, settings.metrics_port, role.leases)
     await role.on_start()
+    # what the routers watching this worker learn: its load (as GetLoads gives it) and its cache's prefixes
+    reports = ReportsServicer(
+        ReportSource(
+            lambda: worker.load(len(role.leases) if role.leases is not None else 0),
+            worker.prefix_keys,
+            lambda: role.holding.description if role.holding is not None else None,
+        )
+    )
+    reports_name = control_pb2.DESCRIPTOR.services_by_name["WorkerReports"].full_name
     # only the router (and tools holding the mesh secret) may call a worker: its calls hand out leases' tokens
     server = GrpcServer(
         settings.host,
         settings.port,
-        role.services(),
+        [*role.services(), (control_pb2_grpc.add_WorkerReportsServicer_to_server, reports, reports_name)],
         settings.tls,
         interceptors=(mesh_interceptor(settings.mesh_secret.get_secret_value()),),
     )

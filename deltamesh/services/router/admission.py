@@ -12,8 +12,11 @@ flight will need are counted from the moment they are admitted. A worker has roo
 where a request counts the most KV pages it can hold (prompt + max_tokens, within the context), so an admitted
 request never waits for pages nor gets preempted on its decode worker, and "held by others" is what the worker's last
 load report shows beyond this router's own admissions at that moment (another router's requests; 0 with one router).
-The loads come from the registry's polls; this router's own counts change as it admits and releases, so a burst
-between two polls cannot oversubscribe a worker.
+The loads come from the workers' reports; this router's own counts change as it admits and releases, so a burst
+between two reports cannot oversubscribe a worker. "Admitted here" is the whole router's: the processes of a router
+of --api-server-count N count their admissions in memory they share (shared_counts.py), so each sees what the
+others admitted the moment they do. A process takes its siblings' releases in at the worker's next report (or its
+own next admission or release), so a sibling's freed room may reach it a report interval late.
 
 Waiting requests are served first come, first served: a request is placed as soon as a worker it may use has room,
 and none placed after it takes a worker it is waiting for. A request for a given worker (the P/D decider sends a
@@ -37,6 +40,7 @@ import grpc
 from deltamesh.services.router import metrics
 from deltamesh.services.router.legs import MeshError
 from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
+from deltamesh.services.router.shared_counts import SharedCounts
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class AdmissionLimits:
     max_queued: int = 1024  # requests that may wait at once (--max-queued-requests)
     page_size: int = 16  # the workers' KV page size (--page-size)
     max_model_len: int = 32768  # the workers' context (--max-model-len)
+    shared: SharedCounts | None = None  # the admissions of this router's processes (--api-server-count > 1)
 
 
 @dataclass
@@ -64,7 +69,8 @@ class _Waiter:
 
 @dataclass
 class _Account:
-    """This router's admissions to one worker, and the same as they stood at its last load report."""
+    """This process's admissions to one worker, and the router's (every process's) as they stood at its last load
+    report."""
 
     slots: int = 0
     pages: int = 0
@@ -81,13 +87,16 @@ class Admission:
         max_wait_s: float,
         page_size: int,
         max_model_len: int,
+        shared: SharedCounts | None = None,
     ):
         """`pick`: the routing policy's choice among the decode workers with room. `max_queued`: requests that may
         wait at once (0: none; a request no worker has room for is refused). `max_wait_s`: the longest a request
-        waits before it is refused. `page_size`, `max_model_len`: the workers' (a request's pages)."""
+        waits before it is refused. `page_size`, `max_model_len`: the workers' (a request's pages). `shared`: where
+        the router's processes count their admissions (None: this process is the router)."""
         self.registry, self.pick = registry, pick
         self.max_queued, self.max_wait_s = max_queued, max_wait_s
         self.page_size, self.max_model_len = page_size, max_model_len
+        self.shared = shared
         self._queue: deque[_Waiter] = deque()
         self._accounts: dict[str, _Account] = {}
         registry.listeners.append(self.on_report)
@@ -137,6 +146,8 @@ class Admission:
         account = self._accounts[ticket.worker.address]
         account.slots -= 1
         account.pages -= ticket.pages
+        if self.shared is not None:
+            self.shared.add(ticket.worker.address, -1, -ticket.pages)
         ticket.worker.admitted -= 1
         metrics.ADMITTED.dec()
         self._dispatch()
@@ -144,8 +155,14 @@ class Admission:
     def on_report(self, w: WorkerHandle) -> None:
         """A worker's load report arrived (or it failed): take it in and place whoever it makes room for."""
         account = self._accounts.setdefault(w.address, _Account())
-        account.slots_at_report, account.pages_at_report = account.slots, account.pages
+        siblings_slots, siblings_pages = self._siblings(w.address)
+        account.slots_at_report = account.slots + siblings_slots
+        account.pages_at_report = account.pages + siblings_pages
         self._dispatch()
+
+    def _siblings(self, address: str) -> tuple[int, int]:
+        """(slots, pages) that the router's other processes hold admitted on the worker now."""
+        return self.shared.others(address) if self.shared is not None else (0, 0)
 
     def _granted(self, waiter: _Waiter) -> Ticket | None:
         ticket = waiter.granted.result()
@@ -167,11 +184,12 @@ class Admission:
         account = self._accounts.setdefault(w.address, _Account())
         other_slots = max(0, load.state_slots_used + load.waiting - account.slots_at_report)
         other_pages = max(0, load.kv_pages_used - account.pages_at_report)
+        siblings_slots, siblings_pages = self._siblings(w.address)
         # a request longer than the whole pool still runs alone, as it would without admission
         pages = min(pages, load.kv_pages_total)
         return (
-            account.slots + other_slots < load.state_slots_total
-            and account.pages + other_pages + pages <= load.kv_pages_total
+            account.slots + siblings_slots + other_slots < load.state_slots_total
+            and account.pages + siblings_pages + other_pages + pages <= load.kv_pages_total
         )
 
     def _dispatch(self) -> None:
@@ -199,6 +217,8 @@ class Admission:
             account = self._accounts.setdefault(w.address, _Account())
             account.slots += 1
             account.pages += waiter.pages
+            if self.shared is not None:
+                self.shared.add(w.address, 1, waiter.pages)
             w.admitted += 1
             metrics.ADMITTED.inc()
             ticket = Ticket(w, waiter.pages)

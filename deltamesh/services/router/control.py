@@ -14,8 +14,10 @@ log = structlog.get_logger("deltamesh.router")
 
 
 class ControlServicer(control_pb2_grpc.MeshControlServicer):
-    def __init__(self, registry: WorkerRegistry, model_id: str):
-        self.registry, self.model_id = registry, model_id
+    def __init__(self, registry: WorkerRegistry, model_id: str, control_ports: list[int]):
+        """`control_ports`: the control-plane ports of every process of this router, told to registering workers so
+        that they register with each."""
+        self.registry, self.model_id, self.control_ports = registry, model_id, control_ports
 
     async def RegisterWorker(self, request: control_pb2.RegisterWorkerRequest, context):
         try:
@@ -24,7 +26,10 @@ class ControlServicer(control_pb2_grpc.MeshControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.model and request.model != self.model_id:
             log.warning("worker serves another model", address=request.address, model=request.model)
-        return control_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
+        return control_pb2.RegisterWorkerResponse(
+            heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000),
+            router_control_ports=self.control_ports,
+        )
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
         return common_pb2.GetLoadsResponse(workers=self.registry.loads())

@@ -21,24 +21,35 @@ from deltamesh.services.router.mesh import Mesh
 from deltamesh.services.router.metrics import register_worker_gauge
 from deltamesh.services.router.pd_decider import PdDecider
 from deltamesh.services.router.policies import make_policy
+from deltamesh.services.router.processes import control_ports, learn_from_siblings, own_control_port
 from deltamesh.services.router.registry import WorkerRegistry
 from deltamesh.services.router.servicer import RouterServicer
+from deltamesh.services.router.shared_counts import SharedCounts
 from deltamesh.v1 import control_pb2, control_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger("deltamesh.router")
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
+    """One router process: with --api-server-count N, one of N sharing the client ports (router/processes.py)."""
     frontend = Frontend(settings.model, settings.max_model_len, settings.limits, settings.served_model_name)
     secret = settings.mesh_secret.get_secret_value()
+    shared = settings.api_server_count > 1
     registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, secret, settings.tls)
     for role in ("prefill", "decode", "colocated"):
         for address in getattr(settings, role):
             registry.add(address, role, static=True)
     register_worker_gauge(registry)
-    pd = PdDecider(settings.pd_direct_max_tokens, settings.page_size) if settings.pd_direct_max_tokens else None
-    policy = make_policy(settings.policy, settings.page_size)
-    admission = AdmissionLimits(settings.max_queued_requests, settings.page_size, frontend.max_model_len)
+    pd = (
+        PdDecider(settings.pd_direct_max_tokens, settings.page_size, index=registry.index)
+        if settings.pd_direct_max_tokens
+        else None
+    )
+    policy = make_policy(settings.policy, settings.page_size, registry.index)
+    counts = None  # the admissions of every process of this router, in memory they share (router/processes.py)
+    if shared and settings.shared_counts_fd is not None:
+        counts = SharedCounts(settings.shared_counts_fd, settings.api_server_count, settings.process_index or 0)
+    admission = AdmissionLimits(settings.max_queued_requests, settings.page_size, frontend.max_model_len, counts)
     mesh = Mesh(
         registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd, admission
     )
@@ -53,24 +64,38 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         settings.tls,
         interceptors=key_check,
         max_request_bytes=MAX_REQUEST_BYTES,  # REST's body cap: one limit on both edges
+        reuse_port=shared,
     )
     name = control_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name
-    control_servicer = ControlServicer(registry, frontend.checkpoint_name)
+    control_servicer = ControlServicer(registry, frontend.checkpoint_name, control_ports(settings))
     control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, control_servicer, name)]
     control = GrpcServer(
-        settings.host, settings.control_port, control_api, settings.tls, interceptors=(mesh_interceptor(secret),)
+        settings.host,
+        own_control_port(settings),
+        control_api,
+        settings.tls,
+        interceptors=(mesh_interceptor(secret),),
     )
     for s in (server, control):
         await s.start()
         await s.set_serving(True)
+    if shared:
+        await learn_from_siblings(settings, registry)
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
     template = frontend.tokenizer.chat_template if frontend.tokenizer else None
     output_format = OutputFormat.resolve(template, settings.reasoning_parser, settings.tool_call_parser)
     if settings.http_port:
-        gateway = Gateway(frontend, mesh, settings.api_key, settings.http_body_timeout_s, output_format)
+        gateway = Gateway(
+            frontend,
+            mesh,
+            settings.api_key,
+            settings.http_body_timeout_s,
+            output_format,
+            process=settings.process_index if shared else None,
+        )
         http, http_task = await start_gateway(
-            gateway, settings.host, settings.http_port, settings.http_header_timeout_s
+            gateway, settings.host, settings.http_port, settings.http_header_timeout_s, reuse_port=shared
         )
         tasks.append(http_task)
     log.info(
@@ -80,6 +105,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         http=settings.http_port,
         model=frontend.served_model_names,
         policy=settings.policy,
+        process=f"{settings.process_index} of {settings.api_server_count}" if shared else None,
         reasoning_parser=output_format.reasoning,
         tool_call_parser=output_format.tool_calls,
     )

@@ -59,6 +59,7 @@ class Mesh:
             timeout_s,
             limits.page_size,
             limits.max_model_len,
+            limits.shared,
         )
         self._inflight: dict[str, Inflight] = {}
 

@@ -4,8 +4,9 @@ only its new message left to compute there. When some decode worker holds all bu
 a prompt, the request goes to it directly (it prefills the rest itself, as a colocated worker does) instead of
 through a prefill worker that would recompute the previous reply and move the whole state.
 
-What each decode worker holds is remembered the way its cache names it (policies.SentBlocks, over the sequences
-it finished). The worker's cache may have evicted a sequence since: it then refuses the request (more than
+What each decode worker holds is what it reports (router/prefix_index.py: every router process learns it alike)
+and, until its next report, what this process saw it finish (policies.SentBlocks, named the way its cache names
+them). The worker's cache may have evicted a sequence since: it then refuses the request (more than
 `max_suffix` tokens uncached), which goes through a prefill worker after all, so a decode worker never prefills
 a long prompt.
 
@@ -19,13 +20,15 @@ from collections.abc import Sequence
 
 from deltamesh.services.router import metrics
 from deltamesh.services.router.policies import SentBlocks
+from deltamesh.services.router.prefix_index import PrefixIndex
 from deltamesh.services.router.registry import WorkerHandle
 
 
 class PdDecider:
-    def __init__(self, max_suffix: int, block: int = 16, max_blocks: int = 1 << 18):
+    def __init__(self, max_suffix: int, block: int = 16, max_blocks: int = 1 << 18, index: PrefixIndex | None = None):
         self.max_suffix = max_suffix
-        self.held = SentBlocks(block, max_blocks)  # the sequences each decode worker finished
+        self.held = SentBlocks(block, max_blocks)  # the sequences each decode worker finished (here)
+        self.index = index  # what the workers report their caches hold
 
     def direct(self, decode_workers: list[WorkerHandle], prompt_ids: Sequence[int]) -> WorkerHandle | None:
         """The decode worker to send this prompt to directly, or None (through a prefill worker)."""
@@ -38,11 +41,12 @@ class PdDecider:
         """The decode worker that finished the longest prefix of this prompt (with a prefix cache that keeps it),
         and how many tokens of it (whole blocks); (None, 0) when none did."""
         keys = self.held.keys(prompt_ids)
+        reported = self.index.matched(keys) if self.index is not None and keys else {}
         best, matched = None, 0
         for w in decode_workers:
             if w.load is None or not w.load.prefix_cache:  # it keeps nothing: it would compute the whole prompt
                 continue
-            n = self.held.matched(w.address, keys)
+            n = max(reported.get(w.address, 0), self.held.matched(w.address, keys))
             if n > matched:
                 best, matched = w, n
         return best, matched * self.held.block

@@ -1,4 +1,9 @@
-"""Routing policies: pick one worker out of the healthy candidates (for a request's prompt, where a policy cares)."""
+"""Routing policies: pick one worker out of the healthy candidates (for a request's prompt, where a policy cares).
+
+A router of several processes (--api-server-count), or several routers, share the workers: what a policy weighs is
+what every router process sees alike (the workers' reported loads and cached prefixes, router/prefix_index.py) and
+what this process has sent since (its requests in flight, the prefixes it sent), so that a repeated prefix goes to
+the same worker from any process."""
 
 from __future__ import annotations
 
@@ -7,8 +12,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from deltamesh.protocol.blocks import block_key
+from deltamesh.protocol.blocks import block_keys
 from deltamesh.services.router import metrics
+from deltamesh.services.router.prefix_index import PrefixIndex
 from deltamesh.services.router.registry import WorkerHandle
 
 
@@ -26,8 +32,9 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """Fewest requests in flight (what the router has sent or admitted and not seen end, plus what the worker last
-    reported queued), then the lowest KV-page use."""
+    """Fewest requests: the most of what this router process has sent or admitted and not seen end, and of what the
+    worker last reported running and queued (every router's requests, as of its report); then the lowest KV-page
+    use."""
 
     def pick(self, candidates: list[WorkerHandle], prompt_ids: Sequence[int] = ()) -> WorkerHandle:
         return min(candidates, key=_load_score)
@@ -35,10 +42,10 @@ class LeastLoaded:
 
 def _load_score(w: WorkerHandle):
     load = w.load
-    queued = load.waiting if load else 0
+    reported = load.running + load.waiting if load else 0
     kv = load.kv_pages_used / load.kv_pages_total if load and load.kv_pages_total else 0.0
     # a decode worker's admitted requests include those still prefilling elsewhere: bound here, not yet sent
-    return (max(w.inflight, w.admitted) + queued, kv, w.address)
+    return (max(w.inflight, w.admitted, reported), kv, w.address)
 
 
 class SentBlocks:
@@ -50,11 +57,7 @@ class SentBlocks:
         self._sent: dict[str, OrderedDict[int, None]] = {}
 
     def keys(self, ids: Sequence[int]) -> list[int]:
-        keys, parent = [], None
-        for i in range(len(ids) // self.block):
-            parent = block_key(parent, ids[i * self.block : (i + 1) * self.block])
-            keys.append(parent)
-        return keys
+        return block_keys(ids, self.block)
 
     def matched(self, address: str, keys: list[int]) -> int:
         """How many of `keys`, from the first, went to the worker at `address`."""
@@ -77,18 +80,28 @@ class SentBlocks:
 
 
 class CacheAware:
-    """The worker that was sent the longest prefix of this prompt (so its prefix cache likely holds it), unless
-    that worker is busier than the least loaded one by more than `balance` requests or the match is short; else
-    the least loaded."""
+    """The worker that can resume the longest prefix of this prompt from its cache (as the workers report it, or as
+    this process sent it there since), unless that worker is busier than the least loaded one by more than `balance`
+    requests or the match is short; else the least loaded."""
 
-    def __init__(self, block: int = 16, min_match: float = 0.5, balance: int = 8, max_blocks: int = 1 << 18):
+    def __init__(
+        self,
+        block: int = 16,
+        min_match: float = 0.5,
+        balance: int = 8,
+        max_blocks: int = 1 << 18,
+        index: PrefixIndex | None = None,
+    ):
+        """`index`: the workers' reported prefixes (None: only what this process sent)."""
         self.min_match, self.balance = min_match, balance
         self.sent = SentBlocks(block, max_blocks)
+        self.index = index
 
     def pick(self, candidates: list[WorkerHandle], prompt_ids: Sequence[int] = ()) -> WorkerHandle:
         keys = self.sent.keys(prompt_ids)
         least = min(candidates, key=_load_score)
-        matched = {w.address: self.sent.matched(w.address, keys) for w in candidates}
+        held = self.index.matched(keys) if self.index is not None and keys else {}
+        matched = {w.address: max(held.get(w.address, 0), self.sent.matched(w.address, keys)) for w in candidates}
         best = max(candidates, key=lambda w: (matched[w.address], -_load_score(w)[0]))
         busier = _load_score(best)[0] - _load_score(least)[0]
         longest = matched[best.address]
@@ -102,6 +115,7 @@ class CacheAware:
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}
 
 
-def make_policy(name: str, page_size: int) -> Policy:
-    """The policy `name`; cache_aware names prefixes in blocks of the workers' KV page size, as their caches do."""
-    return CacheAware(block=page_size) if name == "cache_aware" else POLICIES[name]()
+def make_policy(name: str, page_size: int, index: PrefixIndex | None = None) -> Policy:
+    """The policy `name`; cache_aware names prefixes in blocks of the workers' KV page size, as their caches do, and
+    reads what they hold from `index`."""
+    return CacheAware(block=page_size, index=index) if name == "cache_aware" else POLICIES[name]()

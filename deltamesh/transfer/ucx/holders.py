@@ -19,8 +19,8 @@ or as a rank (someone posing as a "worker" whose ranks are another worker's), is
 already refuses to announce a worker whose description names another's (TransportDescriptor.endpoints). The
 addresses are UCX's, made when a process starts, so no one can name one before its owner runs. A source whose
 holder was not announced yet is let through `source()` when it names no announced worker's memory, and its pull
-waits briefly for the announcement (UcxPuller.pull), then is refused: the router announces a new worker at its next
-load poll, which may come after a request was routed to it.
+waits briefly for the announcement (UcxPuller.pull), then is refused: the router announces a new worker with a call
+to each puller once its first report comes, which may finish after a request was routed to it.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class KnownHolders:
 
     def awaits_announcement(self, source: UcxSource) -> bool:
         """Only an announcement of its holder can vouch for `source`, and it has not come (yet). A worker is routed
-        to once the router finds it healthy, up to a load poll before the workers pulling from it hear of it."""
+        to once the router finds it healthy, up to an announcement call before the workers pulling from it hear of it."""
         return source.address not in self._holders
 
     async def announced(self, address: bytes, timeout_s: float) -> None:

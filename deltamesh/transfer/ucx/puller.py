@@ -45,7 +45,8 @@ from deltamesh.v1.common_pb2 import TransportDescriptor
 log = structlog.get_logger("deltamesh.transfer")
 
 # How long (at most, and at most half its deadline) a pull from a holder not announced yet waits for the control plane
-# to announce it: the router announces holders in its load polls, every half second by default
+# to announce it: the router announces a holder to its pullers as its report comes, a failed call again within half a
+# second by default (router/registry.py)
 ANNOUNCEMENT_WAIT_S = 2.0
 
 

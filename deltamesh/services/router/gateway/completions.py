@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from fastapi import APIRouter, Request
@@ -85,11 +86,37 @@ def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob], offset: int) -
     )
 
 
+class _TextChunks:
+    """The SSE event of a chunk that carries only text (most chunks of a stream), written as the schema writes it:
+    the event of an empty text is rendered once per choice and the text's JSON put in its place, so that a token
+    costs one json.dumps instead of building and dumping two pydantic models (bench/RESULTS.md, "Router CPU per
+    streamed token")."""
+
+    def __init__(self, reply: Reply):
+        self.reply = reply
+        self._around: dict[int, tuple[str, str]] = {}
+
+    def event(self, index: int, text: str) -> str:
+        around = self._around.get(index)
+        if around is None:
+            r = self.reply
+            empty = oa.Completion(
+                id=r.id, created=r.created, model=r.body.model, choices=[oa.CompletionChoice(index=index, text="")]
+            )
+            before, after = empty.model_dump_json(exclude_none=False).split('"text":""')  # once: JSON escapes quotes
+            around = self._around[index] = (f'data: {before}"text":', f"{after}\n\n")
+        return around[0] + json.dumps(text, ensure_ascii=False) + around[1]
+
+
 async def _chunks(reply: Reply, deltas: Deltas):
     acc = Accumulator(reply.choices)
+    text_only = _TextChunks(reply)
     async for index, d in deltas:
         offset = len(acc.text[index])
         acc.add(index, d)
+        if not d.finished and reply.body.logprobs is None:
+            yield text_only.event(index, d.text)
+            continue
         choice = oa.CompletionChoice(
             index=index,
             text=d.text,

@@ -21,6 +21,7 @@ class Gateway:
     api_key: str | None = None
     body_timeout_s: float = 30.0  # for a request's body, once its headers are in
     output_format: OutputFormat = OutputFormat()  # how the model writes reasoning and tool calls
+    process: int | None = None  # which of the router's processes this is (--api-server-count > 1), for /ready
 
     def token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False) if self.frontend.tokenizer else ""

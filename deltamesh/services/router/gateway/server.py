@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 import h11
 import uvicorn
@@ -60,9 +61,23 @@ class _HeaderDeadline(H11Protocol):
             self.transport.close()
 
 
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other processes of this user may bind too (SO_REUSEPORT): the kernel
+    spreads the connections over them (router/processes.py)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
 async def start_gateway(
-    gateway: Gateway, host: str, port: int, header_timeout_s: float = 10.0
+    gateway: Gateway, host: str, port: int, header_timeout_s: float = 10.0, reuse_port: bool = False
 ) -> tuple[_EmbeddedServer, asyncio.Task]:
+    """uvicorn serving the gateway on host:port (with `reuse_port`, on a port shared with other processes)."""
     protocol = type("HeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(
         create_app(gateway),
@@ -75,7 +90,7 @@ async def start_gateway(
         http=protocol,
     )
     server = _EmbeddedServer(config)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[shared_socket(host, port)] if reuse_port else None))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if task.done():
