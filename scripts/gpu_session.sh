@@ -19,6 +19,9 @@ start)
       || exit 1
   done
   export SITE_FIRST=/tmp/svc-site:/tmp/extra-site
+  # the stages source the staged packages' env.sh from a copy: a later call need not carry the wheel parts again
+  mkdir -p /tmp/gpu-parts/p1 && cp "${GPU_PARTS:-.gpu-wheels/p}"1/env.sh /tmp/gpu-parts/p1/ || exit 1
+  export GPU_PARTS=/tmp/gpu-parts/p
   setsid nohup bash -c 'for s in "$@"; do OUT='"$root"'/$s bash scripts/gpu_stage.sh "$s"; done; touch '"$root"'/done' \
     stages "$@" > "$root/session.log" 2>&1 < /dev/null &
   echo "started: $*"
