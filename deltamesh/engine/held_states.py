@@ -46,6 +46,11 @@ class HeldStates:
         # requests whose states wait for room in the hand-off area, with their last outputs (stepping thread)
         self.waiting: deque[tuple[Request, RequestOutput]] = deque()
 
+    def drafts(self, request_id: str) -> list[int]:
+        """A held request's drafts (Request.draft_ids); KeyError if not held."""
+        with self._lock:
+            return list(self._held[request_id].draft_ids)
+
     def __len__(self) -> int:
         return len(self._held)
 

@@ -28,6 +28,7 @@ class Rank:
     kv_pool: KVPagePool
     kernels: Kernels
     runner: ModelRunner
+    draft_pool: StatePool | None = None  # speculative decoding: the GDN states after each verified token
 
 
 def build_rank(
@@ -47,6 +48,7 @@ def build_rank(
         config.seed,
         tp,
         fp8_weights(mc, device, dtype, tp, config.quantization),
+        mtp=config.speculative_tokens > 0,
     )
     local = tp.shard.local if tp else mc
 
@@ -66,7 +68,10 @@ def build_rank(
         pool.name = name
         return pool
 
+    k = config.speculative_tokens
     slots = state_pool(config.max_num_seqs, "slots")
+    # each slot's states after each of the K + 1 tokens a step verifies: (slots + 1) * (K + 1) of them
+    drafts = state_pool((config.max_num_seqs + 1) * (k + 1) - 1, "drafts") if k else None
     page_bytes = _page_bytes(config, local, dtype)
     checkpoints = None
     if config.prefix_cache:  # allocated before the KV pool, which may size itself from the memory left
@@ -81,7 +86,7 @@ def build_rank(
         tp.all_reduce(count, min=True)
         num_pages = int(count.item())
     kv_pool = KVPagePool(
-        num_pages, config.page_size, len(local.full_layers), local.num_key_value_heads, local.head_dim, dtype, device
+        num_pages, config.page_size, kv_layers(config, local), local.num_key_value_heads, local.head_dim, dtype, device
     )
     shapes = ModelShapes(
         dtype,
@@ -97,12 +102,21 @@ def build_rank(
     )
     kernels = select_kernels(device, shapes, config.kernel_backend)
     runner = ModelRunner(model, kv_pool, slots, kernels, device)
-    return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner)
+    if k:
+        from deltamesh.engine.spec.runner import SpecRunner
+
+        runner.spec = SpecRunner(runner, drafts, k)
+    return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner, drafts)
+
+
+def kv_layers(c: EngineConfig, model: ModelConfig) -> int:
+    """The KV pool's layers: the full-attention layers', then (speculative decoding) the MTP module's."""
+    return len(model.full_layers) + (model.mtp_layers if c.speculative_tokens else 0)
 
 
 def _page_bytes(c: EngineConfig, local: ModelConfig, dtype: torch.dtype) -> int:
     """One KV page's bytes (KVPagePool.page_bytes, known before the pool is made)."""
-    per_page = 2 * max(len(local.full_layers), 1) * c.page_size * local.num_key_value_heads * local.head_dim
+    per_page = 2 * max(kv_layers(c, local), 1) * c.page_size * local.num_key_value_heads * local.head_dim
     return per_page * torch.tensor([], dtype=dtype).element_size()
 
 

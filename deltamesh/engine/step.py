@@ -4,8 +4,10 @@ what the prefix cache takes from it (`_advance`), sampling (`_sample`); later, o
 its tokens on the host (`LaunchedStep.read`). The step loop around it is core.py.
 
 Where what comes next goes: a stage that changes the logits before sampling (penalties, grammar bitmasks, with
-their per-request state on the device) between `_forward` and `_sample`, on the rows of `sampling`; a step that
-verifies drafted tokens (MTP) in place of `_sample`, its accepted tokens per request returned by `read`.
+their per-request state on the device) between `_forward` and `_sample`, on the rows of `sampling`. A speculative
+engine (engine/spec/) verifies drafted tokens inside the forward pass of every rank (the leader's acceptance in
+place of `_sample`: spec/accept.py, which a logits stage reaches row by row, each verified position a row), its
+one to K+1 new tokens per request returned by `read`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from deltamesh.engine.request import Request
 from deltamesh.engine.runner import ModelRunner
 from deltamesh.engine.sampling import SampledTokens, TokenLogprobs, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
+from deltamesh.engine.spec import tokens as spec_tokens
+from deltamesh.engine.spec.runner import SpecSampling
+from deltamesh.engine.spec.tokens import SpecTokens
 from deltamesh.engine.stats import EngineStats
 from deltamesh.engine.tp_workers import Followers
 
@@ -32,17 +37,23 @@ class LaunchedStep:
     around its forward pass (the GPU's time on it: step_report.py)."""
 
     requests: list[Request]
-    sampled: SampledTokens
+    sampled: SampledTokens | SpecTokens
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     taken: bool = False  # its tokens went into their requests during the next step's launch (EngineCore._take_early)
 
-    def read(self, stats: EngineStats) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """The step's tokens (and logprobs) on the host, row by row; waits for the device."""
-        tokens, logprobs = self.sampled.result()
+    def read(self, stats: EngineStats) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """The step's new tokens (and logprobs) on the host, per request in row order; waits for the device. A
+        speculative step's requests have their accepted drafts counted as computed first (spec/tokens.settle)."""
+        if isinstance(self.sampled, SpecTokens):
+            tokens, logprobs, advanced, drafts = self.sampled.result()
+            spec_tokens.settle(self.requests, advanced, drafts, self.sampled.num_verify, stats)
+        else:
+            token_list, logprob_list = self.sampled.result()
+            tokens, logprobs = [[t] for t in token_list], [[lp] for lp in logprob_list]
         if self.span is not None:
             self.span[1].synchronize()  # returns at once: both events precede the tokens' copy on the stream
             stats.gpu_step_ms += self.span[0].elapsed_time(self.span[1])
-        return tokens, logprobs
+        return list(zip(tokens, logprobs))
 
 
 class StepLauncher:
@@ -55,9 +66,10 @@ class StepLauncher:
         device: torch.device,
         seed: int,
         data_parallel: bool,
+        max_model_len: int = 0,
     ):
         self.runner, self.followers, self.scheduler, self.stats = runner, followers, scheduler, stats
-        self.data_parallel = data_parallel
+        self.data_parallel, self.max_model_len = data_parallel, max_model_len
         self.gpu_timed = device.type == "cuda"  # each step's GPU time (EngineStats.gpu_step_ms)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.prefix_cache: PrefixCacheInterface | None = None  # once made (after the warm-up)
@@ -67,29 +79,49 @@ class StepLauncher:
     ) -> LaunchedStep:
         """Queue the step on the device; `previous`: the step launched before, whose tokens this one's decodes take
         as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only)."""
-        # decode-first, as kernels expect; the chunks that take a state in passing last (runner.host_step)
-        items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
+        # decode-first (verifying items first), as kernels expect; the chunks that take a state in passing last
+        # (runner.host_step)
+        items.sort(key=lambda it: (it.request.dp_rank, not it.verify, it.num_tokens != 1, it.snapshot_at is not None))
         started = time.monotonic()
         span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.gpu_timed else None
         if span:
             span[0].record()
-        logits = self._forward(items, previous, between_layers)
+        sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
+        spec = self._spec_sampling(items, sampling) if self.runner.spec is not None else None
+        out = self._forward(items, previous, between_layers, spec)
         if span:
             span[1].record()
-        sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
         self._advance(items, started)
-        sampled = self._sample(logits, sampling)
+        if spec is not None:  # accepted inside the forward pass (spec/runner.py): its outputs
+            sampled = SpecTokens(out, sampling, sum(it.verify for it in items), self.runner.spec.k)
+            self._pending(sampling)
+        else:
+            sampled = self._sample(out, sampling)
         self.stats.steps += 1
         return LaunchedStep(sampling, sampled, span)
 
+    def _spec_sampling(self, items: list[ScheduledItem], sampling: list[Request]) -> SpecSampling:
+        """A speculative step drafts unless it backed off (its decodes run without verification at a large
+        batch: scheduler.py)."""
+        backed_off = any(not it.verify and it.num_tokens == 1 and it.request.output_ids for it in items)
+        inputs = spec_tokens.accept_inputs(sampling, self.max_model_len)
+        return SpecSampling(inputs, self.generator, sampling, draft=not backed_off)
+
     def _forward(
-        self, items: list[ScheduledItem], previous: LaunchedStep | None, between_layers: Callable[[], None] | None
-    ) -> torch.Tensor:
-        """The forward pass: the logits of the items' sampled rows (in `items` order)."""
+        self,
+        items: list[ScheduledItem],
+        previous: LaunchedStep | None,
+        between_layers: Callable[[], None] | None,
+        spec: SpecSampling | None = None,
+    ):
+        """The forward pass: the logits of the items' sampled rows (in `items` order); a speculative engine's
+        outputs (spec/runner.py)."""
         pending = previous.sampled.tokens if previous is not None else None
         if self.data_parallel:
             return data_parallel.execute(self.runner, self.followers, items, pending)
-        return self.runner.execute(items, pending, between_layers=between_layers)
+        if spec is None:
+            return self.runner.execute(items, pending, between_layers=between_layers)
+        return self.runner.execute(items, pending, between_layers=between_layers, sampling=spec)
 
     def _advance(self, items: list[ScheduledItem], started: float) -> None:
         """The items' requests have their tokens computed (once the step runs): their counts, and the prompt pages
@@ -103,7 +135,8 @@ class StepLauncher:
                 self.stats.queued += 1
             in_prompt = req.num_computed < len(req.prompt_ids)
             mixed |= in_prompt
-            req.num_computed += it.num_tokens
+            req.num_computed += 1 if it.verify else it.num_tokens  # the drafts it accepts: when read
+            req.verifying = it.verify
             if req.num_computed <= len(req.prompt_ids):
                 self.stats.prompt_tokens += it.num_tokens
             if in_prompt and self.prefix_cache is not None:
@@ -120,7 +153,11 @@ class StepLauncher:
             [len(r.output_ids) + r.num_pending for r in sampling],
             self.generator,
         )
+        self._pending(sampling)
+        return sampled
+
+    @staticmethod
+    def _pending(sampling: list[Request]) -> None:
         for row, req in enumerate(sampling):
             req.num_pending += 1
             req.pending_row = row
-        return sampled

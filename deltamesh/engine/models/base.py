@@ -163,9 +163,10 @@ class HybridLM(nn.Module, ABC):
     def mix_context(self, batch: StepBatch, state_pool: StatePool, dtype: torch.dtype) -> tuple:
         """What every layer's mix reads besides its input: the rotary tables and the state pools' rows (of the
         step's sequences, and of its snapshot slots)."""
-        snap = batch.snapshot
+        snap, verify = batch.snapshot, batch.verify
         kept = state_pool.layer_rows(snap.slots) if snap is not None else None
-        return self.rotary.cos_sin(batch.positions, dtype), state_pool.layer_rows(batch.state_slots), kept
+        drafts = verify.pool.layer_rows(verify.slots.flatten()) if verify is not None else None
+        return self.rotary.cos_sin(batch.positions, dtype), state_pool.layer_rows(batch.state_slots), kept, drafts
 
     def mix(
         self,
@@ -177,11 +178,11 @@ class HybridLM(nn.Module, ABC):
         state_pool: StatePool,
         kernels: Kernels,
     ) -> torch.Tensor:
-        rope, state_rows, snapshot_rows = context
+        rope, state_rows, snapshot_rows, draft_rows = context
         mixer = self.layers[i].mixer
         if isinstance(mixer, GatedAttention):
             return mixer.mix(x, batch, rope, kv_pool, kernels)
-        return mixer.mix(x, batch, state_pool, state_rows, snapshot_rows, kernels)
+        return mixer.mix(x, batch, state_pool, state_rows, snapshot_rows, kernels, draft_rows)
 
     def after_mix(
         self, i: int, mixed: torch.Tensor, residual: torch.Tensor, kernels: Kernels

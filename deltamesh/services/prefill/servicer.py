@@ -50,6 +50,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             response = prefill_pb2.PrefillResponse(first=delta_from_output(first))
             if first.finish_reason is None:  # more to decode: hold the state under a lease
                 self._hold(response, rid, len(req.prompt_ids), request.lease_ttl_ms, request.lease_token or None)
+                response.draft_token_ids.extend(self.engine.held_drafts(rid))
                 leased = True
                 # a caller that went away before the response reached it never learns the token: end the lease now
                 context.add_done_callback(lambda ctx: ctx.cancelled() and self.leases.release(rid))

@@ -1,0 +1,116 @@
+"""Speculative decoding with the MTP module (engine/spec/), in one engine: greedy output with K drafts per step
+equals greedy output without them, token for token, on every family, with async scheduling on and off. The
+checkpoints' MTP modules are random, so nearly every draft is rejected (the reject path); a test-only draft source
+that proposes the reference continuation makes every draft accepted, and one with a wrong token at a chosen
+position makes verification reject there, so the GDN state and the KV roll back to an accepted prefix mid-run."""
+
+import pytest
+import torch
+from hf_checkpoints import VOCAB
+from idle_pools import assert_idle
+from spec_drafts import ReferenceDrafter
+
+from deltamesh.engine import EngineConfig, SamplingParams
+from deltamesh.engine.core import EngineCore
+
+pytestmark = pytest.mark.spec
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def prompts(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, VOCAB, (int(torch.randint(3, 40, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
+
+
+def engine(path, k, **kw):
+    settings = dict(model=str(path), page_size=4, max_num_seqs=8, max_num_batched_tokens=64, speculative_tokens=k)
+    return EngineCore(EngineConfig(**(settings | kw)))
+
+
+def run(core, ps, params=GREEDY, ids=None):
+    """Every prompt to the end, submitted at once; {request id: tokens}."""
+    results, finals = {}, {}
+
+    def sink(out):
+        results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            finals[out.request_id] = out
+
+    ids = ids or [f"r{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps):
+        core.submit(core.make_request(p, params, rid), sink)
+    while len(finals) < len(ps):
+        core.dispatch(core.process_commands())
+        core.dispatch(core.step())
+    assert not [out.error for out in finals.values() if out.error]
+    return {rid: results[rid] for rid in ids}
+
+
+@pytest.fixture(scope="module")
+def references(hf_checkpoints):
+    """{family: greedy outputs of `prompts(4)` without speculative decoding}."""
+    return {f: run(engine(hf_checkpoints[f], 0), prompts(4)) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_output_with_mtp_drafts_equals_greedy_output_without(hf_checkpoints, references, family, k):
+    core = engine(hf_checkpoints[family], k)
+    assert run(core, prompts(4)) == references[family]
+    assert core.stats.spec_drafts > 0
+    assert_idle(core)
+
+
+def test_greedy_output_is_the_same_without_async_scheduling(hf_checkpoints, references):
+    core = engine(hf_checkpoints["qwen3_5_moe"], 2, async_scheduling=False)
+    assert run(core, prompts(4)) == references["qwen3_5_moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_drafts_of_the_reference_continuation_are_all_accepted(hf_checkpoints, references, family, async_scheduling):
+    ps, k = prompts(4), 3
+    core = engine(hf_checkpoints[family], k, async_scheduling=async_scheduling)
+    refs = {rid: p + out for (rid, out), p in zip(references[family].items(), ps)}
+    core.runner.spec.drafter = ReferenceDrafter(refs, VOCAB)
+    assert run(core, ps) == references[family]
+    stats = core.stats
+    # every draft is accepted but those past a request's 20th token (cut by max_tokens)
+    assert stats.spec_accepted >= 0.7 * stats.spec_drafts > 0
+    assert stats.spec_accepted_at[0] >= stats.spec_accepted_at[1] >= stats.spec_accepted_at[2] > 0
+    steps = stats.steps
+    assert steps <= 2 + 20 // (k + 1) * 2  # about (K+1) tokens per step, not one
+    assert_idle(core)
+
+
+@pytest.mark.parametrize("wrong_at", [1, 6, 7])
+def test_a_wrong_draft_is_rejected_and_the_state_rolls_back_to_the_accepted_prefix(
+    hf_checkpoints, references, wrong_at
+):
+    """The draft at output index `wrong_at` is wrong: verification keeps the drafts before it and the target's own
+    token in its place; the GDN state and KV of the rejected drafts are dropped (or every later token would
+    differ)."""
+    family, ps = "qwen3_next", prompts(4)
+    core = engine(hf_checkpoints[family], 3)
+    refs = {rid: p + out for (rid, out), p in zip(references[family].items(), ps)}
+    core.runner.spec.drafter = ReferenceDrafter(refs, VOCAB, wrong_at=wrong_at)
+    assert run(core, ps) == references[family]
+    assert 0 < core.stats.spec_accepted < core.stats.spec_drafts
+    assert_idle(core)
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(hf_checkpoints, references):
+    family, ps = "qwen3_5", prompts(4)
+    ref = references[family]
+    stop = ref["r1"][9]  # the 10th token of r1 (an accepted draft)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    plain = run(engine(hf_checkpoints[family], 0), ps, params)
+    core = engine(hf_checkpoints[family], 3)
+    core.runner.spec.drafter = ReferenceDrafter({rid: p + out for (rid, out), p in zip(ref.items(), ps)}, VOCAB)
+    got = run(core, ps, params)
+    assert got == plain and got["r1"][-1] == stop and len(got["r1"]) <= 10
+    assert_idle(core)
