@@ -60,8 +60,12 @@ class ModelRunner:
     def capture_decode_graphs(self, max_batch: int, max_context: int) -> None:
         from deltamesh.engine.cuda_graphs import DecodeGraphs
 
+        if self.spec is not None:  # drafts write a little past a request's length (scheduler.spec_reach)
+            max_context += 3 * self.spec.k
         self.graphs = DecodeGraphs(self, max_batch, self.kv_pool.pages_for(max_context))
         self.graphs.capture()
+        if self.spec is not None:
+            self.spec.capture_graphs(max_batch, self.kv_pool.pages_for(max_context))
 
     def capture_piecewise_graphs(self, max_tokens: int) -> None:
         from deltamesh.engine.cuda_graphs import PiecewiseGraphs
@@ -246,6 +250,19 @@ class ModelRunner:
             self.followers.send_step(step)
         return self.run(step, pending_tokens, between_layers, sampling)
 
+    def forward(
+        self, input_ids: torch.Tensor, batch: StepBatch, between_layers: Callable[[], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, logits of every row or None): a decode-only step replayed from a CUDA graph (which gives
+        its logits too), a step with prompt tokens from piecewise graphs, or the model run eagerly."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            self.graph_steps += 1
+            return self.graphs.run(input_ids, batch)  # decode-only: every item samples
+        if self.pieces is not None and self.pieces.fits(batch):
+            self.piecewise_steps += 1
+            return self.pieces.run(input_ids, batch, between_layers), None
+        return self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels, between_layers), None
+
     @torch.inference_mode()
     def idle(self) -> torch.Tensor:
         """A data-parallel rank's step when it has no requests in it: its part in the other ranks' MoE layers."""
@@ -262,18 +279,11 @@ class ModelRunner:
     ):
         """`execute` from the host inputs: what every tensor-parallel rank runs for the leader's step."""
         input_ids, batch = self.device_inputs(step, pending_tokens)
-        if self.graphs is not None and self.graphs.fits(batch):
-            self.graph_steps += 1
-            hidden, logits = self.graphs.run(input_ids, batch)  # decode-only: every item samples
-            if step.spec is None:
-                return logits
-        elif self.pieces is not None and self.pieces.fits(batch):
-            self.piecewise_steps += 1
-            hidden = self.pieces.run(input_ids, batch, between_layers)
-        else:
-            hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels, between_layers)
         if step.spec is not None:
-            return self.spec.finish(step.spec, input_ids, batch, hidden, sampling)
+            return self.spec.run(step.spec, input_ids, batch, sampling, between_layers)
+        hidden, logits = self.forward(input_ids, batch, between_layers)
+        if logits is not None:
+            return logits
         if not step.sample_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[batch.sample_index])

@@ -114,3 +114,18 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(hf_checkpoin
     got = run(core, ps, params)
     assert got == plain and got["r1"][-1] == stop and len(got["r1"]) <= 10
     assert_idle(core)
+
+
+def test_steps_replayed_through_the_verify_graphs_parts_give_the_same_tokens(hf_checkpoints, references):
+    """spec/graphs.py's two parts on their static buffers, run as plain calls (capture=False: no GPU here): the
+    verify-only steps take them, padding rows and all, and the tokens are unchanged."""
+    from deltamesh.engine.spec.graphs import VerifyGraphs
+
+    core = engine(hf_checkpoints["qwen3_5_moe"], 2)
+    spec = core.runner.spec
+    spec.graphs = VerifyGraphs(
+        spec, 8, core.kv_pool.pages_for(core.max_model_len + 6), buckets=(1, 2, 8), capture=False
+    )
+    assert run(core, prompts(4)) == references["qwen3_5_moe"]
+    assert core.runner.graph_steps > 5
+    assert_idle(core)

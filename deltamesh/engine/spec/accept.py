@@ -81,7 +81,7 @@ def accept(
     budget = on_device(inputs.budget.tolist(), torch.int64, dev)
     if delta is not None:
         budget = budget - delta
-    stops = torch.from_numpy(inputs.stops).to(dev, non_blocking=True)
+    stops = on_device(inputs.stops.tolist(), torch.int64, dev)
     ends = (tokens[:, :, None] == stops[:, None, :]).any(-1) | (positions[None, :] + 1 >= budget[:, None])
     ends &= positions[None, :] <= accepted[:, None]
     first_end = torch.where(ends, positions[None, :], w).min(-1).values

@@ -59,6 +59,7 @@ class SpecRunner:
         self.width = k + 1
         self.drafter: Drafter = MtpDrafter()
         self.previous: SpecOutputs | None = None  # this rank's last step's outputs
+        self.graphs = None  # spec.graphs.VerifyGraphs once captured (CUDA)
         self._spec_arrays: list[torch.Tensor] = []
         self._delta: torch.Tensor | None = None  # [num_verify] the previous step's accepted drafts per verifier
 
@@ -95,38 +96,63 @@ class SpecRunner:
         slots = batch.state_slots[: n * w : w].long()
         return Verification(n, w, self.draft_pool, slots[:, None] * w + torch.arange(w, device=slots.device))
 
-    # ---- after the forward pass ------------------------------------------------------------------------------
-    def finish(self, spec: SpecHost, ids, batch, hidden, sampling: SpecSampling | None) -> SpecOutputs:
-        runner = self.runner
-        model, tp = runner.model, runner.tp
-        source, _, sample_rows, sample_seqs, next_fix = self._spec_arrays
-        r, n, w, k = sample_rows.shape[0], spec.num_verify, spec.width, self.k
+    # ---- the step ----------------------------------------------------------------------------------------
+    def capture_graphs(self, max_batch: int, max_pages: int) -> None:
+        from deltamesh.engine.spec.graphs import VerifyGraphs
+
+        self.graphs = VerifyGraphs(self, max_batch, max_pages)
+
+    def run(self, spec: SpecHost, ids, batch, sampling: SpecSampling | None, between_layers=None) -> SpecOutputs:
+        """The forward pass (a step whose every row verifies from CUDA graphs: spec/graphs.py), the acceptance (the
+        leader's, sent to the other ranks), the commit and the drafts."""
+        runner, model = self.runner, self.runner.model
+        r, n = len(spec.sample_rows), spec.num_verify
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(batch, spec) else None
+        if graphs is not None:
+            runner.graph_steps += 1
+            hidden, logits = graphs.forward(ids, batch)
+        else:
+            hidden, logits = runner.forward(ids, batch, between_layers)
+            if logits is not None:  # a plain decode step's graph: every row samples
+                logits = logits if r else None
+            elif r:  # on every rank: its part in the vocabulary gather
+                logits = model.logits(hidden[batch.sample_index])
         if sampling is not None:  # the leader decides
-            logits = model.logits(hidden[batch.sample_index]) if r else hidden.new_empty((0, model.cfg.vocab_size))
+            if logits is None:
+                logits = hidden.new_empty((0, model.cfg.vocab_size), dtype=torch.float32)
             accepted = self._accept(logits, ids, spec, sampling)
             packed = torch.stack([accepted.counts - 1, accepted.next_tokens, accepted.done.long()])
         else:
-            if r:
-                model.logits(hidden[batch.sample_index])  # its part in the vocabulary gather
             accepted, packed = None, torch.empty((3, r), dtype=torch.int64, device=hidden.device)
-        if tp is not None:
-            tp.broadcast(packed)
+        if runner.tp is not None:
+            runner.tp.broadcast(packed)
         advanced, next_tokens, done = packed[0], packed[1], packed[2].bool()
+        source = self._spec_arrays[0]
         if n and self.previous is not None:  # a request the previous step ended commits its first input only
             ended = (source >= 0) & self.previous.done[source.clamp(min=0)]
             advanced[:n] = torch.where(ended, 0, advanced[:n])
+        if graphs is not None:
+            drafts = graphs.after_accept(advanced, next_tokens)
+        else:
+            drafts = self._after_accept(spec, ids, batch, hidden, advanced, next_tokens, sampling)
+        if drafts is None:  # placeholders: as exact as any drafts, never accepted but by chance
+            drafts = next_tokens[:, None].expand(r, self.k).contiguous()
+        self.previous = SpecOutputs(next_tokens, advanced, drafts, done, accepted)
+        return self.previous
+
+    def _after_accept(self, spec: SpecHost, ids, batch, hidden, advanced, next_tokens, sampling) -> torch.Tensor | None:
+        """Commit, then the drafter's turn (eagerly)."""
+        runner = self.runner
+        _, _, sample_rows, sample_seqs, next_fix = self._spec_arrays
+        r, n, w = sample_rows.shape[0], spec.num_verify, spec.width
         if n:
-            self._commit(batch, advanced[:n], n, w)
-        next_ids = ids.roll(-1)
+            self.commit(batch, advanced[:n], n, w)
+        next_ids = self.next_ids(ids, advanced, next_tokens, n)
         next_ids[next_fix[0]] = next_fix[1]
         next_ids[sample_rows[n:]] = next_tokens[n:]
-        if n:  # a verifying request's inputs are followed by its drafts, its accepted run by the new token
-            view = next_ids[: n * w].view(n, w)
-            view[:, -1] = next_tokens[:n]
-            view.scatter_(1, advanced[:n, None], next_tokens[:n, None])
         last_rows = sample_rows + torch.where(torch.arange(r, device=ids.device) < n, advanced, 0)
         ctx = DraftContext(
-            model,
+            runner.model,
             runner.kv_pool,
             runner.kernels,
             ids,
@@ -136,15 +162,21 @@ class SpecRunner:
             last_rows,
             next_tokens,
             batch.block_tables[sample_seqs],
-            k,
+            self.k,
             spec.draft,
             sampling.requests if sampling is not None else None,
         )
-        drafts = self.drafter.draft(ctx)
-        if drafts is None:  # placeholders: as exact as any drafts, never accepted but by chance
-            drafts = next_tokens[:, None].expand(r, k).contiguous()
-        self.previous = SpecOutputs(next_tokens, advanced, drafts, done, accepted)
-        return self.previous
+        return self.drafter.draft(ctx)
+
+    def next_ids(self, ids: torch.Tensor, advanced: torch.Tensor, next_tokens: torch.Tensor, n: int) -> torch.Tensor:
+        """The token after each input: the next input, but for the last of a verifying request's inputs and its
+        last accepted one: its new token (the MTP's catch-up reads these: spec/drafter.py)."""
+        out = ids.roll(-1)
+        if n:
+            view = out[: n * self.width].view(n, self.width)
+            view[:, -1] = next_tokens[:n]
+            view.scatter_(1, advanced[:n, None], next_tokens[:n, None])
+        return out
 
     def _accept(self, logits: torch.Tensor, ids: torch.Tensor, spec: SpecHost, sampling: SpecSampling) -> Accepted:
         """The verifying requests' runs (W rows of logits each), then the other sampling requests' one token."""
@@ -162,7 +194,7 @@ class SpecRunner:
             parts.append(accept(single, none, [0] * (r - n), _rows(inputs, n, r), None, generator))
         return _concat(parts, w)
 
-    def _commit(self, batch, advanced: torch.Tensor, n: int, w: int) -> None:
+    def commit(self, batch, advanced: torch.Tensor, n: int, w: int) -> None:
         """Each verifying request's state := the one after its last accepted input (from the draft pool)."""
         states, drafts = self.runner.state_pool, self.draft_pool
         slots = batch.state_slots[: n * w : w].long()
