@@ -3,13 +3,14 @@ tests: the engine loads them through its real loader and must reproduce transfor
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+
+from scripts.mtp_head import MtpHead
 
 VOCAB = 320
 
@@ -154,45 +155,12 @@ def write_checkpoint(family: str, out: Path, seed: int = 0, mtp: bool = True) ->
     return out
 
 
-class MtpReference(nn.Module):
-    """The MTP module as Qwen publishes it (vLLM's qwen3_5_mtp.py / qwen3_next_mtp.py name and wire it so;
-    transformers does not implement it and drops `mtp.*` on load), built from transformers' own layers of the
-    model's family: the token's embedding and the target's hidden state, each RMS-normed, concatenated
-    (embedding first) and projected by `fc`, then one full-attention decoder layer of the family (its MLP that of
-    the main layer of the same index) and a final norm. `forward` runs a whole sequence at once, causal."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        cfg = copy.deepcopy(model.config)
-        cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers  # MTP layer 0 is full attention
-        norm, layer = type(model.model.norm), type(model.model.layers[0])
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = (
-            norm(h, eps=eps),
-            norm(h, eps=eps),
-            norm(h, eps),
-        )
-        self.layers = nn.ModuleList([layer(cfg, 0)])
-
-    def forward(self, model, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Normed MTP hidden states [T, h] of one sequence: position p reads the token at p+1 (`next_ids[p]`)
-        and `hidden[p]`."""
-        emb = model.model.embed_tokens(next_ids)
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))[None]
-        t = x.shape[1]
-        mask = torch.full((t, t), float("-inf"), dtype=x.dtype).triu(1)[None, None]
-        rope = model.model.rotary_emb(x, positions[None])
-        x = self.layers[0](x, position_embeddings=rope, attention_mask=mask, position_ids=positions[None])
-        return self.norm(x[0])
-
-
 def add_mtp(model: nn.Module, out: Path, seed: int) -> None:
-    """A random MTP module (MtpReference) beside a saved checkpoint: its tensors named `mtp.*` in a file of their
+    """A random MTP module (scripts/mtp_head.py) beside a saved checkpoint: its tensors named `mtp.*` in a file of their
     own, as the released checkpoints ship them, and the config's count of MTP layers (Qwen3.5's
     `mtp_num_hidden_layers`, Qwen3-Next's `num_nextn_predict_layers`)."""
     torch.manual_seed(seed + 1000)
-    mtp = MtpReference(model).eval()
+    mtp = MtpHead(model).eval()
     randomize(mtp, seed + 1000)
     save_file({f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()}, str(out / "mtp.safetensors"))
     cfg_path = out / "config.json"
@@ -202,11 +170,11 @@ def add_mtp(model: nn.Module, out: Path, seed: int) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
-def load_mtp_reference(model: nn.Module, path: Path) -> MtpReference:
+def load_mtp_reference(model: nn.Module, path: Path) -> MtpHead:
     """The MTP module `add_mtp` wrote beside checkpoint `path`, for `model` (transformers' model of it)."""
     from safetensors.torch import load_file
 
-    mtp = MtpReference(model)
+    mtp = MtpHead(model)
     tensors = load_file(str(path / "mtp.safetensors"))
     mtp.load_state_dict({k.removeprefix("mtp."): v for k, v in tensors.items()})
     return mtp.to(next(model.parameters()).dtype).eval()

@@ -3,11 +3,9 @@ tokens after the one they sample, the drafts travel with the lease (the MTP's KV
 and decode workers verify them in their first step; greedy output equals the monolithic engine's without MTP."""
 
 import asyncio
-import shutil
 
 import pytest
 from harness import start_mesh
-from hf_checkpoints import add_mtp, load_hf
 from test_mesh import generate_all, random_prompts, spread
 
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
@@ -15,14 +13,7 @@ from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 pytestmark = [pytest.mark.e2e, pytest.mark.spec]
 
 
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    """The default model with a random MTP module beside it (drafts mostly rejected: the verify path's reject
-    side, and its accepted side wherever a random draft happens to agree)."""
-    out = tmp_path_factory.mktemp("tiny_mtp") / "deltamesh-tiny"
-    shutil.copytree(DEFAULT_MODEL, out)
-    add_mtp(load_hf(out), out, seed=3)
-    return out
+MODEL = str(DEFAULT_MODEL)  # with the MTP module scripts/make_default_mtp.py trained: drafts accepted and rejected
 
 
 def check(mesh, reference_engine, n_prompts=8, seed=0, max_tokens=24):
@@ -36,22 +27,20 @@ def check(mesh, reference_engine, n_prompts=8, seed=0, max_tokens=24):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_one_prefill_one_decode_worker_with_mtp_match_the_engine_without(tmp_path, mtp_model, reference_engine, k):
-    m = start_mesh(str(mtp_model), tmp_path, worker_args=["--speculative-tokens", str(k)])
+def test_one_prefill_one_decode_worker_with_mtp_match_the_engine_without(tmp_path, reference_engine, k):
+    m = start_mesh(MODEL, tmp_path, worker_args=["--speculative-tokens", str(k)])
     try:
         check(m, reference_engine, seed=k)
     finally:
         m.stop()
 
 
-def test_vllm_speculative_config_and_a_prefix_cache_second_turn(tmp_path, mtp_model, reference_engine):
+def test_vllm_speculative_config_and_a_prefix_cache_second_turn(tmp_path, reference_engine):
     """vLLM's --speculative-config form, colocated with the prefix cache: a conversation's second turn (its prompt
     repeats the first turn's prompt and reply) starts from the first turn's state and still gives the monolithic
     engine's tokens."""
     spec = '{"method": "mtp", "num_speculative_tokens": 2}'
-    m = start_mesh(
-        str(mtp_model), tmp_path, prefill=0, decode=0, colocated=1, worker_args=["--speculative-config", spec]
-    )
+    m = start_mesh(MODEL, tmp_path, prefill=0, decode=0, colocated=1, worker_args=["--speculative-config", spec])
     try:
         vocab = reference_engine.core.model_config.vocab_size
         first = random_prompts(1, vocab, [70], seed=5)[0]

@@ -1,6 +1,6 @@
 """The engine's MTP module (models/mtp.py), loaded by the engine's own loader from the `mtp.*` tensors of a
 checkpoint, against a float64 reference of the published architecture built from transformers' own layers
-(tests/hf_checkpoints.py MtpReference: transformers does not implement MTP): the draft logits at every position
+(scripts/mtp_head.py: transformers does not implement MTP): the draft logits at every position
 of a prompt run in chunks, its KV in the engine's paged pool."""
 
 import pytest

@@ -3,10 +3,8 @@ left, which must be exactly the state of its tokens, never a draft's (an accepte
 end, or a step launched before the end was read); stop strings, which the device cannot see, end the text where
 they do without MTP."""
 
-import shutil
-
 import pytest
-from hf_checkpoints import VOCAB, add_mtp, load_hf
+from hf_checkpoints import VOCAB
 from spec_drafts import ReferenceDrafter
 from test_spec_engine import engine, prompts, run
 
@@ -49,16 +47,9 @@ def test_a_next_turn_from_a_reply_whose_accepted_run_ended_on_a_stop_token(hf_ch
     assert got[2] >= sum(len(p) + len(r) - 1 for p, r in zip(ps, got[0].values()))  # each turn's whole state hit
 
 
-@pytest.fixture(scope="module")
-def tiny_mtp(tmp_path_factory):
-    """The default model (it has a tokenizer: stop strings) with a random MTP module."""
-    out = tmp_path_factory.mktemp("tiny_mtp") / "deltamesh-tiny"
-    shutil.copytree(DEFAULT_MODEL, out)
-    add_mtp(load_hf(out), out, seed=3)
-    return out
-
-
-def test_stop_strings_end_the_text_where_they_do_without_mtp(tiny_mtp):
+def test_stop_strings_end_the_text_where_they_do_without_mtp():
+    """The default model (a tokenizer: stop strings), drafting with its trained MTP module."""
+    tiny_mtp = DEFAULT_MODEL
     plain = engine(tiny_mtp, 0)
     prompt = plain.tokenizer.encode("The Python language")
     reply = run(plain, [prompt], SamplingParams(max_tokens=30, temperature=0))["r0"]
