@@ -129,3 +129,43 @@ def test_steps_replayed_through_the_verify_graphs_parts_give_the_same_tokens(hf_
     assert run(core, prompts(4)) == references["qwen3_5_moe"]
     assert core.runner.graph_steps > 5
     assert_idle(core)
+
+
+def test_a_held_prefill_state_with_its_drafts_resumes_on_a_decode_engine(hf_checkpoints, references):
+    """P/D without a transport: the prefill engine holds the prompt's state (its pages the prompt's only: the room
+    its drafts took is given back) and its first token's drafts; their bytes, region for region, and the drafts
+    start the decode engine, which verifies them in its first step."""
+    path, ps = hf_checkpoints["qwen3_5"], [p[:n] for p, n in zip(prompts(4), (3, 7, 15, 30))]
+    want = run(engine(path, 0), ps)
+    prefill, decode = engine(path, 3), engine(path, 3)
+    refs = {f"r{i}": p + want[f"r{i}"] for i, p in enumerate(ps)}
+    prefill.runner.spec.drafter = decode.runner.spec.drafter = ReferenceDrafter(refs, VOCAB)
+    results, finals = {}, {}
+
+    def sink(out):
+        results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            finals[out.request_id] = out
+
+    for i, p in enumerate(ps):
+        prefill.submit(prefill.make_request(p, GREEDY, f"r{i}", hold_state=True), sink)
+    while len(prefill.held) < len(ps):
+        prefill.dispatch(prefill.process_commands())
+        prefill.dispatch(prefill.step())
+    finals.clear()  # a held request ends on the prefill engine after its first token
+    for i, p in enumerate(ps):
+        rid = f"r{i}"
+        held, drafts = prefill.held.regions(rid), prefill.held.drafts(rid)
+        assert drafts == want[rid][1:4]  # the reference continuation's next three tokens
+        res = decode.reservations.reserve(len(p))
+        assert [r.nbytes for r in res.regions] == [r.nbytes for r in held]
+        for dst, src in zip(res.regions, held):
+            dst.tensor.copy_(src.tensor)
+        assert prefill.held.release(rid)
+        decode.submit_transferred(decode.make_request(p, GREEDY, rid), results[rid][0], res, sink, drafts)
+    while len(finals) < len(ps):
+        decode.dispatch(decode.process_commands())
+        decode.dispatch(decode.step())
+    assert results == want and decode.stats.spec_accepted > 0.7 * decode.stats.spec_drafts
+    assert_idle(prefill)
+    assert_idle(decode)

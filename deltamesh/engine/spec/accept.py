@@ -15,7 +15,8 @@ is the target's distribution p_j of the token after x, d_1..d_j. Its new tokens 
 
 Then the run is cut at the first token that ends the request as the device can tell (an EOS or stop token id, or
 the token budget of max_tokens and the context): the state is never committed past it, and `done` tells the next
-step (launched before the host reads this one) not to commit this request's state any further.
+step (launched before the host reads this one) to commit only its first input of this request, the ending token,
+as a one-token decode step would.
 """
 
 from __future__ import annotations

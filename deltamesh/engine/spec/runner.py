@@ -39,7 +39,7 @@ class SpecOutputs:
     next_tokens: torch.Tensor  # [R] the new last token: the next step's first input
     advanced: torch.Tensor  # [R] inputs committed beyond the first (accepted drafts)
     drafts: torch.Tensor  # [R, K] the next step's drafts
-    done: torch.Tensor  # [R] bool: a new token ends the request (the next step commits nothing of it)
+    done: torch.Tensor  # [R] bool: a new token ends the request (the next step commits only its first input)
     accepted: Accepted | None = None
 
 
