@@ -16,6 +16,9 @@ concurrency = batch (1 and 16 are the issue's, 64 where MTP must not be slower).
 batch of the grid at which a K's projected TPOT is no better than the plain step's: what
 `--speculative-disable-batch-size` should be below (the engine's default, 32, is provisional until this is run).
 
+The JSON is rewritten after each engine (`"complete": false` until the last), so a run stopped by a time limit
+(scripts/gpu_stage.sh v) keeps what it measured; `engine_build_s` is each engine's start-up.
+
     python bench/gpu_spec.py --out bench/results/gpu_spec.json
     python bench/gpu_spec.py --models bench/configs/qwen3.5-35b-a3b --ks 0,1,2,3 --batches 1,16,64 --context 8192
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,6 +60,7 @@ def verify_items(core, batch: int, context: int, k: int) -> list:
 
 
 def step_rows(config_dir: str, k: int, batches: list[int], context: int, quantization: str) -> list[dict]:
+    start = time.perf_counter()
     core = core_for(
         config_dir,
         max(batches),
@@ -64,8 +69,10 @@ def step_rows(config_dir: str, k: int, batches: list[int], context: int, quantiz
         speculative_tokens=k,
         speculative_disable_batch_size=max(batches),
         quantization=quantization,
+        piecewise_cuda_graph_max_tokens=0,  # steps with prompt tokens are not timed here
     )
-    rows = [timed_step(core, config_dir, k, batch, context) for batch in batches]
+    built_s = time.perf_counter() - start  # dummy weights, warm-up and CUDA graphs: what a run's time limit must allow
+    rows = [timed_step(core, config_dir, k, batch, context) | {"engine_build_s": built_s} for batch in batches]
     core.close()
     return rows
 
@@ -170,20 +177,24 @@ def main() -> None:
             rows += step_rows(model, k, args.batches, args.context, args.quantization)
             gc.collect()  # the engine of the last K, before the next one takes the GPU's memory
             torch.cuda.empty_cache()
-    projected = projections(rows, args.acceptance)
+            write(args.out, rows, args.acceptance, complete=False)  # what a time limit stops early still has
+    projected, backoff = write(args.out, rows, args.acceptance, complete=True)
     print(f"\nprojected at per-position acceptance {args.acceptance}:")
     print_table(
         projected,
         ["model", "k", "batch", "verify_over_plain", "tokens_per_step", "plain_tpot_ms", "tpot_ms", "speedup"],
     )
-    backoff = disable_batches(projected)
     print_table(backoff, ["model", "k", "disable_batch"])
-    write_result(
-        args.out,
-        {"acceptance": args.acceptance, "steps": rows, "projected": projected, "disable_batch": backoff},
-        machine_info(),
-    )
     print(f"wrote {args.out}")
+
+
+def write(out: str, rows: list[dict], acceptance: list[float], complete: bool) -> tuple[list[dict], list[dict]]:
+    """The JSON of the rows measured so far (`complete`: every model and K of the command)."""
+    projected = projections(rows, acceptance)
+    backoff = disable_batches(projected)
+    payload = {"complete": complete, "acceptance": acceptance, "steps": rows, "projected": projected}
+    write_result(out, payload | {"disable_batch": backoff}, machine_info())
+    return projected, backoff
 
 
 if __name__ == "__main__":

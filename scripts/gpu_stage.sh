@@ -29,6 +29,10 @@
 #   stage w: piecewise CUDA graphs: the async-scheduling GPU tests (their piecewise and snapshot tests among them),
 #            the host time of 16- and 1024-token prefill steps, eager and piecewise (--host-profile), then 64
 #            prompts arriving at once (--burst)
+#   stage v: speculative decoding (MTP), under 6 minutes in all: tests/gpu/test_gpu_spec.py (Triton verify kernels,
+#            fp32 greedy equality, verify CUDA graphs against eager), then bench/gpu_spec.py on the shapes of $SHAPES
+#            (default the 35B-A3B, then the 9B shape): verify steps at K = 1, 2, 3 against the plain decode step at
+#            batch 1, 16, 64, 8k context, and the TPOT they project at the published acceptance ($OUT/gpu_spec.json)
 #   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
 #            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
@@ -36,7 +40,7 @@
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x or g}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v or g}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -183,5 +187,13 @@ g)
     [ -f "$OUT/profile-h200-$shape.json" ] && checked+=(--profile "$shape=$OUT/profile-h200-$shape.json")
   done
   TAIL=40 run plan_check 120 python bench/plan_check.py gpu ${checked[@]+"${checked[@]}"} --out "$OUT/plan_check_gpu.json"
+  ;;
+v)
+  # One device call of at most 6 minutes: the tests get 150 s, the benchmark what is left of 345 s (its JSON is
+  # rewritten after each engine, so a cut run keeps its rows; the 35B-A3B shape, the issue's goal, goes first).
+  TAIL=30 run gpu_spec_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_spec.py -rfE
+  models=$(for shape in ${SHAPES:-qwen3.5-35b-a3b qwen3.5-9b}; do printf "bench/configs/%s," "$shape"; done)
+  left=$((345 - SECONDS)) && ((left > 0)) || left=1  # timeout 0 would mean no limit
+  TAIL=60 run gpu_spec "$left" python bench/gpu_spec.py --models "${models%,}" --out "$OUT/gpu_spec.json"
   ;;
 esac
