@@ -143,7 +143,7 @@ def _setup_process(opts: Options, gpu: int):
 
     if opts.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    transport = UcxTransport("127.0.0.1", opts.error_handling, opts.spin_s)
+    transport = UcxTransport(None, opts.error_handling, opts.spin_s, cuda=opts.device == "cuda")
     if opts.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
     import structlog
@@ -322,6 +322,7 @@ class PullerSide(_Side):
         """As deltamesh/services/decode/peers.py does when a prefill worker joins."""
         import torch
 
+        assert self.puller.announce(holder)  # its leases are checked against it, as a decode worker's are
         t0 = time.perf_counter()
         await self.puller.warm(holder, torch.device(self.opts.device), self.opts.timeout_s)
         self.warm_ups.append((t0, time.perf_counter()))

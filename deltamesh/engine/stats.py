@@ -34,6 +34,10 @@ class EngineStats:
     spec_drafts: int = 0
     spec_accepted: int = 0
     spec_accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+    # Steps that sampled a row under a grammar (structured outputs), and the host's time filling and queueing their
+    # bitmasks (grammar.GrammarMasks), summed
+    grammar_mask_steps: int = 0
+    grammar_mask_seconds: float = 0.0
 
     def reset(self) -> None:
         """Every count back to zero, in place: the parts that count hold this object."""

@@ -3,11 +3,18 @@
 what the prefix cache takes from it (`_advance`), sampling (`_sample`); later, once the next step is launched,
 its tokens on the host (`LaunchedStep.read`). The step loop around it is core.py.
 
-Where what comes next goes: a stage that changes the logits before sampling (penalties, grammar bitmasks, with
-their per-request state on the device) between `_forward` and `_sample`, on the rows of `sampling`. A speculative
-engine (engine/spec/) verifies drafted tokens inside the forward pass of every rank (the leader's acceptance in
-place of `_sample`: spec/accept.py, which a logits stage reaches row by row, each verified position a row), its
-one to K+1 new tokens per request returned by `read`.
+Between the forward pass and sampling, the logits stage: first grammar bitmasks (structured outputs, grammar.py), in
+place, so that the log-probabilities a request asks for are of the masked distribution, as vLLM's are; then
+penalties, logit_bias and min_tokens (penalties.py, their per-request state on the device), which log-probabilities
+do not see (vLLM's default too). A speculative engine (engine/spec/) verifies drafted tokens inside the forward pass
+of every rank (the leader's acceptance in place of `_sample`: spec/accept.py, whose logits are a row per verified
+position, where a logits stage would run), its one to K+1 new tokens per request returned by `read`; it refuses the
+requests that need the logits stage for now (spec/settings.py).
+
+Bitmasks run only in a step where some sampled row has a grammar: a row's mask depends on the token its request
+sampled in the step before, which under async scheduling reaches the host only now, so the step's caller takes those
+tokens first (`before_masks`), while the device runs the forward pass queued above; the masks are then filled on the
+host and applied on the device.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from deltamesh.engine import data_parallel
+from deltamesh.engine.grammar import GrammarMasks
 from deltamesh.engine.interfaces import PrefixCacheInterface, SchedulerInterface
-from deltamesh.engine.request import Request
+from deltamesh.engine.penalties import LogitAdjustments
+from deltamesh.engine.request import Request, TokenLogprobs
 from deltamesh.engine.runner import ModelRunner
-from deltamesh.engine.sampling import SampledTokens, TokenLogprobs, sample_async
+from deltamesh.engine.sampling import SampledTokens, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.spec import tokens as spec_tokens
 from deltamesh.engine.spec.runner import SpecSampling
@@ -66,19 +75,27 @@ class StepLauncher:
         device: torch.device,
         seed: int,
         data_parallel: bool,
-        max_model_len: int = 0,
     ):
         self.runner, self.followers, self.scheduler, self.stats = runner, followers, scheduler, stats
-        self.data_parallel, self.max_model_len = data_parallel, max_model_len
+        self.data_parallel = data_parallel
+        self.max_model_len = 0  # the context limit, set by its engine: speculative acceptance cuts a run there
         self.gpu_timed = device.type == "cuda"  # each step's GPU time (EngineStats.gpu_step_ms)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.prefix_cache: PrefixCacheInterface | None = None  # once made (after the warm-up)
+        self.adjustments = LogitAdjustments(runner.model.cfg.vocab_size, device)
+        self.masks = GrammarMasks()
 
     def launch(
-        self, items: list[ScheduledItem], previous: LaunchedStep | None, between_layers: Callable[[], None] | None
+        self,
+        items: list[ScheduledItem],
+        previous: LaunchedStep | None,
+        between_layers: Callable[[], None] | None,
+        before_masks: Callable[[list[Request]], None] | None = None,
     ) -> LaunchedStep:
         """Queue the step on the device; `previous`: the step launched before, whose tokens this one's decodes take
-        as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only)."""
+        as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only);
+        `before_masks`: called with the sampled requests before their grammars mask the logits (when one has a
+        grammar), to bring their matchers up to date."""
         # decode-first (verifying items first), as kernels expect; the chunks that take a state in passing last
         # (runner.host_step)
         items.sort(key=lambda it: (it.request.dp_rank, not it.verify, it.num_tokens != 1, it.snapshot_at is not None))
@@ -96,6 +113,11 @@ class StepLauncher:
             sampled = SpecTokens(out, sampling, sum(it.verify for it in items), self.runner.spec.k)
             self._pending(sampling)
         else:
+            if any(r.grammar is not None for r in sampling):
+                if before_masks is not None:
+                    before_masks(sampling)
+                self.stats.grammar_mask_seconds += self.masks.apply(out, sampling)
+                self.stats.grammar_mask_steps += 1
             sampled = self._sample(out, sampling)
         self.stats.steps += 1
         return LaunchedStep(sampling, sampled, span)
@@ -147,12 +169,15 @@ class StepLauncher:
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> SampledTokens:
         """One token per row of `logits` (the rows of `sampling`, in order), on the device; the requests count it
         as pending until it is read."""
+        adjusted, counting = self.adjustments.apply(logits, sampling)  # penalties, logit_bias, min_tokens
         sampled = sample_async(
-            logits,
+            adjusted,
             [r.params for r in sampling],
             [len(r.output_ids) + r.num_pending for r in sampling],
             self.generator,
+            raw_logits=logits,
         )
+        self.adjustments.count(counting, sampled.tokens)
         self._pending(sampling)
         return sampled
 

@@ -8,7 +8,8 @@ it waited for the host: work between steps that async scheduling did not hide, o
 generated tokens per second; running and waiting requests; KV pages in use by requests and cached; prefix-cache
 hits; preemptions; with speculative decoding, the acceptance rate of each draft position (accepted there per
 verifying request: a draft counts only after those before it were accepted) and the tokens a verifying request
-gained per step."""
+gained per step; where steps sampled under a grammar (structured outputs), how many and the host's mean time on
+their bitmasks."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class StepReport:
             "gpu_ms": s.gpu_step_ms,
             "drafts": s.spec_drafts,
             "accepted_at": list(s.spec_accepted_at),
+            "grammar_steps": s.grammar_mask_steps,
+            "grammar_s": s.grammar_mask_seconds,
         }
 
     def maybe_log(self) -> dict | None:
@@ -78,6 +81,9 @@ class StepReport:
             verified = delta["drafts"] / k
             line["spec_acceptance"] = [round(n / verified, 3) for n in accepted_at[:k]]
             line["spec_tokens_per_step"] = round(1 + sum(accepted_at[:k]) / verified, 3)
+        if delta["grammar_steps"]:
+            line["grammar_steps"] = delta["grammar_steps"]
+            line["grammar_mask_ms"] = round(1e3 * delta["grammar_s"] / delta["grammar_steps"], 3)
         if self.core.launcher.gpu_timed:
             line["gpu_busy_pct"] = round(delta["gpu_ms"] / (10 * seconds), 1)  # ms over s x 1000, in percent
         log.info("engine steps", **line)

@@ -156,7 +156,8 @@ def test_state_held_on_one_layout_continues_on_another_as_the_one_rank_engine(hf
 
 def pulled_where_held(engine: EngineCore, transport, rids: list[str]) -> dict[str, torch.Tensor]:
     """Each held state of `engine` pulled over `transport` (UCX, in this process) as a decode worker would: a
-    lease naming its regions where the engine's ranks hold them, a puller reading them."""
+    lease naming its regions where the engine's ranks hold them, a puller that heard of the holder (and so of its
+    ranks) reading them."""
     import asyncio
 
     from deltamesh.engine.cache import Region
@@ -170,6 +171,7 @@ def pulled_where_held(engine: EngineCore, transport, rids: list[str]) -> dict[st
         await holder.start()
         puller = transport.puller()
         await puller.start()
+        assert puller.announce(holder.describe(engine.held.pool_views()))  # as the router announces a prefill worker
         pulled = {}
         for rid in rids:
             buffers = [r.tensor if isinstance(r, Region) else r for r in engine.held.regions(rid)]
@@ -205,7 +207,7 @@ def test_held_states_are_read_where_the_ranks_hold_them(hf_checkpoints, sender):
     from deltamesh.transfer.ucx import UcxTransport
 
     path = hf_checkpoints["qwen3_next"]
-    transport = UcxTransport("127.0.0.1")  # first: the followers inherit the UCX settings it makes
+    transport = UcxTransport()  # first: the followers inherit the UCX settings it makes
     tp, kw = (2, {}) if sender == "tp2" else (1, DP2_EP)
     engine = core(path, tp, rank_exporter=UcxTransport.rank_exporter, **kw)
     try:

@@ -68,12 +68,14 @@ def _sizes(buffers) -> list[int]:
 
 @contextlib.asynccontextmanager
 async def _transport(settle_grace_s: float = 10.0):
-    """A holder (lease table + UCX holder) and a puller in this process; UCX released afterwards."""
-    transport = UcxTransport("127.0.0.1")
+    """A holder (lease table + UCX holder) and a puller in this process, the holder announced to the puller as the
+    router announces a worker's; UCX released afterwards."""
+    transport = UcxTransport()
     leases = LeaseTable()
     holder = transport.holder(leases)
     await holder.start()
     puller = transport.puller(settle_grace_s)
+    assert puller.announce(holder.describe([]))
     try:
         yield leases, holder, puller
     finally:
@@ -141,7 +143,7 @@ def test_pull_over_ucx_moves_exact_bytes_and_refuses_an_ended_lease():
 def test_a_descriptor_of_another_transport_or_version_is_refused_before_anything_moves():
     """The puller reads no payload it does not speak: another kind, another version, a payload that does not
     parse or does not fit the state's regions, a missing descriptor. Nothing of UCX is started to find out."""
-    puller = UcxTransport("127.0.0.1").puller()
+    puller = UcxTransport().puller()
     key = LeaseKey("L", b"t" * 16)
     good = descriptors.lease_descriptor(
         b"addr", [descriptors.RemoteRegion(4, 4096, b"k")], descriptors.RemoteRegion(8, 64, b"w")
@@ -181,20 +183,128 @@ def _with_peers(descriptor: TransportDescriptor, peers: list[bytes], index: list
     return TransportDescriptor(kind=descriptor.kind, version=descriptor.version, payload=d.SerializeToString())
 
 
+WORDS = descriptors.RemoteRegion(64 * 8, 1 << 20, b"w")  # a holder's lease words in the tests below
+
+
+def _announced(holder: bytes, pools: list) -> TransportDescriptor:
+    return descriptors.holder_descriptor(holder, pools, WORDS)
+
+
+def _word(index: int, rkey: bytes = b"w") -> descriptors.RemoteRegion:
+    return descriptors.RemoteRegion(8, WORDS.address + 8 * index, rkey)
+
+
 def test_a_region_names_the_worker_that_holds_it():
     """A region held in another process of the holder's worker (another rank) is read from that process's UCX
     worker; the lease word and the notices stay the holder's."""
-    puller = UcxTransport("127.0.0.1").puller()
+    puller = UcxTransport().puller()
     regions = [
         descriptors.RemoteRegion(4, 4096, b"k"),
         descriptors.RemoteRegion(4, 8192, b"j", b"rank1"),
         descriptors.RemoteRegion(2, 100, b"k"),
     ]
-    d = descriptors.lease_descriptor(b"holder", regions, descriptors.RemoteRegion(8, 64, b"w"))
+    assert puller.announce(_announced(b"holder", regions))  # its registration names rank1 as its rank
+    d = descriptors.lease_descriptor(b"holder", regions, _word(3))
     source = puller.source(d, LeaseKey("L", b"t" * 16), [4, 4, 2])
     assert source.address == b"holder" and [r.worker for r in source.regions] == [b"holder", b"rank1", b"holder"]
-    own = descriptors.lease_descriptor(b"holder", regions[:1], descriptors.RemoteRegion(8, 64, b"w"))
+    own = descriptors.lease_descriptor(b"holder", regions[:1], _word(3))
     assert not _lease_payload(own).peer_addresses  # a holder's own regions name no peer
+
+
+def test_a_lease_word_vouches_only_for_its_holders_memory():
+    """The insider attack of the 2026-12-04 review, in descriptors: a caller holding the mesh secret names another
+    request's regions in a prefill worker (as a "peer") and a lease word in memory of its own, set to match. The
+    word must be read from the worker holding the regions or one the control plane announced as its rank, and
+    from among the lease words the holder announced: anything else is refused before any byte moves (no UCX
+    here at all)."""
+    puller = UcxTransport().puller()
+    victim_regions = [descriptors.RemoteRegion(64, 4096, b"k"), descriptors.RemoteRegion(32, 8192, b"j", b"rank1")]
+    assert puller.announce(_announced(b"prefill", victim_regions))
+    key = LeaseKey("mine", b"t" * 16)
+
+    def source(holder, regions, word):
+        return puller.source(descriptors.lease_descriptor(holder, regions, word), key, [r.nbytes for r in regions])
+
+    source(b"prefill", victim_regions, _word(5))  # the holder's own layout: accepted
+    as_peers = [descriptors.RemoteRegion(r.nbytes, r.address, r.rkey, r.worker or b"prefill") for r in victim_regions]
+    for holder in (b"insider", b"rank1"):  # another worker's word for the prefill worker's regions
+        with pytest.raises(DescriptorError, match="not announced as a rank"):
+            source(holder, as_peers, _word(5))
+    # announcing itself with the prefill worker (or its rank) as its own rank does not help: first come
+    assert not puller.announce(_announced(b"insider", as_peers[:1]))
+    assert not puller.announce(_announced(b"insider", as_peers[1:]))
+    assert not puller.announce(descriptors.holder_descriptor(b"prefill", victim_regions[:1], WORDS))
+    with pytest.raises(DescriptorError, match="not announced as a rank"):
+        source(b"insider", as_peers, _word(5))
+    # the word moved elsewhere in the holder's memory (into its pool, past its lease words, unaligned, another key)
+    for word in (
+        descriptors.RemoteRegion(8, 4096 + 8, b"k"),
+        _word(64),
+        descriptors.RemoteRegion(8, WORDS.address + 4, b"w"),
+        _word(5, rkey=b"k"),
+    ):
+        with pytest.raises(DescriptorError, match="not one of the lease words"):
+            source(b"prefill", victim_regions, word)
+    # a holder never announced: let through `source` only while it names no announced worker's memory (its pull
+    # then waits for its announcement), refused by the check before the pull
+    unannounced = source(b"stranger", victim_regions[:1], _word(5))
+    with pytest.raises(DescriptorError, match="not announced as a rank"):
+        source(b"stranger", as_peers, _word(5))
+    from deltamesh.transfer.ucx.holders import KnownHolders
+
+    holders = KnownHolders()
+    assert holders.announce(_announced(b"prefill", victim_regions))
+    with pytest.raises(DescriptorError, match="its holder was not announced"):
+        holders.check(unannounced)
+
+
+def test_an_announcement_names_its_endpoints_as_its_payload_does():
+    """The router compares holders' endpoints without reading payloads: an announcement whose endpoints are not the
+    worker addresses its payload names is refused, so a worker cannot hide a claim on another's memory there."""
+    puller = UcxTransport().puller()
+    regions = [descriptors.RemoteRegion(4, 4096, b"k"), descriptors.RemoteRegion(4, 8192, b"j", b"rank1")]
+    good = _announced(b"holder", regions)
+    assert list(good.endpoints) == [b"holder", b"rank1"]
+    for endpoints in ([b"holder"], [b"holder", b"rank1", b"rank2"], []):
+        bad = TransportDescriptor(kind=good.kind, version=good.version, payload=good.payload, endpoints=endpoints)
+        with pytest.raises(DescriptorError, match="endpoints are not the worker addresses"):
+            puller.announce(bad)
+    assert puller.announce(good)
+
+
+def test_a_pull_from_a_holder_not_announced_yet_waits_for_its_announcement():
+    """A worker may be routed to up to a load poll before the workers pulling from it hear of it: its leases pass
+    `source` (their memory, its ranks' included, is no one else's), and the pull waits for the announcement, then is
+    checked against it: refused, before any byte moves, if none comes."""
+    from deltamesh.transfer.ucx.holders import KnownHolders
+
+    regions = [descriptors.RemoteRegion(4, 4096, b"k"), descriptors.RemoteRegion(4, 8192, b"j", b"tp-rank1")]
+    descriptor = descriptors.lease_descriptor(b"tp-prefill", regions, _word(1))
+    key = LeaseKey("L", b"t" * 16)
+
+    async def main():
+        transport = UcxTransport()
+        puller = transport.puller()
+        try:
+            src = puller.source(descriptor, key, [4, 4])
+            started = time.monotonic()
+            with pytest.raises(TransferError, match="its holder was not announced") as e:
+                await puller.pull(src, [torch.zeros(8, dtype=torch.uint8)], timeout_s=0.3)
+            assert e.value.refused and time.monotonic() - started >= 0.15  # half its deadline, at most 2 s
+
+            holders = KnownHolders()  # an announcement ends the wait at once, and then vouches for the ranks
+            waiting = asyncio.create_task(holders.announced(b"tp-prefill", 30))
+            await asyncio.sleep(0.05)
+            assert holders.awaits_announcement(src) and not waiting.done()
+            assert holders.announce(_announced(b"tp-prefill", regions))
+            await asyncio.wait_for(waiting, 1)
+            assert not holders.awaits_announcement(src)
+            holders.check(src)
+        finally:
+            await puller.close()
+            transport.close()
+
+    asyncio.run(main())
 
 
 def test_a_warm_up_reads_the_pools_and_lease_words_and_ends_no_lease():
@@ -271,7 +381,7 @@ def test_an_idle_holder_costs_no_cpu_and_needs_no_helper_thread():
 
     async def main():
         threads = threading.active_count()
-        transport = UcxTransport("127.0.0.1")
+        transport = UcxTransport()
         holder = transport.holder(LeaseTable())
         await holder.start()
         try:
@@ -296,7 +406,7 @@ def test_a_spinning_receive_spins_only_until_done_or_its_budget():
 
     from deltamesh.transfer.ucx import loop_worker
 
-    transport = UcxTransport("127.0.0.1")
+    transport = UcxTransport()
 
     async def main():
         ucx = loop_worker.get()
@@ -343,7 +453,7 @@ def _peer_process(conn):
     test's process holds through the same API (a pull the other way round), and waits."""
 
     async def main():
-        transport = UcxTransport("127.0.0.1")
+        transport = UcxTransport()
         leases = LeaseTable()
         holder, puller = transport.holder(leases), transport.puller()
         await holder.start()
@@ -352,8 +462,9 @@ def _peer_process(conn):
         for i in range(3):
             lease = leases.offer(f"L{i}", [src], 60, lambda reason: None)
             offers.append((LeaseKey(f"L{i}", lease.token), holder.offer(lease)))
-        conn.send(offers)
-        key, descriptor, size = await asyncio.to_thread(conn.recv)
+        conn.send((holder.describe([]), offers))
+        other, key, descriptor, size = await asyncio.to_thread(conn.recv)
+        assert puller.announce(other)
         into = torch.zeros(size, dtype=torch.uint8)
         await puller.pull(puller.source(descriptor, key, [size]), [into], 10)
         conn.send(into.sum().item())
@@ -378,12 +489,13 @@ def test_two_workers_pull_from_each_other_and_a_dead_holder_never_crashes_the_pu
 
     async def main():
         assert await asyncio.to_thread(conn.poll, 60), "the other process did not start"
-        offers = conn.recv()
+        peer_holder, offers = conn.recv()
         async with _transport() as (leases, holder, puller):  # UCX error handling on: a dead peer is reported
+            assert puller.announce(peer_holder)
             mine = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
             ended = []
             lease = leases.offer("mine", [mine], 60, ended.append)
-            conn.send((LeaseKey("mine", lease.token), holder.offer(lease), mine.numel()))
+            conn.send((holder.describe([]), LeaseKey("mine", lease.token), holder.offer(lease), mine.numel()))
             assert await asyncio.to_thread(conn.recv) == mine.sum().item()  # it pulled the bytes this process holds
             assert await _until(lambda: ended == ["pulled"])
             dst = [torch.zeros(1 << 20, dtype=torch.uint8)]
@@ -414,4 +526,48 @@ def test_the_wire_api_names_no_transport_field_outside_a_transports_own_messages
     ]
     names = {f.name for m in messages for f in m.fields}
     assert not {n for n in names if "ucx" in n or "rkey" in n or n in ("region_addresses", "word_address")}
-    assert {f.name for f in common_pb2.TransportDescriptor.DESCRIPTOR.fields} == {"kind", "version", "payload"}
+    # endpoints: opaque names of a holder's processes, compared by the router, read by no one outside the transport
+    assert {f.name for f in common_pb2.TransportDescriptor.DESCRIPTOR.fields} == {
+        "kind",
+        "version",
+        "payload",
+        "endpoints",
+    }
+
+
+_LISTENERS = """
+import asyncio, json, os, re, sys
+from deltamesh.transfer.ucx import UcxTransport, loop_worker
+
+async def main():
+    loop_worker.get()  # this process's UCX worker, as a worker's holder makes it
+
+UcxTransport(sys.argv[1] or None)
+asyncio.run(main())
+links = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:  # the listing's own descriptor, closed by now
+        pass
+sockets = {m.group(1) for link in links if (m := re.fullmatch(r"socket:\\[(\\d+)\\]", link))}
+rows = [line.split() for t in ("tcp", "tcp6") for line in open(f"/proc/self/net/{t}").readlines()[1:]]
+print("LISTENING", json.dumps([r[1] for r in rows if r[3] == "0A" and r[9] in sockets]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("interface", ["", "lo"])
+def test_the_side_channel_listens_on_a_network_only_when_given_an_interface(interface):
+    """One host (the default): UCX opens no network transport, so a worker's UCX listens on no socket (the review
+    forged addresses to those sockets). --side-channel-interface lo: TCP on that interface only (127.0.0.1)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LISTENERS, interface], capture_output=True, text=True, timeout=120)
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("LISTENING ")]  # UCX logs to stdout too
+    listening = json.loads(line.split(" ", 1)[1])  # local "address:port", hex as /proc shows it
+    if not interface:
+        assert listening == []
+    else:
+        assert listening and all(a.split(":")[0] in ("0100007F", "0000000000000000FFFF00000100007F") for a in listening)

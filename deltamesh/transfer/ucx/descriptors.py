@@ -89,10 +89,12 @@ def holder_descriptor(address: bytes, pools: Sequence[RemoteRegion], words: Remo
         pool_rkeys=[r.rkey for r in pools],
         lease_words_address=words.address,
         lease_words_rkey=words.rkey,
+        lease_words_bytes=words.nbytes,
         peer_addresses=peers,
         pool_peers=pool_peers,
     )
-    return TransportDescriptor(kind=KIND, version=VERSION, payload=payload.SerializeToString())
+    endpoints = [address, *peers]  # what the router compares between workers, unread
+    return TransportDescriptor(kind=KIND, version=VERSION, payload=payload.SerializeToString(), endpoints=endpoints)
 
 
 def _workers(address: bytes, peers: Sequence[bytes], index: Sequence[int], count: int) -> list[bytes]:
@@ -137,6 +139,29 @@ def read_holder(descriptor: TransportDescriptor) -> tuple[bytes, list[RemoteRegi
         else None
     )
     return d.worker_address, pools, words
+
+
+@dataclass(frozen=True)
+class AnnouncedHolder:
+    """What a holder descriptor says of the memory its leases may name: its worker's address, its other ranks'
+    (peers'), and where its lease words are (None: not said)."""
+
+    address: bytes
+    ranks: frozenset[bytes]
+    words: RemoteRegion | None
+
+
+def read_announced(descriptor: TransportDescriptor) -> AnnouncedHolder:
+    d = _parse(descriptor, ucx_pb2.UcxHolderDescriptor)
+    if not d.worker_address or not all(d.peer_addresses):
+        raise DescriptorError("ucx holder descriptor: the holder's and every peer's worker address are needed")
+    if set(descriptor.endpoints) != {d.worker_address, *d.peer_addresses}:
+        # the router keeps two workers from claiming one endpoint by these: they must be what the payload names
+        raise DescriptorError("ucx holder descriptor: its endpoints are not the worker addresses it names")
+    words = None
+    if d.lease_words_bytes and d.lease_words_rkey:
+        words = RemoteRegion(d.lease_words_bytes, d.lease_words_address, d.lease_words_rkey, d.worker_address)
+    return AnnouncedHolder(d.worker_address, frozenset(d.peer_addresses), words)
 
 
 def _parse(descriptor: TransportDescriptor, cls):

@@ -6,9 +6,13 @@ from __future__ import annotations
 from deltamesh.transfer.ucx import loop_worker, rma
 
 
+class Unreachable(ConnectionError):
+    """UCX found no transport of this worker's side channel that reaches the peer."""
+
+
 class Endpoints:
-    def __init__(self, error_handling: bool):
-        self.error_handling = error_handling
+    def __init__(self, error_handling: bool, interface: str | None = None):
+        self.error_handling, self.interface = error_handling, interface
         self._eps: dict[bytes, object] = {}
         self._rkeys: dict[bytes, dict[bytes, object]] = {}  # peer address -> packed key -> unpacked
         self._retired: list[tuple[object, dict]] = []  # (endpoint left open or None, its keys) until close()
@@ -16,7 +20,18 @@ class Endpoints:
     def get(self, address: bytes):
         ep = self._eps.get(address)
         if ep is None:
-            ep = self._eps[address] = loop_worker.get().endpoint(address, self.error_handling)
+            from ucxx.exceptions import UCXUnreachableError
+
+            try:
+                ep = self._eps[address] = loop_worker.get().endpoint(address, self.error_handling)
+            except UCXUnreachableError:
+                reach = (
+                    f"this host and network interface {self.interface}"
+                    if self.interface
+                    else "this host only, for processes of the same user (workers on other hosts need "
+                    "--side-channel-interface)"
+                )
+                raise Unreachable(f"the peer's UCX worker is out of this side channel's reach: {reach}") from None
         return ep
 
     def rkey(self, address: bytes, packed: bytes):

@@ -34,23 +34,36 @@ import structlog
 import torch
 
 from deltamesh.transfer import failpoints
-from deltamesh.transfer.base import LeaseKey, StatePuller, TransferError, TransferStats, segments
+from deltamesh.transfer.base import DescriptorError, LeaseKey, StatePuller, TransferError, TransferStats, segments
 from deltamesh.transfer.ucx import descriptors, loop_worker, notices
 from deltamesh.transfer.ucx.descriptors import UcxSource
 from deltamesh.transfer.ucx.endpoints import Endpoints
+from deltamesh.transfer.ucx.holders import KnownHolders
 from deltamesh.v1 import ucx_pb2
 from deltamesh.v1.common_pb2 import TransportDescriptor
 
 log = structlog.get_logger("deltamesh.transfer")
 
+# How long (at most, and at most half its deadline) a pull from a holder not announced yet waits for the control plane
+# to announce it: the router announces holders in its load polls, every half second by default
+ANNOUNCEMENT_WAIT_S = 2.0
+
 
 class UcxPuller(StatePuller):
-    def __init__(self, error_handling: bool = True, settle_grace_s: float = 10.0, spin_s: float = 0.02):
-        """`error_handling`: UCX peer error handling (a dead holder is reported; off lets UCX use shared memory
-        and cuda_ipc). `spin_s`: how long a pull into GPU buffers may keep the event loop progressing UCX on every
-        turn instead of waiting to be woken (see loop_worker); 0 never spins. Host pulls never spin: their bytes
-        are copied by CPU cores, which spinning would take away."""
-        self._eps = Endpoints(error_handling)
+    def __init__(
+        self,
+        error_handling: bool = True,
+        settle_grace_s: float = 10.0,
+        spin_s: float = 0.02,
+        interface: str | None = None,
+    ):
+        """`error_handling`: UCX peer error handling (a dead holder is reported). `spin_s`: how long a pull into
+        GPU buffers may keep the event loop progressing UCX on every turn instead of waiting to be woken (see
+        loop_worker); 0 never spins. Host pulls never spin: their bytes are copied by CPU cores, which spinning
+        would take away. `interface`: the network interface the side channel also uses (UcxTransport), named
+        when a holder is out of reach."""
+        self._eps = Endpoints(error_handling, interface)
+        self._holders = KnownHolders()
         self.spin_s = spin_s
         self._notices: set[asyncio.Future] = set()  # done and abandon notices on their way
         # failed pulls whose reads may still write into their buffers: lease id -> resolves when they no longer can
@@ -66,7 +79,18 @@ class UcxPuller(StatePuller):
         self._eps.close()
 
     def source(self, descriptor: TransportDescriptor, lease: LeaseKey, region_bytes: Sequence[int]) -> UcxSource:
-        return descriptors.read_lease(descriptor, lease, region_bytes)
+        source = descriptors.read_lease(descriptor, lease, region_bytes)
+        self._holders.check(source, final=False)  # the word is where the holder of these regions keeps lease words
+        return source
+
+    def announce(self, holder: TransportDescriptor) -> bool:
+        return self._holders.announce(holder)
+
+    def _vouched(self, source: UcxSource) -> None:
+        try:
+            self._holders.check(source)
+        except DescriptorError as e:
+            raise TransferError(str(e), refused=True) from None
 
     async def warm(self, holder: TransportDescriptor, device: torch.device, timeout_s: float) -> float:
         """What UCX sets up on the first pull from a holder: the endpoint, the remote keys, the first read of each
@@ -78,7 +102,7 @@ class UcxPuller(StatePuller):
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                ep = self._eps.get(address)
+                self._eps.get(address)
                 reads = [(r, torch.empty(1, dtype=torch.uint8, device=device)) for r in pools]
                 reads += [(words, torch.empty(words.nbytes, dtype=torch.uint8))] if words else []
                 await asyncio.gather(
@@ -87,8 +111,9 @@ class UcxPuller(StatePuller):
                         for r, into in reads
                     )
                 )
-                # no lease id: the holder skips it
-                await ucx.send(ep, notices.frame(ucx_pb2.PullNotice()), notices.NOTICE_TAG)
+                # no lease id: the holder skips it. The endpoint is looked up again: a pull that failed meanwhile
+                # closed the one the reads went through, and a send on a closed endpoint crashes the process
+                await ucx.send(self._eps.get(address), notices.frame(ucx_pb2.PullNotice()), notices.NOTICE_TAG)
         except Exception as e:  # unreachable or gone: the first pull will find out again
             for worker in {address, *(r.worker for r in pools)}:
                 self._eps.drop(worker)
@@ -116,10 +141,15 @@ class UcxPuller(StatePuller):
         timer = asyncio.get_running_loop().call_later(self.settle_grace_s, fire)
         settled.add_done_callback(fire)
 
-    def _notify(self, ep, lease: LeaseKey, **kind) -> None:
-        """Fire and forget a done or abandon notice to the holder."""
+    def _notify(self, address: bytes, lease: LeaseKey, **kind) -> None:
+        """Fire and forget a done or abandon notice to the holder at `address`, on its endpoint as it is now (one
+        closed by another operation's failure is made anew: sending on a closed endpoint crashes the process)."""
         notice = ucx_pb2.PullNotice(lease_id=lease.lease_id, token=lease.token, **kind)
-        sent = loop_worker.get().send(ep, notices.frame(notice), notices.NOTICE_TAG)
+        try:
+            sent = loop_worker.get().send(self._eps.get(address), notices.frame(notice), notices.NOTICE_TAG)
+        except Exception as e:  # the holder out of reach now: its lease ends by its TTL
+            log.info("pull notice not sent", error=repr(e))
+            return
         self._notices.add(sent)
         sent.add_done_callback(self._notice_sent)
 
@@ -133,6 +163,9 @@ class UcxPuller(StatePuller):
         lease_id = source.lease.lease_id
         try:
             async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the reads
+                if self._holders.awaits_announcement(source):
+                    await self._holders.announced(source.address, min(timeout_s / 2, ANNOUNCEMENT_WAIT_S))
+                self._vouched(source)  # against its holder's announcement, which may have come since `source()`
                 return await self._pull(source, buffers, started)
         except TimeoutError:
             for worker in _workers(source):
@@ -154,6 +187,7 @@ class UcxPuller(StatePuller):
         ep = None
         reads: list[asyncio.Future] = []
         try:
+            await failpoints.hit("deltamesh.transfer.before_reads")  # a pull that stalls before any read is posted
             ep = self._eps.get(address)
             eps = [self._eps.get(r.worker) for r in regions]  # the holder's, or another rank's of the same worker
             keys = [self._eps.rkey(r.worker, r.rkey) for r in regions]  # unpacked once per peer; a bad one fails here
@@ -185,10 +219,10 @@ class UcxPuller(StatePuller):
             if reads:  # posted reads still land in the buffers: they are free again once those are done
                 self._unsettled[source.lease.lease_id] = ucx.settled(reads)
             if reads and not (isinstance(e, TransferError) and e.refused):
-                self._notify(ep, source.lease, abandon=True)  # the holder frees the state now
+                self._notify(address, source.lease, abandon=True)  # the holder frees the state now
             raise
         done = time.perf_counter()
-        self._notify(ep, source.lease, done=True)
+        self._notify(address, source.lease, done=True)
         marks = {"start": started, "keys": keyed, "posted": posted, "reads": read, "done": done}
         return TransferStats(sum(n for *_, n in plan), len(plan), marks)
 
