@@ -29,6 +29,10 @@
 #   stage w: piecewise CUDA graphs: the async-scheduling GPU tests (their piecewise and snapshot tests among them),
 #            the host time of 16- and 1024-token prefill steps, eager and piecewise (--host-profile), then 64
 #            prompts arriving at once (--burst)
+#   stage v: speculative decoding (MTP), under 6 minutes in all: tests/gpu/test_gpu_spec.py (Triton verify kernels,
+#            fp32 greedy equality, verify CUDA graphs against eager), then bench/gpu_spec.py on the shapes of $SHAPES
+#            (default the 35B-A3B, then the 9B shape): verify steps at K = 1, 2, 3 against the plain decode step at
+#            batch 1, 16, 64, 8k context, and the TPOT they project at the published acceptance ($OUT/gpu_spec.json)
 #   stage 1: P/D on one GPU (#44): fp32 greedy fidelity of 1P+1D on GPU 0 (each worker in 0.3 of it) against the
 #            monolithic engine; then the 9B shape at 8192/1024 and 1024/1024, concurrency 1, 16, 64: 1P+1D on GPU 0
 #            (0.45 + 0.45 of it) next to colocated (0.9), one wave per point, with the pulls of each point from the
@@ -48,7 +52,7 @@
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, n, P, g, 1 or 1m}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, n, P, g, 1 or 1m}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 # SITE_FIRST: folders of carried wheels installed with --target (scripts/gpu_session.sh sets it), before the staged
@@ -246,5 +250,13 @@ g)
     [ -f "$OUT/profile-h200-$shape.json" ] && checked+=(--profile "$shape=$OUT/profile-h200-$shape.json")
   done
   TAIL=40 run plan_check 120 python bench/plan_check.py gpu ${checked[@]+"${checked[@]}"} --out "$OUT/plan_check_gpu.json"
+  ;;
+v)
+  # One device call of at most 6 minutes: the tests get 150 s, the benchmark what is left of 345 s (its JSON is
+  # rewritten after each engine, so a cut run keeps its rows; the 35B-A3B shape, the issue's goal, goes first).
+  TAIL=30 run gpu_spec_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_spec.py -rfE
+  models=$(for shape in ${SHAPES:-qwen3.5-35b-a3b qwen3.5-9b}; do printf "bench/configs/%s," "$shape"; done)
+  left=$((345 - SECONDS)) && ((left > 0)) || left=1  # timeout 0 would mean no limit
+  TAIL=60 run gpu_spec "$left" python bench/gpu_spec.py --models "${models%,}" --out "$OUT/gpu_spec.json"
   ;;
 esac

@@ -32,7 +32,6 @@ KEPT = (
     "mlp.gate.",
     "shared_expert_gate",
     "visual",
-    "mtp",
 )
 
 

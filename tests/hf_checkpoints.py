@@ -3,9 +3,14 @@ tests: the engine loads them through its real loader and must reproduce transfor
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from scripts.mtp_head import MtpHead
 
 VOCAB = 320
 
@@ -139,13 +144,40 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.2 / p.shape[-1] ** 0.5))
 
 
-def write_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
-    """`family`: a key of BUILDERS or of FP8_SHAPES."""
+def write_checkpoint(family: str, out: Path, seed: int = 0, mtp: bool = True) -> Path:
+    """`family`: a key of BUILDERS or of FP8_SHAPES. `mtp`: with a random MTP module (`add_mtp`)."""
     torch.manual_seed(seed)
     model = (BUILDERS | FP8_SHAPES)[family]().eval()
     randomize(model, seed)
     model.save_pretrained(out, safe_serialization=True)
+    if mtp:
+        add_mtp(model, out, seed)
     return out
+
+
+def add_mtp(model: nn.Module, out: Path, seed: int) -> None:
+    """A random MTP module (scripts/mtp_head.py) beside a saved checkpoint: its tensors named `mtp.*` in a file of their
+    own, as the released checkpoints ship them, and the config's count of MTP layers (Qwen3.5's
+    `mtp_num_hidden_layers`, Qwen3-Next's `num_nextn_predict_layers`)."""
+    torch.manual_seed(seed + 1000)
+    mtp = MtpHead(model).eval()
+    randomize(mtp, seed + 1000)
+    save_file({f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()}, str(out / "mtp.safetensors"))
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    key = "num_nextn_predict_layers" if cfg.get("model_type") == "qwen3_next" else "mtp_num_hidden_layers"
+    cfg[key] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def load_mtp_reference(model: nn.Module, path: Path) -> MtpHead:
+    """The MTP module `add_mtp` wrote beside checkpoint `path`, for `model` (transformers' model of it)."""
+    from safetensors.torch import load_file
+
+    mtp = MtpHead(model)
+    tensors = load_file(str(path / "mtp.safetensors"))
+    mtp.load_state_dict({k.removeprefix("mtp."): v for k, v in tensors.items()})
+    return mtp.to(next(model.parameters()).dtype).eval()
 
 
 def load_hf(path: Path):

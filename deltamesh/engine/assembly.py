@@ -67,7 +67,10 @@ def assemble(config: EngineConfig, device: torch.device) -> EngineParts:
     rank_memory = followers.collect_rank_memory() if exports_rank_memory(config) else {}
     scheduler, handoff = leader_scheduling(config, followers, rank)
     eos_token_ids = tokenizer.eos_token_ids if tokenizer else frozenset(mc.eos_token_ids)
-    builder = RequestBuilder(tokenizer, eos_token_ids, mc.vocab_size, max_model_len, rank.kv_pool)
+    spare = 3 * config.speculative_tokens  # Scheduler.spare_tokens
+    builder = RequestBuilder(
+        tokenizer, eos_token_ids, mc.vocab_size, max_model_len, rank.kv_pool, spare, config.speculative_tokens > 0
+    )
     reservations = Reservations(scheduler, handoff, rank.kv_pool, rank.state_pool, device, mc)
     data_parallel = config.data_parallel_size > 1
     held = HeldStates(scheduler, handoff, rank.kv_pool, rank.state_pool, rank_memory, data_parallel)
@@ -81,7 +84,10 @@ def leader_scheduling(config: EngineConfig, followers: Followers | None, rank: R
     leader's pool writes repeated by every follower; or data parallel, one scheduler per rank."""
 
     def scheduler(kv: KVPagePool, states: StatePool) -> Scheduler:
-        return Scheduler(kv, states, config.max_num_seqs, config.resolved_max_num_batched_tokens())
+        made = Scheduler(kv, states, config.max_num_seqs, config.resolved_max_num_batched_tokens())
+        made.speculative_tokens = config.speculative_tokens
+        made.spec_disable_batch_size = config.resolved_spec_disable_batch_size()
+        return made
 
     if followers is None:
         return scheduler(rank.kv_pool, rank.state_pool), None

@@ -71,6 +71,8 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     # The weight block (rows, cols) of an FP8 block-scaled checkpoint (engine/quantization.py); None: unquantized
     fp8_block: tuple[int, int] | None = None
+    # decoder layers of the checkpoint's multi-token-prediction module (`mtp.*`, models/mtp.py); 0: none
+    mtp_layers: int = 0
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -180,6 +182,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype).replace("torch.", ""),
             fp8_block=_fp8_block(quant) if quant else None,
+            # Qwen3.5 names it mtp_num_hidden_layers, Qwen3-Next num_nextn_predict_layers; absent, one (as vLLM reads
+            # them): whether the checkpoint ships the module shows when it is loaded
+            mtp_layers=int(text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 1))),
         )
 
 

@@ -38,6 +38,7 @@ from deltamesh.engine.interfaces import PrefixCacheInterface
 from deltamesh.engine.request import FinishReason, Request, RequestOutput, Status
 from deltamesh.engine.reservations import Reservation
 from deltamesh.engine.scheduler import ScheduledItem
+from deltamesh.engine.spec.tokens import state_known
 from deltamesh.engine.stats import EngineStats, loads
 from deltamesh.engine.step import LaunchedStep, StepLauncher
 from deltamesh.protocol.sampling import SamplingParams
@@ -71,6 +72,7 @@ class EngineCore:
         self.launcher = StepLauncher(
             self.runner, self.followers, self.scheduler, self.stats, self.device, config.seed, self.data_parallel
         )
+        self.launcher.max_model_len = self.max_model_len
         self._in_flight: LaunchedStep | None = None  # the launched step whose tokens the host has not read yet
         self.idle = False  # the last `step` launched nothing and had nothing in flight: every request waits
         # during a launch: requests ended meanwhile, whose state is freed once the launch (which may write it) is
@@ -99,10 +101,14 @@ class EngineCore:
     def submit(self, request: Request, sink: Sink) -> None:
         self._commands.put(("add", request, sink))
 
-    def submit_transferred(self, request: Request, first_token: int, reservation: Reservation, sink: Sink) -> None:
+    def submit_transferred(
+        self, request: Request, first_token: int, reservation: Reservation, sink: Sink, drafts: list[int] = ()
+    ) -> None:
         """Start decoding a request whose prompt state arrived in `reservation`; `first_token` was sampled
-        by the prefill worker and is the first input not yet consumed."""
+        by the prefill worker and is the first input not yet consumed; `drafts`: the tokens its MTP module drafted
+        after it (speculative decoding), verified in the first step."""
         request.output_ids = [first_token]
+        request.draft_ids = list(drafts)
         request.num_computed = len(request.prompt_ids)
         reservation.hand_to(request)
         if request.detokenizer is not None:
@@ -251,13 +257,19 @@ class EngineCore:
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Take a launched step's tokens to the host and into its requests (skipping requests that ended
-        meanwhile: aborted, or stopped by the token of the step before)."""
-        tokens, logprobs = step.read(self.stats)
+        meanwhile: aborted, or stopped by the token of the step before). A speculative step brings one to K+1
+        tokens per request, appended in turn until one ends it."""
+        rows = step.read(self.stats)
         now = time.monotonic()
         outputs = []
-        for req, tok, lp in zip(step.requests, tokens, logprobs):
+        for req, (tokens, logprobs) in zip(step.requests, rows):
             req.num_pending -= 1
-            if req.status != Status.FINISHED and (out := self._append_token(req, tok, lp, now)) is not None:
+            out = None
+            for tok, lp in zip(tokens, logprobs):
+                if req.status == Status.FINISHED or (piece := self._append_token(req, tok, lp, now)) is None:
+                    break
+                out = piece if out is None else out.then(piece)
+            if out is not None:
                 outputs.append(out)
         return outputs
 
@@ -325,7 +337,7 @@ class EngineCore:
         return out
 
     def _release_state(self, req: Request, reason: FinishReason) -> None:
-        if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+        if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH) and state_known(req):
             self.prefix_cache.register_finished(req)  # the next turn of a conversation starts from here
         self.scheduler.free(req)
 

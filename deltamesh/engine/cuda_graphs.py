@@ -65,7 +65,7 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     hidden = r.model(self.input_ids[:b], batch, r.kv_pool, r.state_pool, r.kernels)
-                    self.outputs[b] = r.model.logits(hidden)
+                    self.outputs[b] = (hidden, r.model.logits(hidden))
                 self.pool = graph.pool()
                 self.graphs[b] = graph
         torch.cuda.current_stream(r.device).wait_stream(stream)
@@ -74,12 +74,13 @@ class DecodeGraphs:
     def fits(self, batch: StepBatch) -> bool:
         return (
             batch.num_decode == batch.num_seqs
+            and batch.verify is None  # speculative verification: spec/graphs.py
             and batch.num_seqs <= self.buckets[-1]
             and batch.block_tables.shape[1] <= self.max_pages
         )
 
-    def run(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only step (B <= largest bucket)."""
+    def run(self, input_ids: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states [B, hidden], logits [B, vocab]) of a decode-only step (B <= largest bucket)."""
         b = batch.num_seqs
         bucket = self.buckets[bisect.bisect_left(self.buckets, b)]
         self.input_ids[:b].copy_(input_ids)
@@ -96,7 +97,8 @@ class DecodeGraphs:
         self.seq_lens[b:bucket] = 1
         self.block_tables[b:bucket] = 0
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:b]
+        hidden, logits = self.outputs[bucket]
+        return hidden[:b], logits[:b]
 
 
 def piecewise_buckets(max_tokens: int) -> list[int]:

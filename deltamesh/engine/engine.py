@@ -125,8 +125,10 @@ class Engine:
         self.core.submit(request, sink)
         self._wake.set()
 
-    def submit_transferred(self, request: Request, first_token: int, reservation: Reservation, sink) -> None:
-        self.core.submit_transferred(request, first_token, reservation, sink)
+    def submit_transferred(
+        self, request: Request, first_token: int, reservation: Reservation, sink, drafts: list[int] = ()
+    ) -> None:
+        self.core.submit_transferred(request, first_token, reservation, sink, drafts)
         self._wake.set()
 
     def submit_pulled(self, request: Request, num_tokens: int, reservation: Reservation, sink) -> None:
@@ -183,6 +185,11 @@ class Engine:
         """What each of a parallel engine's other ranks made readable of its pools through the engine's
         `rank_exporter` (rank -> the exporter's bytes); empty without one."""
         return {rank: memory.exported for rank, memory in self.core.rank_memory.items()}
+
+    def held_drafts(self, request_id: str) -> list[int]:
+        """The tokens a held request's MTP module drafted after its first token (speculative decoding; none
+        without): the decode worker verifies them in its first step."""
+        return self.core.held.drafts(request_id)
 
     def release_held(self, request_id: str) -> bool:
         """Free a held state; False if it was not held. Wakes the stepping thread: a prefill may be waiting for

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deltamesh.engine.defaults import DEFAULT_MODEL
+from deltamesh.engine.spec.settings import DEFAULT_DISABLE_BATCH_SIZE, check_tokens, parse_speculative_config
 
 if TYPE_CHECKING:
     import torch
@@ -136,6 +137,22 @@ class EngineConfig:
         flag="prefix_cache_memory",
     )
 
+    # speculative decoding with the checkpoint's MTP module (engine/spec/)
+    speculative_tokens: int = _setting(
+        0,
+        "Speculative decoding: tokens the checkpoint's MTP module drafts per step, verified in the next (0: off, 1-4)",
+    )
+    speculative_config: str | None = _setting(
+        None,
+        'vLLM\'s form of --speculative-tokens: \'{"method": "mtp", "num_speculative_tokens": K}\' '
+        "(disable_by_batch_size too)",
+    )
+    speculative_disable_batch_size: int | None = _setting(
+        None,
+        "Speculative decoding: steps with more decoding requests than this run without drafts (default: "
+        f"{DEFAULT_DISABLE_BATCH_SIZE}, provisional until measured on the H200: bench/gpu_spec.py)",
+    )
+
     def resolved_prefix_cache_checkpoints(self, slot_bytes: int, page_bytes: int, pool_pages: int) -> int:
         """A prompt's checkpoint and a finished conversation's for every request that can run at once: a
         conversation whose state was evicted computes its whole history again. Under a memory budget, as many as
@@ -239,8 +256,32 @@ class EngineConfig:
             raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0")
         if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be >= 1 pages")
+        self.resolve_speculative()
         self.check_device()
         self.torch_dtype()
+
+    def resolve_speculative(self) -> None:
+        """--speculative-config (vLLM's form) into speculative_tokens / speculative_disable_batch_size, checked."""
+        check_tokens(self.speculative_tokens)
+        if self.speculative_config:
+            k, disable = parse_speculative_config(self.speculative_config)
+            if self.speculative_tokens not in (0, k):
+                raise ValueError(
+                    f"speculative_tokens {self.speculative_tokens} and speculative_config's num_speculative_tokens "
+                    f"{k} disagree (give one of them)"
+                )
+            self.speculative_tokens = k
+            if disable is not None:
+                self.speculative_disable_batch_size = disable
+        if self.speculative_disable_batch_size is not None and self.speculative_disable_batch_size < 1:
+            raise ValueError("speculative_disable_batch_size must be >= 1")
+        if self.speculative_tokens and self.data_parallel_size > 1:
+            raise ValueError("speculative decoding is not supported with data-parallel attention yet")
+
+    def resolved_spec_disable_batch_size(self) -> int:
+        if self.speculative_disable_batch_size is not None:
+            return self.speculative_disable_batch_size
+        return DEFAULT_DISABLE_BATCH_SIZE
 
     def check_device(self) -> None:
         """The device exists on this machine: a clear error now rather than torch's, deep in model loading."""

@@ -33,6 +33,9 @@ def compat_hash(cfg: EngineConfig, model: ModelConfig) -> str:
             "state_dtype": cfg.state_dtype,
             "page_size": cfg.page_size,
             "layout": STATE_LAYOUT_VERSION,
+            # speculative decoding keeps the MTP module's KV in the pages after the model's layers: a prefill and a
+            # decode worker must both draft (with any number of tokens) or neither
+            "mtp_kv_layers": model.mtp_layers if cfg.speculative_tokens else 0,
         },
         sort_keys=True,
     )

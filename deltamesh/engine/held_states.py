@@ -46,6 +46,11 @@ class HeldStates:
         # requests whose states wait for room in the hand-off area, with their last outputs (stepping thread)
         self.waiting: deque[tuple[Request, RequestOutput]] = deque()
 
+    def drafts(self, request_id: str) -> list[int]:
+        """A held request's drafts (Request.draft_ids); KeyError if not held."""
+        with self._lock:
+            return list(self._held[request_id].draft_ids)
+
     def __len__(self) -> int:
         return len(self._held)
 
@@ -53,6 +58,10 @@ class HeldStates:
         """Keep a request's state for a puller (stepping thread). A parallel engine gathers it into its hand-off
         area and frees the ranks' space: False, nothing done, while the area is full; an error there leaves the
         state in the ranks' pools."""
+        prompt_pages = self.kv_pool.pages_for(len(req.prompt_ids))
+        if len(req.pages) > prompt_pages:  # speculative decoding's room for drafts past the prompt: not the state's
+            self.scheduler.pools(req.dp_rank)[0].free(req.pages[prompt_pages:])
+            req.pages = req.pages[:prompt_pages]
         if self.handoff is not None and not self.rank_memory:
             try:
                 req.staged = self.handoff.gather(req.pages, req.slot, req.dp_rank)

@@ -45,9 +45,21 @@ def _size(dtype: torch.dtype) -> int:
     return torch.tensor([], dtype=dtype).element_size()
 
 
+def kv_layers(c: EngineConfig, mc: ModelConfig) -> int:
+    """The KV pool's layers: the full-attention layers', then (speculative decoding) the MTP module's."""
+    return len(mc.full_layers) + (mc.mtp_layers if c.speculative_tokens else 0)
+
+
 def page_bytes(c: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
     """One KV page's bytes (KVPagePool.page_bytes, known before the pool is made); `mc`: the rank's shard."""
-    return 2 * max(len(mc.full_layers), 1) * c.page_size * mc.num_key_value_heads * mc.head_dim * _size(dtype)
+    return 2 * max(kv_layers(c, mc), 1) * c.page_size * mc.num_key_value_heads * mc.head_dim * _size(dtype)
+
+
+def draft_states(c: EngineConfig) -> int:
+    """Speculative decoding's draft state pool (rank.py): each slot's states after each of the K + 1 tokens a step
+    verifies, the scratch slot's included."""
+    k = c.speculative_tokens
+    return (c.max_num_seqs + 1) * (k + 1) if k else 0
 
 
 def state_bytes(mc: ModelConfig, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
@@ -93,7 +105,7 @@ class Footprint:
     """What one rank holds besides its KV pool, and one request's KV: the parts a budget must hold."""
 
     weights: int
-    states: int  # state slots and prefix-cache checkpoints (each pool with its scratch slot)
+    states: int  # state slots, prefix-cache checkpoints and draft states (each pool with its scratch slot)
     apart: int  # memory left free beside the pool (a parallel leader's hand-off area)
     runtime: int
     page_bytes: int
@@ -191,10 +203,11 @@ def estimate(c: EngineConfig, mc: ModelConfig, max_model_len: int) -> Footprint:
 
     device = c.torch_device()
     dtype, state_dtype = c.torch_dtype(), c.torch_state_dtype()
-    model = build_model(mc, torch.device("meta"), dtype, None, fp8_weights(mc, device, dtype, None, c.quantization))
+    fp8 = fp8_weights(mc, device, dtype, None, c.quantization)
+    model = build_model(mc, torch.device("meta"), dtype, None, fp8, mtp=c.speculative_tokens > 0)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     slot, page = state_bytes(mc, dtype, state_dtype), page_bytes(c, mc, dtype)
-    slots = c.max_num_seqs + 1
+    slots = c.max_num_seqs + 1 + draft_states(c)
     if c.prefix_cache:
         slots += c.resolved_prefix_cache_checkpoints(slot, page, most_pages(c, max_model_len)) + 1
     runtime = runtime_bytes(c, mc, dtype, device.type == "cuda")

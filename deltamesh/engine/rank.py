@@ -29,6 +29,7 @@ class Rank:
     kv_pool: KVPagePool
     kernels: Kernels
     runner: ModelRunner
+    draft_pool: StatePool | None = None  # speculative decoding: the GDN states after each verified token
 
 
 def build_rank(
@@ -48,6 +49,7 @@ def build_rank(
         config.seed,
         tp,
         fp8_weights(mc, device, dtype, tp, config.quantization),
+        mtp=config.speculative_tokens > 0,
     )
     local = tp.shard.local if tp else mc
 
@@ -67,7 +69,10 @@ def build_rank(
         pool.name = name
         return pool
 
+    k = config.speculative_tokens
     slots = state_pool(config.max_num_seqs, "slots")
+    # each slot's states after each of the K + 1 tokens a step verifies (the pool adds its own scratch slot)
+    drafts = state_pool(memory_budget.draft_states(config) - 1, "drafts") if k else None
     page_bytes = memory_budget.page_bytes(config, local, dtype)
     checkpoints = None
     if config.prefix_cache:  # allocated before the KV pool, which may size itself from the memory left
@@ -82,7 +87,13 @@ def build_rank(
         tp.all_reduce(count, min=True)
         num_pages = int(count.item())
     kv_pool = KVPagePool(
-        num_pages, config.page_size, len(local.full_layers), local.num_key_value_heads, local.head_dim, dtype, device
+        num_pages,
+        config.page_size,
+        memory_budget.kv_layers(config, local),
+        local.num_key_value_heads,
+        local.head_dim,
+        dtype,
+        device,
     )
     shapes = ModelShapes(
         dtype,
@@ -98,7 +109,11 @@ def build_rank(
     )
     kernels = select_kernels(device, shapes, config.kernel_backend)
     runner = ModelRunner(model, kv_pool, slots, kernels, device)
-    return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner)
+    if k:
+        from deltamesh.engine.spec.runner import SpecRunner
+
+        runner.spec = SpecRunner(runner, drafts, k)
+    return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner, drafts)
 
 
 def _handoff_area_bytes(

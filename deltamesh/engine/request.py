@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deltamesh.engine.spec.settings import unserved_fields
 from deltamesh.engine.tokenizer import IncrementalDetokenizer
 from deltamesh.protocol.requests import RequestError, validate_request
 from deltamesh.protocol.sampling import SamplingParams
@@ -87,6 +88,10 @@ class Request:
     # takes that input from the previous step's device tensor, row `pending_row`.
     num_pending: int = 0
     pending_row: int = 0
+    # speculative decoding: the tokens drafted after its last token, as the host last read them (a step launched
+    # before that read takes its drafts on the device: spec/runner.py)
+    draft_ids: list[int] = field(default_factory=list)
+    verifying: bool = False  # its last launched step verified drafts (it may commit more than one token)
     slot: int | None = None
     # KV pages in token order. Only ever appended to in place or replaced by a new list: the model
     # runner caches each request's pages as an array on that basis.
@@ -205,9 +210,14 @@ class RequestBuilder:
         vocab_size: int,
         max_model_len: int,
         kv_pool: KVPagePool,
+        spare_tokens: int = 0,
+        speculative: bool = False,
     ):
+        """`spare_tokens`: KV a request may write past its last token (speculative decoding: scheduler.py);
+        `speculative`: the engine verifies drafts (it refuses what the verify path does not apply yet)."""
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.vocab_size, self.max_model_len, self.kv_pool = vocab_size, max_model_len, kv_pool
+        self.spare_tokens, self.speculative = spare_tokens, speculative
         self._ids = itertools.count()
 
     def build(
@@ -233,7 +243,12 @@ class RequestBuilder:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
-        pages = self.kv_pool.pages_for(len(prompt_ids) + params.max_tokens)
+        if self.speculative and (unserved := unserved_fields(params)):
+            raise RequestError(
+                f"{'; '.join(unserved)}: not served with speculative decoding yet (this worker runs "
+                "--speculative-tokens); send the request without them, or to a worker without speculative decoding"
+            )
+        pages = self.kv_pool.pages_for(len(prompt_ids) + params.max_tokens + self.spare_tokens)
         if pages > self.kv_pool.num_pages:
             raise RequestError(
                 f"request needs {pages} KV pages but this worker's pool has {self.kv_pool.num_pages}; "

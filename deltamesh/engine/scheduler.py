@@ -43,11 +43,18 @@ class ScheduledItem:
     # `snapshot_slot` on its way to the chunk's end (runner.host_step, models' GDN layers), or None.
     snapshot_at: int | None = None
     snapshot_slot: int | None = None
+    # speculative decoding: the request's last token and the tokens drafted after it (num_tokens in all), verified
+    verify: bool = False
 
     @property
     def samples(self) -> bool:
         """This step runs the request's last pending token, so a new token is sampled."""
-        return self.num_tokens == self.request.remaining
+        return self.verify or self.num_tokens == self.request.remaining
+
+
+def _decoding(req: Request) -> bool:
+    """It has its prompt computed and decodes one token at a time (or verifies drafts)."""
+    return bool(req.output_ids) and req.num_computed >= len(req.prompt_ids) and req.remaining == 1
 
 
 class Scheduler(SchedulerInterface):
@@ -62,6 +69,9 @@ class Scheduler(SchedulerInterface):
         self._num_preemptions = 0
         self.prefix_cache: PrefixCache | None = None
         self.snapshots = True  # steps may take checkpoints' states in passing (with a prefix cache: `_chunk`)
+        # speculative decoding (engine/spec/): tokens drafted per request, and the decoding requests above which a
+        # step decodes without them
+        self.speculative_tokens, self.spec_disable_batch_size = 0, 0
 
     def alloc_pages(self, n: int, after: int | None = None) -> list[int]:
         """KV pages from the pool, evicting from the prefix cache if it is short (any thread)."""
@@ -143,24 +153,27 @@ class Scheduler(SchedulerInterface):
         budget = self.max_num_batched_tokens
         items: list[ScheduledItem] = []
 
-        def add(req: Request, n: int, at: int | None) -> None:
+        def add(req: Request, n: int, at: int | None, verify: bool = False) -> None:
             nonlocal budget
-            items.append(ScheduledItem(req, n, at))
+            items.append(ScheduledItem(req, n, at, verify=verify))
             budget -= n
 
+        k = self.speculative_tokens
+        verify = k > 0 and sum(map(_decoding, self._running)) <= self.spec_disable_batch_size
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
             if req.last_token_pending:
                 i += 1
                 continue
-            n, at = self._chunk(req, budget, self.snapshots)
+            verifies = verify and _decoding(req)
+            n, at = (k + 1, None) if verifies else self._chunk(req, budget, self.snapshots)
             if n == 0:  # waits for its grammar
                 i += 1
                 continue
-            if not self._grow(req, req.num_computed + n):
+            if not self._grow(req, req.num_computed + self.spec_reach(req, n, verifies)):
                 continue  # req itself was preempted; running[i] is now the next request
-            add(req, n, at)
+            add(req, n, at, verifies)
             i += 1
         while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             req = self._waiting[0]
@@ -173,6 +186,21 @@ class Scheduler(SchedulerInterface):
                 add(req, n, at)
         self._snapshot_slots(items)
         return items
+
+    def spec_reach(self, req: Request, n: int, verifies: bool = False) -> int:
+        """The KV past `req`'s computed length that a step of `n` of its tokens may write: its tokens'; in a
+        speculative engine a verifying request's K+1 inputs, moved on by up to K drafts its last step (launched,
+        not read) accepted, then the MTP KV of its K-1 further drafts; a sampling prompt chunk's drafts likewise.
+        The spare room every request is validated for (RequestBuilder) covers it."""
+        k = self.speculative_tokens
+        if not k or not (verifies or n == req.remaining):
+            return n
+        return n + (k if req.num_pending else 0) + k - 1
+
+    @property
+    def spare_tokens(self) -> int:
+        """KV a request may write past its tokens (spec_reach) at most."""
+        return 3 * self.speculative_tokens
 
     def _snapshot_slots(self, items: list[ScheduledItem]) -> None:
         """A state slot for each chunk that takes a checkpoint in passing: the scratch slot for the first, free
@@ -205,7 +233,9 @@ class Scheduler(SchedulerInterface):
             return self._admit_placed(req)
         cache = self.prefix_cache
         cached, tail = cache.acquire(req) if cache is not None else ([], None)
-        need = self.kv_pool.pages_for(req.num_tokens) - len(cached)
+        # a speculative engine's prompt that samples in its first chunk drafts past it: room for that too
+        need = self.kv_pool.pages_for(req.num_tokens + self.spec_reach(req, req.remaining) - req.remaining)
+        need -= len(cached)
         free = self.kv_pool.num_free
         if cache is not None and free < need:  # walking the cache's blocks only when the pool is short
             free += cache.reclaimable()
@@ -226,7 +256,8 @@ class Scheduler(SchedulerInterface):
     def _admit_placed(self, req: Request) -> bool:
         """A request whose first `num_computed` tokens' state is already in its slot and pages (pulled from
         another worker's prefix cache): pages for the rest of its prompt, then it goes on from there."""
-        need = self.kv_pool.pages_for(req.num_tokens) - len(req.pages)
+        reach = self.spec_reach(req, req.remaining) - req.remaining
+        need = self.kv_pool.pages_for(req.num_tokens + reach) - len(req.pages)
         free = self.kv_pool.num_free + (self.prefix_cache.reclaimable() if self.prefix_cache is not None else 0)
         if free < need:
             return False

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from deltamesh.engine.interfaces import PrefixCacheInterface, SchedulerInterface
+from deltamesh.engine.spec.settings import MAX_SPECULATIVE_TOKENS
 
 
 @dataclass
@@ -29,6 +30,10 @@ class EngineStats:
     queued: int = 0
     first_token_seconds: float = 0.0
     first_tokens: int = 0
+    # speculative decoding: drafts verified, of them accepted, and accepted at each draft position (spec/tokens.py)
+    spec_drafts: int = 0
+    spec_accepted: int = 0
+    spec_accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
     # Steps that sampled a row under a grammar (structured outputs), and the host's time filling and queueing their
     # bitmasks (grammar.GrammarMasks), summed
     grammar_mask_steps: int = 0

@@ -6,8 +6,10 @@ its tokens on the host (`LaunchedStep.read`). The step loop around it is core.py
 Between the forward pass and sampling, the logits stage: first grammar bitmasks (structured outputs, grammar.py), in
 place, so that the log-probabilities a request asks for are of the masked distribution, as vLLM's are; then
 penalties, logit_bias and min_tokens (penalties.py, their per-request state on the device), which log-probabilities
-do not see (vLLM's default too). What comes next: a step that verifies drafted tokens (MTP) in place of `_sample`,
-its accepted tokens per request returned by `read`.
+do not see (vLLM's default too). A speculative engine (engine/spec/) verifies drafted tokens inside the forward pass
+of every rank (the leader's acceptance in place of `_sample`: spec/accept.py, whose logits are a row per verified
+position, where a logits stage would run), its one to K+1 new tokens per request returned by `read`; it refuses the
+requests that need the logits stage for now (spec/settings.py).
 
 Bitmasks run only in a step where some sampled row has a grammar: a row's mask depends on the token its request
 sampled in the step before, which under async scheduling reaches the host only now, so the step's caller takes those
@@ -31,6 +33,9 @@ from deltamesh.engine.request import Request, TokenLogprobs
 from deltamesh.engine.runner import ModelRunner
 from deltamesh.engine.sampling import SampledTokens, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
+from deltamesh.engine.spec import tokens as spec_tokens
+from deltamesh.engine.spec.runner import SpecSampling
+from deltamesh.engine.spec.tokens import SpecTokens
 from deltamesh.engine.stats import EngineStats
 from deltamesh.engine.tp_workers import Followers
 
@@ -41,17 +46,23 @@ class LaunchedStep:
     around its forward pass (the GPU's time on it: step_report.py)."""
 
     requests: list[Request]
-    sampled: SampledTokens
+    sampled: SampledTokens | SpecTokens
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     taken: bool = False  # its tokens went into their requests during the next step's launch (EngineCore._take_early)
 
-    def read(self, stats: EngineStats) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """The step's tokens (and logprobs) on the host, row by row; waits for the device."""
-        tokens, logprobs = self.sampled.result()
+    def read(self, stats: EngineStats) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """The step's new tokens (and logprobs) on the host, per request in row order; waits for the device. A
+        speculative step's requests have their accepted drafts counted as computed first (spec/tokens.settle)."""
+        if isinstance(self.sampled, SpecTokens):
+            tokens, logprobs, advanced, drafts = self.sampled.result()
+            spec_tokens.settle(self.requests, advanced, drafts, self.sampled.num_verify, stats)
+        else:
+            token_list, logprob_list = self.sampled.result()
+            tokens, logprobs = [[t] for t in token_list], [[lp] for lp in logprob_list]
         if self.span is not None:
             self.span[1].synchronize()  # returns at once: both events precede the tokens' copy on the stream
             stats.gpu_step_ms += self.span[0].elapsed_time(self.span[1])
-        return tokens, logprobs
+        return list(zip(tokens, logprobs))
 
 
 class StepLauncher:
@@ -67,6 +78,7 @@ class StepLauncher:
     ):
         self.runner, self.followers, self.scheduler, self.stats = runner, followers, scheduler, stats
         self.data_parallel = data_parallel
+        self.max_model_len = 0  # the context limit, set by its engine: speculative acceptance cuts a run there
         self.gpu_timed = device.type == "cuda"  # each step's GPU time (EngineStats.gpu_step_ms)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.prefix_cache: PrefixCacheInterface | None = None  # once made (after the warm-up)
@@ -84,34 +96,54 @@ class StepLauncher:
         as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only);
         `before_masks`: called with the sampled requests before their grammars mask the logits (when one has a
         grammar), to bring their matchers up to date."""
-        # decode-first, as kernels expect; the chunks that take a state in passing last (runner.host_step)
-        items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
+        # decode-first (verifying items first), as kernels expect; the chunks that take a state in passing last
+        # (runner.host_step)
+        items.sort(key=lambda it: (it.request.dp_rank, not it.verify, it.num_tokens != 1, it.snapshot_at is not None))
         started = time.monotonic()
         span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.gpu_timed else None
         if span:
             span[0].record()
-        logits = self._forward(items, previous, between_layers)
+        sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
+        spec = self._spec_sampling(items, sampling) if self.runner.spec is not None else None
+        out = self._forward(items, previous, between_layers, spec)
         if span:
             span[1].record()
-        sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
         self._advance(items, started)
-        if any(r.grammar is not None for r in sampling):
-            if before_masks is not None:
-                before_masks(sampling)
-            self.stats.grammar_mask_seconds += self.masks.apply(logits, sampling)
-            self.stats.grammar_mask_steps += 1
-        sampled = self._sample(logits, sampling)
+        if spec is not None:  # accepted inside the forward pass (spec/runner.py): its outputs
+            sampled = SpecTokens(out, sampling, sum(it.verify for it in items), self.runner.spec.k)
+            self._pending(sampling)
+        else:
+            if any(r.grammar is not None for r in sampling):
+                if before_masks is not None:
+                    before_masks(sampling)
+                self.stats.grammar_mask_seconds += self.masks.apply(out, sampling)
+                self.stats.grammar_mask_steps += 1
+            sampled = self._sample(out, sampling)
         self.stats.steps += 1
         return LaunchedStep(sampling, sampled, span)
 
+    def _spec_sampling(self, items: list[ScheduledItem], sampling: list[Request]) -> SpecSampling:
+        """A speculative step drafts unless it backed off (its decodes run without verification at a large
+        batch: scheduler.py)."""
+        backed_off = any(not it.verify and it.num_tokens == 1 and it.request.output_ids for it in items)
+        inputs = spec_tokens.accept_inputs(sampling, self.max_model_len)
+        return SpecSampling(inputs, self.generator, sampling, draft=not backed_off)
+
     def _forward(
-        self, items: list[ScheduledItem], previous: LaunchedStep | None, between_layers: Callable[[], None] | None
-    ) -> torch.Tensor:
-        """The forward pass: the logits of the items' sampled rows (in `items` order)."""
+        self,
+        items: list[ScheduledItem],
+        previous: LaunchedStep | None,
+        between_layers: Callable[[], None] | None,
+        spec: SpecSampling | None = None,
+    ):
+        """The forward pass: the logits of the items' sampled rows (in `items` order); a speculative engine's
+        outputs (spec/runner.py)."""
         pending = previous.sampled.tokens if previous is not None else None
         if self.data_parallel:
             return data_parallel.execute(self.runner, self.followers, items, pending)
-        return self.runner.execute(items, pending, between_layers=between_layers)
+        if spec is None:
+            return self.runner.execute(items, pending, between_layers=between_layers)
+        return self.runner.execute(items, pending, between_layers=between_layers, sampling=spec)
 
     def _advance(self, items: list[ScheduledItem], started: float) -> None:
         """The items' requests have their tokens computed (once the step runs): their counts, and the prompt pages
@@ -125,7 +157,8 @@ class StepLauncher:
                 self.stats.queued += 1
             in_prompt = req.num_computed < len(req.prompt_ids)
             mixed |= in_prompt
-            req.num_computed += it.num_tokens
+            req.num_computed += 1 if it.verify else it.num_tokens  # the drafts it accepts: when read
+            req.verifying = it.verify
             if req.num_computed <= len(req.prompt_ids):
                 self.stats.prompt_tokens += it.num_tokens
             if in_prompt and self.prefix_cache is not None:
@@ -145,7 +178,11 @@ class StepLauncher:
             raw_logits=logits,
         )
         self.adjustments.count(counting, sampled.tokens)
+        self._pending(sampling)
+        return sampled
+
+    @staticmethod
+    def _pending(sampling: list[Request]) -> None:
         for row, req in enumerate(sampling):
             req.num_pending += 1
             req.pending_row = row
-        return sampled

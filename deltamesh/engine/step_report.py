@@ -6,7 +6,9 @@ and mixed steps replayed piece by piece (cuda_graphs.py); the mean
 wall time of a step on the stepping thread; on CUDA, the share of the window the GPU spent inside steps (the rest
 it waited for the host: work between steps that async scheduling did not hide, or no work at all); prompt and
 generated tokens per second; running and waiting requests; KV pages in use by requests and cached; prefix-cache
-hits; preemptions; where steps sampled under a grammar (structured outputs), how many and the host's mean time on
+hits; preemptions; with speculative decoding, the acceptance rate of each draft position (accepted there per
+verifying request: a draft counts only after those before it were accepted) and the tokens a verifying request
+gained per step; where steps sampled under a grammar (structured outputs), how many and the host's mean time on
 their bitmasks."""
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class StepReport:
             "hits": s.prefix_cache_hits,
             "preemptions": self.core.scheduler.num_preemptions,
             "gpu_ms": s.gpu_step_ms,
+            "drafts": s.spec_drafts,
+            "accepted_at": list(s.spec_accepted_at),
             "grammar_steps": s.grammar_mask_steps,
             "grammar_s": s.grammar_mask_seconds,
         }
@@ -49,7 +53,8 @@ class StepReport:
         if now - self._since < self.interval_s:
             return None
         counters = self._counters()
-        delta = {k: counters[k] - self._last[k] for k in counters}
+        delta = {k: counters[k] - self._last[k] for k in counters if k != "accepted_at"}
+        accepted_at = [now_n - then_n for now_n, then_n in zip(counters["accepted_at"], self._last["accepted_at"])]
         seconds, step_seconds = now - self._since, self.step_seconds
         self._last, self._since, self.step_seconds = counters, now, 0.0
         if not delta["steps"]:
@@ -71,6 +76,11 @@ class StepReport:
             "prefix_cache_hits": delta["hits"],
             "preemptions": delta["preemptions"],
         }
+        k = self.core.config.speculative_tokens
+        if k and delta["drafts"]:  # each position's acceptance rate: accepted there per verifying request
+            verified = delta["drafts"] / k
+            line["spec_acceptance"] = [round(n / verified, 3) for n in accepted_at[:k]]
+            line["spec_tokens_per_step"] = round(1 + sum(accepted_at[:k]) / verified, 3)
         if delta["grammar_steps"]:
             line["grammar_steps"] = delta["grammar_steps"]
             line["grammar_mask_ms"] = round(1e3 * delta["grammar_s"] / delta["grammar_steps"], 3)

@@ -77,7 +77,7 @@ def one_rank_pools(
     kv = KVPagePool(
         num_pages,
         like_kv.page_size,
-        len(full.full_layers),
+        like_kv.num_layers,  # the MTP module's too, with speculative decoding
         full.num_key_value_heads,
         full.head_dim,
         data.dtype,

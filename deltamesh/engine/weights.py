@@ -26,7 +26,8 @@ from deltamesh.kernels.fp8 import BLOCK, quantize_blocks
 log = structlog.get_logger("deltamesh.weights")
 
 # Parts of released checkpoints that a text-only server does not use.
-_IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_IGNORED_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIX = "mtp."  # the multi-token-prediction module (models/mtp.py), read only by a model that drafts with it
 
 
 class WeightError(ValueError):
@@ -34,13 +35,24 @@ class WeightError(ValueError):
 
 
 def build_model(
-    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallelGroup | None = None, fp8: bool = False
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallelGroup | None = None,
+    fp8: bool = False,
+    mtp: bool = False,
 ) -> HybridLM:
+    """`mtp`: with the checkpoint's MTP module (WeightError when its config declares none)."""
+    if mtp and cfg.mtp_layers < 1:
+        raise WeightError(
+            "speculative decoding drafts with the checkpoint's MTP module, but its config.json declares none "
+            "(mtp_num_hidden_layers / num_nextn_predict_layers)"
+        )
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = MODEL_CLASSES[cfg.family](cfg, device, tp, fp8)
+            model = MODEL_CLASSES[cfg.family](cfg, device, tp, fp8, mtp)
         finally:
             torch.set_default_dtype(prev)
     return model.eval()
@@ -76,6 +88,8 @@ def canonical_name(name: str) -> str | None:
     """Map a checkpoint tensor name to the text model's naming, or None for parts we do not serve."""
     if name.startswith(_IGNORED_PREFIXES):
         return None
+    if name.startswith("model.mtp."):
+        return name[len("model.") :]
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model.") :]
     return name
@@ -157,7 +171,10 @@ def load_checkpoint(model: HybridLM, model_dir: Path) -> ShardReader | None:
     """Fill the model from its checkpoint; on a parallel rank, the reader that read its parts."""
 
     def wanted(name: str) -> bool:
-        return canonical_name(name) is not None and (model.group is None or reads_tensor(name, model.group.shard))
+        canonical = canonical_name(name)
+        if canonical is None or (model.mtp is None and canonical.startswith(MTP_PREFIX)):
+            return False
+        return model.group is None or reads_tensor(name, model.group.shard)
 
     slots = model.weight_slots()
     fp8_names = {name for name, slot in slots.items() if slot.param.dtype == torch.float8_e4m3fn}
@@ -179,7 +196,7 @@ def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None, take
     with torch.no_grad():
         for raw_name, tensor in named_tensors:
             name = canonical_name(raw_name)
-            if name is None:
+            if name is None or (model.mtp is None and name.startswith(MTP_PREFIX)):
                 continue
             for part_name, part in model.checkpoint_tensors(name, tensor):
                 if model.group and part_name not in taken:
@@ -206,7 +223,10 @@ def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None, take
     missing = [pid for pid, p in params.items() if covered.get(pid, 0) < p.numel()]
     if missing:
         names = sorted({n for n, s in slots.items() if id(s.param) in missing})
-        raise WeightError(f"checkpoint lacks weights for: {names[:8]}{' ...' if len(names) > 8 else ''}")
+        hint = ""
+        if all(n.startswith(MTP_PREFIX) for n in names):
+            hint = " (the MTP module speculative decoding drafts with: this checkpoint does not ship it)"
+        raise WeightError(f"checkpoint lacks weights for: {names[:8]}{' ...' if len(names) > 8 else ''}{hint}")
 
 
 def _fill(slot, part: torch.Tensor, covered: dict[int, int]) -> None:
@@ -255,10 +275,11 @@ def load_model(
     seed: int = 0,
     tp: TensorParallelGroup | None = None,
     fp8: bool = False,
+    mtp: bool = False,
 ) -> HybridLM:
-    """`fp8`: the linear layers in FP8 (`fp8_weights` decides)."""
+    """`fp8`: the linear layers in FP8 (`fp8_weights` decides); `mtp`: with the MTP module (build_model)."""
     started = time.monotonic()
-    model = build_model(cfg, device, dtype, tp, fp8)
+    model = build_model(cfg, device, dtype, tp, fp8, mtp)
     if load_format == "dummy":
         # data-parallel ranks hold the same weights outside their MoE layers: the same seed
         init_dummy(model, seed + (tp.shard.rank if tp and not tp.shard.data_parallel else 0))

@@ -25,6 +25,23 @@ class StateSnapshots:
 
 
 @dataclass
+class Verification:
+    """Speculative decoding (engine/spec/): the step's first `count * width` tokens are `count` sequences of `width`
+    tokens each (a request's last token and its drafts). Attention sees them as one-token decode rows, each with
+    its own length; the GDN layers as sequences, each run from its request's state with the state after every token
+    kept in the draft pool (`pool`, slots `slots`), the request's own state left for the caller to commit."""
+
+    count: int
+    width: int
+    pool: object  # cache.StatePool: the draft states
+    slots: torch.Tensor  # [count, width] int64 the draft-pool slot of each token's state (device)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.count * self.width
+
+
+@dataclass
 class StepBatch:
     num_decode: int  # leading sequences with a single query token
     query_lens: list[int]  # tokens this step, per sequence
@@ -37,6 +54,11 @@ class StepBatch:
     prefill_cu_seqlens: torch.Tensor | None = None  # [Np+1] int32 offsets of the prefill chunks (device)
     sample_index: torch.Tensor | None = None  # [S] int64 the tokens whose logits are sampled (device)
     snapshot: StateSnapshots | None = None
+    verify: Verification | None = None  # the leading decode rows that verify drafts
+    # the decode rows' lengths are exact only on the device (seq_lens): a speculative step launched before the
+    # previous one's accepted tokens were known moves its rows on by them there; kernels that read host lengths
+    # read these rows' from seq_lens
+    decode_lengths_on_device: bool = False
 
     @property
     def num_seqs(self) -> int:

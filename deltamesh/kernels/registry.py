@@ -19,8 +19,10 @@ import torch
 OPS = (
     "gdn_prefill",
     "gdn_decode",
+    "gdn_verify",
     "conv1d_prefill",
     "conv1d_update",
+    "conv1d_verify",
     "attention_inputs",
     "paged_attention",
     "sigmoid_gate",
@@ -65,8 +67,10 @@ class Kernels:
 
     gdn_prefill: Callable
     gdn_decode: Callable
+    gdn_verify: Callable  # speculative decoding: several tokens per sequence, the state after each kept
     conv1d_prefill: Callable
     conv1d_update: Callable
+    conv1d_verify: Callable
     attention_inputs: Callable
     paged_attention: Callable
     sigmoid_gate: Callable

@@ -66,6 +66,41 @@ def gdn_decode(
     return out.to(v.dtype)
 
 
+def gdn_verify(
+    q: torch.Tensor,  # [N * W, HK, K]: N sequences of W tokens each, sequence-major
+    k: torch.Tensor,  # [N * W, HK, K]
+    v: torch.Tensor,  # [N * W, HV, V]
+    a: torch.Tensor,  # [N * W, HV]
+    b: torch.Tensor,  # [N * W, HV]
+    A_log: torch.Tensor,  # [HV]
+    dt_bias: torch.Tensor,  # [HV]
+    state_pool: torch.Tensor,  # [P, HV, V, K] read only
+    state_idx: torch.Tensor,  # [N] each sequence's state before its first token
+    draft_pool: torch.Tensor,  # [P', HV, V, K]
+    draft_idx: torch.Tensor,  # [N, W] where the state after each token goes
+) -> torch.Tensor:
+    """Speculative verification: W recurrent steps per sequence from its pooled state, the state after token j
+    written to draft_pool[draft_idx[:, j]] (the pooled state itself is left as it was: the caller commits the
+    accepted one). Each step is gdn_decode's arithmetic, the state rounded to the pool dtype between steps as
+    decoding one token at a time rounds it. Returns [N * W, HV, V]."""
+    n, w = draft_idx.shape
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    q, k = _prepare_qk(q, k, v.shape[-2])
+    q, k, vf = (t.view(n, w, *t.shape[1:]) for t in (q, k, v.float()))
+    g, beta = g.view(n, w, -1), beta.view(n, w, -1)
+    state = state_pool[state_idx].float()
+    out = []
+    for j in range(w):
+        state = state * g[:, j].exp()[..., None, None]
+        predicted = (state @ k[:, j].unsqueeze(-1)).squeeze(-1)
+        delta = (vf[:, j] - predicted) * beta[:, j].unsqueeze(-1)
+        state = state + delta.unsqueeze(-1) * k[:, j].unsqueeze(-2)
+        out.append((state @ q[:, j].unsqueeze(-1)).squeeze(-1))
+        draft_pool[draft_idx[:, j]] = state = state.to(draft_pool.dtype)
+        state = state.float()
+    return torch.stack(out, 1).flatten(0, 1).to(v.dtype)
+
+
 def _pad_by_sequence(x: torch.Tensor, lens: list[int], padded_len: int) -> torch.Tensor:
     """[T, ...] flat tokens -> [N, padded_len, ...] with zeros after each sequence's end."""
     out = x.new_zeros((len(lens), padded_len) + tuple(x.shape[1:]))
@@ -159,6 +194,29 @@ def conv1d_update(
     return _activate(out, activation).to(x.dtype)
 
 
+def conv1d_verify(
+    x: torch.Tensor,  # [N * W, C]: N sequences of W tokens each, sequence-major
+    conv_pool: torch.Tensor,  # [P, C, W-1] read only
+    state_idx: torch.Tensor,  # [N]
+    draft_pool: torch.Tensor,  # [P', C, W-1]
+    draft_idx: torch.Tensor,  # [N, W] where the window after each token goes
+    weight: torch.Tensor,  # [C, kernel]
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """conv1d_update over each sequence's W tokens in turn, the window after token j written to
+    draft_pool[draft_idx[:, j]] (the pooled window is left as it was)."""
+    n, w = draft_idx.shape
+    window = conv_pool[state_idx]
+    xs = x.view(n, w, -1)
+    out = []
+    for j in range(w):
+        full = torch.cat([window, xs[:, j].unsqueeze(-1).to(conv_pool.dtype)], dim=-1)
+        window = full[..., 1:]
+        draft_pool[draft_idx[:, j]] = window.to(draft_pool.dtype)
+        out.append(_activate((full.to(weight.dtype) * weight).sum(-1), activation))
+    return torch.stack(out, 1).flatten(0, 1).to(x.dtype)
+
+
 def conv1d_prefill(
     x: torch.Tensor,  # [T, C]
     seq_lens: list[int],
@@ -207,7 +265,10 @@ def _attend(
     scale: float,
 ) -> torch.Tensor:
     q_lens = [batch.query_lens[i] for i in seqs]
-    ctx = [batch.context_lens[i] for i in seqs]
+    if batch.decode_lengths_on_device and seqs.stop <= batch.num_decode:  # one query token each
+        ctx = (batch.seq_lens[seqs.start : seqs.stop] - 1).tolist()
+    else:
+        ctx = [batch.context_lens[i] for i in seqs]
     kv_lens = [c + n for c, n in zip(ctx, q_lens)]
     page_size = k_cache.shape[1]
     max_q, max_kv = max(q_lens), max(kv_lens)

@@ -88,3 +88,18 @@ def test_meta_model_matches_transformers_parameter_count(name):
         reference = model_cls(config_cls(**text))
     ours = build_model(ModelConfig.from_dir(CONFIGS / name), torch.device("meta"), torch.bfloat16)
     assert param_count(ours) == param_count(reference)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_meta_model_with_mtp_adds_one_decoder_layer_and_its_projection(name):
+    """The MTP module (speculative decoding's drafter): fc [h, 2h], three norms, and one full-attention decoder
+    layer whose MLP is the main model's layer 0's (MoE in the MoE models)."""
+    mc = ModelConfig.from_dir(CONFIGS / name)
+    assert mc.mtp_layers == 1
+    plain = build_model(mc, torch.device("meta"), torch.bfloat16)
+    with_mtp = build_model(mc, torch.device("meta"), torch.bfloat16, mtp=True)
+    attention_layer = plain.layers[mc.full_layers[0]]
+    layer = sum(p.numel() for p in attention_layer.mixer.parameters()) + 2 * mc.hidden_size
+    layer += sum(p.numel() for p in plain.layers[0].mlp.parameters())
+    h = mc.hidden_size
+    assert param_count(with_mtp) - param_count(plain) == 2 * h * h + 3 * h + layer

@@ -44,10 +44,16 @@ class HybridLM(nn.Module, ABC):
     rank's part of them (deltamesh/engine/parallel.py): `cfg` stays the full model's config, the layers are
     built from the shard's. A data-parallel group (engine/data_parallel.py) splits only the MoE layers, which
     run on every rank's tokens. `fp8`: the projections keep an FP8 checkpoint's values and block scales
-    (models/layers.py)."""
+    (models/layers.py). `mtp`: with the checkpoint's multi-token-prediction module (models/mtp.py), whose
+    attention takes the KV pool's layers after the main model's."""
 
     def __init__(
-        self, cfg: ModelConfig, device: torch.device, tp: TensorParallelGroup | None = None, fp8: bool = False
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        tp: TensorParallelGroup | None = None,
+        fp8: bool = False,
+        mtp: bool = False,
     ):
         super().__init__()
         self.cfg, self.group, self.fp8 = cfg, tp, fp8  # group: how the loader shards the weights
@@ -70,6 +76,13 @@ class HybridLM(nn.Module, ABC):
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         self.rotary = Rotary(cfg, device)
         self.moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        self.mtp = None
+        if mtp:
+            from deltamesh.engine.models.mtp import MultiTokenPredictor
+
+            # each MTP layer's MLP is the family's for the main layer of the same index, as vLLM builds it
+            mlps = [self.make_mlp(local, i) for i in range(cfg.mtp_layers)]
+            self.mtp = MultiTokenPredictor(local, kv_layer, mlps, fp8)
 
     # -- family hooks --------------------------------------------------------------------------------
     @abstractmethod
@@ -91,6 +104,8 @@ class HybridLM(nn.Module, ABC):
             slots["lm_head.weight"] = WeightSlot(self.lm_head)
         for i, layer in enumerate(self.layers):
             slots |= layer.weight_slots(f"model.layers.{i}")
+        if self.mtp is not None:
+            slots |= self.mtp.weight_slots()
         return slots | self._scale_slots(slots)
 
     def _scale_slots(self, slots: dict[str, WeightSlot]) -> dict[str, WeightSlot]:
@@ -139,15 +154,19 @@ class HybridLM(nn.Module, ABC):
 
     def head(self, input_ids: torch.Tensor, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """(the first layer's normed input, the residual stream): the embedding."""
-        residual = self.tp.embed(input_ids, self.embed) if self.tp else F.embedding(input_ids, self.embed)
+        residual = self.embed_ids(input_ids)
         return self.layers[0].input_norm(residual, kernels), residual
+
+    def embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.embed(input_ids, self.embed) if self.tp else F.embedding(input_ids, self.embed)
 
     def mix_context(self, batch: StepBatch, state_pool: StatePool, dtype: torch.dtype) -> tuple:
         """What every layer's mix reads besides its input: the rotary tables and the state pools' rows (of the
         step's sequences, and of its snapshot slots)."""
-        snap = batch.snapshot
+        snap, verify = batch.snapshot, batch.verify
         kept = state_pool.layer_rows(snap.slots) if snap is not None else None
-        return self.rotary.cos_sin(batch.positions, dtype), state_pool.layer_rows(batch.state_slots), kept
+        drafts = verify.pool.layer_rows(verify.slots.flatten()) if verify is not None else None
+        return self.rotary.cos_sin(batch.positions, dtype), state_pool.layer_rows(batch.state_slots), kept, drafts
 
     def mix(
         self,
@@ -159,11 +178,11 @@ class HybridLM(nn.Module, ABC):
         state_pool: StatePool,
         kernels: Kernels,
     ) -> torch.Tensor:
-        rope, state_rows, snapshot_rows = context
+        rope, state_rows, snapshot_rows, draft_rows = context
         mixer = self.layers[i].mixer
         if isinstance(mixer, GatedAttention):
             return mixer.mix(x, batch, rope, kv_pool, kernels)
-        return mixer.mix(x, batch, state_pool, state_rows, snapshot_rows, kernels)
+        return mixer.mix(x, batch, state_pool, state_rows, snapshot_rows, kernels, draft_rows)
 
     def after_mix(
         self, i: int, mixed: torch.Tensor, residual: torch.Tensor, kernels: Kernels

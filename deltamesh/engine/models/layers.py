@@ -225,12 +225,17 @@ class GatedDeltaNet(nn.Module):
         state_rows: torch.Tensor,
         snapshot_rows: torch.Tensor | None,
         kernels: Kernels,
+        draft_rows: torch.Tensor | None = None,
     ):
         """The normed, gated GDN output, [T, value_dim]: what the output projection reads. state_rows:
-        StatePool.layer_rows of the step's slots; snapshot_rows: those of its snapshot slots (batch.snapshot).
+        StatePool.layer_rows of the step's slots; snapshot_rows: those of its snapshot slots (batch.snapshot);
+        draft_rows: the draft pool's rows of batch.verify's slots.
         With snapshots, the conv and the delta rule run in two passes: every prefill sequence but the tails, then
-        each head's state is copied to its snapshot slot, then the tails, which continue from those states."""
+        each head's state is copied to its snapshot slot, then the tails, which continue from those states. The
+        verifying sequences (leading decode rows) keep the state after each of their tokens in the draft pool."""
         t, nd = x.shape[0], batch.num_decode
+        verify = batch.verify
+        nv = verify.num_tokens if verify is not None else 0
         if self.in_proj_ba is None:
             mixed, z, b, a = kernels.linear(x, self.in_proj).split(self.splits, dim=-1)
         else:
@@ -252,8 +257,19 @@ class GatedDeltaNet(nn.Module):
             kept = snapshot_rows[self.state_layer]
 
         conv_out = []
-        if nd:
-            conv_out.append(kernels.conv1d_update(mixed[:nd], conv_pool, idx[:nd], self.conv_weight, self.activation))
+        if nv:
+            drafts = draft_rows[self.state_layer].view(verify.count, verify.width)
+            first = idx[: nv : verify.width]  # each verifying sequence's own state
+            pool = verify.pool
+            conv_out.append(
+                kernels.conv1d_verify(
+                    mixed[:nv], conv_pool, first, pool.conv_flat, drafts, self.conv_weight, self.activation
+                )
+            )
+        if nd > nv:
+            conv_out.append(
+                kernels.conv1d_update(mixed[nv:nd], conv_pool, idx[nv:nd], self.conv_weight, self.activation)
+            )
         for i, (rows, lens, cu, seq_idx) in enumerate(passes):
             if i:  # the heads' conv states, before the tails move them on
                 conv_pool.index_copy_(0, kept, conv_pool.index_select(0, seq_idx))
@@ -267,8 +283,15 @@ class GatedDeltaNet(nn.Module):
         q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
         gates = (self.A_log, self.dt_bias)
         core = []
-        if nd:
-            core.append(kernels.gdn_decode(q[:nd], k[:nd], v[:nd], a[:nd], b[:nd], *gates, rec_pool, idx[:nd]))
+        if nv:
+            core.append(
+                kernels.gdn_verify(
+                    q[:nv], k[:nv], v[:nv], a[:nv], b[:nv], *gates, rec_pool, first, pool.recurrent_flat, drafts
+                )
+            )
+        if nd > nv:
+            rows = slice(nv, nd)
+            core.append(kernels.gdn_decode(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, rec_pool, idx[rows]))
         for i, (rows, lens, cu, seq_idx) in enumerate(passes):
             if i:  # the heads' recurrent states
                 rec_pool.index_copy_(0, kept, rec_pool.index_select(0, seq_idx))

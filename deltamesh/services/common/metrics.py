@@ -119,6 +119,7 @@ class EngineCollector:
             s = SummaryMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             s.add_metric([role], count_value=count, sum_value=total)
             yield s
+        yield from _spec_counters(stats, role)
         finished = CounterMetricFamily(
             "deltamesh_engine_requests_finished", "Requests finished by reason", labels=["role", "reason"]
         )
@@ -137,6 +138,27 @@ class EngineCollector:
             for reason, n in self.leases.counts.items():
                 ended.add_metric([reason], n)
             yield ended
+
+
+def _spec_counters(stats, role: str):
+    """Speculative decoding (--speculative-tokens): drafts verified, of them accepted, and accepted by position (a
+    draft is accepted at position j only if those before it were: the acceptance rate of position j is
+    accepted_by_position{j} / (drafted / K))."""
+    for name, value, doc in (
+        ("draft_tokens", stats.spec_drafts, "Tokens drafted by the MTP module and verified"),
+        ("accepted_tokens", stats.spec_accepted, "Drafted tokens the target model accepted"),
+    ):
+        c = CounterMetricFamily(f"deltamesh_spec_{name}", doc, labels=["role"])
+        c.add_metric([role], value)
+        yield c
+    by_position = CounterMetricFamily(
+        "deltamesh_spec_accepted_tokens_by_position",
+        "Drafted tokens accepted, by draft position (0: the first draft after the last token)",
+        labels=["role", "position"],
+    )
+    for position, n in enumerate(stats.spec_accepted_at):
+        by_position.add_metric([role, str(position)], n)
+    yield by_position
 
 
 def serve_worker_metrics(worker, host: str, port: int | None, leases=None) -> None:

@@ -53,8 +53,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         colocated = not request.HasField("source")  # this worker makes the first token too
         if request.HasField("source"):
             reservation = await self._receive_state(request, context)
-            first = request.source.first_token_id
-            submit = lambda r, sink: self.engine.submit_transferred(r, first, reservation, sink)  # noqa: E731
+            first, drafts = request.source.first_token_id, list(request.source.draft_token_ids)
+            submit = lambda r, sink: self.engine.submit_transferred(r, first, reservation, sink, drafts)  # noqa: E731
         elif request.max_uncached_tokens:
             uncached = len(req.prompt_ids) - self.engine.cached_tokens(req.prompt_ids)
             if uncached > request.max_uncached_tokens:  # not held here (evicted): a prefill worker's job

@@ -56,6 +56,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                     request.lease_token or None,
                     lambda reason: self.engine.release_held(rid),
                 )
+                response.draft_token_ids.extend(self.engine.held_drafts(rid))  # speculative decoding's first drafts
                 leased = True
                 response.lease.CopyFrom(offered.lease)
                 response.layout.CopyFrom(offered.layout)

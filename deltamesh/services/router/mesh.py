@@ -202,6 +202,7 @@ class Mesh:
                 transport=first.transport,
                 layout=first.layout,
                 first_token_id=first.first.token_ids[0],
+                draft_token_ids=first.draft_token_ids,  # speculative decoding: verified in the decode's first step
             )
             req = decode_pb2.DecodeRequest(
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source

@@ -1,0 +1,22 @@
+"""Speculative decoding on a tensor-parallel engine (CPU, gloo, one process per rank): every rank verifies its
+heads' part, the leader accepts and sends the counts, every rank commits its part of the GDN states and runs its
+part of the MTP module; greedy tokens and logprobs equal the one-rank engine's without MTP."""
+
+import pytest
+from test_tensor_parallel import assert_same, engine, prompts, run
+
+from deltamesh.engine import SamplingParams
+
+pytestmark = [pytest.mark.parallel, pytest.mark.spec]
+
+
+@pytest.mark.parametrize(
+    ("family", "k", "expert_parallel"), [("qwen3_5", 2, False), ("qwen3_5_moe", 3, True), ("qwen3_next", 1, False)]
+)
+def test_two_ranks_with_mtp_match_one_rank_without(hf_checkpoints, family, k, expert_parallel):
+    path = hf_checkpoints[family]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    with engine(path, 2, speculative_tokens=k, enable_expert_parallel=expert_parallel) as e:
+        got = e.generate(prompts(), params)
+        assert e.core.stats.spec_drafts > 0
+    assert_same(got, run(path, 1))
