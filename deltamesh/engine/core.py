@@ -257,19 +257,13 @@ class EngineCore:
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Take a launched step's tokens to the host and into its requests (skipping requests that ended
-        meanwhile: aborted, or stopped by the token of the step before). A speculative step brings one to K+1
-        tokens per request, appended in turn until one ends it."""
+        meanwhile: aborted, or stopped by the token of the step before)."""
         rows = step.read(self.stats)
         now = time.monotonic()
         outputs = []
         for req, (tokens, logprobs) in zip(step.requests, rows):
             req.num_pending -= 1
-            out = None
-            for tok, lp in zip(tokens, logprobs):
-                if req.status == Status.FINISHED or (piece := self._append_token(req, tok, lp, now)) is None:
-                    break
-                out = piece if out is None else out.then(piece)
-            if out is not None:
+            if (out := _append_run(self._append_token, req, tokens, logprobs, now)) is not None:
                 outputs.append(out)
         return outputs
 
@@ -353,3 +347,14 @@ class EngineCore:
 
     def loads(self) -> dict:
         return loads(self.scheduler, self.prefix_cache, len(self.held), self.stats)
+
+
+def _append_run(append, req: Request, tokens, logprobs, now: float) -> RequestOutput | None:
+    """A step's tokens of `req` (one, or one to K+1 from a speculative step) appended in turn until one ends it,
+    as one output (None if the request had ended before the first)."""
+    out = None
+    for tok, lp in zip(tokens, logprobs):
+        if req.status == Status.FINISHED or (piece := append(req, tok, lp, now)) is None:
+            break
+        out = piece if out is None else out.then(piece)
+    return out
