@@ -29,6 +29,11 @@
 #   stage w: piecewise CUDA graphs: the async-scheduling GPU tests (their piecewise and snapshot tests among them),
 #            the host time of 16- and 1024-token prefill steps, eager and piecewise (--host-profile), then 64
 #            prompts arriving at once (--burst)
+#   stage F: fused projections (issue #43): their GPU tests (bf16 tolerance against the float64 reference, graph
+#            replay, a model with the fusion on and off), then bench/gpu_fusion.py: each fused op against its two
+#            kernels at one token, whole decode steps of the 35B-A3B (bf16, FP8) and 9B shapes at batch 1, 4, 16
+#            with the fusion off and on (GPU ms, launches, roofline; the before/after table), the kernels of a
+#            fused batch-1 step; at most 6 minutes
 #   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
 #            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
@@ -36,7 +41,7 @@
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x or g}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, F or g}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -174,6 +179,10 @@ r)
   point c 1024 1024 32 16 6
   kill -INT $server; wait $server
   grep "engine steps" "$OUT/long_lived.log" | tail -n 40
+  ;;
+F)
+  TAIL=15 run fused_tests 100 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fused_linear.py -rfE
+  TAIL=90 run gpu_fusion 260 python bench/gpu_fusion.py --kernels --out "$OUT/gpu_fusion.json"
   ;;
 g)
   checked=()
