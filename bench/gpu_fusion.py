@@ -8,12 +8,15 @@ on, per model shape, quantization and batch, in one process with the same weight
 - `roofline_ms`: the bytes the step must move at the measured copy rate (bench/gpu_moe.py's: MoE layers count the
   experts the step's own routing touches).
 
-Before the steps, `op` rows: each fused op at one token against its two kernels unfused, at the model's shapes,
+After the steps, `op` rows: each fused op at one token against its two kernels unfused, at the model's shapes,
 bf16 and FP8 weights: one call's share of a CUDA graph over a ring of distinct weights (bench/gpu_linear.py's
 Ring: as many as a forward pass holds, at least enough to exceed the L2 cache), so per op which is faster.
-Then, with `--kernels`, every kernel of one fused batch-1 step of each model, by calls: what is left to fuse.
+With `--kernels`, every kernel of one fused batch-1 step of each model (bf16), by calls: what is left to fuse.
+The units of work (a model's steps in one quantization, a model's ops) run in that order, the 35B-A3B shape's
+first; the JSON is rewritten after each, and with `--budget-s` those that no longer fit are skipped (listed in
+its `skipped`).
 
-    python bench/gpu_fusion.py --out bench/results/gpu_fusion.json
+    python bench/gpu_fusion.py --kernels --budget-s 240 --out bench/results/gpu_fusion.json
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -159,6 +163,27 @@ def print_kernels(core, model: str, context: int) -> list[dict]:
     return [{"bench": "kernels", "model": model, "groups": groups, "kernels": kernels}]
 
 
+STEP_COLUMNS = ["model", "quantization", "batch", "fusion", "graph_gpu_ms", "step_ms", "launches", "roofline_ms"]
+TABLE_COLUMNS = ["model", "quantization", "batch", "off_ms", "on_ms", "saved_ms", "off_launches", "on_launches"]
+
+
+class Budget:
+    """--budget-s: a unit of work starts only while its guess still fits, so that a time-bounded stage ends with
+    the finished units written rather than killed in the middle of one."""
+
+    def __init__(self, seconds: float | None):
+        self.end = time.monotonic() + seconds if seconds else None
+
+    @staticmethod
+    def guess_s(model: str, what: str) -> float:
+        """Seconds a unit takes on one H200 from a cold Triton cache (model load, compilation, two graph captures
+        of the decode steps), with a margin."""
+        return 25 if what == "ops" else 90 if "a3b" in model else 60
+
+    def fits(self, model: str, what: str) -> bool:
+        return self.end is None or time.monotonic() + self.guess_s(model, what) <= self.end
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen3.5-35b-a3b,qwen3.5-9b", help="shapes from bench/configs")
@@ -167,61 +192,46 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--kernels", action="store_true", help="also list one fused batch-1 step's kernels")
     p.add_argument("--skip-ops", action="store_true", help="whole steps only (no per-op rows)")
+    p.add_argument("--budget-s", type=float, help="skip the units of work (in the order run) that no longer fit")
     p.add_argument("--out", default=str(RESULTS / "gpu_fusion.json"))
     args = p.parse_args()
+    budget = Budget(args.budget_s)
     bandwidth = hbm_bandwidth()
     print(f"measured: HBM copy {bandwidth / 1e12:.2f} TB/s", flush=True)
-    rows, extra = [], []
-    if not args.skip_ops:
-        for model in args.models.split(","):
+    models = args.models.split(",")
+    # the whole steps first (the issue's goals), the 35B-A3B shape's first; then each op alone
+    units = [(m, q) for m in models for q in args.quantization.split(",") if q == "none" or "a3b" in m]
+    units += [] if args.skip_ops else [(m, "ops") for m in models]
+    rows, extra, skipped = [], [], []
+
+    def write() -> None:
+        payload = {"hbm_copy_bytes_per_s": bandwidth, "rows": rows + before_after(rows) + extra, "skipped": skipped}
+        write_result(args.out, payload, machine_info())
+
+    for model, what in units:
+        if not budget.fits(model, what):
+            skipped.append(f"{model} {what}")
+            print(f"skipped {model} {what}: it would not fit in --budget-s {args.budget_s:g}", flush=True)
+            continue
+        if what == "ops":
             extra += op_rows(model)
-        print("one token, µs per call (a ring of weights from HBM), fused against unfused:")
-        print_table(extra, ["model", "op", "weights", "unfused_us", "fused_us", "per_pass", "saved_per_pass_ms"])
-    for model in args.models.split(","):
-        for quantization in args.quantization.split(","):
-            if quantization == "fp8" and "a3b" not in model:
-                continue  # FP8 serving is measured on the MoE shape (bench/RESULTS.md)
-            core = core_for(
-                str(CONFIGS / model), max(args.batches), args.context, cuda_graphs=False, quantization=quantization
-            )
-            rows += step_rows(core, model, quantization, args.batches, args.context, bandwidth)
-            print_table(
-                rows[-2 * len(args.batches) :],
-                [
-                    "model",
-                    "quantization",
-                    "batch",
-                    "fusion",
-                    "graph_gpu_ms",
-                    "step_ms",
-                    "launches",
-                    "roofline_ms",
-                    "of_roofline",
-                ],
-            )
-            if args.kernels and quantization == "none":
+            print(f"{model}, one token, µs per call (a ring of weights from HBM), fused against unfused:")
+            ops = [r for r in extra if r["bench"] == "op" and r["model"] == model]
+            print_table(ops, ["op", "weights", "unfused_us", "fused_us", "per_pass", "saved_per_pass_ms"])
+        else:
+            core = core_for(str(CONFIGS / model), max(args.batches), args.context, cuda_graphs=False, quantization=what)
+            rows += step_rows(core, model, what, args.batches, args.context, bandwidth)
+            print_table(rows[-2 * len(args.batches) :], [*STEP_COLUMNS, "of_roofline"])
+            if args.kernels and what == "none":
                 extra += print_kernels(core, model, args.context)
             del core
             gc.collect()
             torch.cuda.empty_cache()
-    table = before_after(rows)
+        write()  # what is finished survives a stage's time bound
     print("decode steps, fusion off -> on (GPU ms of the graph, launches of an eager step):")
-    print_table(
-        table,
-        [
-            "model",
-            "quantization",
-            "batch",
-            "off_ms",
-            "on_ms",
-            "saved_ms",
-            "off_launches",
-            "on_launches",
-            "on_of_roofline",
-        ],
-    )
-    write_result(args.out, {"hbm_copy_bytes_per_s": bandwidth, "rows": rows + table + extra}, machine_info())
-    print("wrote", args.out)
+    print_table(before_after(rows), [*TABLE_COLUMNS, "on_of_roofline"])
+    write()
+    print("wrote", args.out, "; skipped:", ", ".join(skipped) or "nothing")
 
 
 if __name__ == "__main__":
