@@ -6,6 +6,8 @@ one-GPU host: two processes, the pull still over UCX's cuda_ipc), against the mo
 
     python bench/gpu_fidelity.py --out bench/results/gpu_fidelity.json
     python bench/gpu_fidelity.py --only fp32 --out bench/results/gpu_fidelity_fp32.json
+    python bench/gpu_fidelity.py --only fp32 --decode-device cuda:0 --worker-flag=--gpu-memory-utilization=0.3
+        # 1P+1D on one GPU, each worker in its share (gpu_stage.sh 1)
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def compare(
         "model": Path(model).name,
         "dtype": dtype,
         "decode_device": decode_device,
+        "worker_flags": extra,
         "prompts": n,
         "tokens": max_tokens,
         "exact_sequences": exact,
@@ -96,11 +99,12 @@ def main() -> None:
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--only", choices=["fp32", "bf16"], help="run only this comparison")
     p.add_argument("--decode-device", help="the decode worker's GPU (default: cuda:1, cuda:0 on a one-GPU host)")
+    p.add_argument("--worker-flag", action="append", default=[], help="extra flag for both workers (repeatable)")
     args = p.parse_args()
     decode_device = args.decode_device or ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
     rows = []
     if args.only != "bf16":
-        rows.append(compare(str(DEFAULT_MODEL), "float32", 32, 64, [], Path(args.log_dir), decode_device))
+        rows.append(compare(str(DEFAULT_MODEL), "float32", 32, 64, args.worker_flag, Path(args.log_dir), decode_device))
         print(json.dumps(rows[-1]), flush=True)
     if args.only != "fp32":
         rows.append(
@@ -109,7 +113,7 @@ def main() -> None:
                 "bfloat16",
                 100,
                 64,
-                ["--load-format", "dummy"],
+                ["--load-format", "dummy", *args.worker_flag],
                 Path(args.log_dir),
                 decode_device,
             )

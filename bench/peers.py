@@ -105,6 +105,7 @@ def measure(engine: str, shape: Path, args) -> list[dict]:
                     result,
                     args.point_timeout,
                     observer=observer,
+                    serve_args=args.serve_args.split(),
                 )
                 rows.append({"engine": engine, "shape": shape.name, "load": f"{input_len}/{output_len}", **row})
                 print(rows[-1], flush=True)
@@ -163,6 +164,12 @@ def main() -> None:
     p.add_argument("--ready-timeout", type=float, default=420)
     p.add_argument("--point-timeout", type=float, default=300)
     p.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="more flags of bench/serve.py for every point, e.g. sampling on every request: "
+        "--serve-args='--presence-penalty 1.5 --frequency-penalty 0.5 --repetition-penalty 1.1'",
+    )
     p.add_argument("--compare", nargs="+", help="print the side-by-side table of earlier runs' JSON and exit")
     p.add_argument("--out", default=str(RESULTS / "peers.json"))
     args = p.parse_args()

@@ -12,6 +12,10 @@ requests in flight, streams every response and reports vLLM's serving metrics:
 * goodput: completed requests per second that met every SLO given with `--goodput` (ms), e.g.
   `--goodput ttft:500 tpot:50` (a request of one token counts a TPOT of 0, as in vLLM).
 
+`--json-schema FILE|long` sends `response_format: json_schema` on every request (both OpenAI backends and grpc):
+`long` is a schema whose outputs run past any `--output-len`, so every request still makes exactly `--output-len`
+tokens, each sampled under the grammar (TPOT with structured outputs against plain requests at equal lengths).
+
 Each latency is reported as mean, median, std and the `--metric-percentiles` (default p90, p99), in ms.
 Output tokens per request come from the stream's usage when the server sends it (always for deltamesh),
 else from the count of streamed chunks.
@@ -276,9 +280,9 @@ class OpenAIBackend:
             body["max_tokens"] = req.output_len
         if args.ignore_eos:
             body["ignore_eos"] = True
-        if args.temperature is not None:
-            body["temperature"] = args.temperature
-        return body
+        if args.response_format is not None:
+            body["response_format"] = args.response_format
+        return body | sampling(args)
 
     async def send(self, req: SampleRequest, out: RequestOutput, args: argparse.Namespace) -> None:
         body = self.payload(req, args)
@@ -352,8 +356,9 @@ class GrpcBackend:
             model=self.model,
             request_id=f"bench-{uuid.uuid4().hex}",
         )
-        if args.temperature is not None:
-            kwargs["temperature"] = args.temperature
+        kwargs |= sampling(args)
+        if args.response_format is not None:
+            kwargs["response_format"] = args.response_format
         out.start_time = time.perf_counter()
         complete, n_tokens = False, 0
         try:
@@ -704,6 +709,16 @@ def _log(args: argparse.Namespace, msg: str) -> None:
 # ------------------------------------------------------------------------------------------------- args
 
 
+# vllm bench serve's sampling flags, sent with every request under their API names (REST and gRPC alike)
+SAMPLING_FLAGS = ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+
+
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling fields of every request: --temperature and those of SAMPLING_FLAGS that are set."""
+    fields = {name: getattr(args, name, None) for name in ("temperature", *SAMPLING_FLAGS)}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def _goodput(items: list[str] | dict | None) -> dict[str, float]:
     if not items:
         return {}
@@ -783,7 +798,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="generate exactly the requested output tokens (the ignore_eos extension)",
     )
+    g = p.add_argument_group("sampling, on every request (vllm bench serve's flags; unset: the server's default)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    for name in SAMPLING_FLAGS:
+        kind = int if name == "top_k" else float
+        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    g.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE|long",
+        help="send response_format json_schema on every request: the schema in FILE, or `long`, one whose outputs run "
+        "past any --output-len (an array of at least 4096 short strings), so every request still makes exactly "
+        "--output-len tokens, each under the grammar",
+    )
     g = p.add_argument_group("report")
     g.add_argument(
         "--goodput",
@@ -807,6 +834,7 @@ def validate_args(args: argparse.Namespace) -> None:
     args.goodput = _goodput(args.goodput)
     if args.result_file:
         args.save_result = True
+    args.response_format = _response_format(args.json_schema)
     checks = [
         (args.num_prompts >= 1, "--num-prompts must be at least 1"),
         (args.input_len >= 1 and args.output_len >= 1, "--input-len and --output-len must be at least 1"),
@@ -820,6 +848,22 @@ def validate_args(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+# Outputs that never complete before max_tokens: TPOT under a grammar at the same output lengths as plain requests
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 4096}},
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def _response_format(json_schema: str | None) -> dict | None:
+    if json_schema is None:
+        return None
+    schema = LONG_SCHEMA if json_schema == "long" else json.loads(Path(json_schema).read_text())
+    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema, "strict": True}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -34,6 +34,14 @@
 #            kernels at one token, whole decode steps of the 35B-A3B (bf16, FP8) and 9B shapes at batch 1, 4, 16
 #            with the fusion off and on (GPU ms, launches, roofline; the before/after table), the kernels of a
 #            fused batch-1 step; at most 350 s, JSON under $OUT
+#   stage 1: P/D on one GPU (#44): fp32 greedy fidelity of 1P+1D on GPU 0 (each worker in 0.3 of it) against the
+#            monolithic engine; then the 9B shape at 8192/1024 and 1024/1024, concurrency 1, 16, 64: 1P+1D on GPU 0
+#            (0.45 + 0.45 of it) next to colocated (0.9), one wave per point, with the pulls of each point from the
+#            decode worker's log and every process's GPU memory sampled by nvidia-smi (within 8 minutes; the full
+#            run: --waves 4 and no --warm-once, about 25 minutes). In two calls if need be: SETUPS=disagg (or
+#            colocated) runs that setup alone, P1_FIDELITY=0 skips the fidelity check
+#   stage 1m: (a call of its own, after 1) stage u's multi-turn chats, 9B shape, through 1P+1D on GPU 0 (0.45 + 0.45)
+#            with the P/D decider (--pd-direct-max-tokens 256), prefix cache off then on
 #   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
 #            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
@@ -41,7 +49,7 @@
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, F or g}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, F, g, 1 or 1m}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 export PYTHONPATH="$PWD/sdk/src:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
@@ -187,6 +195,39 @@ F)
   # are listed in the JSON's "skipped" and the log.
   TAIL=15 run fused_tests 95 python -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_fused_linear.py -rfE
   TAIL=90 run gpu_fusion 255 python bench/gpu_fusion.py --kernels --budget-s 235 --out "$OUT/gpu_fusion.json"
+  ;;
+1)
+  # every 2 s, each GPU process's memory: time, pid, MiB, its deltamesh role (the 4th word of its command line)
+  (while :; do
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
+      while IFS=', ' read -r pid mib; do
+        echo "$(date +%s),$pid,$mib,$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -d' ' -f4)"
+      done
+    sleep 2
+  done) > "$OUT/p1_gpu_memory.csv" &
+  sampler=$!
+  if [ "${P1_FIDELITY:-1}" = 1 ]; then
+    rm -rf /tmp/p1-logs && mkdir -p /tmp/p1-logs
+    TAIL=3 run p1_fidelity_fp32 110 python bench/gpu_fidelity.py --only fp32 --decode-device cuda:0 \
+      --worker-flag=--gpu-memory-utilization=0.3 --out "$OUT/p1_fidelity_fp32.json" --log-dir /tmp/p1-logs
+    grep -h 'state received' /tmp/p1-logs/decode-*.log | head -n 2 | cut -c1-300
+    echo "pulls: $(cat /tmp/p1-logs/decode-*.log | grep -c 'state received')"
+  fi
+  setups=${SETUPS:-disagg,colocated}
+  TAIL=20 run p1_sweep 360 python bench/disagg_sweep.py --one-gpu --prefill-share 0.45 --decode-share 0.45 \
+    --shapes 8192/1024,1024/1024 --concurrency 1,16,64 --warm-once --point-timeout 120 --setups "$setups" \
+    --log-dir "$OUT" --out "$OUT/p1_sweep_${setups/,/_}.json"
+  kill $sampler
+  echo "GPU memory, the most each process held (MiB; the GPU: $(nvidia-smi --query-gpu=memory.total --format=csv,noheader))"
+  awk -F, '$3 > m[$2 " " $4] {m[$2 " " $4] = $3} END {for (k in m) print "  pid", k, m[k]}' "$OUT/p1_gpu_memory.csv"
+  grep -h '"engine ready"' "$OUT"/serve-*.log | grep -o '"kv_cache_gib": [0-9.]*, "gpu_memory_gib": [0-9.]*, "gpu_memory_utilization": [0-9.]*'
+  ;;
+1m)
+  TAIL=30 run p1_multi_turn 580 python bench/multi_turn.py --setup disagg --device cuda --dtype bfloat16 \
+    --load-format dummy --model bench/configs/qwen3.5-9b --system-len 6144 --message-len 200 --reply-len 128 \
+    --users 8 --turns 3 --vocab 30000 --serve-flag=--gpus=0 --serve-flag=--prefill-gpu-memory-utilization=0.45 \
+    --serve-flag=--decode-gpu-memory-utilization=0.45 --serve-flag=--pd-direct-max-tokens=256 \
+    --serve-flag=--no-ucx-error-handling --log-dir "$OUT" --out "$OUT/p1_multi_turn_9b.json"
   ;;
 g)
   checked=()

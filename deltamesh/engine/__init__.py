@@ -17,11 +17,11 @@ _EXPORTS = {
     "EngineCore": "deltamesh.engine.core",
     "FinishReason": "deltamesh.engine.request",
     "PoolExhausted": "deltamesh.engine.cache",
-    "RequestError": "deltamesh.engine.request",
+    "RequestError": "deltamesh.protocol.requests",
     "RequestOutput": "deltamesh.engine.request",
     "Reservation": "deltamesh.engine.reservations",
-    "SamplingParams": "deltamesh.engine.sampling",
-    "validate_request": "deltamesh.engine.request",
+    "SamplingParams": "deltamesh.protocol.sampling",
+    "validate_request": "deltamesh.protocol.requests",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,12 +25,12 @@ from deltamesh.engine.prefix_cache import TURN_START, PrefixCache
 from deltamesh.engine.rank import Rank, build_rank
 from deltamesh.engine.request import RequestBuilder
 from deltamesh.engine.reservations import Reservations
-from deltamesh.engine.sampling import SamplingParams
 from deltamesh.engine.scheduler import Scheduler
 from deltamesh.engine.stats import EngineStats
 from deltamesh.engine.tokenizer import Tokenizer
 from deltamesh.engine.tp_handoff import AreaSize, Handoff, TensorParallelHandoff
 from deltamesh.engine.tp_workers import Followers, RankMemory, exports_rank_memory
+from deltamesh.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from deltamesh.engine.core import EngineCore
@@ -166,13 +166,20 @@ def make_prefix_cache(config: EngineConfig, parts: EngineParts, stats: EngineSta
 
 
 def log_ready(config: EngineConfig, parts: EngineParts) -> None:
+    memory = {}
+    if parts.rank.device.type == "cuda":  # what the worker holds after its warm-up and graphs, against its share
+        memory["gpu_memory_gib"] = round(torch.cuda.memory_reserved(parts.rank.device) / 2**30, 2)
+        memory["gpu_memory_utilization"] = config.gpu_memory_utilization
+    kv_pool = parts.rank.kv_pool
     log.info(
         "engine ready",
         model=config.model,
         family=parts.model_config.family,
         device=str(parts.rank.device),
         dtype=str(parts.rank.dtype),
-        kv_pages=parts.rank.kv_pool.num_pages,
+        kv_pages=kv_pool.num_pages,
+        kv_cache_gib=round(kv_pool.num_pages * kv_pool.page_bytes / 2**30, 2),
+        **memory,
         page_size=config.page_size,
         state_slots=config.max_num_seqs,
         max_model_len=parts.max_model_len,

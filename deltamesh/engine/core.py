@@ -33,13 +33,14 @@ import torch
 
 from deltamesh.engine.assembly import assemble, capture_graphs, log_ready, make_prefix_cache, warm_up
 from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.engine.grammar import Grammars
 from deltamesh.engine.interfaces import PrefixCacheInterface
 from deltamesh.engine.request import FinishReason, Request, RequestOutput, Status
 from deltamesh.engine.reservations import Reservation
-from deltamesh.engine.sampling import SamplingParams
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.stats import EngineStats, loads
 from deltamesh.engine.step import LaunchedStep, StepLauncher
+from deltamesh.protocol.sampling import SamplingParams
 
 log = structlog.get_logger("deltamesh.engine")
 
@@ -62,6 +63,7 @@ class EngineCore:
         self.kv_pool, self.state_pool, self.checkpoint_pool = rank.kv_pool, rank.state_pool, rank.checkpoint_pool
         self.scheduler, self.request_builder = parts.scheduler, parts.request_builder
         self.reservations, self.held = parts.reservations, parts.held
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.request_builder.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, Sink] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -70,6 +72,7 @@ class EngineCore:
             self.runner, self.followers, self.scheduler, self.stats, self.device, config.seed, self.data_parallel
         )
         self._in_flight: LaunchedStep | None = None  # the launched step whose tokens the host has not read yet
+        self.idle = False  # the last `step` launched nothing and had nothing in flight: every request waits
         # during a launch: requests ended meanwhile, whose state is freed once the launch (which may write it) is
         # queued (_take_early), and their last outputs, sent only then: a client that sees its reply end may send
         # the next turn at once, and that turn should find this one in the prefix cache
@@ -86,8 +89,11 @@ class EngineCore:
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, hold_state: bool = False
     ) -> Request:
-        """A request for `submit` (any thread; RequestBuilder.build)."""
-        return self.request_builder.build(prompt, params, request_id, hold_state)
+        """A request for `submit` (any thread; RequestBuilder.build), its grammar's compile started."""
+        request = self.request_builder.build(prompt, params, request_id, hold_state)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.start(params.structured_outputs)
+        return request
 
     # ---- commands (any thread) ------------------------------------------------------------------------
     def submit(self, request: Request, sink: Sink) -> None:
@@ -169,6 +175,7 @@ class EngineCore:
             return self._fail_all(self.failure)
         previous, self._in_flight = self._in_flight, None
         items = self.scheduler.schedule()
+        self.idle = not items and previous is None
         failed: list[tuple[Request, str]] = []
         if items:
             self._deferred = []
@@ -203,6 +210,7 @@ class EngineCore:
         return self.followers.failure if self.followers is not None else None
 
     def close(self) -> None:
+        self.grammars.close()
         if self.followers is not None:
             self.followers.close()
 
@@ -212,19 +220,34 @@ class EngineCore:
         early = None
         if previous is not None and self.followers is None:
             early = lambda: self._take_early(previous)  # noqa: E731
-        return self.launcher.launch(items, previous, early)
+        return self.launcher.launch(items, previous, early, lambda sampling: self._feed_grammars(previous, sampling))
 
-    def _take_early(self, step: LaunchedStep) -> None:
+    def _take_early(self, step: LaunchedStep, wait: bool = False) -> None:
         """Called between the layers of the next step's launch. A long launch (a step with prompt tokens) blocks
         whenever the GPU's queue is full, so the GPU finishes `step` well before the launch is done: once `step`'s
         tokens are on the host, stream them then, not after the launch. A request they end keeps its state until
-        the launch, which may still write it, is queued (`_deferred`), and its last output waits until then."""
-        if not step.taken and step.sampled.ready():
+        the launch, which may still write it, is queued (`_deferred`), and its last output waits until then.
+        `wait`: take them even if that means waiting for the device (`_feed_grammars`)."""
+        if not step.taken and (wait or step.sampled.ready()):
             step.taken = True
             outputs = self._complete(step)
             ended = {req.request_id for req, _ in self._deferred}
             self.dispatch([out for out in outputs if out.request_id not in ended])
             self._ended_early += [out for out in outputs if out.request_id in ended]
+
+    def _feed_grammars(self, previous: LaunchedStep | None, sampling: list[Request]) -> None:
+        """Before the launched step's rows sample under their grammars (step.py), once its forward pass is queued:
+        the previous step's tokens into their requests, so into their matchers (waiting for them: the device made
+        them before this forward pass, which it runs meanwhile); a matcher made only now (a request transferred
+        with its first token) fed the tokens before it; a request whose grammar failed to compile ended."""
+        if previous is not None:
+            self._take_early(previous, wait=True)
+        for req in sampling:
+            grammar = req.grammar
+            if grammar is not None and req.status != Status.FINISHED:
+                grammar.advance(req.output_ids)
+                if grammar.error is not None:
+                    self._ended_early.append(self._finish(req, FinishReason.ERROR, error=grammar.error))
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Take a launched step's tokens to the host and into its requests (skipping requests that ended
@@ -247,7 +270,7 @@ class EngineCore:
         self.stats.generation_tokens += 1
         out = req.add_token(token, lp, self.max_model_len)
         if req.finish_reason is not None:
-            self._finish(req, req.finish_reason, out=out)
+            self._finish(req, req.finish_reason, out=out, error=req.grammar.error if req.grammar else None)
         elif req.hold_state and not self._hold(req, out):
             self.scheduler.remove(req)  # waits for room in the hand-off area, its output held back
             self.held.waiting.append((req, out))

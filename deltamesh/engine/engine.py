@@ -18,12 +18,16 @@ from deltamesh.engine.core import EngineCore
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.handoff import check_layouts, compat_hash
 from deltamesh.engine.prefix_cache import PinnedPrefix
-from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput
+from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, TokenLogprobs
 from deltamesh.engine.reservations import Reservation
-from deltamesh.engine.sampling import SamplingParams, TokenLogprobs
 from deltamesh.engine.step_report import StepReport
+from deltamesh.protocol.sampling import SamplingParams
 
 log = structlog.get_logger("deltamesh.engine")
+
+# How long the stepping thread sleeps when it has requests but none could run, unless woken sooner (a command, a
+# grammar compiled): what they wait for may also come from a thread that does not wake it (pages freed).
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Engine:
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
         self._wake = threading.Event()
+        self.core.grammars.on_compiled = self._wake.set
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -95,6 +100,9 @@ class Engine:
                 started = time.perf_counter()
                 core.dispatch(core.step())
                 report.step_seconds += time.perf_counter() - started
+                if core.idle:  # every request waits (for a grammar to compile, for pool space): no spinning meanwhile
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()

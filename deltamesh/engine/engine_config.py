@@ -39,9 +39,19 @@ class EngineConfig:
         "weights; a bf16 checkpoint quantized on load) | none (dequantize)",
     )
     page_size: int = _setting(16, "KV page size in tokens")
-    # None: sized from kv_cache_memory_gb
+    # None: sized from memory (memory_budget.py says how)
     num_kv_pages: int | None = _setting(None, "KV pages per worker (default: sized from memory)")
-    kv_cache_memory_gb: float | None = _setting(None, cli=False)  # None: 1 GiB on CPU, 85% of free memory on CUDA
+    kv_cache_memory_gb: float | None = _setting(
+        None,
+        "GiB of KV cache per GPU (default: what --gpu-memory-utilization leaves, else 85 % of the GPU memory free "
+        "when the pool is made; 1 GiB on CPU)",
+    )
+    # vLLM's --gpu-memory-utilization: this worker's share of each of its GPUs, weights included
+    gpu_memory_utilization: float | None = _setting(
+        None,
+        "CUDA: the fraction of each GPU's total memory this worker may use, weights included (workers sharing a GPU "
+        "each take their own); its KV cache gets what the weights, state pools and runtime leave",
+    )
     max_num_seqs: int = _setting(32, "Concurrent requests per worker (= GDN state slots)")
     # None: the model's max_position_embeddings, capped at 32768
     max_model_len: int | None = _setting(None, "Context length (default: the model's, capped at 32768)")
@@ -203,6 +213,23 @@ class EngineConfig:
             self.prefix_cache_pages or 0
         ) < 0:
             raise ValueError("prefix_cache_checkpoints must be >= 1 and prefix_cache_pages >= 0")
+        if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < math.inf:
+            raise ValueError(
+                f"kv_cache_memory_gb (--kv-cache-memory-gb) must be a positive number of GiB, got "
+                f"{self.kv_cache_memory_gb}"
+            )
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(
+                    f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], a fraction of the GPU's "
+                    f"memory, got "
+                    f"{self.gpu_memory_utilization}"
+                )
+            if self.torch_device().type != "cuda":
+                raise ValueError(
+                    "gpu_memory_utilization (--gpu-memory-utilization) is a fraction of a GPU's memory: on the CPU, "
+                    "bound the KV cache with kv_cache_memory_gb (--kv-cache-memory-gb) instead"
+                )
         if self.prefix_cache_memory_gb is not None and not 0 < self.prefix_cache_memory_gb < math.inf:
             raise ValueError(
                 f"prefix_cache_memory_gb (--prefix-cache-memory) must be a positive number of GiB, "

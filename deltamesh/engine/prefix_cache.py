@@ -32,15 +32,10 @@ from deltamesh.engine.checkpoint_positions import CheckpointPositions
 from deltamesh.engine.interfaces import PrefixCacheInterface
 from deltamesh.engine.prefix_entries import Block, CacheEntries, Tail, TailKey
 from deltamesh.engine.request import Request
-from deltamesh.engine.sampling import SamplingParams
+from deltamesh.protocol.blocks import block_key
+from deltamesh.protocol.sampling import SamplingParams
 
 TURN_START = "<|im_start|>"  # the token that opens every message of the chat template (Qwen's)
-
-
-def block_key(parent: int | None, tokens) -> int:
-    """The key of a token block after the prefix whose last block's key is `parent` (None: the first block). The
-    router's cache-aware policy names what it sent each worker the same way."""
-    return hash((parent, tuple(tokens)))
 
 
 @dataclass(frozen=True)

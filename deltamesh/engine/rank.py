@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from deltamesh.engine import memory_budget
 from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
@@ -67,15 +68,15 @@ def build_rank(
         return pool
 
     slots = state_pool(config.max_num_seqs, "slots")
-    page_bytes = _page_bytes(config, local, dtype)
+    page_bytes = memory_budget.page_bytes(config, local, dtype)
     checkpoints = None
     if config.prefix_cache:  # allocated before the KV pool, which may size itself from the memory left
-        most_pages = _most_kv_pages(config, max_model_len)
+        most_pages = memory_budget.most_pages(config, max_model_len)
         num = config.resolved_prefix_cache_checkpoints(slots.slot_bytes, page_bytes, most_pages)
         checkpoints = state_pool(num, "checkpoints")
     # a parallel engine's leader leaves room for the states it hands over (tp_handoff.HandoffArea)
     left_free = _handoff_area_bytes(config, mc, max_model_len, dtype, state_dtype) if tp and tp.shard.rank == 0 else 0
-    num_pages = _num_kv_pages(config, page_bytes, max_model_len, device, left_free)
+    num_pages = _num_kv_pages(config, local, max_model_len, device, page_bytes, left_free)
     if tp is not None:  # every rank holds the same pages: the fewest any rank has room for
         count = torch.tensor([num_pages], device=device)
         tp.all_reduce(count, min=True)
@@ -100,40 +101,32 @@ def build_rank(
     return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner)
 
 
-def _page_bytes(c: EngineConfig, local: ModelConfig, dtype: torch.dtype) -> int:
-    """One KV page's bytes (KVPagePool.page_bytes, known before the pool is made)."""
-    per_page = 2 * max(len(local.full_layers), 1) * c.page_size * local.num_key_value_heads * local.head_dim
-    return per_page * torch.tensor([], dtype=dtype).element_size()
-
-
-def _most_kv_pages(c: EngineConfig, max_model_len: int) -> int:
-    """The KV pool's pages when memory does not bound them: those asked for, or every request at its longest."""
-    return c.num_kv_pages or c.max_num_seqs * -(-max_model_len // c.page_size)
-
-
 def _handoff_area_bytes(
     c: EngineConfig, full: ModelConfig, max_model_len: int, dtype: torch.dtype, state_dtype: torch.dtype
 ) -> int:
     """The memory of a parallel engine's hand-off area: its states at the longest context, one-rank layout."""
-    size = lambda t: torch.tensor([], dtype=t).element_size()  # noqa: E731
-    layers = max(len(full.linear_layers), 1)
-    conv = layers * full.conv_dim * (full.linear_conv_kernel_dim - 1) * size(dtype)
-    recurrent = layers * full.linear_num_value_heads * full.linear_value_head_dim * full.linear_key_head_dim
-    pages = -(-max_model_len // c.page_size)
     states = min(c.resolved_handoff_states(), c.max_num_seqs)  # as tp_handoff.AreaSize.of (an upper bound)
-    return states * (pages * _page_bytes(c, full, dtype) + conv + recurrent * size(state_dtype))
+    pages = memory_budget.request_pages(c, max_model_len)
+    state = memory_budget.state_bytes(full, dtype, state_dtype)
+    return states * (pages * memory_budget.page_bytes(c, full, dtype) + state)
 
 
 def _num_kv_pages(
-    c: EngineConfig, page_bytes: int, max_model_len: int, device: torch.device, left_free: int = 0
+    c: EngineConfig, local: ModelConfig, max_model_len: int, device: torch.device, page_bytes: int, left_free: int
 ) -> int:
-    """`left_free`: bytes of GPU memory the pool sized from what is free must leave."""
-    if c.num_kv_pages:
-        return c.num_kv_pages
-    if c.kv_cache_memory_gb is not None:
-        budget = c.kv_cache_memory_gb * 2**30
-    elif device.type == "cuda":
-        budget = 0.85 * torch.cuda.mem_get_info(device)[0] - left_free
-    else:
-        budget = 2**30
-    return max(1, min(_most_kv_pages(c, max_model_len), int(budget // page_bytes)))
+    """The KV pool's pages (memory_budget.kv_pool_pages), the weights and state pools allocated by now; `left_free`:
+    bytes of GPU memory the pool must leave free."""
+    allocated = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what the weights' loading freed is no part of this worker's use
+        allocated = torch.cuda.memory_reserved(device)
+    dtype = c.torch_dtype()
+    fp = memory_budget.Footprint(
+        0,
+        0,
+        left_free,
+        memory_budget.runtime_bytes(c, local, dtype, device.type == "cuda"),
+        page_bytes,
+        memory_budget.request_pages(c, max_model_len),
+    )
+    return memory_budget.kv_pool_pages(c, max_model_len, fp, device, allocated)

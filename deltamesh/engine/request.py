@@ -8,34 +8,21 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deltamesh.engine.sampling import SamplingParams, TokenLogprobs, is_int
 from deltamesh.engine.tokenizer import IncrementalDetokenizer
+from deltamesh.protocol.requests import RequestError, validate_request
+from deltamesh.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from deltamesh.engine.cache import KVPagePool
+    from deltamesh.engine.grammar import RequestGrammar
     from deltamesh.engine.tokenizer import Tokenizer
 
 
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (bad parameters, too long, ...)."""
-
-
-def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """Checks that need only the model's shape (the router runs them too, before any worker sees the request)."""
-    try:
-        params.validate(vocab_size)
-    except ValueError as e:
-        raise RequestError(str(e)) from None
-    if not prompt_ids:
-        raise RequestError("the prompt is empty")
-    n = len(prompt_ids)
-    if n + params.max_tokens > max_model_len:  # first: it bounds the scan below
-        raise RequestError(
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has {n} tokens "
-            f"and max_tokens is {params.max_tokens} ({n + params.max_tokens} in total)"
-        )
-    if any(not is_int(t) or not 0 <= t < vocab_size for t in prompt_ids):
-        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 class Status(enum.Enum):
@@ -110,13 +97,18 @@ class Request:
     block_keys: list[int] = field(default_factory=list)
     num_registered_pages: int = 0
     turn_end: int = 0  # where the prompt's first chat message ends (a checkpoint position there), 0: nowhere
+    grammar: RequestGrammar | None = None  # structured outputs: what its tokens must follow (grammar.py)
     status: Status = Status.WAITING
+    adjusts_logits: bool = field(init=False)  # its params' (penalties.py reads it every step: a plain attribute)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     # time.monotonic() when the engine took it in (its commands), first scheduled it, and read its first token
     arrival_time: float | None = None
     scheduled_time: float | None = None
     first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.adjusts_logits = self.params.adjusts_logits
 
     def ids_between(self, start: int, stop: int) -> list[int]:
         """(prompt_ids + output_ids)[start:stop] without concatenating them (a decode step needs one id of a
@@ -140,18 +132,23 @@ class Request:
         )
 
     @property
+    def may_sample(self) -> bool:
+        """False while its grammar compiles: it may run its prompt, not the token that samples (scheduler)."""
+        return self.grammar is None or self.grammar.ready
+
+    @property
     def remaining(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return self.num_tokens - self.num_computed
 
     def add_token(self, token: int, logprob: TokenLogprobs | None, max_model_len: int) -> RequestOutput:
         """Append a sampled token and decide whether it ends the request: this step's output (a stop token ends
-        the text without adding its own; the last output flushes the detokenizer)."""
+        the text without adding its own, unless include_stop_str_in_output; the last output flushes the
+        detokenizer)."""
         self.output_ids.append(token)
-        p = self.params
-        stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
         detok = self.detokenizer
-        text = detok.add(token) if detok is not None and not stop_token else ""
+        keep_text = not self._stops_on(token) or self.params.include_stop_str_in_output
+        text = detok.add(token) if detok is not None and keep_text else ""
         self.check_stop(token, max_model_len)
         if self.finish_reason is not None and detok is not None:
             text += detok.flush()
@@ -164,13 +161,29 @@ class Request:
             num_output_tokens=len(self.output_ids),
         )
 
-    def check_stop(self, token_id: int, max_model_len: int) -> None:
-        """Decide whether the token just appended ends the request."""
+    def _stops_on(self, token_id: int) -> bool:
+        """The token just appended is a stop token (end-of-sequence unless ignore_eos, or one of stop_token_ids)
+        that counts: not before min_tokens tokens (the sampler never draws one there: penalties.py)."""
         p = self.params
-        if not p.ignore_eos and token_id in self.eos_token_ids or token_id in p.stop_token_ids:
+        if len(self.output_ids) < p.min_tokens:
+            return False
+        # under a grammar an EOS token is only ever its stop token, which ends it even with ignore_eos
+        eos = token_id in self.eos_token_ids and (not p.ignore_eos or self.grammar is not None)
+        return eos or token_id in p.stop_token_ids
+
+    def check_stop(self, token_id: int, max_model_len: int) -> None:
+        """Decide whether the token just appended ends the request (its grammar, if any, fed it first)."""
+        p, grammar = self.params, self.grammar
+        if grammar is not None:
+            grammar.advance(self.output_ids)
+        if grammar is not None and grammar.error is not None:
+            self.finish_reason = FinishReason.ERROR
+        elif self._stops_on(token_id):
             self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
         elif self.detokenizer is not None and self.detokenizer.stopped_on is not None:
             self.finish_reason, self.stop_reason = FinishReason.STOP, self.detokenizer.stopped_on
+        elif grammar is not None and grammar.terminated:  # its stop token, which ignore_eos would pass
+            self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
         elif len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
 
@@ -202,11 +215,7 @@ class RequestBuilder:
         else:
             prompt_ids = list(prompt)
         self.validate(prompt_ids, params)
-        detok = (
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
-            if self.tokenizer
-            else None
-        )
+        detok = IncrementalDetokenizer.for_params(self.tokenizer, prompt_ids, params) if self.tokenizer else None
         return Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=prompt_ids,

@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched sampler.
+"""The batched sampler (the parameters it reads: deltamesh/protocol/sampling.py).
 
 Seeded sampling is stateless: the noise for a request's n-th output token depends only on (seed, n). So a
 seeded request samples the same tokens whether it runs on one engine or is split across a prefill and a
@@ -7,96 +7,10 @@ decode worker, and whether or not it was preempted and recomputed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-MAX_LOGPROBS = 20
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; 0: the chosen token's; k: chosen + top k
-    skip_special_tokens: bool = True
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError with a message a user can act on. Integer bounds follow the wire types
-        (common.proto: uint32 max_tokens/top_k/stop_token_ids, uint64 seed), so that a value accepted at one
-        edge can always be sent on to the workers."""
-        _check_int("max_tokens", self.max_tokens, 1, UINT32)
-        if not 0.0 <= self.temperature <= 2.0:  # OpenAI's range; the REST schema says the same
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, 0, UINT32, "(0 disables it)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0, UINT64)
-        check_stop_strings(self.stop)
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
-        bad = [t for t in self.stop_token_ids if not is_int(t) or not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be integers in [0, {vocab_size}) (the vocabulary), got {bad[:8]}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
-
-
-UINT32, UINT64 = 2**32, 2**64
-MAX_STOP_STRINGS = 16
-MAX_STOP_TOKEN_IDS = 1024  # a generous cap: each one is checked on every generated token
-
-
-def check_stop_strings(stop) -> None:
-    """Raise ValueError unless `stop` is a short enough list of non-empty, well-formed strings (also checked by
-    the REST gateway before anything is tokenised, so that its error names the parameter)."""
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError("stop strings must be non-empty strings")
-    for s in stop:
-        check_text(s, "a stop string")
-
-
-def is_int(x) -> bool:
-    """An integer proper: JSON's true/false arrive as Python bools, which are ints too."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_int(name: str, value, low: int, end: int, note: str = "") -> None:
-    if not is_int(value) or not low <= value < end:
-        shown = value if is_int(value) and abs(value) < 10**30 else f"{type(value).__name__} {str(value)[:30]}"
-        raise ValueError(f"{name} must be an integer in [{low}, {end - 1}]{' ' + note if note else ''}, got {shown}")
-
-
-def check_text(text: str, what: str) -> None:
-    """Text must be encodable as UTF-8: JSON can carry a lone surrogate ("\\ud800"), which neither the
-    tokenizer nor protobuf can take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode: a lone surrogate at character {e.start}") from None
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
+from deltamesh.engine.request import TokenLogprobs
+from deltamesh.protocol.sampling import SamplingParams
 
 
 def _mix(seed: int, index: int) -> int:
@@ -181,8 +95,10 @@ def sample_async(
     params: list[SamplingParams],
     output_index: list[int],  # how many tokens each request has produced so far
     generator: torch.Generator | None = None,
+    raw_logits: torch.Tensor | None = None,
 ) -> SampledTokens:
-    """Sample one token per row on the logits' device; nothing here waits for the device."""
+    """Sample one token per row on the logits' device; nothing here waits for the device. Logprobs are of
+    `raw_logits` where given (the logits before penalties and biases: penalties.py), else of `logits`."""
     tokens = logits.argmax(-1)
     dev, n = logits.device, len(params)
     rand_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -201,7 +117,7 @@ def sample_async(
     if not want:
         return SampledTokens(tokens, [], [])
     wanted = _rows(want, n, dev)
-    lp = torch.log_softmax(logits[wanted], dim=-1)
+    lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[wanted], dim=-1)
     k = max(params[i].logprobs for i in want)
     top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
     chosen = lp.gather(1, tokens[wanted][:, None]).squeeze(1)

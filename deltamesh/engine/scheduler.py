@@ -15,6 +15,9 @@ With async scheduling a step is scheduled while the previous one still runs: a r
 "pending" (counted, not yet known on the host) and its decode is scheduled all the same, unless that token
 surely ends the request (see Request.last_token_pending). A request that turns out to have stopped wastes one
 token of compute; its state is never advanced past a point another worker will pull from.
+
+A request whose grammar (structured outputs) is still compiling runs all of its prompt but the token that samples,
+then waits in the running list, scheduled nothing, until the grammar is ready (Request.may_sample).
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class Scheduler(SchedulerInterface):
         the budget, ending at its next checkpoint, or running past it to the prompt's end when `snapshot` allows
         it and no checkpoint follows."""
         n = min(req.remaining, budget)
+        if n == req.remaining and not req.may_sample:
+            n -= 1  # its grammar still compiles: all but the token that samples (grammar.py)
         if self.prefix_cache is None:
             return n, None
         positions = self.prefix_cache.positions
@@ -150,6 +155,9 @@ class Scheduler(SchedulerInterface):
                 i += 1
                 continue
             n, at = self._chunk(req, budget, self.snapshots)
+            if n == 0:  # waits for its grammar
+                i += 1
+                continue
             if not self._grow(req, req.num_computed + n):
                 continue  # req itself was preempted; running[i] is now the next request
             add(req, n, at)
@@ -160,7 +168,9 @@ class Scheduler(SchedulerInterface):
                 break
             self._waiting.popleft()
             self._running.append(req)
-            add(req, *self._chunk(req, budget, self.snapshots))
+            n, at = self._chunk(req, budget, self.snapshots)
+            if n:
+                add(req, n, at)
         self._snapshot_slots(items)
         return items
 

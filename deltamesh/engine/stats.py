@@ -29,6 +29,10 @@ class EngineStats:
     queued: int = 0
     first_token_seconds: float = 0.0
     first_tokens: int = 0
+    # Steps that sampled a row under a grammar (structured outputs), and the host's time filling and queueing their
+    # bitmasks (grammar.GrammarMasks), summed
+    grammar_mask_steps: int = 0
+    grammar_mask_seconds: float = 0.0
 
     def reset(self) -> None:
         """Every count back to zero, in place: the parts that count hold this object."""

@@ -3,9 +3,16 @@
 what the prefix cache takes from it (`_advance`), sampling (`_sample`); later, once the next step is launched,
 its tokens on the host (`LaunchedStep.read`). The step loop around it is core.py.
 
-Where what comes next goes: a stage that changes the logits before sampling (penalties, grammar bitmasks, with
-their per-request state on the device) between `_forward` and `_sample`, on the rows of `sampling`; a step that
-verifies drafted tokens (MTP) in place of `_sample`, its accepted tokens per request returned by `read`.
+Between the forward pass and sampling, the logits stage: first grammar bitmasks (structured outputs, grammar.py), in
+place, so that the log-probabilities a request asks for are of the masked distribution, as vLLM's are; then
+penalties, logit_bias and min_tokens (penalties.py, their per-request state on the device), which log-probabilities
+do not see (vLLM's default too). What comes next: a step that verifies drafted tokens (MTP) in place of `_sample`,
+its accepted tokens per request returned by `read`.
+
+Bitmasks run only in a step where some sampled row has a grammar: a row's mask depends on the token its request
+sampled in the step before, which under async scheduling reaches the host only now, so the step's caller takes those
+tokens first (`before_masks`), while the device runs the forward pass queued above; the masks are then filled on the
+host and applied on the device.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from deltamesh.engine import data_parallel
+from deltamesh.engine.grammar import GrammarMasks
 from deltamesh.engine.interfaces import PrefixCacheInterface, SchedulerInterface
-from deltamesh.engine.request import Request
+from deltamesh.engine.penalties import LogitAdjustments
+from deltamesh.engine.request import Request, TokenLogprobs
 from deltamesh.engine.runner import ModelRunner
-from deltamesh.engine.sampling import SampledTokens, TokenLogprobs, sample_async
+from deltamesh.engine.sampling import SampledTokens, sample_async
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.stats import EngineStats
 from deltamesh.engine.tp_workers import Followers
@@ -61,12 +70,20 @@ class StepLauncher:
         self.gpu_timed = device.type == "cuda"  # each step's GPU time (EngineStats.gpu_step_ms)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.prefix_cache: PrefixCacheInterface | None = None  # once made (after the warm-up)
+        self.adjustments = LogitAdjustments(runner.model.cfg.vocab_size, device)
+        self.masks = GrammarMasks()
 
     def launch(
-        self, items: list[ScheduledItem], previous: LaunchedStep | None, between_layers: Callable[[], None] | None
+        self,
+        items: list[ScheduledItem],
+        previous: LaunchedStep | None,
+        between_layers: Callable[[], None] | None,
+        before_masks: Callable[[list[Request]], None] | None = None,
     ) -> LaunchedStep:
         """Queue the step on the device; `previous`: the step launched before, whose tokens this one's decodes take
-        as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only)."""
+        as inputs on the device; `between_layers`: called between the forward pass's layers (one rank only);
+        `before_masks`: called with the sampled requests before their grammars mask the logits (when one has a
+        grammar), to bring their matchers up to date."""
         # decode-first, as kernels expect; the chunks that take a state in passing last (runner.host_step)
         items.sort(key=lambda it: (it.request.dp_rank, it.num_tokens != 1, it.snapshot_at is not None))
         started = time.monotonic()
@@ -78,6 +95,11 @@ class StepLauncher:
             span[1].record()
         sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
         self._advance(items, started)
+        if any(r.grammar is not None for r in sampling):
+            if before_masks is not None:
+                before_masks(sampling)
+            self.stats.grammar_mask_seconds += self.masks.apply(logits, sampling)
+            self.stats.grammar_mask_steps += 1
         sampled = self._sample(logits, sampling)
         self.stats.steps += 1
         return LaunchedStep(sampling, sampled, span)
@@ -114,12 +136,15 @@ class StepLauncher:
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> SampledTokens:
         """One token per row of `logits` (the rows of `sampling`, in order), on the device; the requests count it
         as pending until it is read."""
+        adjusted, counting = self.adjustments.apply(logits, sampling)  # penalties, logit_bias, min_tokens
         sampled = sample_async(
-            logits,
+            adjusted,
             [r.params for r in sampling],
             [len(r.output_ids) + r.num_pending for r in sampling],
             self.generator,
+            raw_logits=logits,
         )
+        self.adjustments.count(counting, sampled.tokens)
         for row, req in enumerate(sampling):
             req.num_pending += 1
             req.pending_row = row

@@ -6,7 +6,8 @@ and mixed steps replayed piece by piece (cuda_graphs.py); the mean
 wall time of a step on the stepping thread; on CUDA, the share of the window the GPU spent inside steps (the rest
 it waited for the host: work between steps that async scheduling did not hide, or no work at all); prompt and
 generated tokens per second; running and waiting requests; KV pages in use by requests and cached; prefix-cache
-hits; preemptions."""
+hits; preemptions; where steps sampled under a grammar (structured outputs), how many and the host's mean time on
+their bitmasks."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class StepReport:
             "hits": s.prefix_cache_hits,
             "preemptions": self.core.scheduler.num_preemptions,
             "gpu_ms": s.gpu_step_ms,
+            "grammar_steps": s.grammar_mask_steps,
+            "grammar_s": s.grammar_mask_seconds,
         }
 
     def maybe_log(self) -> dict | None:
@@ -68,6 +71,9 @@ class StepReport:
             "prefix_cache_hits": delta["hits"],
             "preemptions": delta["preemptions"],
         }
+        if delta["grammar_steps"]:
+            line["grammar_steps"] = delta["grammar_steps"]
+            line["grammar_mask_ms"] = round(1e3 * delta["grammar_s"] / delta["grammar_steps"], 3)
         if self.core.launcher.gpu_timed:
             line["gpu_busy_pct"] = round(delta["gpu_ms"] / (10 * seconds), 1)  # ms over s x 1000, in percent
         log.info("engine steps", **line)

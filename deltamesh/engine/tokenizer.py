@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+if TYPE_CHECKING:
+    from deltamesh.protocol.sampling import SamplingParams
 
 
 class TemplateError(ValueError):
@@ -46,6 +50,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` tokenizer itself (its vocabulary: structured outputs, grammar.py)."""
+        return self._tok
 
     @property
     def max_token_chars(self) -> int:
@@ -102,14 +111,24 @@ class IncrementalDetokenizer:
     Decoding a short window (the last few tokens before the unread ones) and emitting only what it adds
     keeps byte-level BPE merges and multi-byte characters right; a delta ending in U+FFFD is held back until
     the character completes. Text that could still become a stop string is held back too, and a stop string
-    ends the text before it.
+    ends the text before it (or after it: `include_stop`), once more than `min_tokens` tokens have come (vLLM's
+    rule: a stop string the first `min_tokens` tokens complete does not count).
     """
 
     CONTEXT = 5  # tokens of already-read context decoded with each new token
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+        min_tokens: int = 0,
+    ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._include_stop, self._min_tokens, self._added = include_stop, min_tokens, 0
         self._ids = list(prompt_ids[-self.CONTEXT :])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -119,9 +138,21 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stopped_on: str | None = None
 
+    @classmethod
+    def for_params(cls, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return cls(
+            tokenizer,
+            prompt_ids,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+            params.min_tokens,
+        )
+
     def add(self, token_id: int) -> str:
         """Feed one token; returns the text that may be shown now (call `flush` when the request ends)."""
         self._ids.append(token_id)
+        self._added += 1
         before = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
         after = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -131,7 +162,7 @@ class IncrementalDetokenizer:
             self._ids = self._ids[self._prefix_offset :]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-            if self._stop:
+            if self._stop and self._added > self._min_tokens:
                 self._find_stop(max(0, start - self._hold))
         return self.flush() if self.stopped_on else self._release(len(self.text) - self._hold)
 
@@ -149,7 +180,7 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
             index, self.stopped_on = min(hits)
-            self.text = self.text[:index]
+            self.text = self.text[: index + (len(self.stopped_on) if self._include_stop else 0)]
 
     def _release(self, upto: int) -> str:
         if upto <= self._emitted:

@@ -11,7 +11,7 @@ budget. Its time is modelled from three measured parts:
 - a mixed step (both): decode_ms + b·N + c·W + m, m fitted to steps measured with both (negative when the two
   parts share the weights' reads), and never less than either part alone.
 State transfers (prefill -> decode) take `transfer_ms(prompt tokens)`, interpolated in measured pulls; memory
-bounds the KV pool as the engine sizes it (engine/rank.py `_num_kv_pages`).
+bounds the KV pool as the engine sizes it (engine/memory_budget.py `size_kv_pool`, without a budget).
 
 The JSON keeps every raw measurement next to the fitted numbers and their errors, with the machine, the tree
 (git revision) and the command that made it, so a profile can be checked and re-fitted later.
@@ -27,8 +27,8 @@ from pathlib import Path
 
 FORMAT = "deltamesh-profile"
 VERSION = 1
-KV_FREE_FRACTION = 0.85  # of free GPU memory, as engine/rank.py sizes an automatic KV pool
-CPU_KV_BUDGET_BYTES = 2**30  # engine/rank.py: an automatic KV pool on CPU
+KV_FREE_FRACTION = 0.85  # of free GPU memory, as engine/memory_budget.py sizes a pool without a budget
+CPU_KV_BUDGET_BYTES = 2**30  # engine/memory_budget.py: a KV pool on CPU without a budget
 
 
 class ProfileError(ValueError):

@@ -112,15 +112,19 @@ def _transport_known(name: str, interface: str | None) -> None:
         raise typer.BadParameter(f"no interface {interface!r} here ({names})", param_hint="--side-channel-interface")
 
 
-def _servable(command: str, model: str, engine=None, code: int = CONFIG_ERROR) -> None:
-    """A model directory (and engine settings, device included) this machine can serve, or one line saying why
-    and exit `code`: at once, not after imports and a model load, and not once per restart."""
+def _servable(command: str, model: str, engine=None, code: int = CONFIG_ERROR, budget: bool = True) -> None:
+    """A model directory (and engine settings, device included, and a memory budget that holds the model and a
+    request unless `budget` is False) this machine can serve, or one line saying why and exit `code`: at once, not
+    after imports and a model load, and not once per restart."""
     from deltamesh.engine.config import ModelConfig
+    from deltamesh.engine.memory_budget import check_before_start
 
     try:
         ModelConfig.from_dir(model)
         if engine is not None:
             engine.validate()
+            if budget:
+                check_before_start(engine)
     except (ValueError, OSError) as e:
         print(f"deltamesh {command}: {e}", file=sys.stderr)
         raise typer.Exit(code) from None
@@ -300,7 +304,8 @@ def serve(ctx: typer.Context, **values) -> None:
     worker = settings_from(WorkerSettings, WORKER, values, role=roles[0], mesh_secret=secret)
     _transport_known(worker.transport, worker.side_channel_interface)
     engine = worker.engine
-    _servable("serve", engine.model, engine, code=2)  # every worker runs the same model on the same kind of device
+    _servable("serve", engine.model, engine, code=2, budget=False)  # the same model and kind of device for all
+    _budgets_fit(_planned(values, secret, roles, gpus))  # each worker's own, before anything starts
     specs, metrics_urls = _children(values, secret, router, roles, gpus)
     where = f"gRPC {host}:{values['grpc_port']}" + (f", REST http://{host}:{http_port}/v1" if http_port else "")
     write_line(sys.stderr, f"deltamesh: router {where}; metrics: {', '.join(metrics_urls)}")
@@ -346,13 +351,54 @@ def _children(
             "metrics_port": free_port(host),
             "torch_threads": max(1, (os.cpu_count() or 1) // len(roles)) if values["device"] == "cpu" else None,
         }
-        worker = settings_from(WorkerSettings, WORKER, {**values, **own}, role=role, mesh_secret=secret)
+        worker = settings_from(
+            WorkerSettings, WORKER, {**_role_values(values, role), **own}, role=role, mesh_secret=secret
+        )
         env = {**base_env, **hand_over(worker)}
         if worker.engine.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = _worker_gpus(gpu_ids, i, worker.engine.num_ranks)
         metrics_urls.append(f"{role} http://{host}:{worker.metrics_port}/metrics")
         specs.append(ChildSpec(f"{role}-{roles[:i].count(role)}", cli + [role], env))
     return specs, metrics_urls
+
+
+# serve's per-role memory budgets (--prefill-gpu-memory-utilization, ...) over the flags every worker takes
+ROLE_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gb")
+
+
+def _role_values(values: dict, role: str) -> dict:
+    """serve's option values for a worker of `role`: its role's own budget where one was given."""
+    own = {name: values.get(f"{role}_{name}") for name in ROLE_BUDGETS}
+    return {**values, **{name: value for name, value in own.items() if value is not None}}
+
+
+def _planned(values: dict, secret: str, roles: list[str], gpus: str | None):
+    """Each worker `serve` would start: its name, engine settings and GPUs."""
+    from deltamesh.services.gpu_shares import PlannedWorker
+
+    gpu_ids = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")
+    planned = []
+    for i, role in enumerate(roles):
+        engine = settings_from(WorkerSettings, WORKER, _role_values(values, role), role=role, mesh_secret=secret).engine
+        on = _worker_gpus(gpu_ids, i, engine.num_ranks).split(",") if engine.device.startswith("cuda") else []
+        planned.append(PlannedWorker(f"{role}-{roles[:i].count(role)}", engine, tuple(on)))
+    return planned
+
+
+def _budgets_fit(workers) -> None:
+    """Every worker's settings valid and its memory budget enough (gpu_shares.py), or one line and exit 2."""
+    from deltamesh.services.gpu_shares import check_workers
+
+    try:
+        for w in workers:
+            try:
+                w.engine.validate()
+            except ValueError as e:
+                raise ValueError(f"{w.name}: {e}") from None
+        check_workers(workers)
+    except ValueError as e:
+        print(f"deltamesh serve: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
 
 
 def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
@@ -368,7 +414,21 @@ def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
     return ",".join(gpu_ids[(worker * ranks + r) % len(gpu_ids)] for r in range(ranks))
 
 
+def one_flag_per_value(argv: list[str], flag: str) -> list[str]:
+    """`flag a b c` as `flag a flag b flag c`: vLLM takes several values after one flag (nargs="+"), click takes
+    a repeated flag."""
+    out, after_flag = [], False
+    for arg in argv:
+        if after_flag and not arg.startswith("-"):
+            out += [arg] if out[-1] == flag else [flag, arg]
+            continue
+        after_flag = arg == flag
+        out.append(arg)
+    return out
+
+
 def main() -> None:
+    sys.argv = one_flag_per_value(sys.argv, "--served-model-name")
     app()
 
 

@@ -120,8 +120,10 @@ class StateHolder(ABC):
 
     @abstractmethod
     def describe(self, pools: list[Held]) -> TransportDescriptor:
-        """How a puller reaches this holder at all, `pools` being all the memory its leases point into (made
-        readable now, once): what a puller warms up with (`StatePuller.warm`) before its first pull from here."""
+        """How a puller reaches this holder at all, `pools` being the memory pullers warm their reads up with (made
+        readable now, once): what the control plane announces to pullers (`StatePuller.announce`) and a puller
+        warms up with (`StatePuller.warm`) before its first pull from here. Its `endpoints` name the processes
+        whose memory this holder's leases may name, for the router to keep two workers from claiming one."""
 
     @abstractmethod
     def offer(self, lease: Lease) -> TransportDescriptor:
@@ -152,15 +154,16 @@ class StatePuller(ABC):
 
     @abstractmethod
     def announce(self, holder: TransportDescriptor) -> bool:
-        """The control plane announced this holder (`StateHolder.describe` of a registered worker): where its
-        leases' memory may be. Sources from it are checked against it from now on. False when the transport
-        refuses the announcement (it names memory another announced holder named first); raises DescriptorError
-        for one it cannot read."""
+        """The control plane announced this holder (`StateHolder.describe` of a worker this one may pull from):
+        where its leases' memory may be. Only announced holders' sources are pulled, each checked against its
+        announcement. False when the transport refuses the announcement (it names memory another announced holder
+        named first); raises DescriptorError for one it cannot read."""
 
     @abstractmethod
     async def pull(self, source: Source, buffers: list[torch.Tensor], timeout_s: float) -> TransferStats:
         """Fill `buffers` (of the same total size) with the state, or raise TransferError (the buffers are then
-        undefined; give them back through `release_after`). Cancelling it abandons the pull."""
+        undefined; give them back through `release_after`). A source whose holder was not announced waits for the
+        announcement a while (less than its deadline), then is refused. Cancelling it abandons the pull."""
 
     @abstractmethod
     def release_after(self, lease_id: str, release: Callable[[], None]) -> None:

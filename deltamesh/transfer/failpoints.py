@@ -1,7 +1,9 @@
 """Failpoints: named places in the side channel where a test can inject a fault into a real process,
 deterministically (`DELTAMESH_FAILPOINTS="deltamesh.transfer.before_check=drop"`). Unset, they cost one dict lookup.
 
-Actions: `drop` (close the connection to the peer at that point), `sleep:SECONDS`."""
+Points: `deltamesh.transfer.before_reads` (a pull, before it posts its reads), `deltamesh.transfer.before_check`
+(after its reads, before it reads the lease word). Actions: `drop` (close the connection to the peer at that
+point), `sleep:SECONDS`."""
 
 from __future__ import annotations
 

@@ -20,6 +20,12 @@ from deltamesh.services.router.control import read_loads
 from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+# How long the harness waits for what a mesh does in its own time. Generous, and only paid when something is
+# wrong: make test runs meshes side by side on a 2-core machine that other work shares, where a process start
+# (torch, the model) can take ten times its idle-machine seconds.
+READY_TIMEOUT_S = 240.0  # every worker registered and healthy (process start, model load)
+IDLE_TIMEOUT_S = 30.0  # every pool and lease back to zero after the last request
+CALL_TIMEOUT_S = 15.0  # a GetLoads call to a worker busy with its engine steps
 
 
 class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -62,7 +68,7 @@ class Proc:
         return (prefill_pb2_grpc.PrefillWorkerStub if self.role == "prefill" else decode_pb2_grpc.DecodeWorkerStub)(ch)
 
     def load(self) -> common_pb2.WorkerLoad:
-        return self.stub().GetLoads(common_pb2.GetLoadsRequest(), timeout=5).workers[0]
+        return self.stub().GetLoads(common_pb2.GetLoadsRequest(), timeout=CALL_TIMEOUT_S).workers[0]
 
 
 @dataclass
@@ -138,14 +144,14 @@ class Mesh:
     def client(self, **kwargs) -> Client:
         return Client(self.router_address, **{**self.client_kwargs, **kwargs})
 
-    def loads(self, timeout: float = 5) -> list[common_pb2.WorkerLoad]:
+    def loads(self, timeout: float = CALL_TIMEOUT_S) -> list[common_pb2.WorkerLoad]:
         """Every worker's load as the router sees it (its control plane, with the mesh secret)."""
         return read_loads(self.control_address, self.secret, self.procs[0].credentials if self.procs else None, timeout)
 
     def workers(self, role: str | None = None) -> list[Proc]:
         return [p for p in self.procs if p.role != "router" and (role is None or p.role == role) and p.alive()]
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until the router sees every live worker healthy."""
         want = {p.address for p in self.workers()}
         deadline = time.monotonic() + timeout
@@ -163,7 +169,7 @@ class Mesh:
         logs = "\n".join(f"--- {p.log.name}\n{p.log.read_text()[-2000:]}" for p in self.procs)
         raise TimeoutError(f"mesh not ready after {timeout}s\n{logs}")
 
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, common_pb2.WorkerLoad | str]:
+    def wait_idle(self, timeout: float = IDLE_TIMEOUT_S) -> dict[str, common_pb2.WorkerLoad | str]:
         """Until every live worker reports no used pages, slots, held states, leases or reservations."""
         deadline = time.monotonic() + timeout
         while True:

@@ -175,6 +175,7 @@ class TimedStream(threading.Thread):
         return max((b - a for a, b in zip(times, times[1:])), default=float("inf"))
 
 
+@pytest.mark.alone  # bounds wall-clock times
 def test_oversized_input_never_stalls_other_streams(mesh, url):
     """While 4 streams run, a 4 MB text over gRPC, 10,000 prompts and a 100k-message chat over REST are each
     refused at once, and no stream waits much longer between two tokens than it did before (200 ms plus five
@@ -245,6 +246,7 @@ def closed_after(sock: socket.socket, limit: float) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.alone  # bounds wall-clock times
 def test_a_client_that_never_finishes_its_headers_is_cut_off(mesh, url):
     port = mesh.http_port
     with socket.create_connection(("127.0.0.1", port)) as partial:

@@ -64,6 +64,12 @@ SAMPLING = st.fixed_dictionaries(
         "stop_token_ids": st.lists(st.integers(0, 2**32 - 1), max_size=3),
         "logprobs": st.integers(0, 30),
         "ignore_eos": st.booleans(),
+        "repetition_penalty": st.floats(-0.5, 3, allow_nan=False),
+        "presence_penalty": st.floats(-3, 3, allow_nan=False),
+        "frequency_penalty": st.floats(-3, 3, allow_nan=False),
+        "logit_bias": st.dictionaries(st.integers(0, 2**32 - 1), st.floats(-150, 150, allow_nan=False), max_size=3),
+        "min_tokens": st.integers(0, 30),
+        "include_stop_str_in_output": st.booleans(),
         "model": st.sampled_from(["", DEFAULT_MODEL.name, "other"]),
     },
 )

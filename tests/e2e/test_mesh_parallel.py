@@ -18,6 +18,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
 ENGINE = {"page_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48, "num_kv_pages": 64}
 WORKER_ARGS = ["--page-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "48", "--num-kv-pages", "64"]
 SAMPLING = common_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+# The longest lease a worker grants (--max-lease-ttl): a decode worker's first pull from a two-rank worker sets up
+# its side channel to each rank first, which on a 2-core machine shared with other work outlasted the 30 s default.
+LEASE_TTL_MS = 300_000
 PROMPTS = [[(7 * i + 3) % VOCAB for i in range(n)] for n in (5, 37, 61)]  # one page, several, chunked (48)
 
 
@@ -36,7 +39,9 @@ def layouts_mesh(model, log_dir, two_ranks: list[str]):
 
 
 def prefill(worker, rid: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
-    request = prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING)
+    request = prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING, lease_ttl_ms=LEASE_TTL_MS
+    )
     return worker.stub().Prefill(request, timeout=60)
 
 
@@ -95,7 +100,7 @@ def test_a_sender_layout_that_cannot_hold_the_model_is_refused_before_any_byte_m
         prompt = PROMPTS[1]
         first = prefill(prefill_worker, "r", prompt)
         for ranks in (3, 4):
-            forged = prefill_pb2.StateLayout()
+            forged = common_pb2.StateLayout()
             forged.CopyFrom(first.layout)
             forged.tensor_parallel_size = ranks
             with pytest.raises(grpc.RpcError) as e:

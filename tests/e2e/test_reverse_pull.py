@@ -13,8 +13,14 @@ from test_openai_api import chat_like_the_reference
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from deltamesh.v1 import common_pb2, decode_pb2, prefill_pb2
 
-SYSTEM = {"role": "system", "content": "You answer questions about Python in short sentences. " * 4}
+pytestmark = pytest.mark.e2e
 TOKEN = b"r" * 16
+
+
+def system_message(topic: str) -> dict:
+    """A conversation's system prompt; each test's its own, so that no test finds another's pages in a cache (the
+    template's first tokens are shared, but less than a page of them)."""
+    return {"role": "system", "content": f"You answer questions about {topic} in short sentences. " * 4}
 
 
 def worker_counters(port: int) -> dict[str, float]:
@@ -28,12 +34,14 @@ def worker_counters(port: int) -> dict[str, float]:
     return samples
 
 
-@pytest.fixture
-def mesh(tmp_path):
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """One mesh for the module: each test reads the counters' growth over its own requests, so what an earlier
+    test left in the caches does not count."""
     port = free_port()
     m = start_mesh(
         str(DEFAULT_MODEL),
-        tmp_path,
+        tmp_path_factory.mktemp("reverse-pull"),
         worker_args=["--prefix-cache"],
         http=True,
         role_args={"prefill": ["--metrics-port", str(port)]},
@@ -46,26 +54,34 @@ def mesh(tmp_path):
         m.stop()
 
 
+def grown(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def router_offers(mesh) -> float:
+    return worker_counters(mesh.http_port).get('deltamesh_router_pd_decisions_total{path="offered"}', 0)
+
+
 def test_later_turns_pull_the_conversation_and_compute_only_the_new_message(mesh, reference_engine):
     questions = ["What is a list?", "And a tuple?", "Which one is faster?", "Thanks. What about sets?"]
-    prompts, replies = zip(*chat_like_the_reference(mesh, reference_engine, [SYSTEM], questions))
+    before, offers_before = worker_counters(mesh.prefill_metrics), router_offers(mesh)
+    prompts, replies = zip(*chat_like_the_reference(mesh, reference_engine, [system_message("Python")], questions))
     # each turn's whole sequence stays on the decode worker, but for its last reply token (never computed) unless
     # that was a stop token, which the engine computes no further than the reply text
     kept = [(p + r - 1, p + r) for p, r in zip(prompts[:-1], replies[:-1])]
     c = worker_counters(mesh.prefill_metrics)
-    assert c['deltamesh_reverse_pulls_total{outcome="ok"}'] == len(questions) - 1
-    pulled = c['deltamesh_engine_reverse_pull_tokens_total{role="prefill"}']
+    assert grown(before, c, 'deltamesh_reverse_pulls_total{outcome="ok"}') == len(questions) - 1
+    pulled = grown(before, c, 'deltamesh_engine_reverse_pull_tokens_total{role="prefill"}')
     assert sum(lo for lo, _ in kept) <= pulled <= sum(hi for _, hi in kept)
     # turn 1 whole, then each later turn's new message only (its prompt past the previous turn's sequence)
-    assert c['deltamesh_engine_prompt_tokens_total{role="prefill"}'] == sum(prompts) - pulled
-    metrics = httpx.get(f"http://127.0.0.1:{mesh.http_port}/metrics").text
-    assert f'deltamesh_router_pd_decisions_total{{path="offered"}} {len(questions) - 1}.0' in metrics
+    assert grown(before, c, 'deltamesh_engine_prompt_tokens_total{role="prefill"}') == sum(prompts) - pulled
+    assert router_offers(mesh) - offers_before == len(questions) - 1
     assert mesh.wait_idle() == {}
 
 
 @pytest.mark.parametrize("gone", ["released", "expired"])
 def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_engine, gone):
-    messages = [SYSTEM]
+    messages = [system_message(f"Python's {gone} leases")]
     chat_like_the_reference(mesh, reference_engine, messages, ["What is a list?"])
     messages.append({"role": "user", "content": "And a tuple, and a dict?"})
     prompt = reference_engine.tokenizer.encode_chat(messages)
@@ -76,7 +92,7 @@ def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_e
     )
     assert offer.layout.num_tokens > len(prompt) // 2  # the first turn's prompt and reply
     if gone == "released":
-        release = prefill_pb2.LeaseRequest(lease_id=offer.lease.lease_id, token=TOKEN)
+        release = common_pb2.LeaseRequest(lease_id=offer.lease.lease_id, token=TOKEN)
         assert decode.stub().ReleaseLease(release, timeout=5).ok
     else:
         time.sleep(0.5)
@@ -92,14 +108,11 @@ def test_an_offer_whose_lease_is_gone_is_computed_from_scratch(mesh, reference_e
     expected = reference_engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0))[0]
     assert list(answer.first.token_ids) == expected.token_ids[:1]
     after = worker_counters(mesh.prefill_metrics)
-    assert after['deltamesh_reverse_pulls_total{outcome="failed"}'] == 1
-    assert after.get('deltamesh_reverse_pulls_total{outcome="ok"}', 0) == 0
-    own = 'deltamesh_engine_prefix_cache_hit_tokens_total{role="prefill"}'
-    computed = (
-        after['deltamesh_engine_prompt_tokens_total{role="prefill"}']
-        - before['deltamesh_engine_prompt_tokens_total{role="prefill"}']
-    )
-    assert computed == len(prompt) - (after[own] - before[own])  # all but what its own cache held
-    release = prefill_pb2.LeaseRequest(lease_id=ask.request_id, token=answer.lease.token)
+    assert grown(before, after, 'deltamesh_reverse_pulls_total{outcome="failed"}') == 1
+    assert grown(before, after, 'deltamesh_reverse_pulls_total{outcome="ok"}') == 0
+    own = grown(before, after, 'deltamesh_engine_prefix_cache_hit_tokens_total{role="prefill"}')
+    computed = grown(before, after, 'deltamesh_engine_prompt_tokens_total{role="prefill"}')
+    assert computed == len(prompt) - own  # all but what its own cache held
+    release = common_pb2.LeaseRequest(lease_id=ask.request_id, token=answer.lease.token)
     assert prefill.stub().ReleaseLease(release, timeout=5).ok
     assert mesh.wait_idle() == {}

@@ -286,7 +286,7 @@ def test_a_lease_word_is_bound_to_the_memory_it_vouches_for(mesh, reference_engi
     victim_prompt = list(range(200, 240))
     victim = prefill(holder, "victim", victim_prompt)  # another user's request, held for its decode worker
     d = ucx_pb2.UcxLeaseDescriptor.FromString(victim.transport.payload)
-    mine = prefill_pb2.Lease(lease_id="insider", token=secrets.token_bytes(16))
+    mine = common_pb2.Lease(lease_id="insider", token=secrets.token_bytes(16))
     extents = list(zip(d.region_addresses, victim.layout.region_bytes))
     word = Decoy(lease_nonce(mine.token, mine.lease_id, extents).to_bytes(8, "little"))
     try:

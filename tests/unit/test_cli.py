@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -22,6 +21,9 @@ from deltamesh.services.common.options import SETTINGS_ENV, SETTINGS_PARENT_ENV,
 from deltamesh.services.common.settings import RouterSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
+# A CLI process start (Python, torch): seconds on an idle machine, over a minute on a 2-core machine shared with
+# other work. Only paid when a process hangs.
+PROCESS_TIMEOUT_S = 300
 
 
 def params(argv: list[str]) -> dict:
@@ -46,19 +48,18 @@ def test_a_taken_port_is_named_at_once():
         port = taken.getsockname()[1]
         router = ["router", "--grpc-port", "0", "--control-port", "0", "--http-port", str(port)]
         for argv, flag in ((["prefill", "--port", str(port)], "--port"), (router, "--http-port")):
-            started = time.monotonic()
             done = subprocess.run(
                 [sys.executable, "-m", "deltamesh.services.cli", *argv],
                 cwd=ROOT,
                 capture_output=True,
                 text=True,
-                timeout=60,
+                timeout=PROCESS_TIMEOUT_S,
                 env={"DELTAMESH_MESH_SECRET": "s" * 32, "PATH": "/usr/bin:/bin"},
             )
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 2 and len(lines) == 1, done.stderr
             assert f"127.0.0.1:{port} ({flag})" in lines[0] and "in use" in lines[0]
-            assert time.monotonic() - started < 10  # the process's start-up; the model never loads
+            assert "model loaded" not in done.stdout + done.stderr  # at once: before the model loads
 
 
 def test_settings_handed_to_another_process_are_ignored_with_a_warning():
@@ -69,7 +70,7 @@ def test_settings_handed_to_another_process_are_ignored_with_a_warning():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=PROCESS_TIMEOUT_S,
         env={
             "DELTAMESH_MESH_SECRET": "s" * 32,
             "PATH": "/usr/bin:/bin",
@@ -112,7 +113,7 @@ def test_help_at_80_columns_names_every_option_in_full():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=PROCESS_TIMEOUT_S,
         env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
     )
     assert done.returncode == 0 and "…" not in done.stdout
@@ -235,25 +236,26 @@ def test_a_model_or_device_this_machine_cannot_serve_is_named_at_once(tmp_path):
             )
         )
     for argv, code, why in cases:
-        started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "deltamesh.services.cli", *argv],
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=PROCESS_TIMEOUT_S,
             env={"DELTAMESH_MESH_SECRET": "s" * 32, "PATH": "/usr/bin:/bin"},
         )
         lines = done.stderr.strip().splitlines()
         assert done.returncode == code and len(lines) == 1 and why in lines[0], (argv, done.stderr)
-        assert time.monotonic() - started < 15, argv  # the process's start-up; no model loads
+        assert "model loaded" not in done.stdout + done.stderr, argv  # at once: no model loads
 
 
 def test_the_sdk_script_without_its_cli_extra_says_how_to_install_it():
     """`pip install deltamesh-client` alone installs the library and the `deltamesh-client` script but not typer:
     the script says which extra it needs instead of a traceback (typer hidden from the import system here)."""
     hide = "import sys; sys.modules['typer'] = None; from deltamesh.client.command import main; main()"
-    done = subprocess.run([sys.executable, "-c", hide, "hi"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", hide, "hi"], cwd=ROOT, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S
+    )
     assert done.returncode == 1 and done.stderr.strip() == (
         "deltamesh-client: the command line needs the package's cli extra: pip install 'deltamesh-client[cli]'"
     )
@@ -262,6 +264,6 @@ def test_the_sdk_script_without_its_cli_extra_says_how_to_install_it():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=PROCESS_TIMEOUT_S,
     )
     assert done.returncode == 0 and "--max-tokens" in done.stdout, done.stderr

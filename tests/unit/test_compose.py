@@ -1,4 +1,5 @@
-"""docker-compose.yml and Dockerfile, checked without Docker (no engine on the development/CI machine).
+"""docker-compose.yml and Dockerfile, checked without Docker, both profiles (tests/e2e/test_docker.py, `make
+test-docker`, runs the cpu profile for real; no GPU here for the gpu profile).
 
 The compose file is parsed with PyYAML, `${VAR:-default}` interpolation is resolved with the defaults, and
 every service's command (and health check) is parsed by the real `deltamesh` CLI, so a renamed or removed

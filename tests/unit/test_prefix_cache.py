@@ -102,6 +102,7 @@ def test_branch_off_the_middle_of_a_cached_prefix(model_dir, params):
     compare(model_dir, waves, params, expect_hit_tokens=16 + 8, state_checkpoint_interval=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_concurrent_requests_sharing_a_prefix(model_dir, params):
     together = [P + tokens(6, 10 + i) for i in range(3)]
@@ -137,6 +138,7 @@ def test_next_turn_of_a_conversation_starts_after_the_previous_reply(model_dir, 
     assert_cached_baseline(engine)
 
 
+@pytest.mark.slow
 def test_conversations_under_a_small_budget_evict_their_tails(model_dir):
     chats = [[tokens(10, 90 + i), tokens(5, 95 + i)] for i in range(4)]
     ref = [conversation(core(model_dir, False), c, GREEDY) for c in chats]

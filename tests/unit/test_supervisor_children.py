@@ -15,10 +15,11 @@ from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor
 def test_a_child_that_cannot_serve_its_configuration_stops_the_mesh_without_a_restart(capfd):
     exits = ChildSpec("decode-0", [sys.executable, "-c", f"raise SystemExit({CONFIG_ERROR})"], dict(os.environ))
     sleeps = ChildSpec("router", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
-    started = time.monotonic()
     supervisor = Supervisor([sleeps, exits])
-    assert supervisor.run() == 1 and time.monotonic() - started < 15
+    assert supervisor.run() == 1
     assert [c.restarts for c in supervisor.children] == [0, 0]
+    # at once: serve stopped the sleeping child (SIGTERM), it did not wait out its minute
+    assert supervisor.children[0].popen.returncode == -signal.SIGTERM
     assert "decode-0 cannot serve this configuration" in capfd.readouterr().err
 
 
@@ -53,7 +54,7 @@ def test_a_child_of_serve_stops_when_serve_is_killed(tmp_path):
         child_pid = int(serve.stdout.readline())
         serve.send_signal(signal.SIGKILL)
         serve.wait(10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a poll: the child's own stop, slow only on a loaded machine
         while running(child_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not running(child_pid) and record.read_text() == "SIGTERM"

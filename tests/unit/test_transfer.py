@@ -68,12 +68,14 @@ def _sizes(buffers) -> list[int]:
 
 @contextlib.asynccontextmanager
 async def _transport(settle_grace_s: float = 10.0):
-    """A holder (lease table + UCX holder) and a puller in this process; UCX released afterwards."""
+    """A holder (lease table + UCX holder) and a puller in this process, the holder announced to the puller as the
+    router announces a worker's; UCX released afterwards."""
     transport = UcxTransport()
     leases = LeaseTable()
     holder = transport.holder(leases)
     await holder.start()
     puller = transport.puller(settle_grace_s)
+    assert puller.announce(holder.describe([]))
     try:
         yield leases, holder, puller
     finally:
@@ -243,16 +245,37 @@ def test_a_lease_word_vouches_only_for_its_holders_memory():
     ):
         with pytest.raises(DescriptorError, match="not one of the lease words"):
             source(b"prefill", victim_regions, word)
-    # a holder never announced (given to the router statically) may name its own memory, and no announced worker's
-    source(b"static", victim_regions[:1], _word(5))
+    # a holder never announced: let through `source` only while it names no announced worker's memory (its pull
+    # then waits for its announcement), refused by the check before the pull
+    unannounced = source(b"stranger", victim_regions[:1], _word(5))
     with pytest.raises(DescriptorError, match="not announced as a rank"):
-        source(b"static", as_peers, _word(5))
+        source(b"stranger", as_peers, _word(5))
+    from deltamesh.transfer.ucx.holders import KnownHolders
+
+    holders = KnownHolders()
+    assert holders.announce(_announced(b"prefill", victim_regions))
+    with pytest.raises(DescriptorError, match="its holder was not announced"):
+        holders.check(unannounced)
 
 
-def test_a_pull_naming_ranks_of_a_holder_not_announced_yet_waits_for_its_announcement():
-    """A parallel prefill worker may be routed to up to a heartbeat before the decode workers hear of it: its leases
-    pass `source` (their ranks are no one else's), and the pull waits for the announcement, then is checked
-    against it: refused, before any byte moves, if none comes."""
+def test_an_announcement_names_its_endpoints_as_its_payload_does():
+    """The router compares holders' endpoints without reading payloads: an announcement whose endpoints are not the
+    worker addresses its payload names is refused, so a worker cannot hide a claim on another's memory there."""
+    puller = UcxTransport().puller()
+    regions = [descriptors.RemoteRegion(4, 4096, b"k"), descriptors.RemoteRegion(4, 8192, b"j", b"rank1")]
+    good = _announced(b"holder", regions)
+    assert list(good.endpoints) == [b"holder", b"rank1"]
+    for endpoints in ([b"holder"], [b"holder", b"rank1", b"rank2"], []):
+        bad = TransportDescriptor(kind=good.kind, version=good.version, payload=good.payload, endpoints=endpoints)
+        with pytest.raises(DescriptorError, match="endpoints are not the worker addresses"):
+            puller.announce(bad)
+    assert puller.announce(good)
+
+
+def test_a_pull_from_a_holder_not_announced_yet_waits_for_its_announcement():
+    """A worker may be routed to up to a load poll before the workers pulling from it hear of it: its leases pass
+    `source` (their memory, its ranks' included, is no one else's), and the pull waits for the announcement, then is
+    checked against it: refused, before any byte moves, if none comes."""
     from deltamesh.transfer.ucx.holders import KnownHolders
 
     regions = [descriptors.RemoteRegion(4, 4096, b"k"), descriptors.RemoteRegion(4, 8192, b"j", b"tp-rank1")]
@@ -265,7 +288,7 @@ def test_a_pull_naming_ranks_of_a_holder_not_announced_yet_waits_for_its_announc
         try:
             src = puller.source(descriptor, key, [4, 4])
             started = time.monotonic()
-            with pytest.raises(TransferError, match="not announced as a rank") as e:
+            with pytest.raises(TransferError, match="its holder was not announced") as e:
                 await puller.pull(src, [torch.zeros(8, dtype=torch.uint8)], timeout_s=0.3)
             assert e.value.refused and time.monotonic() - started >= 0.15  # half its deadline, at most 2 s
 
@@ -439,8 +462,9 @@ def _peer_process(conn):
         for i in range(3):
             lease = leases.offer(f"L{i}", [src], 60, lambda reason: None)
             offers.append((LeaseKey(f"L{i}", lease.token), holder.offer(lease)))
-        conn.send(offers)
-        key, descriptor, size = await asyncio.to_thread(conn.recv)
+        conn.send((holder.describe([]), offers))
+        other, key, descriptor, size = await asyncio.to_thread(conn.recv)
+        assert puller.announce(other)
         into = torch.zeros(size, dtype=torch.uint8)
         await puller.pull(puller.source(descriptor, key, [size]), [into], 10)
         conn.send(into.sum().item())
@@ -465,12 +489,13 @@ def test_two_workers_pull_from_each_other_and_a_dead_holder_never_crashes_the_pu
 
     async def main():
         assert await asyncio.to_thread(conn.poll, 60), "the other process did not start"
-        offers = conn.recv()
+        peer_holder, offers = conn.recv()
         async with _transport() as (leases, holder, puller):  # UCX error handling on: a dead peer is reported
+            assert puller.announce(peer_holder)
             mine = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
             ended = []
             lease = leases.offer("mine", [mine], 60, ended.append)
-            conn.send((LeaseKey("mine", lease.token), holder.offer(lease), mine.numel()))
+            conn.send((holder.describe([]), LeaseKey("mine", lease.token), holder.offer(lease), mine.numel()))
             assert await asyncio.to_thread(conn.recv) == mine.sum().item()  # it pulled the bytes this process holds
             assert await _until(lambda: ended == ["pulled"])
             dst = [torch.zeros(1 << 20, dtype=torch.uint8)]
@@ -501,7 +526,13 @@ def test_the_wire_api_names_no_transport_field_outside_a_transports_own_messages
     ]
     names = {f.name for m in messages for f in m.fields}
     assert not {n for n in names if "ucx" in n or "rkey" in n or n in ("region_addresses", "word_address")}
-    assert {f.name for f in common_pb2.TransportDescriptor.DESCRIPTOR.fields} == {"kind", "version", "payload"}
+    # endpoints: opaque names of a holder's processes, compared by the router, read by no one outside the transport
+    assert {f.name for f in common_pb2.TransportDescriptor.DESCRIPTOR.fields} == {
+        "kind",
+        "version",
+        "payload",
+        "endpoints",
+    }
 
 
 _LISTENERS = """

@@ -42,6 +42,7 @@ def check(body: str) -> None:
     check_interpreted(PRELUDE, body)
 
 
+@pytest.mark.slow
 def test_fp8_gemv_and_activation_quantization_match_their_arithmetic():
     """A last block of rows and a last group of columns cut short, a bias, FP8 and plain weights; the activation
     quantization cuBLAS's FP8 GEMM takes (which needs a GPU) against fp8.quantize_activations."""
@@ -80,6 +81,7 @@ def test_fp8_gemv_and_activation_quantization_match_their_arithmetic():
     """)
 
 
+@pytest.mark.slow
 def test_fp8_moe_matches_its_arithmetic():
     """Both paths, against the same routing with every expert computed by reference_linear (activations
     quantized before gate/up and before down) and against the dequantized experts without that quantization."""

@@ -158,6 +158,7 @@ def test_attention_inputs_and_gate_match_reference():
     """)
 
 
+@pytest.mark.slow
 def test_fused_moe_matches_reference():
     """Both fused MoE paths against the torch reference: the pair-wise path of few tokens (decode; a shared
     expert narrower or wider than the routed ones) and the aligned path (most experts unused and partly filled

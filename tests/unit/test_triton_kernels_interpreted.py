@@ -9,15 +9,19 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_interpreted(code: str) -> str:
-    env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
+    # the interpreter's torch with the threads this test process has (tests/conftest.py: the cores shared among
+    # xdist's workers); a limit short of pytest's own 600 s, so that a slow child is stopped with its output, not
+    # a half-minute check that a machine shared with other work can make last minutes
+    env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

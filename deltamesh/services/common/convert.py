@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from deltamesh.engine import FinishReason, RequestOutput, SamplingParams
+import json
+
+from deltamesh.engine.request import FinishReason, RequestOutput
+from deltamesh.protocol.sampling import SamplingParams
+from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.v1 import common_pb2
 
 FINISH_TO_PROTO = {
@@ -14,39 +18,66 @@ FINISH_TO_PROTO = {
 }
 
 
+# SamplingParams fields on the wire (common.proto): optional ones take the dataclass's default when unset, plain
+# ones are sent always, their zero value being the default (tests/unit/test_protocol.py checks that it is)
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "logprobs", "skip_special_tokens", "repetition_penalty")
+_PLAIN = ("top_k", "min_p", "ignore_eos", "presence_penalty", "frequency_penalty", "min_tokens")
+
+
 def sampling_from_proto(sp: common_pb2.SamplingParams, stop: common_pb2.StopConditions) -> SamplingParams:
-    """Raises ValueError for values that are wrong whatever the model (the engine checks the rest)."""
-    params = SamplingParams(
-        max_tokens=sp.max_tokens,
-        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        seed=sp.seed if sp.HasField("seed") else None,
+    """The parameters as sent (the caller validates them); unset fields take SamplingParams' defaults."""
+    values = {name: getattr(sp, name) for name in _PLAIN}
+    values.update({name: getattr(sp, name) for name in _OPTIONAL if sp.HasField(name)})
+    return SamplingParams(
+        **values,
+        logit_bias=dict(sp.logit_bias),
         stop=list(stop.stop),
         stop_token_ids=list(stop.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
-        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+        include_stop_str_in_output=stop.include_stop_str_in_output,
+        structured_outputs=structured_from_proto(sp.structured_outputs) if sp.HasField("structured_outputs") else None,
     )
-    return params
+
+
+def structured_from_proto(so: common_pb2.StructuredOutputs) -> StructuredOutputs:
+    """Raises ValueError for a message without a kind or a schema that is not JSON (StructuredOutputs.validate
+    checks the rest)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs needs one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(so.json_schema)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"structured_outputs.json_schema is not valid JSON: {e}") from None
+        return StructuredOutputs(json=schema, disable_any_whitespace=so.disable_any_whitespace)
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return StructuredOutputs(**{kind: value}, disable_any_whitespace=so.disable_any_whitespace)
+
+
+def structured_to_proto(s: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    so = common_pb2.StructuredOutputs(disable_any_whitespace=s.disable_any_whitespace)
+    if s.kind == "json":
+        so.json_schema = json.dumps(s.json, ensure_ascii=False)
+    elif s.kind == "choice":
+        so.choice.SetInParent()
+        so.choice.choices.extend(s.choice)
+    else:
+        setattr(so, s.kind, s.value)
+    return so
 
 
 def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, common_pb2.StopConditions]:
-    sp = common_pb2.SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        ignore_eos=p.ignore_eos,
-        skip_special_tokens=p.skip_special_tokens,
+    plain = {name: getattr(p, name) for name in _PLAIN} | {"top_k": max(p.top_k, 0)}  # vLLM's -1 (off) is 0 here
+    sp = common_pb2.SamplingParams(**plain, logit_bias=p.logit_bias)
+    for name in _OPTIONAL:
+        if (value := getattr(p, name)) is not None:
+            setattr(sp, name, value)
+    stop = common_pb2.StopConditions(
+        stop=p.stop, stop_token_ids=p.stop_token_ids, include_stop_str_in_output=p.include_stop_str_in_output
     )
-    if p.seed is not None:
-        sp.seed = p.seed
-    if p.logprobs is not None:
-        sp.logprobs = p.logprobs
-    return sp, common_pb2.StopConditions(stop=p.stop, stop_token_ids=p.stop_token_ids)
+    if p.structured_outputs is not None:
+        sp.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
+    return sp, stop
 
 
 def delta_from_output(out: RequestOutput) -> common_pb2.TokenDelta:

@@ -109,6 +109,12 @@ class EngineCollector:
                 stats.first_tokens,
                 "Requests this worker prefills: from arrival in the engine to their first token on the host",
             ),
+            (
+                "grammar_mask_seconds",
+                stats.grammar_mask_seconds,
+                stats.grammar_mask_steps,
+                "Steps that sampled under a grammar (structured outputs): the host's time on their token bitmasks",
+            ),
         ):
             s = SummaryMetricFamily(f"deltamesh_engine_{name}", doc, labels=["role"])
             s.add_metric([role], count_value=count, sum_value=total)

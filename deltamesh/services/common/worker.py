@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -27,21 +28,14 @@ log = structlog.get_logger("deltamesh.worker")
 
 
 class Role(abc.ABC):
-    """What a worker role (prefill, decode) adds to the worker all roles share: its gRPC services, what the router
-    learns and answers at registration, and its own start, stop and background work. The defaults do nothing."""
+    """What a worker role (prefill, decode) adds to the worker all roles share: its gRPC services, and its own start,
+    stop and background work. The defaults do nothing."""
 
     leases: LeaseTable | None = None  # held states, exported in the worker's metrics
 
     @abc.abstractmethod
     def services(self) -> list[tuple]:
         """(add_servicer_to_server, servicer, service name) of each gRPC service, for GrpcServer."""
-
-    def transport_descriptor(self) -> common_pb2.TransportDescriptor | None:
-        """How this worker's memory is reached over its transport, told to the router at registration."""
-        return None
-
-    def on_registered(self, reply: control_pb2.RegisterWorkerResponse) -> None:
-        """Each registration reply (a heartbeat's); must not block: it runs in the heartbeat."""
 
     async def on_start(self) -> None:
         pass
@@ -56,14 +50,16 @@ class Role(abc.ABC):
 
 async def engine_request(engine, request, context, hold_state: bool = False):
     """The engine request of a Prefill/Decode call, with its id bound to the logs; INVALID_ARGUMENT for bad
-    input, so nothing invalid reaches the engine loop."""
+    input, so nothing invalid reaches the engine loop. A request with structured outputs is made in a thread: its
+    grammar is parsed then (xgrammar, imported by the first one), which would hold the event loop."""
     rid = request.request_id or request_id_from(context)
     if not rid:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
     bind_request(rid)
     try:
         params = sampling_from_proto(request.sampling, request.stop)
-        return engine.make_request(list(request.prompt_token_ids), params, rid, hold_state=hold_state)
+        make = functools.partial(engine.make_request, list(request.prompt_token_ids), params, rid, hold_state)
+        return await asyncio.to_thread(make) if params.structured_outputs is not None else make()
     except (ValueError, RequestError) as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -98,7 +94,7 @@ class Worker:
             prefix_cache=self.engine.has_prefix_cache,
         )
 
-    async def register_forever(self, stop: asyncio.Event, role: Role) -> None:
+    async def register_forever(self, stop: asyncio.Event) -> None:
         """Keep this worker registered with the router's control plane; survives router restarts."""
         router = self.settings.router
         if not router:
@@ -109,7 +105,6 @@ class Worker:
             role=self.settings.role,
             model=self.model_id,
             compat_hash=self.compat_hash,
-            transport=role.transport_descriptor(),
         )
         interval = 1.0
         async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
@@ -119,7 +114,6 @@ class Worker:
                 try:
                     reply = await stub.RegisterWorker(request, metadata=auth, timeout=2.0)
                     interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
-                    role.on_registered(reply)
                     if not registered:
                         log.info("registered with router", router=router)
                     registered = True
@@ -154,14 +148,20 @@ class Worker:
 
 async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role: Callable[[Worker, Transport], Role]):
     """Start a worker: transport, engine, and the role `make_role(worker, transport)` with its gRPC services."""
+    from deltamesh.engine.memory_budget import MemoryBudgetError
     from deltamesh.services.common.metrics import serve_worker_metrics
     from deltamesh.services.common.server import GrpcServer
+    from deltamesh.services.supervisor import CONFIG_ERROR
     from deltamesh.transfer import open_transport
 
     transport = open_transport(settings.transport, settings)  # first: it may set up the process's environment
     if settings.role == "prefill":  # the worker that offers held states: read where its ranks hold them
         settings.engine = dataclasses.replace(settings.engine, rank_exporter=transport.rank_exporter)
-    worker = Worker(settings)
+    try:
+        worker = Worker(settings)
+    except MemoryBudgetError as e:  # its share of the GPU, measured once the weights are in: one line, no restart
+        write_line(sys.stderr, f"deltamesh {settings.role}: {e}")
+        raise SystemExit(CONFIG_ERROR) from None
     device = settings.engine.torch_device()
     if device.type == "cuda":
         import torch
@@ -192,7 +192,7 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     )
     tasks = [
         asyncio.create_task(c)
-        for c in [worker.register_forever(stop, role), worker.stop_on_engine_failure(stop), *role.background(stop)]
+        for c in [worker.register_forever(stop), worker.stop_on_engine_failure(stop), *role.background(stop)]
     ]
     write_line(sys.stdout, f"DELTAMESH_READY {settings.role} {server.address}")
     await stop.wait()

@@ -1,7 +1,6 @@
-"""Decode worker: hand the transport each prefill worker the router names (the memory that worker's leases may
-name: StatePuller.announce), and set the transport up to it, once and in the background, so that the first request
-from a prefill worker does not pay for it (a first pull without it stalls a decode step; figures in
-docs/notes/transport-seam.md)."""
+"""Decode worker: set the transport up to each prefill worker the router announces, once and in the background, so
+that the first request from a prefill worker does not pay for it (a first pull without it stalls a decode step;
+figures in docs/notes/transport-seam.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import structlog
 import torch
 
 from deltamesh.transfer import DescriptorError, StatePuller, TransferError
-from deltamesh.v1 import common_pb2, control_pb2
+from deltamesh.v1 import common_pb2
 
 log = structlog.get_logger("deltamesh.decode")
 
@@ -19,25 +18,14 @@ log = structlog.get_logger("deltamesh.decode")
 class PeerWarmer:
     def __init__(self, puller: StatePuller, device: torch.device, timeout_s: float):
         self.puller, self.device, self.timeout_s = puller, device, timeout_s
-        self._seen: set[bytes] = set()  # the descriptor of every peer warmed or being warmed
         self._tasks: set[asyncio.Task] = set()
 
-    def on_registered(self, reply: control_pb2.RegisterWorkerResponse) -> None:
-        """Runs in the registration heartbeat: starts a warm-up for each peer not seen yet, never waits for one."""
-        for peer in reply.prefill_transports:
-            key = peer.SerializeToString(deterministic=True)
-            if key in self._seen:
-                continue
-            self._seen.add(key)  # a failed warm-up is not retried: the first pull sets the transport up anyway
-            try:
-                if not self.puller.announce(peer):
-                    continue  # names another worker's memory: nothing from it is pulled or warmed up
-            except DescriptorError as e:
-                log.warning("side channel announcement unreadable", error=str(e))
-                continue
-            task = asyncio.get_running_loop().create_task(self._warm(peer))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def warm(self, peer: common_pb2.TransportDescriptor) -> None:
+        """Starts a warm-up towards a newly announced holder (PullerSide.on_announced); never waits for it. A failed
+        warm-up is not retried: the first pull sets the transport up anyway."""
+        task = asyncio.get_running_loop().create_task(self._warm(peer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _warm(self, peer: common_pb2.TransportDescriptor) -> None:
         try:

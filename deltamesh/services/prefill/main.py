@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from deltamesh.services.common.settings import WorkerSettings
+from deltamesh.services.common.state_exchange import HolderSide, PullerSide
 from deltamesh.services.common.worker import Role, Worker, serve_worker
-from deltamesh.services.prefill.reverse_pull import ReversePuller
-from deltamesh.services.prefill.servicer import PrefillServicer, expire_leases
-from deltamesh.transfer import LeaseTable, Transport
+from deltamesh.services.prefill.servicer import PrefillServicer
+from deltamesh.transfer import Transport
 from deltamesh.v1 import prefill_pb2, prefill_pb2_grpc
 
 
@@ -17,30 +17,26 @@ class PrefillRole(Role):
     the conversation prefixes decode workers offer (the reverse direction) before computing the rest."""
 
     def __init__(self, worker: Worker, transport: Transport):
-        self.leases = LeaseTable(capacity=worker.engine.num_state_slots)  # a lease holds a state slot
-        self.holder = transport.holder(self.leases)
-        if worker.engine.rank_memory:  # a parallel engine's states held on its other ranks stay there
-            self.holder.add_ranks(worker.engine.rank_memory)
-        self.puller = transport.puller(settle_grace_s=worker.settings.transfer_timeout_s)
-        self.servicer = PrefillServicer(worker, self.leases, self.holder, ReversePuller(worker, self.puller))
+        self.holding = HolderSide(worker, transport)
+        self.leases = self.holding.leases
+        self.pulling = PullerSide(worker, transport.puller(settle_grace_s=worker.settings.transfer_timeout_s))
+        self.servicer = PrefillServicer(worker, self.holding, self.pulling)
+        self.engine = worker.engine
 
     def services(self) -> list[tuple]:
         name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         return [(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer, name)]
 
-    def transport_descriptor(self):
-        return self.servicer.transport_descriptor()
-
     async def on_start(self) -> None:
-        await self.holder.start()
-        await self.puller.start()
+        await self.holding.start(self.engine.pool_buffers())  # what decode workers warm their reads up with
+        await self.pulling.puller.start()
 
     async def on_stop(self) -> None:
-        await self.puller.close()
-        await self.holder.stop()
+        await self.pulling.puller.close()
+        await self.holding.stop()
 
     def background(self, stop: asyncio.Event) -> list:
-        return [expire_leases(self.leases, stop)]
+        return [self.holding.expire_forever(stop)]
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:

@@ -19,17 +19,12 @@ class ControlServicer(control_pb2_grpc.MeshControlServicer):
 
     async def RegisterWorker(self, request: control_pb2.RegisterWorkerRequest, context):
         try:
-            worker = self.registry.add(request.address, request.role, static=False, compat_hash=request.compat_hash)
+            self.registry.add(request.address, request.role, static=False, compat_hash=request.compat_hash)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.model and request.model != self.model_id:
             log.warning("worker serves another model", address=request.address, model=request.model)
-        worker.transport = request.transport if request.HasField("transport") else None
-        reply = control_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
-        if request.role == "decode":
-            peers = self.registry.healthy("prefill")
-            reply.prefill_transports.extend(w.transport for w in peers if w.transport is not None)
-        return reply
+        return control_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000))
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:
         return common_pb2.GetLoadsResponse(workers=self.registry.loads())

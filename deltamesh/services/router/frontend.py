@@ -12,28 +12,56 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from deltamesh.engine import EngineConfig, RequestError, SamplingParams, validate_request
 from deltamesh.engine.config import ModelConfig
-from deltamesh.engine.sampling import check_text
+from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.tokenizer import TemplateError, Tokenizer
+from deltamesh.protocol.requests import RequestError, validate_request
+from deltamesh.protocol.sampling import SamplingParams, check_text
 from deltamesh.services.common.settings import RequestLimits
 from deltamesh.services.router.limits import InvalidParam, check_count, check_roles, check_stop
 
 T = TypeVar("T")
-# SamplingParams fields checked one by one, so that an error names its parameter (stop strings and stop token ids
-# have checks of their own below)
-_SCALAR_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
+# SamplingParams fields checked one by one, so that an error names its parameter: each with the fields its rule
+# reads besides its own (stop strings have a check of their own below)
+_CHECKED_ALONE = {
+    "max_tokens": (),
+    "temperature": (),
+    "top_p": (),
+    "top_k": (),
+    "min_p": (),
+    "seed": (),
+    "logprobs": (),
+    "stop_token_ids": (),
+    "repetition_penalty": (),
+    "presence_penalty": (),
+    "frequency_penalty": (),
+    "logit_bias": (),
+    "min_tokens": ("max_tokens",),
+    "structured_outputs": (),  # its shape; whether it parses is the worker's check
+}
 # Tokenising is CPU work and the tokenizer's batch encode already spreads one request over the cores; two
 # threads let a small request pass a big one without letting many requests crowd out the event loop's core.
 TOKENIZER_THREADS = 2
 
 
 class Frontend:
-    def __init__(self, model_dir: str, max_model_len: int | None = None, limits: RequestLimits | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        max_model_len: int | None = None,
+        limits: RequestLimits | None = None,
+        served_model_names: list[str] | None = None,
+    ):
         path = Path(model_dir)
         self.model_config = ModelConfig.from_dir(path)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
-        self.model_id = path.name
+        self.checkpoint_name = path.name  # what the workers register as serving
+        # the names a request may give (the first is the model's id in the model list); its checkpoint path too, as
+        # vLLM takes it (as given and resolved)
+        self.served_model_names = list(served_model_names or [path.name])
+        self.model_id = self.served_model_names[0]
+        self.model_path = model_dir
+        self._names = {*self.served_model_names, model_dir, str(path.resolve())}
         self.max_model_len = EngineConfig(max_model_len=max_model_len).resolved_max_model_len(
             self.model_config.max_position_embeddings
         )
@@ -42,6 +70,10 @@ class Frontend:
         # it holds: refuse it without tokenising it.
         self.max_text_chars = self.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer else 1)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for `model` is for this model (none named: the served one, as vLLM takes it)."""
+        return not model or model in self._names
 
     @property
     def vocab_size(self) -> int:
@@ -87,16 +119,12 @@ class Frontend:
 
     def check_sampling(self, params: SamplingParams) -> None:
         """The sampling parameters, each refused under its own name; on the loop (bounded work)."""
-        for name in _SCALAR_SAMPLING:
-            self._check_field(name, **{name: getattr(params, name)})
         check_stop(params.stop)
-        self._check_field("stop_token_ids", stop_token_ids=params.stop_token_ids)
-
-    def _check_field(self, param: str, **value) -> None:
-        try:  # the engine's own rule for the field, on its own
-            SamplingParams(**value).validate(self.vocab_size)
-        except ValueError as e:
-            raise InvalidParam(param, str(e)) from None
+        for name, also in _CHECKED_ALONE.items():
+            try:  # the engine's own rule for the field, on its own
+                SamplingParams(**{f: getattr(params, f) for f in (name, *also)}).validate(self.vocab_size)
+            except ValueError as e:
+                raise InvalidParam(name, str(e)) from None
 
     # ---- tokenising: call through off_loop ------------------------------------------------------------
     def _need_tokenizer(self) -> Tokenizer:

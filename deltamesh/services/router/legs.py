@@ -135,7 +135,7 @@ class Legs:
             except asyncio.CancelledError:
                 # an answer on its way is lost with the call (client gone, or an abort): end the lease it may
                 # carry, whose token we chose
-                self.release_later(w, prefill_pb2.Lease(lease_id=req.request_id, token=req.lease_token))
+                self.release_later(w, common_pb2.Lease(lease_id=req.request_id, token=req.lease_token))
                 if _own_task_cancelled():
                     raise
                 raise _cancelled_call(inflight, "prefill", w) from None
@@ -166,9 +166,17 @@ class Legs:
             yield delta
 
     async def decode(
-        self, req: decode_pb2.DecodeRequest, role: str, inflight: Inflight, first_choice: WorkerHandle | None = None
+        self,
+        req: decode_pb2.DecodeRequest,
+        role: str,
+        inflight: Inflight,
+        first_choice: WorkerHandle | None = None,
+        holder: WorkerHandle | None = None,
     ):
+        """`holder`: the prefill worker holding the state `req.source` leases, asked whether the lease lives before
+        another decode worker retries a failed pull."""
         tried: set[str] = set()
+        worker_failed = False  # a decode worker failed (not only a pull): the request's state may be used up
         while True:
             w = first_choice if first_choice is not None and not tried else self.pick(role, tried, req.prompt_token_ids)
             inflight.worker = w
@@ -195,21 +203,29 @@ class Legs:
                     if self.pd is not None:
                         self.pd.forget(w.address)
                     tried.add(w.address)
+                    worker_failed = True
                     if not streamed and len(tried) <= 1:
                         metrics.RETRIES.labels(role).inc()
                         log.warning("retrying decode on another worker", failed=w.address)
                         continue
+                if e.code() == grpc.StatusCode.ABORTED and req.HasField("source") and not inflight.aborted:
+                    # the pull failed (the prefill worker unreachable from there, its deadline, the lease refused):
+                    # the transfer's failure, not the decode worker's, which stays in routing
+                    log.warning("state transfer failed", worker=w.address, details=e.details())
+                    tried.add(w.address)
+                    if len(tried) <= 1 and await self._another_may_pull(role, tried, holder, req.source.lease):
+                        metrics.RETRIES.labels(role).inc()
+                        log.warning("retrying the state transfer on another decode worker", failed=w.address)
+                        continue
+                    raise MeshError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "a decode worker failed and the retry could not take over the request's state; retry it"
+                        if worker_failed
+                        else "the request's state could not be moved from its prefill worker to a decode worker "
+                        "(state transfer failed); retry it",
+                    ) from None
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and req.max_uncached_tokens and not streamed:
                     raise NotHeld() from None
-                if tried and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    # the failed worker may have pulled (used up) the lease before dying: a worker fault
-                    raise _worker_failure(
-                        grpc.StatusCode.UNAVAILABLE,
-                        role,
-                        w,
-                        e.details(),
-                        "a decode worker failed and the retry could not take over the request's state; retry it",
-                    ) from None
                 raise _leg_error(e, role, w) from None
             finally:
                 w.inflight -= 1
@@ -217,16 +233,34 @@ class Legs:
                 if not finished:
                     call.cancel()  # the client left or the stream broke: stop the worker's request
 
+    async def _another_may_pull(
+        self, role: str, tried: set[str], holder: WorkerHandle | None, lease: common_pb2.Lease
+    ) -> bool:
+        """Whether another decode worker can try the pull: one is healthy, and the prefill worker still holds the
+        state (asked with the lease's token, which extends the lease by its TTL for the retry)."""
+        if holder is None or not any(w.address not in tried for w in self.registry.healthy(role)):
+            return False
+        try:
+            reply = await holder.stub.ExtendLease(
+                common_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token),
+                metadata=self.registry.call_metadata(),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError as e:
+            log.info("lease not extended for a retry", worker=holder.address, code=e.code().name)
+            return False
+        return reply.ok
+
     def _in_background(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def release_later(self, w: WorkerHandle, lease: prefill_pb2.Lease) -> None:
+    def release_later(self, w: WorkerHandle, lease: common_pb2.Lease) -> None:
         async def release() -> None:
             try:
                 await w.stub.ReleaseLease(
-                    prefill_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token),
+                    common_pb2.LeaseRequest(lease_id=lease.lease_id, token=lease.token),
                     metadata=self.registry.call_metadata(),
                     timeout=5,
                 )

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, get_args
 
-from deltamesh.engine import RequestError
-from deltamesh.engine.sampling import MAX_STOP_STRINGS, check_stop_strings
+from deltamesh.protocol.requests import RequestError
+from deltamesh.protocol.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, check_stop_strings
 from deltamesh.services.common.logs import request_id_problem
 
 # Stop strings travel with every worker call of each of a request's choices and are searched for in every new
@@ -60,6 +60,11 @@ def check_stop(stop: Sequence[str]) -> None:
     total = sum(len(s.encode()) for s in stop)
     if total > MAX_STOP_BYTES:
         raise InvalidParam("stop", f"the stop strings take {total} bytes (UTF-8) together; at most {MAX_STOP_BYTES}")
+
+
+def check_logit_bias_count(n: int) -> None:
+    """Before a logit_bias is copied out of the request (its entries' values: the engine's rule)."""
+    check_count(n, MAX_LOGIT_BIAS, "logit_bias entries", "logit_bias")
 
 
 def check_roles(roles: Sequence[str]) -> None:

@@ -11,6 +11,7 @@ from deltamesh.services.common.auth import api_key_interceptor, mesh_interceptor
 from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.server import GrpcServer
 from deltamesh.services.common.settings import RouterSettings
+from deltamesh.services.router.admission import AdmissionLimits
 from deltamesh.services.router.control import ControlServicer
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway import Gateway, start_gateway
@@ -27,7 +28,7 @@ log = structlog.get_logger("deltamesh.router")
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
-    frontend = Frontend(settings.model, settings.max_model_len, settings.limits)
+    frontend = Frontend(settings.model, settings.max_model_len, settings.limits, settings.served_model_name)
     secret = settings.mesh_secret.get_secret_value()
     registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, secret, settings.tls)
     for role in ("prefill", "decode", "colocated"):
@@ -36,7 +37,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     register_worker_gauge(registry)
     pd = PdDecider(settings.pd_direct_max_tokens, settings.page_size) if settings.pd_direct_max_tokens else None
     policy = make_policy(settings.policy, settings.page_size)
-    mesh = Mesh(registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd)
+    admission = AdmissionLimits(settings.max_queued_requests, settings.page_size, frontend.max_model_len)
+    mesh = Mesh(
+        registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd, admission
+    )
     # Two listeners: the client API (the API key, when set) and the control plane (the mesh secret)
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
     client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh), name)]
@@ -50,7 +54,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         max_request_bytes=MAX_REQUEST_BYTES,  # REST's body cap: one limit on both edges
     )
     name = control_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name
-    control_servicer = ControlServicer(registry, frontend.model_id)
+    control_servicer = ControlServicer(registry, frontend.checkpoint_name)
     control_api = [(control_pb2_grpc.add_MeshControlServicer_to_server, control_servicer, name)]
     control = GrpcServer(
         settings.host, settings.control_port, control_api, settings.tls, interceptors=(mesh_interceptor(secret),)
@@ -71,7 +75,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         grpc=server.address,
         control=control.address,
         http=settings.http_port,
-        model=frontend.model_id,
+        model=frontend.served_model_names,
         policy=settings.policy,
     )
     write_line(sys.stdout, f"DELTAMESH_READY router {server.address}")

@@ -1,5 +1,6 @@
 """Runs one request through the mesh: prefill on one worker, decode on another, with the hybrid state
 moving between them over the workers' transport under a lease. Shared by the gRPC front door and the REST gateway.
+Before its prefill a request waits for room on a decode worker, which it keeps to its end (admission.py).
 
 Failure rules: a prefill worker found unavailable is replaced (up to `prefill_retries` times); a decode
 worker found unavailable before it streamed anything is replaced too; any other failure of either leg ends
@@ -19,9 +20,10 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from deltamesh.engine import SamplingParams
+from deltamesh.protocol.sampling import SamplingParams
 from deltamesh.services.common.convert import sampling_to_proto
 from deltamesh.services.router import metrics
+from deltamesh.services.router.admission import Admission, AdmissionLimits, Ticket
 from deltamesh.services.router.legs import Inflight, Legs, MeshError, NotHeld
 from deltamesh.services.router.pd_decider import PdDecider
 from deltamesh.services.router.policies import Policy
@@ -40,12 +42,24 @@ class Mesh:
         timeout_s: float = 600.0,
         ready_timeout_s: float = 10.0,
         pd: PdDecider | None = None,
+        admission: AdmissionLimits | None = None,
     ):
         """`ready_timeout_s`: how long a request waits for the mesh to have workers (just started, or all
-        restarting) before it fails as UNAVAILABLE. `pd`: which requests skip the prefill worker (None: none)."""
+        restarting) before it fails as UNAVAILABLE. `pd`: which requests skip the prefill worker (None: none).
+        `admission`: the router's admission queue (default: AdmissionLimits()); a request waits in it at most
+        `timeout_s`, the deadline of a worker call."""
         self.registry, self.pd = registry, pd
         self.ready_timeout_s = ready_timeout_s
         self.legs = Legs(registry, policy, pd, prefill_retries, timeout_s)
+        limits = admission or AdmissionLimits()
+        self.admission = Admission(
+            registry,
+            lambda workers: policy.pick(workers, ()),  # as a decode pick always was: no prompt, by load
+            limits.max_queued,
+            timeout_s,
+            limits.page_size,
+            limits.max_model_len,
+        )
         self._inflight: dict[str, Inflight] = {}
 
     @property
@@ -117,9 +131,10 @@ class Mesh:
             raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
         inflight = self._inflight[request_id] = Inflight(owner)
         sampling, stop = sampling_to_proto(params)
+        ticket = None
         try:
             await self._until_ready()
-            if self.colocated:
+            if self.colocated:  # a colocated worker queues what it has no room for in its own engine
                 req = decode_pb2.DecodeRequest(
                     request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop
                 )
@@ -127,7 +142,9 @@ class Mesh:
                     yield delta
                 return
             direct = self.pd.direct(self.registry.healthy("decode"), prompt_ids) if self.pd else None
-            if direct is not None:  # the decode worker holds the conversation: it prefills the new message itself
+            # room on a decode worker, held from before the prefill to the end (None: the holder went away)
+            ticket = await self.admission.admit(len(prompt_ids), params.max_tokens, direct)
+            if direct is not None and ticket is not None:  # it holds the conversation: it prefills the new message
                 req = decode_pb2.DecodeRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt_ids,
@@ -137,54 +154,62 @@ class Mesh:
                 )
                 try:
                     async for delta in self.legs.remembered(
-                        self.legs.decode(req, "decode", inflight, direct), prompt_ids, inflight
+                        self.legs.decode(req, "decode", inflight, ticket.worker), prompt_ids, inflight
                     ):
                         yield delta
                     return
                 except NotHeld:  # its cache no longer holds the conversation: through a prefill worker after all
                     self.pd.refused()
-            # the lease's token is ours from the start: a request that goes away while its prefill answer is on the
-            # wire can still end the lease it will never see
-            prefill_req = prefill_pb2.PrefillRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_ids,
-                sampling=sampling,
-                stop=stop,
-                lease_token=secrets.token_bytes(16),
-            )
-            offer = await self.legs.offer_prefix(prompt_ids) if self.pd is not None else None
-            if offer is not None:
-                prefill_req.prefix.CopyFrom(offer[1])
-            try:
-                first, pw = await self.legs.prefill(prefill_req, inflight)
-            finally:  # a no-op once the prefill worker pulled it; else the decode worker's pages are free at once
-                if offer is not None:
-                    self.legs.release_later(offer[0], offer[1].lease)
-            try:
-                yield first.first
-                if first.first.finished:
-                    return
-                source = decode_pb2.TransferSource(  # the transport descriptor goes on unread
-                    lease=first.lease,
-                    transport=first.transport,
-                    layout=first.layout,
-                    first_token_id=first.first.token_ids[0],
-                )
-                req = decode_pb2.DecodeRequest(
-                    request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
-                )
-                deltas = self.legs.decode(req, "decode", inflight)
-                if self.pd is not None:
-                    deltas = self.legs.remembered(deltas, prompt_ids, inflight, first.first)
-                async for delta in deltas:
-                    yield delta
-            finally:  # never let the lease outlive the request (a no-op once decode pulled the state)
-                if first.HasField("lease"):
-                    self.legs.release_later(pw, first.lease)
+            if ticket is None:
+                ticket = await self.admission.admit(len(prompt_ids), params.max_tokens)
+            async for delta in self._through_prefill(request_id, prompt_ids, sampling, stop, inflight, ticket):
+                yield delta
         except MeshError as e:
             if not inflight.aborted:
                 raise
             log.info("aborted", request_id=request_id, during=e.message)
             yield common_pb2.TokenDelta(finished=True, finish_reason=common_pb2.FINISH_REASON_ABORT)
         finally:
+            self.admission.release(ticket)
             del self._inflight[request_id]
+
+    async def _through_prefill(self, request_id, prompt_ids, sampling, stop, inflight: Inflight, ticket: Ticket):
+        """Prefill on a prefill worker, then decode on the ticket's decode worker, the state pulled between them."""
+        # the lease's token is ours from the start: a request that goes away while its prefill answer is on the
+        # wire can still end the lease it will never see
+        prefill_req = prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            stop=stop,
+            lease_token=secrets.token_bytes(16),
+        )
+        offer = await self.legs.offer_prefix(prompt_ids) if self.pd is not None else None
+        if offer is not None:
+            prefill_req.prefix.CopyFrom(offer[1])
+        try:
+            first, pw = await self.legs.prefill(prefill_req, inflight)
+        finally:  # a no-op once the prefill worker pulled it; else the decode worker's pages are free at once
+            if offer is not None:
+                self.legs.release_later(offer[0], offer[1].lease)
+        try:
+            yield first.first
+            if first.first.finished:
+                return
+            source = decode_pb2.TransferSource(  # the transport descriptor goes on unread
+                lease=first.lease,
+                transport=first.transport,
+                layout=first.layout,
+                first_token_id=first.first.token_ids[0],
+            )
+            req = decode_pb2.DecodeRequest(
+                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, stop=stop, source=source
+            )
+            deltas = self.legs.decode(req, "decode", inflight, ticket.worker, holder=pw)
+            if self.pd is not None:
+                deltas = self.legs.remembered(deltas, prompt_ids, inflight, first.first)
+            async for delta in deltas:
+                yield delta
+        finally:  # never let the lease outlive the request (a no-op once decode pulled the state)
+            if first.HasField("lease"):
+                self.legs.release_later(pw, first.lease)

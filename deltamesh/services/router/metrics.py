@@ -36,6 +36,22 @@ PD_DECISIONS = Counter(
     ["path"],
 )
 
+# router/admission.py: requests waiting at the router for a decode worker with room
+QUEUE_LENGTH = Gauge("deltamesh_router_requests_waiting", "Requests waiting in the router's admission queue")
+QUEUE_TIME = Histogram(
+    "deltamesh_router_request_queue_time_seconds",
+    "Per admitted request: time in the router's admission queue (0 when a decode worker had room at once)",
+    buckets=(0, *_LATENCY),
+)
+ADMITTED = Gauge(
+    "deltamesh_router_requests_admitted", "Requests holding room on a decode worker (prefilling or decoding)"
+)
+ADMISSION_REJECTED = Counter(
+    "deltamesh_router_admission_rejected",
+    "Requests refused by admission: queue_full (--max-queued-requests) or timeout (no room in time)",
+    ["reason"],
+)
+
 
 class RequestTimer:
     """Observes one request's latency figures as its deltas pass by."""

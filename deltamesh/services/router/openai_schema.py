@@ -8,10 +8,13 @@ parses."""
 
 from __future__ import annotations
 
+import json
 from contextvars import ContextVar
+from functools import cached_property
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -22,14 +25,17 @@ from pydantic import (
     model_validator,
 )
 
-from deltamesh.engine.sampling import MAX_STOP_STRINGS
+from deltamesh.protocol.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
+from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.services.common.settings import RequestLimits
-from deltamesh.services.router.limits import ChatRole, check_count
+from deltamesh.services.router.limits import ChatRole, InvalidParam, check_count, check_logit_bias_count
 
 MAX_N = 16
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # integer bounds of the wire types (common.proto)
 # Token ids must be JSON integers: strict, so that true/false and 2.0 are refused rather than read as 1 and 2.
 TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
+# A token a grammar masks has logprob -inf, which JSON cannot carry: floored at vLLM's -9999.0, as vLLM reports it.
+Logprob = Annotated[float, AfterValidator(lambda v: max(v, -9999.0))]
 
 # The serving router's limits, set for each request by the gateway's middleware. They are checked on the raw
 # JSON before pydantic validates it: validating a huge list would itself hold the event loop.
@@ -70,10 +76,107 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="A JSON schema (required here)")
+    strict: bool | None = Field(None, description="The output always follows the schema, strict or not")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema."""
+
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's structured_outputs extension: exactly one of json (a schema, as an object or JSON text), regex,
+    choice, grammar (EBNF, xgrammar's dialect), json_object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    # vLLM's options that change nothing here: one backend (no fallback), and xgrammar already refuses properties
+    # a schema does not name
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = Field(None, description="Not supported (xgrammar has no whitespace pattern)")
+    structural_tag: str | None = Field(None, description="Not supported")
+
+
+# vLLM's names from before structured_outputs, removed in its 0.12: a client that still sends one is told the new one
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+    "guided_decoding_backend": None,
+}
+
+
+def _structured(body: _Sampling) -> StructuredOutputs | None:
+    """What response_format or structured_outputs asks of the output; InvalidParam naming the one that is wrong."""
+    fmt, so = body.response_format, body.structured_outputs
+    constrained = fmt is not None and fmt.type != "text"
+    if constrained and so is not None:
+        raise InvalidParam("structured_outputs", "set response_format or structured_outputs, not both")
+    if constrained:
+        if fmt.type == "json_object":
+            spec = StructuredOutputs(json_object=True)
+        elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidParam("response_format", "response_format json_schema needs json_schema.schema")
+        else:
+            spec = StructuredOutputs(json=fmt.json_schema.schema_)
+        return _checked(spec, "response_format")
+    if so is None:
+        return None
+    for name in ("whitespace_pattern", "structural_tag"):
+        if getattr(so, name) is not None:
+            raise InvalidParam("structured_outputs", f"structured_outputs.{name} is not supported")
+    schema = so.json_
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError) as e:
+            raise InvalidParam("structured_outputs", f"structured_outputs.json is not valid JSON: {e}") from None
+    spec = StructuredOutputs(
+        json=schema,
+        json_object=bool(so.json_object),
+        regex=so.regex,
+        choice=so.choice,
+        grammar=so.grammar,
+        disable_any_whitespace=so.disable_any_whitespace,
+    )
+    return _checked(spec, "structured_outputs")
+
+
+def _checked(spec: StructuredOutputs, param: str) -> StructuredOutputs:
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise InvalidParam(param, f"{param}: {e}") from None
+    return spec
+
+
+class _Sampling(BaseModel):
+    """The sampling parameters both endpoints take. None (or null) is SamplingParams' default
+    (deltamesh/protocol/sampling.py), which the gateway fills in; bounds the schema states are the engine's rule,
+    whose message a bad value gets (errors.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="One of the served model names; omitted: the first (as vLLM)")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -83,15 +186,30 @@ class _Sampling(BaseModel):
     seed: StrictInt | None = Field(
         None, ge=0, le=UINT64_MAX, description="makes sampling reproducible; choice i of n uses seed + i (mod 2**64)"
     )
-    presence_penalty: float | None = Field(None, description="Only 0 is supported")
-    frequency_penalty: float | None = Field(None, description="Only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Over the generated tokens")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Over the generated tokens")
+    logit_bias: dict[int, float] | None = Field(
+        None, description=f"Token id -> bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS} entries"
+    )
     user: str | None = None
-    # extensions (vLLM-style)
-    top_k: StrictInt | None = Field(None, ge=0, le=UINT32_MAX)
+    # vLLM's extensions, with vLLM's meanings
+    top_k: StrictInt | None = Field(None, ge=-1, le=UINT32_MAX, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0, le=1)
-    ignore_eos: bool = False
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="Over the prompt and generated tokens (transformers' definition); 1: off"
+    )
+    min_tokens: StrictInt | None = Field(
+        None, ge=0, le=UINT32_MAX, description="No end-of-sequence, stop token or stop string before this many"
+    )
+    ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = Field(
+        None, description="Accepted; as in vLLM it changes nothing with a fast tokenizer (the only kind served here)"
+    )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
 
     @model_validator(mode="before")
     @classmethod
@@ -107,8 +225,26 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _few_enough_stop_strings(cls, data):
+    def _no_guided_names(cls, data):
+        for name in data if isinstance(data, dict) else ():
+            if name in _GUIDED:
+                new = _GUIDED[name]
+                advice = f'use structured_outputs: {{"{new}": ...}}' if new else "leave it out"
+                raise InvalidParam(name, f"{name} is vLLM's name from before 0.12, which removed it: {advice}")
+        return data
+
+    @cached_property
+    def structured(self) -> StructuredOutputs | None:
+        """What the output must follow (response_format, structured_outputs), checked once for all choices."""
+        return _structured(self)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_stop_strings_and_biases(cls, data):
         _check_count(data, "stop", MAX_STOP_STRINGS, "stop strings")
+        bias = data.get("logit_bias") if isinstance(data, dict) else None
+        if isinstance(bias, dict):
+            check_logit_bias_count(len(bias))
         return data
 
     def stop_list(self) -> list[str]:
@@ -119,7 +255,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: StrictInt | None = Field(16, ge=1, le=UINT32_MAX)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX, description=f"default {SamplingParams.max_tokens}")
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     echo: bool = Field(False, description="Not supported (must be false)")
     suffix: str | None = Field(None, description="Not supported")
@@ -165,7 +301,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict] | None = Field(None, description="Not supported")
     tool_choice: Literal["none", "auto"] | None = Field(None, description="Without tools, none and auto are alike")
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = Field(None, description="Only {'type': 'text'}")
     # OpenAI parameters about the service, not the output: accepted and not used
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -188,8 +323,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[Logprob]
+    top_logprobs: list[dict[str, Logprob]] | None
     text_offset: list[int]
 
 
@@ -211,7 +346,7 @@ class Completion(BaseModel):
 
 class TopLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: Logprob
     bytes: list[int] | None
 
 
@@ -279,6 +414,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "deltamesh"
+    root: str  # the checkpoint it serves, as vLLM's model card has it (vllm bench serve reads it)
+    parent: str | None = None
     max_model_len: int
 
 

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from deltamesh.engine.prefix_cache import block_key
+from deltamesh.protocol.blocks import block_key
 from deltamesh.services.router import metrics
 from deltamesh.services.router.registry import WorkerHandle
 
@@ -26,7 +26,7 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """Fewest requests in flight (what the router has sent and not seen end, plus what the worker last
+    """Fewest requests in flight (what the router has sent or admitted and not seen end, plus what the worker last
     reported queued), then the lowest KV-page use."""
 
     def pick(self, candidates: list[WorkerHandle], prompt_ids: Sequence[int] = ()) -> WorkerHandle:
@@ -37,7 +37,8 @@ def _load_score(w: WorkerHandle):
     load = w.load
     queued = load.waiting if load else 0
     kv = load.kv_pages_used / load.kv_pages_total if load and load.kv_pages_total else 0.0
-    return (w.inflight + queued, kv, w.address)
+    # a decode worker's admitted requests include those still prefilling elsewhere: bound here, not yet sent
+    return (max(w.inflight, w.admitted) + queued, kv, w.address)
 
 
 class SentBlocks:

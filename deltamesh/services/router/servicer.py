@@ -11,11 +11,11 @@ import uuid
 import grpc
 import structlog
 
-from deltamesh.engine import RequestError
+from deltamesh.protocol.requests import RequestError
 from deltamesh.services.common.convert import sampling_from_proto
 from deltamesh.services.common.logs import bind_request, request_id_from, request_id_problem
 from deltamesh.services.router.frontend import Frontend
-from deltamesh.services.router.limits import check_count, check_request_id, check_stop
+from deltamesh.services.router.limits import check_count, check_logit_bias_count, check_request_id, check_stop
 from deltamesh.services.router.mesh import Mesh, MeshError
 from deltamesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -81,12 +81,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:  # the id first: it goes into log lines and metadata; then the cheap checks, then the prompt
             check_request_id(rid)
             bind_request(rid)
-            if request.model and request.model != self.frontend.model_id:
+            if not self.frontend.serves(request.model):
                 await context.abort(
                     grpc.StatusCode.NOT_FOUND,
                     f"model {request.model[:200]!r} is not served here (serving {self.frontend.model_id!r})",
                 )
             check_stop(request.stop.stop)  # before the strings are copied out of the message
+            check_logit_bias_count(len(request.sampling.logit_bias))
             params = sampling_from_proto(request.sampling, request.stop)
             self.frontend.check_sampling(params)
             prompt_ids = await self._prompt_ids(request)
@@ -121,5 +122,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:
         f = self.frontend
         return router_pb2.ListModelsResponse(
-            models=[router_pb2.Model(id=f.model_id, max_model_len=f.max_model_len, vocab_size=f.vocab_size)]
+            models=[
+                router_pb2.Model(
+                    id=f.model_id, max_model_len=f.max_model_len, vocab_size=f.vocab_size, root=f.model_path
+                )
+            ]
         )

@@ -93,7 +93,8 @@ def holder_descriptor(address: bytes, pools: Sequence[RemoteRegion], words: Remo
         peer_addresses=peers,
         pool_peers=pool_peers,
     )
-    return TransportDescriptor(kind=KIND, version=VERSION, payload=payload.SerializeToString())
+    endpoints = [address, *peers]  # what the router compares between workers, unread
+    return TransportDescriptor(kind=KIND, version=VERSION, payload=payload.SerializeToString(), endpoints=endpoints)
 
 
 def _workers(address: bytes, peers: Sequence[bytes], index: Sequence[int], count: int) -> list[bytes]:
@@ -154,6 +155,9 @@ def read_announced(descriptor: TransportDescriptor) -> AnnouncedHolder:
     d = _parse(descriptor, ucx_pb2.UcxHolderDescriptor)
     if not d.worker_address or not all(d.peer_addresses):
         raise DescriptorError("ucx holder descriptor: the holder's and every peer's worker address are needed")
+    if set(descriptor.endpoints) != {d.worker_address, *d.peer_addresses}:
+        # the router keeps two workers from claiming one endpoint by these: they must be what the payload names
+        raise DescriptorError("ucx holder descriptor: its endpoints are not the worker addresses it names")
     words = None
     if d.lease_words_bytes and d.lease_words_rkey:
         words = RemoteRegion(d.lease_words_bytes, d.lease_words_address, d.lease_words_rkey, d.worker_address)

@@ -3,25 +3,24 @@ memory it vouches for.
 
 A pull's check (the lease word, read after the data: deltamesh/transfer/leases.py) proves the bytes were the lease's
 only if the word is the one their holder zeroes before it frees them. A lease descriptor names where the word is and
-which worker holds each region; without a rule, a caller holding the mesh secret could hand a decode worker a
-descriptor naming another request's regions in a prefill worker (as that holder's "peer") and a word in memory of
-its own, set to the value that matches, and have that state decoded for it. So, before any byte moves
-(`KnownHolders.check`):
+which worker holds each region; without a rule, a caller holding the mesh secret could hand a puller a descriptor
+naming another request's regions in a holder (as that holder's "peer") and a word in memory of its own, set to the
+value that matches, and have that state decoded for it. So, before any byte moves (`KnownHolders.check`):
 
-- every region is in the holder's own worker (the one its word is read from) or in a worker announced as one of
-  its ranks (UcxHolderDescriptor.peer_addresses, from the holder's registration with the router);
-- where the holder was announced, its word is one of the lease words it announced (address, alignment, key).
+- the holder (the worker its word is read from) was announced by the control plane: the router announces every
+  worker that holds state (prefill workers to decode workers, decode workers' prefix offers to prefill workers),
+  static or registered;
+- every region is in the holder's own worker or in a worker it announced as one of its ranks
+  (UcxHolderDescriptor.peer_addresses);
+- its word is one of the lease words the holder announced (address, alignment, key).
 
 A worker address belongs to the first holder announced with it: a later announcement naming it again, as its own
-or as a rank (someone registering a "worker" whose ranks are another worker's), is refused. The addresses are
-UCX's, made when a process starts, so no one can name one before its owner registers it. A pull whose holder names
-ranks but was not announced yet waits briefly for the announcement (UcxPuller.pull), then is refused.
-
-Not covered (docs/RELIABILITY.md, threat model): a holder that was never announced (a prefill worker given to the
-router with --prefill, the decode workers' prefix offers to prefill workers) may name no ranks, and its word is read
-from its own memory but not checked against its lease words, which the puller does not know; and since only prefill
-workers are announced (to decode workers), a caller holding the mesh secret can register a "prefill worker" that
-names such a never-announced worker (a decode worker whose offers it has seen) as its rank.
+or as a rank (someone posing as a "worker" whose ranks are another worker's), is refused here, and the router
+already refuses to announce a worker whose description names another's (TransportDescriptor.endpoints). The
+addresses are UCX's, made when a process starts, so no one can name one before its owner runs. A source whose
+holder was not announced yet is let through `source()` when it names no announced worker's memory, and its pull
+waits briefly for the announcement (UcxPuller.pull), then is refused: the router announces a new worker at its next
+load poll, which may come after a request was routed to it.
 """
 
 from __future__ import annotations
@@ -66,19 +65,29 @@ class KnownHolders:
         return True
 
     def check(self, source: UcxSource, final: bool = True) -> None:
-        """Raise DescriptorError unless `source`'s regions and word are where its holder keeps leased memory.
-        `final` False: a holder not announced yet may name workers no one announced (see `awaits_announcement`)."""
+        """Raise DescriptorError unless `source`'s holder was announced and its regions and word are where that
+        holder keeps leased memory. `final` False: a holder not announced yet passes if it names no announced
+        worker's memory (see `awaits_announcement`)."""
         holder = self._holders.get(source.address)
-        ranks = holder.ranks if holder is not None else frozenset()
-        strangers = {r.worker for r in source.regions} - {source.address, *ranks}
-        if strangers and (final or holder is not None or strangers & self._owner.keys()):
+        if holder is None:
+            if {source.address, *(r.worker for r in source.regions)} & self._owner.keys():
+                raise DescriptorError(
+                    "ucx descriptor: it names regions in a worker that was not announced as a rank of the holder "
+                    "whose lease word vouches for them"
+                )
+            if final:
+                raise DescriptorError(
+                    "ucx descriptor: its holder was not announced by the control plane (a worker this one pulls from)"
+                )
+            return
+        if {r.worker for r in source.regions} - {source.address, *holder.ranks}:
             raise DescriptorError(
                 "ucx descriptor: it names regions in a worker that was not announced as a rank of the holder whose "
                 "lease word vouches for them"
             )
-        words = holder.words if holder is not None else None
+        words = holder.words
         if words is None:
-            return
+            raise DescriptorError("ucx descriptor: its holder announced no lease words")
         offset = source.check.address - words.address
         if (
             not (0 <= offset <= words.nbytes - WORD_BYTES and offset % WORD_BYTES == 0)
@@ -87,10 +96,9 @@ class KnownHolders:
             raise DescriptorError("ucx descriptor: its lease word is not one of the lease words its holder announced")
 
     def awaits_announcement(self, source: UcxSource) -> bool:
-        """Only an announcement of its holder can vouch for `source`: the holder names other workers as its ranks
-        but was not announced (yet). A parallel prefill worker is routed to once the router finds it healthy,
-        which may be up to a heartbeat before the decode workers hear of it."""
-        return source.address not in self._holders and any(r.worker != source.address for r in source.regions)
+        """Only an announcement of its holder can vouch for `source`, and it has not come (yet). A worker is routed
+        to once the router finds it healthy, up to a load poll before the workers pulling from it hear of it."""
+        return source.address not in self._holders
 
     async def announced(self, address: bytes, timeout_s: float) -> None:
         """Until the holder at `address` is announced, or `timeout_s` passed."""

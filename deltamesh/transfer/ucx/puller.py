@@ -44,9 +44,8 @@ from deltamesh.v1.common_pb2 import TransportDescriptor
 
 log = structlog.get_logger("deltamesh.transfer")
 
-# How long (at most, and at most half its deadline) a pull from a holder that names ranks waits for the control plane
-# to announce that holder: decode workers hear of the prefill workers the router found healthy every heartbeat,
-# half a second by default
+# How long (at most, and at most half its deadline) a pull from a holder not announced yet waits for the control plane
+# to announce it: the router announces holders in its load polls, every half second by default
 ANNOUNCEMENT_WAIT_S = 2.0
 
 
@@ -103,7 +102,7 @@ class UcxPuller(StatePuller):
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                ep = self._eps.get(address)
+                self._eps.get(address)
                 reads = [(r, torch.empty(1, dtype=torch.uint8, device=device)) for r in pools]
                 reads += [(words, torch.empty(words.nbytes, dtype=torch.uint8))] if words else []
                 await asyncio.gather(
@@ -112,8 +111,9 @@ class UcxPuller(StatePuller):
                         for r, into in reads
                     )
                 )
-                # no lease id: the holder skips it
-                await ucx.send(ep, notices.frame(ucx_pb2.PullNotice()), notices.NOTICE_TAG)
+                # no lease id: the holder skips it. The endpoint is looked up again: a pull that failed meanwhile
+                # closed the one the reads went through, and a send on a closed endpoint crashes the process
+                await ucx.send(self._eps.get(address), notices.frame(ucx_pb2.PullNotice()), notices.NOTICE_TAG)
         except Exception as e:  # unreachable or gone: the first pull will find out again
             for worker in {address, *(r.worker for r in pools)}:
                 self._eps.drop(worker)
@@ -141,10 +141,15 @@ class UcxPuller(StatePuller):
         timer = asyncio.get_running_loop().call_later(self.settle_grace_s, fire)
         settled.add_done_callback(fire)
 
-    def _notify(self, ep, lease: LeaseKey, **kind) -> None:
-        """Fire and forget a done or abandon notice to the holder."""
+    def _notify(self, address: bytes, lease: LeaseKey, **kind) -> None:
+        """Fire and forget a done or abandon notice to the holder at `address`, on its endpoint as it is now (one
+        closed by another operation's failure is made anew: sending on a closed endpoint crashes the process)."""
         notice = ucx_pb2.PullNotice(lease_id=lease.lease_id, token=lease.token, **kind)
-        sent = loop_worker.get().send(ep, notices.frame(notice), notices.NOTICE_TAG)
+        try:
+            sent = loop_worker.get().send(self._eps.get(address), notices.frame(notice), notices.NOTICE_TAG)
+        except Exception as e:  # the holder out of reach now: its lease ends by its TTL
+            log.info("pull notice not sent", error=repr(e))
+            return
         self._notices.add(sent)
         sent.add_done_callback(self._notice_sent)
 
@@ -160,7 +165,7 @@ class UcxPuller(StatePuller):
             async with asyncio.timeout(timeout_s):  # in this task: no extra task, no loop turn before the reads
                 if self._holders.awaits_announcement(source):
                     await self._holders.announced(source.address, min(timeout_s / 2, ANNOUNCEMENT_WAIT_S))
-                    self._vouched(source)
+                self._vouched(source)  # against its holder's announcement, which may have come since `source()`
                 return await self._pull(source, buffers, started)
         except TimeoutError:
             for worker in _workers(source):
@@ -182,6 +187,7 @@ class UcxPuller(StatePuller):
         ep = None
         reads: list[asyncio.Future] = []
         try:
+            await failpoints.hit("deltamesh.transfer.before_reads")  # a pull that stalls before any read is posted
             ep = self._eps.get(address)
             eps = [self._eps.get(r.worker) for r in regions]  # the holder's, or another rank's of the same worker
             keys = [self._eps.rkey(r.worker, r.rkey) for r in regions]  # unpacked once per peer; a bad one fails here
@@ -213,10 +219,10 @@ class UcxPuller(StatePuller):
             if reads:  # posted reads still land in the buffers: they are free again once those are done
                 self._unsettled[source.lease.lease_id] = ucx.settled(reads)
             if reads and not (isinstance(e, TransferError) and e.refused):
-                self._notify(ep, source.lease, abandon=True)  # the holder frees the state now
+                self._notify(address, source.lease, abandon=True)  # the holder frees the state now
             raise
         done = time.perf_counter()
-        self._notify(ep, source.lease, done=True)
+        self._notify(address, source.lease, done=True)
         marks = {"start": started, "keys": keyed, "posted": posted, "reads": read, "done": done}
         return TransferStats(sum(n for *_, n in plan), len(plan), marks)
 

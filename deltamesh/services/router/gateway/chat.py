@@ -13,7 +13,7 @@ from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway.choices import (
     Choice,
     build_choices,
-    check_model_and_sampling,
+    check_model,
     check_sampling,
     check_sizes,
 )
@@ -37,11 +37,9 @@ async def chat_completions(request: Request, body: oa.ChatCompletionRequest, gat
 
 
 async def chat_choices(frontend: Frontend, rid: str, body: oa.ChatCompletionRequest) -> list[Choice]:
-    check_model_and_sampling(frontend, body)
+    check_model(frontend, body)
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type") != "text":
-        raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_sampling(frontend, body, max_tokens, logprobs)

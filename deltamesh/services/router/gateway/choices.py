@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltamesh.engine import SamplingParams
+from deltamesh.protocol.sampling import UINT32, SamplingParams
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
@@ -36,14 +36,11 @@ def unknown_model(frontend: Frontend, model: str) -> ApiError:
     )
 
 
-def check_model_and_sampling(frontend: Frontend, body: oa._Sampling) -> None:
-    if body.model != frontend.model_id:
+def check_model(frontend: Frontend, body: oa._Sampling) -> None:
+    """The model named is served here; none named is the served one, which the reply then names (as vLLM)."""
+    if not frontend.serves(body.model):
         raise unknown_model(frontend, body.model)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported (only 0)", param=name)
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    body.model = body.model or frontend.model_id
 
 
 def check_sizes(frontend: Frontend, prompt_count: int, body: oa._Sampling) -> None:
@@ -53,24 +50,41 @@ def check_sizes(frontend: Frontend, prompt_count: int, body: oa._Sampling) -> No
 
 
 def check_sampling(frontend: Frontend, body: oa._Sampling, max_tokens: int | None, logprobs: int | None) -> None:
-    """The sampling parameters by the rule the gRPC edge applies too (stop strings, stop token ids against the
-    vocabulary: what the schema cannot bound), before anything is tokenised; each error names its parameter."""
+    """The sampling parameters by the rule the gRPC edge applies too (stop strings, stop token ids and logit_bias
+    against the vocabulary: what the schema cannot bound), before anything is tokenised; each error names its
+    parameter. Without max_tokens (a chat's is what the context leaves), min_tokens is checked once it is known."""
     with as_api_error(None):
-        frontend.check_sampling(_params(body, max_tokens or 1, logprobs, 0))
+        frontend.check_sampling(_params(body, max_tokens or UINT32 - 1, logprobs, 0))
+
+
+# request fields that are SamplingParams fields of the same name and meaning (None: the dataclass's default)
+_SAME = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "top_k",
+)
 
 
 def _params(body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    given = {name: value for name in _SAME if (value := getattr(body, name)) is not None}
+    if body.seed is not None:
+        given["seed"] = (body.seed + choice) % 2**64  # n choices must differ
     return SamplingParams(
+        **given,
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        seed=None if body.seed is None else (body.seed + choice) % 2**64,  # n choices must differ
         stop=body.stop_list(),
-        stop_token_ids=body.stop_token_ids or [],
-        ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        structured_outputs=body.structured,  # response_format / structured_outputs, one object for all choices
     )
 
 

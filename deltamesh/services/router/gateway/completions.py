@@ -7,12 +7,13 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from deltamesh.protocol.sampling import SamplingParams
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway.choices import (
     Choice,
     build_choices,
-    check_model_and_sampling,
+    check_model,
     check_sampling,
     check_sizes,
 )
@@ -34,7 +35,7 @@ async def completions(request: Request, body: oa.CompletionRequest, gateway: Gat
 
 
 async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRequest) -> list[Choice]:
-    check_model_and_sampling(frontend, body)
+    check_model(frontend, body)
     if body.echo:
         raise ApiError(400, "echo is not supported", param="echo")
     if body.suffix:
@@ -44,21 +45,27 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
     p = body.prompt
     texts = [p] if isinstance(p, str) else p if p and all(isinstance(x, str) for x in p) else None
     id_lists = None if texts is not None else [p] if p and isinstance(p[0], int) else p or [[]]
-    check_sampling(frontend, body, body.max_tokens, body.logprobs)
+    max_tokens = body.max_tokens if body.max_tokens is not None else SamplingParams.max_tokens
+    check_sampling(frontend, body, max_tokens, body.logprobs)
     with as_api_error("prompt"):
         check_sizes(frontend, len(texts if texts is not None else id_lists), body)
         for text in texts or ():
             frontend.check_text(text)
         for ids in id_lists or ():
             frontend.check_token_count(len(ids))
-        return await frontend.off_loop(_prepare, frontend, rid, body, texts, id_lists)
+        return await frontend.off_loop(_prepare, frontend, rid, body, texts, id_lists, max_tokens)
 
 
 def _prepare(
-    frontend: Frontend, rid: str, body: oa.CompletionRequest, texts: list[str] | None, id_lists: list[list[int]] | None
+    frontend: Frontend,
+    rid: str,
+    body: oa.CompletionRequest,
+    texts: list[str] | None,
+    id_lists: list[list[int]] | None,
+    max_tokens: int,
 ) -> list[Choice]:
     prompts = frontend.encode_texts(texts) if texts is not None else id_lists
-    return build_choices(frontend, rid, prompts, body, body.max_tokens, body.logprobs)
+    return build_choices(frontend, rid, prompts, body, max_tokens, body.logprobs)
 
 
 def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob], offset: int) -> oa.CompletionLogprobs | None:

@@ -13,7 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deltamesh.engine import RequestError, SamplingParams
+from deltamesh.protocol.requests import RequestError
+from deltamesh.protocol.sampling import SamplingParams
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.limits import InvalidParam
 from deltamesh.services.router.mesh import MeshError
@@ -125,6 +126,10 @@ _SHARED_FIELDS = {
     "seed": "seed",
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "min_tokens": "min_tokens",
 }
 
 

@@ -42,11 +42,11 @@ async def models(gateway: GatewayDep) -> oa.ModelList:
 
 @router.get("/v1/models/{model:path}", response_model=oa.ModelCard, responses={404: {"model": oa.ErrorResponse}})
 async def model(model: str, gateway: GatewayDep):
-    if model != gateway.frontend.model_id:
+    if not gateway.frontend.serves(model):
         return unknown_model(gateway.frontend, model).response()
     return _card(gateway)
 
 
 def _card(gateway) -> oa.ModelCard:
     f = gateway.frontend
-    return oa.ModelCard(id=f.model_id, created=0, max_model_len=f.max_model_len)
+    return oa.ModelCard(id=f.model_id, created=0, max_model_len=f.max_model_len, root=f.model_path)

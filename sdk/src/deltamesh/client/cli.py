@@ -15,7 +15,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="Prompt text (or a chat message with --chat)")],
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate at most")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_p: Annotated[float | None, typer.Option(help="default: the server's")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they arrive")] = False,
