@@ -1,5 +1,5 @@
-"""Linear layers on one GPU (kernels/triton_linear.py): the GEMV against cuBLAS, bf16 and FP8 weights, for every
-projection of a model's shape at decode-sized token counts and more.
+"""Linear layers on one GPU (kernels/triton_linear.py, triton_gemv.py): the GEMV against cuBLAS, bf16 and FP8
+weights, for every projection of a model's shape at decode-sized token counts and more.
 
 Each time is one call's share of a CUDA graph that runs the projection over as many distinct weights as a
 forward pass has of it (at least enough to exceed the L2 cache), as a decode step reads them; a single call
@@ -8,7 +8,7 @@ replayed alone would read its weight from L2 and pay a graph launch of its own.
 - `op` rows: per projection and token count: bf16 cuBLAS, the bf16 GEMV, the FP8 layer past the GEMV (cuBLAS's
   block-scaled FP8 GEMM), the FP8 GEMV; the bf16 and FP8 floors (bytes at the measured HBM copy rate).
 - `pass` rows: the sum over one forward pass's projections (LM head excluded) at each token count.
-- `sweep` rows (`--sweep`): the pass sum per GEMV tile and split target at one token (triton_linear.GEMV_TILE,
+- `sweep` rows (`--sweep`): the pass sum per GEMV tile and split target at one token (triton_gemv.GEMV_TILE,
   GEMV_PROGRAMS_PER_SM), which set those defaults.
 
     python bench/gpu_linear.py --sweep --out bench/results/gpu_linear.json
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import CONFIGS, RESULTS, ints, print_table, write_result
 from bench.gpu_common import graph_ms, hbm_bandwidth, machine_info
 from deltamesh.engine.config import FULL_ATTENTION, ModelConfig
-from deltamesh.kernels import triton_linear
+from deltamesh.kernels import triton_gemv, triton_linear
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, quantize_blocks
 
 L2_BYTES = 3 * 50 << 20  # three times the H200's L2
@@ -106,8 +106,8 @@ def op_rows(cfg: ModelConfig, rings: dict, tokens: list[int], bandwidth: float) 
                 "fp8_floor_ms": (n * k + ring.fp8[0].scale.numel() * 4 + io) / bandwidth * 1e3,
             }
             if t <= 4:
-                row["bf16_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.bf16)
-                row["fp8_gemv_ms"] = ring.ms(lambda w: triton_linear.gemv(x, w), ring.fp8)
+                row["bf16_gemv_ms"] = ring.ms(lambda w: triton_gemv.gemv(x, w), ring.bf16)
+                row["fp8_gemv_ms"] = ring.ms(lambda w: triton_gemv.gemv(x, w), ring.fp8)
             if triton_linear.fits_fp8_gemm(x, ring.fp8[0]):
                 row["fp8_cublas_ms"] = ring.ms(lambda w: triton_linear.fp8_gemm(x, w), ring.fp8)
             rows.append(row)
@@ -137,9 +137,9 @@ def sweep_rows(rings: dict, tokens: list[int]) -> list[dict]:
         total = 0.0
         for (_name, n, k, count), ring in rings.items():
             x = torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16)
-            c = triton_linear.gemv_config(t, n, k, x.device, per_sm, tile)
-            total += ring.ms(lambda w, c=c: triton_linear.gemv(x, w, None, c), getattr(ring, label)) * count
-        chosen = tile == triton_linear.GEMV_TILE and per_sm == triton_linear.GEMV_PROGRAMS_PER_SM
+            c = triton_gemv.gemv_config(t, n, k, x.device, per_sm, tile)
+            total += ring.ms(lambda w, c=c: triton_gemv.gemv(x, w, None, c), getattr(ring, label)) * count
+        chosen = tile == triton_gemv.GEMV_TILE and per_sm == triton_gemv.GEMV_PROGRAMS_PER_SM
         rows.append(
             {
                 "bench": "sweep",

@@ -33,6 +33,11 @@
 #            fp32 greedy equality, verify CUDA graphs against eager), then bench/gpu_spec.py on the shapes of $SHAPES
 #            (default the 35B-A3B, then the 9B shape): verify steps at K = 1, 2, 3 against the plain decode step at
 #            batch 1, 16, 64, 8k context, and the TPOT they project at the published acceptance ($OUT/gpu_spec.json)
+#   stage F: fused projections (issue #43): their GPU tests (bf16 tolerance against the float64 reference, graph
+#            replay, a model with the fusion on and off), then bench/gpu_fusion.py: each fused op against its two
+#            kernels at one token, whole decode steps of the 35B-A3B (bf16, FP8) and 9B shapes at batch 1, 4, 16
+#            with the fusion off and on (GPU ms, launches, roofline; the before/after table), the kernels of a
+#            fused batch-1 step; at most 350 s, JSON under $OUT
 #   stage 1: P/D on one GPU (#44): fp32 greedy fidelity of 1P+1D on GPU 0 (each worker in 0.3 of it) against the
 #            monolithic engine; then the 9B shape at 8192/1024 and 1024/1024, concurrency 1, 16, 64: 1P+1D on GPU 0
 #            (0.45 + 0.45 of it) next to colocated (0.9), one wave per point, with the pulls of each point from the
@@ -52,7 +57,7 @@
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, n, P, g, 1 or 1m}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, n, P, g, 1 or 1m}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 # SITE_FIRST: folders of carried wheels installed with --target (scripts/gpu_session.sh sets it), before the staged
@@ -192,6 +197,14 @@ r)
   point c 1024 1024 32 16 6
   kill -INT $server; wait $server
   grep "engine steps" "$OUT/long_lived.log" | tail -n 40
+  ;;
+F)
+  # 95 + 255 s at most: under 6 minutes (pytest -v: a test run cut short still shows which tests passed).
+  # gpu_fusion.py rewrites its JSON after each unit (a model's steps in one quantization, the 35B-A3B shape's
+  # first; then the per-op rows) and starts none that its guess says would end past --budget-s; those it skips
+  # are listed in the JSON's "skipped" and the log.
+  TAIL=15 run fused_tests 95 python -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_gpu_fused_linear.py -rfE
+  TAIL=90 run gpu_fusion 255 python bench/gpu_fusion.py --kernels --budget-s 235 --out "$OUT/gpu_fusion.json"
   ;;
 1)
   # every 2 s, each GPU process's memory: time, pid, MiB, its deltamesh role (the 4th word of its command line)

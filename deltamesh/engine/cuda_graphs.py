@@ -118,7 +118,7 @@ class PiecewiseGraphs:
     9B shapes (docs/notes/eager-step-host-cost.md), which a short prompt's GPU work does not cover.
 
     The pieces read and write only static buffers (ids, the normed layer input `x`, the residual stream, the mix
-    outputs), so nothing they allocate outlives them and every piece of every bucket shares one memory pool. Rows
+    outputs: each mixer's pair of [T, heads, dim] tensors), so nothing they allocate outlives them and every piece of every bucket shares one memory pool. Rows
     past T hold what an earlier step left there: finite values whose results no real row reads (no piece mixes
     rows). `capture=False` runs the same pieces as plain calls (the CPU tests check the plumbing with it)."""
 
@@ -127,11 +127,11 @@ class PiecewiseGraphs:
         self.buckets = piecewise_buckets(max_tokens)
         model, dev, n = runner.model, runner.device, self.buckets[-1]
         dtype, hidden = model.embed.dtype, model.cfg.hidden_size
-        self.widths = [layer.mixer.mix_width for layer in model.layers]
+        self.shapes = [layer.mixer.mix_shapes for layer in model.layers]
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.x = torch.zeros(n, hidden, dtype=dtype, device=dev)
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=dev)
-        self.mixed = {w: torch.zeros(n, w, dtype=dtype, device=dev) for w in set(self.widths)}
+        self.mixed = {s: tuple(torch.zeros(n, *row, dtype=dtype, device=dev) for row in s) for s in set(self.shapes)}
         self.pieces: dict[int, list[Callable[[], None]]] = {}
         self.pool = None
         if capture:
@@ -150,9 +150,10 @@ class PiecewiseGraphs:
             keep(*model.head(self.ids[:b], kernels))
 
         def after_mix(i: int) -> Callable[[], None]:
-            return lambda: keep(*model.after_mix(i, self.mixed[self.widths[i]][:b], self.residual[:b], kernels))
+            mixed = tuple(m[:b] for m in self.mixed[self.shapes[i]])
+            return lambda: keep(*model.after_mix(i, mixed, self.residual[:b], kernels))
 
-        return [head] + [after_mix(i) for i in range(len(self.widths))]
+        return [head] + [after_mix(i) for i in range(len(self.shapes))]
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -175,7 +176,7 @@ class PiecewiseGraphs:
         log.info(
             "piecewise graphs captured",
             buckets=self.buckets,
-            pieces=len(self.widths) + 1,
+            pieces=len(self.shapes) + 1,
             seconds=round(time.monotonic() - start, 1),
         )
 
@@ -193,9 +194,10 @@ class PiecewiseGraphs:
         self.ids[:t].copy_(input_ids)
         pieces[0]()
         context = model.mix_context(batch, r.state_pool, self.x.dtype)
-        for i, width in enumerate(self.widths):
+        for i, shape in enumerate(self.shapes):
             mixed = model.mix(i, self.x[:t], batch, context, r.kv_pool, r.state_pool, r.kernels)
-            self.mixed[width][:t].copy_(mixed)
+            for static, part in zip(self.mixed[shape], mixed):
+                static[:t].copy_(part)
             pieces[i + 1]()
             if between_layers is not None:
                 between_layers()

@@ -32,6 +32,9 @@ OPS = (
     "silu_mul",
     "moe",
     "linear",
+    "gate_linear",
+    "gated_norm_linear",
+    "add_rms_norm_linear",
 )
 
 log = structlog.get_logger("deltamesh.kernels")
@@ -80,6 +83,9 @@ class Kernels:
     silu_mul: Callable
     moe: Callable
     linear: Callable
+    gate_linear: Callable
+    gated_norm_linear: Callable
+    add_rms_norm_linear: Callable
     chosen: dict[str, str] = field(default_factory=dict)
 
 

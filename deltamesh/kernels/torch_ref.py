@@ -345,9 +345,31 @@ def _dense(w, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(w, dtype) if isinstance(w, Fp8Weight) else w
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x w^T (+ bias); an Fp8Weight is dequantized first (the activations stay unquantized)."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None):
+    """x w^T (+ bias); an Fp8Weight is dequantized first (the activations stay unquantized). A list of weights (the
+    projections of one input, e.g. an FP8 weight and the plain rows a checkpoint keeps beside it): the list of
+    their outputs, no bias (a backend may compute them in one launch)."""
+    if isinstance(w, list):
+        assert bias is None, "a list of weights takes no bias"
+        return [linear(x, part) for part in w]
     return F.linear(x, _dense(w, x.dtype), bias)
+
+
+# Projections fused with the op before them (a backend may run the op as the projection loads its input).
+def gate_linear(x: torch.Tensor, gate: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention's output projection of its gated heads: linear(sigmoid_gate(x, gate), w, bias)."""
+    return linear(sigmoid_gate(x, gate), w, bias)
+
+
+def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w) -> torch.Tensor:
+    """GDN's output projection of its normed heads: linear(gated_rms_norm(x, z, ...) as [T, H*D], w)."""
+    return linear(gated_rms_norm(x, z, norm_weight, eps).reshape(x.shape[0], -1), w)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, w):
+    """(normed, x + residual, linear(normed, w)): add_rms_norm, then the next block's first projection."""
+    normed, total = add_rms_norm(x, residual, norm_weight, eps)
+    return normed, total, linear(normed, w)
 
 
 def moe(

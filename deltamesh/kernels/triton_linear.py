@@ -1,22 +1,19 @@
 """Linear layers on the GPU, for plain (bf16) and block-scaled FP8 weights (kernels/fp8.py says what FP8
-computes), and the FP8 helpers the fused MoE kernels share.
+computes), and the activation quantization the fused MoE kernels share.
 
 - Plain weights: cuBLAS at every size (it beat a Triton GEMV on the 35B-A3B projections: bench/RESULTS.md,
-  "Linear layers").
-- FP8 weights, up to GEMV_MAX_TOKENS tokens: `_gemv` reads the weight as e4m3 bytes; it quantizes the
-  activations per group of 128 as it loads them and folds the weight's block scales into them, never
-  dequantizing the weight in memory. Layers with few output rows split K over more programs so every SM reads.
+  "Linear layers"), except where a fused op of triton_fused_linear.py runs the GEMV with its prologue.
+- FP8 weights, up to GEMV_MAX_TOKENS tokens: the GEMV of triton_gemv.py, which reads the weight as e4m3 bytes.
 - FP8 weights, more tokens: the activations are quantized per token and group (`_quantize_groups`, one kernel)
   and cuBLAS's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm: 1x128 activation blocks, 128x128 weight
   blocks) runs on the e4m3 tensor cores. It takes 16-aligned token counts (the activations are padded with zero
-  rows) and whole sets of 4 scale groups (K a multiple of 512): a layer that has not those runs `_gemv` at any
+  rows) and whole sets of 4 scale groups (K a multiple of 512): a layer that has not those runs the GEMV at any
   size, one program per token.
+- A list of weights (the projections of one input): one output each; an FP8 weight and plain rows beside it run
+  in one GEMV launch up to GEMV_MAX_TOKENS tokens (GDN's FP8 qkv|z with its bf16 b|a gates).
 None synchronises with the host, so CUDA graphs capture them."""
 
 from __future__ import annotations
-
-import functools
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,93 +22,11 @@ import triton.language as tl
 from torch.nn.functional import ScalingType
 
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, reference_linear
+from deltamesh.kernels.triton_gemv import gemv, quantized_rows
 
 # FP8 weights: up to this many tokens `_gemv` runs, past it cuBLAS's FP8 GEMM wins (bench/RESULTS.md, "Linear
 # layers").
 GEMV_MAX_TOKENS = 1
-
-
-@triton.jit
-def quantized_rows(a):
-    """(e4m3 values, per-row scales) of an activation tile [rows, GROUP] in float32 (kernels/fp8.py)."""
-    scale = tl.maximum(tl.max(tl.abs(a), 1), 1e-10) / 448.0  # fp8.E4M3_MAX
-    return (a / scale[:, None]).to(tl.float8e4nv), scale
-
-
-@triton.jit
-def quantized_vector(a, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """An activation vector [BLOCK_K] in float32 as its e4m3 values times their group's scale (kernels/fp8.py)."""
-    q, scale = quantized_rows(tl.reshape(a, (BLOCK_K // GROUP, GROUP)))
-    return tl.reshape(q.to(tl.float32) * scale[:, None], (BLOCK_K,))
-
-
-@triton.jit
-def _gemv(
-    x,
-    w,
-    w_scale,
-    bias,
-    out,
-    partials,
-    arrivals,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_om,
-    FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-):
-    """out[t, rows] = x[t] @ w[rows]^T (+ bias) for a block of BLOCK_N rows and token t = program_id(2).
-
-    With SPLIT_K > 1, program_id(1) takes one slice of K (layers with few output rows need the extra programs
-    to keep every SM reading). Each slice stores its float32 sums in `partials`; the last slice to arrive at a
-    block of rows adds them up in slice order, so the result does not depend on arrival order, and resets the
-    block's counter in `arrivals` for the next call."""
-    pid_n, split, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n0 = pid_n * BLOCK_N
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    kk = tl.arange(0, BLOCK_K)
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole BLOCK_Ks, so FP8 groups stay whole
-    k_stop = tl.minimum(split * k_per_split + k_per_split, K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(split * k_per_split, k_stop, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        a = tl.load(x + t * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
-        if FP8:  # BLOCK_N divides GROUP: the program's rows share one row of weight scales
-            a = quantized_vector(a, BLOCK_K, GROUP)
-            a *= tl.load(w_scale + (n0 // GROUP) * stride_sn + k // GROUP, mask=k_ok, other=0.0)
-        b = tl.load(w + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += b.to(tl.float32) * a[None, :]
-    y = tl.sum(acc, 1)
-    if SPLIT_K == 1:
-        _store_row(y, bias, out + t * stride_om, n, n_ok, HAS_BIAS)
-    else:
-        counter = arrivals + t * tl.num_programs(0) + pid_n
-        tl.store(partials + (split * tl.num_programs(2) + t) * N + n, y, mask=n_ok)
-        tl.debug_barrier()  # every thread's sums are stored before the arrival is counted
-        if tl.atomic_add(counter, 1) == SPLIT_K - 1:  # acq_rel: the other slices' sums are visible
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                y += tl.load(
-                    partials + (s * tl.num_programs(2) + t) * N + n, mask=n_ok, other=0.0, cache_modifier=".cg"
-                )
-            tl.atomic_xchg(counter, 0)
-            _store_row(y, bias, out + t * stride_om, n, n_ok, HAS_BIAS)
-
-
-@triton.jit
-def _store_row(y, bias, out_row, n, n_ok, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        y += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_row + n, y.to(out_row.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -126,57 +41,6 @@ def _quantize_groups(x, q, scales, M, K, stride_xm, stride_sg, GROUP: tl.constex
     values, scale = quantized_rows(a)
     tl.store(q + t * K + k, values, mask=ok)
     tl.store(scales + g * stride_sg + t, scale, mask=g * GROUP < K)
-
-
-class GemvConfig(NamedTuple):
-    block_n: int  # divides BLOCK, so a program's rows share one row of weight scales
-    block_k: int  # a multiple of BLOCK
-    split_k: int  # slices of K, each its own program
-    num_warps: int
-
-
-# BLOCK_N rows by BLOCK_K columns per program: its float32 sums are 64 registers per thread at 4 warps.
-GEMV_TILE = (16, 512)
-# K is split until a layer has this many programs per SM (or a slice would be under two BLOCK_Ks).
-GEMV_PROGRAMS_PER_SM = 2
-ARRIVAL_COUNTERS = 4096  # blocks of rows times tokens a split call may have
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    # Triton's CPU interpreter: a handful, so tests split K as a GPU does for narrow layers
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def gemv_config(
-    m: int,
-    n: int,
-    k: int,
-    device: torch.device,
-    programs_per_sm: int = GEMV_PROGRAMS_PER_SM,
-    tile: tuple[int, int] = GEMV_TILE,
-) -> GemvConfig:
-    """The GEMV's launch for m tokens of a layer [n, k]: one program per token and block of rows, K split while
-    there are too few of them to keep every SM reading."""
-    block_n, block_k = tile
-    programs = triton.cdiv(n, block_n) * m
-    split = 1
-    while (
-        programs * split < programs_per_sm * _multiprocessors(device)
-        and k >= 4 * split * block_k
-        and programs <= ARRIVAL_COUNTERS
-    ):
-        split *= 2
-    return GemvConfig(block_n, block_k, split, 4)
-
-
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """Per token and block of rows, how many K slices have stored their sums; each call's last slice sets it back
-    to 0."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the split-K GEMV's counters must exist before CUDA graph capture: run it eagerly first")
-    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
 def quantize_activations(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,9 +58,12 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None) -> tuple[torc
     return q, scales
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] times w^T (+ bias): cuBLAS for a plain weight; for an Fp8Weight, `_gemv` up to GEMV_MAX_TOKENS
-    tokens (or at any size where the layer's shape does not suit cuBLAS's FP8 GEMM), `fp8_gemm` past it."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None):
+    """x [T, K] times w^T (+ bias): cuBLAS for a plain weight; for an Fp8Weight, the GEMV up to GEMV_MAX_TOKENS
+    tokens (or at any size where the layer's shape does not suit cuBLAS's FP8 GEMM), `fp8_gemm` past it. For a
+    list of weights, the list of their outputs (torch_ref.linear)."""
+    if isinstance(w, list):
+        return _linears(x, w, bias)
     if not isinstance(w, Fp8Weight):
         return F.linear(x, w, bias)
     if x.stride(-1) != 1:
@@ -204,6 +71,17 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     if x.shape[0] <= GEMV_MAX_TOKENS or not fits_fp8_gemm(x, w):
         return gemv(x, w, bias)
     return fp8_gemm(x, w, bias)
+
+
+def _linears(x: torch.Tensor, weights: list, bias: None) -> list[torch.Tensor]:
+    """An FP8 weight and plain rows beside it in one GEMV launch at few tokens (views of one output); else one
+    projection after the other."""
+    assert bias is None, "a list of weights takes no bias"
+    fp8_then_plain = len(weights) == 2 and isinstance(weights[0], Fp8Weight) and not isinstance(weights[1], Fp8Weight)
+    if fp8_then_plain and x.shape[0] <= GEMV_MAX_TOKENS:
+        out = gemv(x if x.stride(-1) == 1 else x.contiguous(), weights[0], tail=weights[1])
+        return list(out.split([weights[0].weight.shape[0], weights[1].shape[0]], dim=-1))
+    return [linear(x, w) for w in weights]
 
 
 def fits_fp8_gemm(x: torch.Tensor, w: Fp8Weight) -> bool:
@@ -229,44 +107,3 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) ->
         output_dtype=x.dtype,
     )
     return out[:m]
-
-
-def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """`_gemv` for an Fp8Weight or a plain weight [N, K] (rows contiguous); x [T, K] (rows contiguous), any T."""
-    fp8 = isinstance(w, Fp8Weight)
-    weight, scale = (w.weight, w.scale) if fp8 else (w, w)
-    m, k = x.shape
-    n = weight.shape[0]
-    config = config or gemv_config(m, n, k, x.device)
-    assert BLOCK % config.block_n == 0 and config.block_k % BLOCK == 0 and weight.stride(1) == 1 and x.stride(1) == 1
-    blocks = triton.cdiv(n, config.block_n)
-    assert config.split_k == 1 or blocks * m <= ARRIVAL_COUNTERS
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:  # a data-parallel rank without tokens
-        return out
-    split = config.split_k > 1
-    partials = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
-    arrivals = _arrivals(x.device) if split else out
-    _gemv[(blocks, config.split_k, m)](
-        x,
-        weight,
-        scale,
-        bias if bias is not None else out,
-        out,
-        partials,
-        arrivals,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        scale.stride(0),
-        out.stride(0),
-        fp8,
-        bias is not None,
-        BLOCK,
-        config.block_n,
-        config.block_k,
-        config.split_k,
-        num_warps=config.num_warps,
-    )
-    return out

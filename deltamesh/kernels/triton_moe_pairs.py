@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from deltamesh.kernels.fp8 import BLOCK, kernel_operands
-from deltamesh.kernels.triton_linear import quantized_vector
+from deltamesh.kernels.triton_gemv import quantized_vector
 
 
 @triton.jit

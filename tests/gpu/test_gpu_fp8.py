@@ -5,7 +5,7 @@ Qwen3.5-35B-A3B shapes; then a whole engine with an FP8 checkpoint against the s
 import pytest
 import torch
 
-from deltamesh.kernels import torch_ref, triton_linear, triton_moe
+from deltamesh.kernels import torch_ref, triton_gemv, triton_linear, triton_moe
 from deltamesh.kernels.fp8 import Fp8Weight, dequantize, quantize_blocks, reference_linear, reference_moe
 
 pytestmark = pytest.mark.gpu
@@ -36,13 +36,13 @@ def test_fp8_linear_matches_its_arithmetic(tokens):
         if tokens <= 4:
             # (a split call has one arrival counter per token and block of rows: gemv_config stays within them)
             for tile in [
-                triton_linear.GemvConfig(bn, bk, split, 4)
+                triton_gemv.GemvConfig(bn, bk, split, 4)
                 for bn in (4, 8, 16, 32)
                 for bk in (256, 512)
                 for split in (1, 4)
-                if split == 1 or -(-n // bn) * tokens <= triton_linear.ARRIVAL_COUNTERS
+                if split == 1 or -(-n // bn) * tokens <= triton_gemv.ARRIVAL_COUNTERS
             ]:
-                assert rel(triton_linear.gemv(x, w, bias, tile), ref) < 1e-2, (n, k, tile)
+                assert rel(triton_gemv.gemv(x, w, bias, tile), ref) < 1e-2, (n, k, tile)
         unquantized = x.float() @ dequantize(w).T + (bias.float() if with_bias else 0)
         assert rel(triton_linear.linear(x, w, bias), unquantized) < 0.1
 
@@ -55,7 +55,7 @@ def test_split_k_gemv_repeats_exactly_under_graph_replay():
     for n, k in ((12352, 2048), (2048, 4096), (257, 2048)):
         w = fp8_weight(g, n, k)
         x = torch.randn(1, k, generator=g, device=DEV).bfloat16()
-        assert n > 4000 or triton_linear.gemv_config(1, n, k, DEV).split_k > 1, "a narrow layer splits K"
+        assert n > 4000 or triton_gemv.gemv_config(1, n, k, DEV).split_k > 1, "a narrow layer splits K"
         out = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

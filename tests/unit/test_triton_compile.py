@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deltamesh.kernels import triton_linear, triton_moe_aligned, triton_moe_pairs  # noqa: E402
+from deltamesh.kernels import triton_gemv, triton_linear, triton_moe_aligned, triton_moe_pairs  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -95,7 +95,7 @@ def test_pairwise_moe_kernels_compile_for_sm90(tokens, norm, fp8):
 
 def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
     """The e4m3 tensor-core paths of the aligned MoE GEMMs, the GEMV (bf16 and FP8 weights, with and without
-    split K) and the activation quantization."""
+    split K, with each prologue; its plain tail is in every variant) and the activation quantization."""
     ints = dict.fromkeys(("H", "I", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_is"), "i32")
     rows = {"block_expert": "*i32", "starts": "*i32", "counts": "*i32", "sorted_pairs": "*i32"}
     gemm = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}  # FP8 takes the scale group as BLOCK_N and BLOCK_K
@@ -133,28 +133,45 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
         ),
         *[
             compile_for_sm90(
-                triton_linear._gemv,
+                triton_gemv._gemv,
                 {
                     "x": "*bf16",
+                    "other": "*bf16",
+                    "norm_w": "*bf16",
                     "w": w,
                     "w_scale": "*fp32",
+                    "tail": "*bf16",
                     "bias": "*bf16",
                     "out": "*bf16",
                     "partials": "*fp32",
                     "arrivals": "*i32",
+                    "normed_out": "*bf16",
+                    "residual_out": "*bf16",
+                    "eps": "fp32",
                 }
-                | dict.fromkeys(("N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"), "i32"),
+                | dict.fromkeys(
+                    ("N", "N_TAIL", "K", "stride_xt", "stride_xh", "stride_ot", "stride_oh")
+                    + ("stride_wn", "stride_sn", "stride_tn", "stride_om"),
+                    "i32",
+                ),
                 {
                     "FP8": w == "*fp8e4nv",
-                    "HAS_BIAS": False,
+                    "HAS_BIAS": prologue == triton_gemv.SIGMOID_GATE,
+                    "PROLOGUE": prologue,
+                    "HEAD": 128,
+                    "ROUND_PRODUCT": True,
                     "GROUP": 128,
                     "BLOCK_N": 16,
                     "BLOCK_K": 512,
                     "SPLIT_K": split,
                 },
             )
-            for w in ("*bf16", "*fp8e4nv")
-            for split in (1, 4)
+            for w, prologue, split in (
+                ("*bf16", triton_gemv.PLAIN, 1),
+                ("*bf16", triton_gemv.ADD_NORM, 2),
+                ("*fp8e4nv", triton_gemv.GATED_NORM, 4),
+                ("*fp8e4nv", triton_gemv.SIGMOID_GATE, 1),
+            )
         ],
         compile_for_sm90(
             triton_linear._quantize_groups,

@@ -14,7 +14,7 @@ PRELUDE = """
     import torch
     import triton.language as tl
     from triton.runtime import interpreter
-    from deltamesh.kernels import torch_ref, triton_linear, triton_moe, triton_moe_aligned
+    from deltamesh.kernels import torch_ref, triton_gemv, triton_linear, triton_moe, triton_moe_aligned
     from deltamesh.kernels.fp8 import Fp8Weight, dequantize, quantize_blocks, reference_linear, reference_moe
     torch.manual_seed(0)
     errors = {}
@@ -51,23 +51,23 @@ def test_fp8_gemv_and_activation_quantization_match_their_arithmetic():
     for tokens in (1, 3, 9):
         w, bias = fp8(200, 1100), torch.randn(200)
         x = torch.randn(tokens, 1100) * torch.logspace(-2, 1, 1100)  # groups of very different magnitudes
-        tiles = [triton_linear.gemv_config(tokens, 200, 1100, x.device)]
+        tiles = [triton_gemv.gemv_config(tokens, 200, 1100, x.device)]
         if tokens <= 3:  # K in 1, 2 and 4 slices of whole BLOCK_Ks, the last short
-            tiles += [triton_linear.GemvConfig(8, 256, 1, 2), triton_linear.GemvConfig(16, 512, 2, 4),
-                      triton_linear.GemvConfig(8, 256, 4, 4)]
+            tiles += [triton_gemv.GemvConfig(8, 256, 1, 2), triton_gemv.GemvConfig(16, 512, 2, 4),
+                      triton_gemv.GemvConfig(8, 256, 4, 4)]
         for tile in tiles:
-            got = triton_linear.gemv(x, w, bias, tile)
+            got = triton_gemv.gemv(x, w, bias, tile)
             errors[f"gemv T={tokens} {tile}"] = (rel(got, reference_linear(x, w, bias)), 1e-5)
             errors[f"gemv T={tokens} {tile} vs unquantized"] = (rel(got, x @ dequantize(w).T + bias), 0.1)
         plain = dequantize(w)
         for tile in tiles[-2:]:
-            errors[f"gemv T={tokens} plain {tile}"] = (rel(triton_linear.gemv(x, plain, bias, tile), x @ plain.T + bias), 1e-5)
+            errors[f"gemv T={tokens} plain {tile}"] = (rel(triton_gemv.gemv(x, plain, bias, tile), x @ plain.T + bias), 1e-5)
         errors[f"linear T={tokens} plain"] = (rel(triton_linear.linear(x, plain), x @ plain.T), 1e-5)
-    arrivals = triton_linear._arrivals(torch.device("cpu"))
+    arrivals = triton_gemv._arrivals(torch.device("cpu"))
     assert int(arrivals.abs().sum()) == 0, "every split-K counter is back at 0 for the next call"
-    assert triton_linear.gemv_config(1, 200, 1100, torch.device("cpu")).split_k == 1  # blocks of rows enough to fill the SMs
-    assert triton_linear.gemv_config(1, 16, 8192, torch.device("cpu")).split_k == 8  # narrow: split to fill SMs
-    assert triton_linear.gemv(torch.randn(0, 1100), w).shape == (0, 200)  # a data-parallel rank's empty step
+    assert triton_gemv.gemv_config(1, 200, 1100, torch.device("cpu")).split_k == 1  # blocks of rows enough to fill the SMs
+    assert triton_gemv.gemv_config(1, 16, 8192, torch.device("cpu")).split_k == 8  # narrow: split to fill SMs
+    assert triton_gemv.gemv(torch.randn(0, 1100), w).shape == (0, 200)  # a data-parallel rank's empty step
     x = torch.randn(5, 300) * torch.logspace(-2, 1, 300)
     q, scales = triton_linear.quantize_activations(x)
     q_ref, scales_ref = quantize_activations(x)

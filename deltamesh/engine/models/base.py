@@ -188,16 +188,21 @@ class HybridLM(nn.Module, ABC):
         self, i: int, mixed: torch.Tensor, residual: torch.Tensor, kernels: Kernels
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then the next layer's input norm (the final norm after the last
-        layer): (its normed output, the residual stream). Each residual add is fused with the norm that reads it."""
+        layer): (its normed output, the residual stream). Each residual add is fused with the norm that reads it,
+        and the post-attention norm with the MLP's first projection (where the backend can, kernels.*_linear)."""
         tp, dp, layer = self.tp, self.dp, self.layers[i]
         h = layer.mixer.output(mixed, kernels)
         if tp:  # each rank's heads gave a partial sum of the output projection
             h = tp.all_reduce(h)
-        x, residual = kernels.add_rms_norm(h, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps)
+        post = layer.post_attention_norm
         if dp and isinstance(layer.mlp, SparseMoE):  # on every rank's tokens
+            x, residual = kernels.add_rms_norm(h, residual, post.weight, post.eps)
             h = dp.moe(layer.mlp, x, kernels)
-        else:
-            h = layer.mlp(x, kernels)
+        else:  # the norm and the MLP's first projection together
+            x, residual, projected = kernels.add_rms_norm_linear(
+                h, residual, post.weight, post.eps, layer.mlp.input_weight()
+            )
+            h = layer.mlp.forward_projected(x, projected, kernels)
         if tp:  # likewise each rank's intermediate columns
             h = tp.all_reduce(h)
         norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm

@@ -85,14 +85,12 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """The GDN output norm: w * x / rms(x), gated by silu(z) (kernels.gated_rms_norm)."""
+    """The GDN output norm's weight: w * x / rms(x), gated by silu(z), which kernels.gated_norm_linear computes
+    with the output projection."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight, self.eps = _param(dim), eps
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        return kernels.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class Rotary:
@@ -141,7 +139,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.splits = (q_rows, kv_rows, kv_rows)
-        self.mix_width = self.heads * self.head_dim  # of `mix`'s output
+        self.mix_shapes = ((self.heads, self.head_dim),) * 2  # per token, of `mix`'s outputs
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         names = [f"{prefix}.{p}_proj" for p in "qkv"]
@@ -155,7 +153,7 @@ class GatedAttention(nn.Module):
         return slots
 
     def mix(self, x, batch: StepBatch, rope: tuple, kv_pool: KVPagePool, kernels: Kernels):
-        """The gated attention output, [T, heads * head_dim]: what the output projection reads."""
+        """(attention output, its gate), each [T, heads, head_dim]: what `output` reads (it gates, then projects)."""
         t, d = x.shape[0], self.head_dim
         qkv = kernels.linear(x, linear_weight(self, "qkv"), self.qkv_bias)
         k_cache, v_cache = kv_pool.layer(self.kv_layer)
@@ -172,10 +170,10 @@ class GatedAttention(nn.Module):
         )
         attn = kernels.paged_attention(q, k_cache, v_cache, batch, d**-0.5)
         gate = qkv[:, : self.splits[0]].view(t, self.heads, 2 * d)[..., d:]
-        return kernels.sigmoid_gate(attn, gate)
+        return attn, gate
 
-    def output(self, mixed: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        return kernels.linear(mixed, linear_weight(self, "o_proj"), self.o_bias)
+    def output(self, mixed: tuple[torch.Tensor, torch.Tensor], kernels: Kernels) -> torch.Tensor:
+        return kernels.gate_linear(*mixed, linear_weight(self, "o_proj"), self.o_bias)
 
 
 class GatedDeltaNet(nn.Module):
@@ -188,7 +186,7 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv_dim, self.value_dim = cfg.conv_dim, cfg.linear_value_dim
-        self.mix_width = self.value_dim  # of `mix`'s output
+        self.mix_shapes = ((self.hv, self.dv),) * 2  # per token, of `mix`'s outputs
         self.splits = (self.conv_dim, self.value_dim, self.hv, self.hv)  # qkv | z | b | a
         if fp8:  # qkv | z in FP8; the b | a gates stay in the model dtype, as the checkpoints keep them
             _linear_param(self, "in_proj", self.conv_dim + self.value_dim, cfg.hidden_size, fp8=True)
@@ -227,7 +225,7 @@ class GatedDeltaNet(nn.Module):
         kernels: Kernels,
         draft_rows: torch.Tensor | None = None,
     ):
-        """The normed, gated GDN output, [T, value_dim]: what the output projection reads. state_rows:
+        """(the delta rule's output, z), each [T, HV, DV]: what `output` reads (it norms, gates, projects). state_rows:
         StatePool.layer_rows of the step's slots; snapshot_rows: those of its snapshot slots (batch.snapshot);
         draft_rows: the draft pool's rows of batch.verify's slots.
         With snapshots, the conv and the delta rule run in two passes: every prefill sequence but the tails, then
@@ -238,9 +236,9 @@ class GatedDeltaNet(nn.Module):
         nv = verify.num_tokens if verify is not None else 0
         if self.in_proj_ba is None:
             mixed, z, b, a = kernels.linear(x, self.in_proj).split(self.splits, dim=-1)
-        else:
-            mixed, z = kernels.linear(x, linear_weight(self, "in_proj")).split(self.splits[:2], dim=-1)
-            b, a = kernels.linear(x, self.in_proj_ba).split(self.splits[2:], dim=-1)
+        else:  # FP8 qkv|z and the b|a rows kept in the model dtype: one launch where the backend can
+            qkvz, ba = kernels.linear(x, [linear_weight(self, "in_proj"), self.in_proj_ba])
+            (mixed, z), (b, a) = qkvz.split(self.splits[:2], dim=-1), ba.split(self.splits[2:], dim=-1)
         idx = state_rows[self.state_layer]
         conv_pool, rec_pool = state_pool.conv_flat, state_pool.recurrent_flat
         prefill_lens = batch.query_lens[nd:]
@@ -299,15 +297,17 @@ class GatedDeltaNet(nn.Module):
                 kernels.gdn_prefill(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, lens, cu, rec_pool, seq_idx)
             )
         core = torch.cat(core) if len(core) > 1 else core[0]
-        return self.norm(core, z.view(t, self.hv, self.dv), kernels).reshape(t, self.value_dim)
+        return core, z.view(t, self.hv, self.dv)
 
-    def output(self, mixed: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        return kernels.linear(mixed, linear_weight(self, "out_proj"))
+    def output(self, mixed: tuple[torch.Tensor, torch.Tensor], kernels: Kernels) -> torch.Tensor:
+        norm = self.norm
+        return kernels.gated_norm_linear(*mixed, norm.weight, norm.eps, linear_weight(self, "out_proj"))
 
 
 # ---------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused. `input_weight` is its first projection's weight,
+    which the decoder may compute with the norm before it (`forward_projected` then takes the rest)."""
 
     def __init__(self, hidden: int, inter: int, fp8: bool = False):
         super().__init__()
@@ -322,14 +322,20 @@ class MLP(nn.Module):
         slots[f"{prefix}.down_proj.weight"] = WeightSlot(self.down)
         return slots
 
+    def input_weight(self):
+        return linear_weight(self, "gate_up")
+
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        gate_up = kernels.linear(x, linear_weight(self, "gate_up"))
+        return self.forward_projected(x, kernels.linear(x, self.input_weight()), kernels)
+
+    def forward_projected(self, x: torch.Tensor, gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         return kernels.linear(kernels.silu_mul(gate_up), linear_weight(self, "down"))
 
 
 class SparseMoE(nn.Module):
     """Top-k routed experts (softmax router, optional renormalisation) plus a sigmoid-gated shared expert, all in
-    one kernels.moe call (so a backend can fuse the shared expert with the routed ones)."""
+    one kernels.moe call (so a backend can fuse the shared expert with the routed ones). Its first projection
+    (`input_weight`: the router and the shared expert's gate) may come from the norm before it, as in MLP."""
 
     def __init__(self, cfg: ModelConfig, fp8: bool = False):
         super().__init__()
@@ -361,8 +367,13 @@ class SparseMoE(nn.Module):
             slots[f"{prefix}.experts.{e}.down_proj.weight"] = WeightSlot(self.w2, index=local)
         return slots | self.shared.weight_slots(f"{prefix}.shared_expert")
 
+    def input_weight(self) -> torch.Tensor:
+        return self.gates
+
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        logits = kernels.linear(x, self.gates)
+        return self.forward_projected(x, kernels.linear(x, self.gates), kernels)
+
+    def forward_projected(self, x: torch.Tensor, logits: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         e = self.num_experts
         return kernels.moe(
             x,
