@@ -241,7 +241,7 @@ F)
   ;;
 n)
   TAIL=40 run gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE \
-    --ignore=tests/gpu/test_gpu_spec.py --ignore=tests/gpu/test_gpu_fused_linear.py
+    --ignore=tests/gpu/test_gpu_spec.py --ignore=tests/gpu/test_gpu_fused_linear.py ${N_IGNORE:-}
   ;;
 P)
   peers=(python bench/peers.py --engines deltamesh --shapes qwen3.5-35b-a3b --loads 1024:1024 --concurrency 16
