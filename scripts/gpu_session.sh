@@ -2,7 +2,8 @@
 # A device session's stages, run one after another in a process session of their own, so that the session's
 # calls (10 minutes each at most, the machine given back 30 s after one) only start and poll them:
 #   scripts/gpu_session.sh start STAGE...   (after every wheel part's install.sh) installs the carried service
-#                                           wheels (.svc-wheels) and extra wheels (.whl), starts the stages
+#                                           wheels (.svc-wheels) and extra wheels (.whl), starts the stages; the
+#                                           call carries .svc-wheels, .whl and sdk/src/deltamesh/v1 (the stubs)
 #   scripts/gpu_session.sh wait SECONDS     prints the stages' progress until they end or SECONDS pass, then packs
 #                                           every stage's $OUT into $OUT/gpu_session.tar.gz (what comes back)
 # Each stage's logs and JSON go to /tmp/gpu-session/STAGE (scripts/gpu_stage.sh's $OUT).
@@ -11,6 +12,10 @@ root=/tmp/gpu-session
 case ${1:?start STAGE... or wait SECONDS} in
 start)
   shift
+  # the gRPC stubs are generated (make protos) and git-ignored: a device call has them only where `carry` names
+  # sdk/src/deltamesh/v1; without them every stage that starts a service dies on "No module named deltamesh.v1"
+  ls sdk/src/deltamesh/v1/router_pb2.py > /dev/null 2>&1 \
+    || { echo "gpu_session: no gRPC stubs: carry sdk/src/deltamesh/v1 (run make protos here first)"; exit 1; }
   mkdir -p "$root"
   for folder in .svc-wheels:/tmp/svc-site .whl:/tmp/extra-site; do
     src=${folder%%:*} dst=${folder#*:}
