@@ -14,7 +14,7 @@ probability that draft j is accepted (with all before it): `--acceptance`, by de
 acceptance of Qwen3.5's MTP under vLLM (0.80 / 0.63 / 0.50, issue #42). TPOT = step time / tokens per step, at
 concurrency = batch (1 and 16 are the issue's, 64 where MTP must not be slower). `disable_batch` is the smallest
 batch of the grid at which a K's projected TPOT is no better than the plain step's: what
-`--speculative-disable-batch-size` should be below (the engine's default, 32, is provisional until this is run).
+`--speculative-disable-batch-size` should be below (the engine's default, 64, is the largest batch where every K paid on the 35B-A3B shape).
 
 The JSON is rewritten after each engine (`"complete": false` until the last), so a run stopped by a time limit
 (scripts/gpu_stage.sh v) keeps what it measured; `engine_build_s` is each engine's start-up.

@@ -150,7 +150,7 @@ class EngineConfig:
     speculative_disable_batch_size: int | None = _setting(
         None,
         "Speculative decoding: steps with more decoding requests than this run without drafts (default: "
-        f"{DEFAULT_DISABLE_BATCH_SIZE}, provisional until measured on the H200: bench/gpu_spec.py)",
+        f"{DEFAULT_DISABLE_BATCH_SIZE}, the largest batch at which MTP was measured to pay on the H200: bench/RESULTS.md)",
     )
 
     def resolved_prefix_cache_checkpoints(self, slot_bytes: int, page_bytes: int, pool_pages: int) -> int:

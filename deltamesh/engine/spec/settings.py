@@ -8,10 +8,10 @@ import json
 MAX_SPECULATIVE_TOKENS = 4
 # vLLM's names of MTP drafting for these models (its legacy per-model names too)
 MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
-# The batch above which a step decodes without verification when no setting says otherwise. Provisional: the
-# crossover where a verify step stops paying for itself is measured on the H200 (bench/gpu_spec.py prints it per
-# shape and K); until that measurement this is the batch the goal names as never slower than MTP off.
-DEFAULT_DISABLE_BATCH_SIZE = 32
+# The batch above which a step decodes without verification when no setting says otherwise. On the H200 the
+# 35B-A3B shape's verify steps paid for themselves at every K up to batch 64, the largest measured, at the
+# published acceptance (bench/RESULTS.md, bench/gpu_spec.py); beyond 64 nothing was measured, so drafting stops.
+DEFAULT_DISABLE_BATCH_SIZE = 64
 
 
 def parse_speculative_config(text: str) -> tuple[int, int | None]:
