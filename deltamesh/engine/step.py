@@ -55,7 +55,7 @@ class LaunchedStep:
         speculative step's requests have their accepted drafts counted as computed first (spec/tokens.settle)."""
         if isinstance(self.sampled, SpecTokens):
             tokens, logprobs, advanced, drafts = self.sampled.result()
-            spec_tokens.settle(self.requests, advanced, drafts, self.sampled.num_verify, stats)
+            spec_tokens.settle(self.requests, tokens, advanced, drafts, self.sampled.num_verify, stats)
         else:
             token_list, logprob_list = self.sampled.result()
             tokens, logprobs = [[t] for t in token_list], [[lp] for lp in logprob_list]

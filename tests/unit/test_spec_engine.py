@@ -79,8 +79,9 @@ def test_drafts_of_the_reference_continuation_are_all_accepted(hf_checkpoints, r
     core.runner.spec.drafter = ReferenceDrafter(refs, VOCAB)
     assert run(core, ps) == references[family]
     stats = core.stats
-    # every draft is accepted but those past a request's 20th token (cut by max_tokens)
-    assert stats.spec_accepted >= 0.7 * stats.spec_drafts > 0
+    # every draft is accepted but those past a request's 20th token: its last verify step, cut by max_tokens, emits
+    # fewer than K (each one counted, though that step commits one input fewer than it emits)
+    assert 0 <= stats.spec_drafts - stats.spec_accepted <= (k - 1) * len(ps) and stats.spec_drafts > 0
     assert stats.spec_accepted_at[0] >= stats.spec_accepted_at[1] >= stats.spec_accepted_at[2] > 0
     steps = stats.steps
     assert steps <= 2 + 20 // (k + 1) * 2  # about (K+1) tokens per step, not one

@@ -19,4 +19,7 @@ def test_two_ranks_with_mtp_match_one_rank_without(hf_checkpoints, family, k, ex
     with engine(path, 2, speculative_tokens=k, enable_expert_parallel=expert_parallel) as e:
         got = e.generate(prompts(), params)
         assert e.core.stats.spec_drafts > 0
-    assert_same(got, run(path, 1))
+    # tokens exactly; logprobs within 5e-4: a verify step's logits come from matmuls over K+1 rows per request,
+    # whose fp32 rounding differs from one-row decode steps (up to 1.8e-4 on the Qwen3-Next checkpoint; the same
+    # with one rank, so not the split)
+    assert_same(got, run(path, 1), tol=5e-4)

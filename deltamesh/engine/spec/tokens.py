@@ -75,19 +75,35 @@ class SpecTokens:
         return rows, logprobs, advanced, drafts
 
 
-def settle(requests: list[Request], advanced: list[int], drafts: list[list[int]], num_verify: int, stats) -> None:
+def settle(
+    requests: list[Request],
+    tokens: list[list[int]],
+    advanced: list[int],
+    drafts: list[list[int]],
+    num_verify: int,
+    stats,
+) -> None:
     """The host's side of a read speculative step, before its tokens are appended: each running request's computed
     length moves on by the drafts it accepted (a preempted one starts over), its drafts are kept for a next step
-    launched after this read, and the acceptance is counted (per draft position)."""
-    for row, (req, moved, proposed) in enumerate(zip(requests, advanced, drafts)):
-        if req.status == Status.RUNNING:
-            req.num_computed += moved
-            req.draft_ids = proposed
+    launched after this read, and the acceptance is counted (per draft position).
+
+    A verify row's drafts are those kept on its request at the previous read (`draft_ids`, what the row's inputs
+    were built from, on the host or the device); the accepted ones are the run of its new tokens that equals them.
+    Not `advanced`: a run that ends the request at an accepted draft (a stop token, max_tokens) commits one input
+    fewer than the drafts it emits. A row of a request that an earlier step ended is not counted: its tokens are
+    dropped."""
+    for row, (req, new, moved, proposed) in enumerate(zip(requests, tokens, advanced, drafts)):
+        if req.status != Status.RUNNING:
+            continue
         if row < num_verify:
+            verified = req.draft_ids[: len(proposed)]
+            accepted = next((i for i, (a, b) in enumerate(zip(new, verified)) if a != b), min(len(new), len(verified)))
             stats.spec_drafts += len(proposed)
-            stats.spec_accepted += moved
-            for position in range(moved):
+            stats.spec_accepted += accepted
+            for position in range(accepted):
                 stats.spec_accepted_at[position] += 1
+        req.num_computed += moved
+        req.draft_ids = proposed
 
 
 def state_known(req: Request) -> bool:
