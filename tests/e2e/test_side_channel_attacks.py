@@ -107,10 +107,11 @@ def environ_of(pid: int) -> dict:
     return {"name": "environ", "address": start, "nbytes": end - start}
 
 
-def prefill(worker, rid: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
-    return worker.stub().Prefill(
-        prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY), timeout=30
+def prefill(worker, rid: str, prompt: list[int], lease_ttl_ms: int = 0) -> prefill_pb2.PrefillResponse:
+    request = prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=GREEDY, lease_ttl_ms=lease_ttl_ms
     )
+    return worker.stub().Prefill(request, timeout=30)
 
 
 def decode(worker, rid, prompt, first, lease=None, transport=None) -> list[int]:
@@ -166,7 +167,8 @@ def test_no_other_user_reaches_a_worker_over_the_side_channel(mesh, reference_en
     pids = {w.popen.pid for w in mesh.workers()}
     for w in mesh.workers():  # what `ss -ltnp` shows of the workers: their gRPC ports, and no UCX listener
         assert listening_ports(w.popen.pid) == {int(w.address.rsplit(":", 1)[1])}, w.role
-    leased = prefill(holder, "held-for-the-attack", list(range(30, 70)))
+    # held through every attack: 12 s on an idle machine, past the default 30 s lease on a loaded one
+    leased = prefill(holder, "held-for-the-attack", list(range(30, 70)), lease_ttl_ms=240_000)
     d = ucx_pb2.UcxLeaseDescriptor.FromString(leased.transport.payload)
     pool = {"name": "pool", "address": d.region_addresses[0], "nbytes": 64, "rkey": d.region_rkeys[0].hex()}
     unmapped = {"name": "unmapped", "address": UNMAPPED, "nbytes": 64}
