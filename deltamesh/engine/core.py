@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 import torch
@@ -102,7 +102,7 @@ class EngineCore:
         self._commands.put(("add", request, sink))
 
     def submit_transferred(
-        self, request: Request, first_token: int, reservation: Reservation, sink: Sink, drafts: list[int] = ()
+        self, request: Request, first_token: int, reservation: Reservation, sink: Sink, drafts: Sequence[int] = ()
     ) -> None:
         """Start decoding a request whose prompt state arrived in `reservation`; `first_token` was sampled
         by the prefill worker and is the first input not yet consumed; `drafts`: the tokens its MTP module drafted
