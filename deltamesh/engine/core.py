@@ -237,6 +237,7 @@ class EngineCore:
         if not step.taken and (wait or step.sampled.ready()):
             step.taken = True
             outputs = self._complete(step)
+            assert self._deferred is not None, "called between the layers of a launch, which defers endings"
             ended = {req.request_id for req, _ in self._deferred}
             self.dispatch([out for out in outputs if out.request_id not in ended])
             self._ended_early += [out for out in outputs if out.request_id in ended]

@@ -33,6 +33,7 @@ from deltamesh.kernels.fp8 import BLOCK
 
 if TYPE_CHECKING:
     from deltamesh.engine.data_parallel import DataParallelGroup
+    from deltamesh.engine.models.mtp import MultiTokenPredictor
 
 
 class DecoderLayer(nn.Module):
@@ -94,7 +95,7 @@ class HybridLM(nn.Module, ABC):
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         self.rotary = Rotary(cfg, device)
         self.moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
-        self.mtp = None
+        self.mtp: MultiTokenPredictor | None = None
         if mtp:
             from deltamesh.engine.models.mtp import MultiTokenPredictor
 

@@ -41,6 +41,7 @@ class SpecTokens:
 
     def __init__(self, outputs: SpecOutputs, requests: list[Request], num_verify: int, k: int):
         acc = outputs.accepted
+        assert acc is not None, "the leader's outputs: it accepted the drafts (SpecRunner.run)"
         self.tokens = outputs.next_tokens
         self.num_verify, self.k = num_verify, k
         self._logprob_counts = [r.params.logprobs for r in requests]
