@@ -97,8 +97,9 @@ def leader_scheduling(config: EngineConfig, followers: Followers | None, rank: R
     if config.data_parallel_size == 1:
         rank.runner.followers = followers
         mirrored: tuple[StatePool | KVPagePool | None, ...] = (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)
-        for pool in filter(None, mirrored):
-            pool.mirror = followers.pool_ops
+        for pool in mirrored:
+            if pool is not None:
+                pool.mirror = followers.pool_ops
         return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(
             followers, rank.kv_pool, rank.state_pool, area
         )
