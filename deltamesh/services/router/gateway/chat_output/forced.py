@@ -74,17 +74,19 @@ class RequiredToolCalls:
         while True:
             head = self._buf.lstrip()
             if self._mode == "call":
-                events = self._call.feed(self._buf, final)
+                call = self._call
+                assert call is not None, "set with the call mode"
+                events = call.feed(self._buf, final)
                 self._buf = ""
                 if events and isinstance(events[0], CallHeader):
                     self._spacing.call_starts()
                     self.calls += 1
                 out += events
-                if self._call.mode == "rejected":
-                    self._buf, self._mode = self._call.raw, "rest"
-                elif self._call.mode == "done":
+                if call.mode == "rejected":
+                    self._buf, self._mode = call.raw, "rest"
+                elif call.mode == "done":
                     self._spacing.call_ends()
-                    self._buf, self._mode = self._call.rest, "between"
+                    self._buf, self._mode = call.rest, "between"
                 else:
                     return
             elif self._mode == "rest":
