@@ -5,7 +5,7 @@ schemas, and the parsing of that output into tool calls, streamed as it is writt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from deltamesh.services.router.gateway.chat_output.events import (
     CallArguments,
@@ -28,7 +28,7 @@ def named_schema(parameters: dict | None) -> dict:
     return parameters_schema(parameters)
 
 
-def required_schema(tools: dict[str, dict | None], parallel: bool) -> dict:
+def required_schema(tools: Mapping[str, dict | None], parallel: bool) -> dict:
     """What tool_choice "required" makes the model write: one call or more (one only without parallel calls), each
     naming a tool and giving arguments under its schema. The tools' `$defs` move to the top, where their `$ref`s
     ("#/$defs/...") point from there."""
