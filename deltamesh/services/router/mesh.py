@@ -15,7 +15,7 @@ import contextlib
 import hmac
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 import structlog
@@ -98,7 +98,7 @@ class Mesh:
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, owner: bytes = b""
-    ) -> AsyncIterator[common_pb2.TokenDelta]:
+    ) -> AsyncGenerator[common_pb2.TokenDelta, None]:
         """The request's token deltas, first token first; raises MeshError when it cannot be served. `owner`: a
         secret of this run of the request that `abort` must be given (empty: it is aborted by closing the stream)."""
         timer = metrics.RequestTimer()

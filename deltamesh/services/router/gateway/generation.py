@@ -54,7 +54,8 @@ def _merged(items: list, queue: asyncio.Queue) -> list:
     fell behind (a slow client, a busy loop) sends what piled up as one event, not a growing backlog."""
     while not queue.empty():
         items.append(queue.get_nowait())
-    out, open_delta = [], {}  # choice -> its delta in `out` that later ones still merge into
+    out: list = []
+    open_delta: dict[int, common_pb2.TokenDelta] = {}  # choice -> its delta in `out` that later ones still merge into
     for index, item in items:
         if isinstance(item, common_pb2.TokenDelta) and index in open_delta:
             merge_delta(open_delta[index], item)
@@ -150,8 +151,8 @@ class Accumulator:
 
     def __init__(self, choices: list[Choice]):
         self.text = {c.index: "" for c in choices}
-        self.finish = {c.index: None for c in choices}
-        self.logprobs = {c.index: [] for c in choices}
+        self.finish: dict[int, str | None] = {c.index: None for c in choices}
+        self.logprobs: dict[int, list[common_pb2.TokenLogprob]] = {c.index: [] for c in choices}
         self.prompt_tokens = {c.prompt_index: len(c.prompt_ids) for c in choices}  # once per prompt, as OpenAI
         self.completion_tokens = {c.index: 0 for c in choices}
         # per prompt, as prompt_tokens: the most any of its choices (each a request of its own) found cached
