@@ -43,7 +43,7 @@ from deltamesh.engine.sampling import on_device
 from deltamesh.protocol.structured import StructuredOutputs
 
 if TYPE_CHECKING:
-    from xgrammar import GrammarMatcher
+    from xgrammar import GrammarCompiler, GrammarMatcher
 
     from deltamesh.engine.request import Request
     from deltamesh.engine.tokenizer import Tokenizer
@@ -150,7 +150,7 @@ class Grammars:
         self.on_compiled: Callable[[], None] | None = None  # wakes the stepping thread (Engine)
         self._lock = threading.Lock()  # the jobs
         self._pool: ThreadPoolExecutor | None = None
-        self._compiler = None
+        self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()  # its making, which takes seconds (held by a pool thread only)
         self._compiling: dict[str, Future] = {}  # spec key -> its job, while it runs
 
@@ -180,13 +180,15 @@ class Grammars:
     def _compile(self, grammar):
         with self._compiler_lock:
             if self._compiler is None:
+                assert self.tokenizer is not None, "start refuses grammars without a tokenizer"
                 xgr = xgrammar()
                 self._compiler = xgr.GrammarCompiler(
                     tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.stop_token_ids),
                     max_threads=COMPILE_THREADS,
                     cache_limit_bytes=CACHE_BYTES,
                 )
-        return self._compiler.compile_grammar(grammar)
+            compiler = self._compiler
+        return compiler.compile_grammar(grammar)
 
     def close(self) -> None:
         if self._pool is not None:

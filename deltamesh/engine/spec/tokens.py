@@ -64,7 +64,7 @@ class SpecTokens:
             self._done.synchronize()
         tokens, counts, advanced, drafts = (t.tolist() for t in self._host[:4])
         rows = [row[:n] for row, n in zip(tokens, counts)]
-        logprobs = [[None] * n for n in counts]
+        logprobs: list[list[TokenLogprobs | None]] = [[None] * n for n in counts]
         if len(self._host) > 4:
             chosen, vals, ids = (t.tolist() for t in self._host[4:])
             for i, want in enumerate(self._logprob_counts):

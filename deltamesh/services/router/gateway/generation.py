@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import structlog
 from fastapi import Request
@@ -78,7 +78,7 @@ def merge_delta(delta: common_pb2.TokenDelta, later: common_pb2.TokenDelta) -> N
 
 async def run_choices(
     mesh: Mesh, choices: list[Choice], fanout: Fanout
-) -> AsyncIterator[tuple[int, common_pb2.TokenDelta]]:
+) -> AsyncGenerator[tuple[int, common_pb2.TokenDelta], None]:
     """Deltas of all choices as they arrive; raises ApiError on the first failure. Leaving early
     (client gone) cancels every choice in the mesh. The choices start in order, as `fanout` lets them (fanout.py:
     a request of many prompts must not hold back other clients' requests)."""
@@ -116,7 +116,9 @@ async def run_choices(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run_one(mesh: Mesh, choice: Choice, fanout: Fanout) -> AsyncIterator[tuple[int, common_pb2.TokenDelta]]:
+async def _run_one(
+    mesh: Mesh, choice: Choice, fanout: Fanout
+) -> AsyncGenerator[tuple[int, common_pb2.TokenDelta], None]:
     """`run_choices` of a request with one choice (most requests): its deltas straight from the mesh, in the task of
     whoever reads them. Without the per-choice task and queue that merge several choices, a token costs one task
     switch instead of two (bench/RESULTS.md, "Router CPU per streamed token")."""
