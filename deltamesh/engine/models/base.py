@@ -90,7 +90,7 @@ class HybridLM(nn.Module, ABC):
                 mixer = GatedDeltaNet(local, state_layer, fp8)
                 state_layer += 1
             layers.append(DecoderLayer(local, mixer, self.make_mlp(local, i)))
-        self.layers = ModuleListOf[DecoderLayer](layers)
+        self.layers: ModuleListOf[DecoderLayer] = ModuleListOf(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         self.rotary = Rotary(cfg, device)

@@ -43,7 +43,7 @@ class MultiTokenPredictor(nn.Module):
         self.fc = _param(h, 2 * h)  # kept in the model dtype (an FP8 checkpoint's is dequantized on load)
         self.pre_fc_norm_embedding = RMSNorm(h, eps)
         self.pre_fc_norm_hidden = RMSNorm(h, eps)
-        self.layers = ModuleListOf[DecoderLayer](
+        self.layers: ModuleListOf[DecoderLayer] = ModuleListOf(
             DecoderLayer(cfg, GatedAttention(cfg, kv_layer + i, fp8), mlp) for i, mlp in enumerate(mlps)
         )
         self.norm = RMSNorm(h, eps)
