@@ -26,7 +26,7 @@ help:
 	@echo "make setup-gpu like setup, with torch built for CUDA ($(TORCH_CUDA_INDEX)) and the GPU kernels"
 	@echo "make run-gpu   the mesh on CUDA in bfloat16 (ARGS=\"--model DIR\" for a checkpoint of your own)"
 	@echo "make test      run the test suite (what CI runs)"
-	@echo "make lint      ruff (lint + format check); CI runs it before the tests"
+	@echo "make lint      ruff (lint + format check) and mypy; CI runs it before the tests"
 	@echo "make test-docker  build the image offline, run docker-compose.yml's cpu profile and a request (Docker)"
 	@echo "make protos    regenerate gRPC stubs from protos/"
 	@echo "make reliability  fault-injection and attack suites; rewrites docs/RELIABILITY.md with the measured times"
@@ -78,9 +78,11 @@ test:
 	$(BIN)/pytest -q -n 4 -m "not alone" --durations=25 tests; status=$$?; \
 	$(BIN)/pytest -q -m alone tests/e2e && exit $$status
 
+# mypy checks what pyproject.toml's [tool.mypy] names: deltamesh/ and sdk/src
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test-fast:
 	$(BIN)/pytest -q -m "not e2e and not fidelity and not fault and not slow"

@@ -64,7 +64,8 @@ def assemble(config: EngineConfig, device: torch.device) -> EngineParts:
     shard_config(mc, config.num_ranks, config.enable_expert_parallel, data_parallel=config.data_parallel_size > 1)
     followers = Followers(config, mc) if config.num_ranks > 1 else None
     rank = build_rank(config, mc, max_model_len, device, followers.group if followers else None)
-    rank_memory = followers.collect_rank_memory() if exports_rank_memory(config) else {}
+    # (exports_rank_memory: only an engine of several ranks, which has followers)
+    rank_memory = followers.collect_rank_memory() if followers is not None and exports_rank_memory(config) else {}
     scheduler, handoff = leader_scheduling(config, followers, rank)
     eos_token_ids = tokenizer.eos_token_ids if tokenizer else frozenset(mc.eos_token_ids)
     spare = 3 * config.speculative_tokens  # Scheduler.spare_tokens
@@ -95,8 +96,10 @@ def leader_scheduling(config: EngineConfig, followers: Followers | None, rank: R
     area = AreaSize.of(config.resolved_handoff_states(), max_model_len, rank.kv_pool, rank.state_pool)
     if config.data_parallel_size == 1:
         rank.runner.followers = followers
-        for pool in filter(None, (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)):
-            pool.mirror = followers.pool_ops
+        mirrored: tuple[StatePool | KVPagePool | None, ...] = (rank.state_pool, rank.checkpoint_pool, rank.kv_pool)
+        for pool in mirrored:
+            if pool is not None:
+                pool.mirror = followers.pool_ops
         return scheduler(rank.kv_pool, rank.state_pool), TensorParallelHandoff(
             followers, rank.kv_pool, rank.state_pool, area
         )
@@ -167,12 +170,13 @@ def make_prefix_cache(config: EngineConfig, parts: EngineParts, stats: EngineSta
     scheduler = parts.scheduler
     if isinstance(scheduler, DataParallelScheduler):
         return scheduler.attach_prefix_caches(make)
+    assert isinstance(scheduler, Scheduler), "an engine of one scheduler, if not of one per data-parallel rank"
     scheduler.prefix_cache = make(parts.rank.kv_pool, parts.rank.state_pool, parts.rank.checkpoint_pool)
     return scheduler.prefix_cache
 
 
 def log_ready(config: EngineConfig, parts: EngineParts) -> None:
-    memory = {}
+    memory: dict[str, float | None] = {}
     if parts.rank.device.type == "cuda":  # what the worker holds after its warm-up and graphs, against its share
         memory["gpu_memory_gib"] = round(torch.cuda.memory_reserved(parts.rank.device) / 2**30, 2)
         memory["gpu_memory_utilization"] = config.gpu_memory_utilization

@@ -178,11 +178,11 @@ class KVPagePool:
         if not pages:
             return
         with self._lock:
-            pages = np.unique(pages)  # each page once, as numpy's indexed updates count it
-            if self._free[pages].any():
-                raise RuntimeError(f"sharing free KV pages {pages[self._free[pages]].tolist()}")
-            self._num_cached_alone -= int(np.count_nonzero(self._cached[pages] & (self._refs[pages] == 1)))
-            self._refs[pages] += 1
+            unique = np.unique(pages)  # each page once, as numpy's indexed updates count it
+            if self._free[unique].any():
+                raise RuntimeError(f"sharing free KV pages {unique[self._free[unique]].tolist()}")
+            self._num_cached_alone -= int(np.count_nonzero(self._cached[unique] & (self._refs[unique] == 1)))
+            self._refs[unique] += 1
 
     def refs(self, page: int) -> int:
         return int(self._refs[page])
@@ -191,21 +191,21 @@ class KVPagePool:
         if not pages:
             return
         with self._lock:
-            pages = np.unique(pages)
-            if self._free[pages].any():
-                raise RuntimeError(f"double free of KV pages {pages[self._free[pages]].tolist()}")
-            refs = self._refs[pages] - 1
-            cached = self._cached[pages]
+            unique = np.unique(pages)
+            if self._free[unique].any():
+                raise RuntimeError(f"double free of KV unique {unique[self._free[unique]].tolist()}")
+            refs = self._refs[unique] - 1
+            cached = self._cached[unique]
             if (cached & (refs == 0)).any():  # the cache says note_cached(page, False) before it lets a page go
                 raise RuntimeError(
-                    f"KV pages the prefix cache holds freed by their last holder: "
-                    f"{pages[cached & (refs == 0)].tolist()}"
+                    f"KV unique the prefix cache holds freed by their last holder: "
+                    f"{unique[cached & (refs == 0)].tolist()}"
                 )
-            self._refs[pages] = refs
+            self._refs[unique] = refs
             self._num_cached_alone += int(np.count_nonzero(cached & (refs == 1)))
             freed = refs == 0
-            self._free[pages] = freed
-            back = pages[freed]
+            self._free[unique] = freed
+            back = unique[freed]
             self._num_free += len(back)
             self._runs.give_back(back.tolist())
 
@@ -237,7 +237,8 @@ class StatePool:
         self._lock = threading.Lock()
         # Tensor parallelism: the leader records its writes outside model steps here (name, then the op), for
         # the other ranks to repeat on their own pools before their next step (engine/tp_workers.py).
-        self.name, self.mirror = "", None
+        self.name = ""
+        self.mirror: list | None = None
 
     @classmethod
     def shaped_like(cls, pool: StatePool, num_slots: int | None = None, device=None) -> StatePool:

@@ -207,4 +207,5 @@ def _fp8_block(quant: dict) -> tuple[int, int]:
         problems.append(f"weight_block_size {block!r} (per-tensor FP8 is not supported: two positive ints needed)")
     if problems:
         raise ConfigError("quantization_config (fp8) not supported: " + "; ".join(problems))
+    assert isinstance(block, list)  # (checked above)
     return block[0], block[1]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 import torch
@@ -102,7 +102,7 @@ class EngineCore:
         self._commands.put(("add", request, sink))
 
     def submit_transferred(
-        self, request: Request, first_token: int, reservation: Reservation, sink: Sink, drafts: list[int] = ()
+        self, request: Request, first_token: int, reservation: Reservation, sink: Sink, drafts: Sequence[int] = ()
     ) -> None:
         """Start decoding a request whose prompt state arrived in `reservation`; `first_token` was sampled
         by the prefill worker and is the first input not yet consumed; `drafts`: the tokens its MTP module drafted
@@ -237,6 +237,7 @@ class EngineCore:
         if not step.taken and (wait or step.sampled.ready()):
             step.taken = True
             outputs = self._complete(step)
+            assert self._deferred is not None, "called between the layers of a launch, which defers endings"
             ended = {req.request_id for req, _ in self._deferred}
             self.dispatch([out for out in outputs if out.request_id not in ended])
             self._ended_early += [out for out in outputs if out.request_id in ended]

@@ -12,11 +12,15 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
 from deltamesh.kernels.batch import StepBatch
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # the type of a graph's memory pool (torch names it privately)
 
 log = structlog.get_logger("deltamesh.cuda_graphs")
 
@@ -37,8 +41,8 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.state_slots = torch.zeros(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (hidden, logits)
+        self.pool: _POOL_HANDLE | None = None
 
     def _batch(self, b: int) -> StepBatch:
         return StepBatch(
@@ -133,7 +137,7 @@ class PiecewiseGraphs:
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=dev)
         self.mixed = {s: tuple(torch.zeros(n, *row, dtype=dtype, device=dev) for row in s) for s in set(self.shapes)}
         self.pieces: dict[int, list[Callable[[], None]]] = {}
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         if capture:
             self._capture()
         else:

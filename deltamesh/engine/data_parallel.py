@@ -65,7 +65,7 @@ class DataParallelGroup(TensorParallelGroup):
         padded[: logits.shape[0]] = logits
         parts = [torch.empty_like(padded) for _ in counts] if leader else None
         dist.gather(padded, parts, dst=0, group=self.group)
-        return torch.cat([p[:n] for p, n in zip(parts, counts)]) if leader else None
+        return torch.cat([p[:n] for p, n in zip(parts, counts)]) if parts is not None else None
 
     def share_tokens(self, tokens: torch.Tensor | None, count: int, device: torch.device) -> torch.Tensor:
         """The leader's last sampled tokens (`count` of them), on every rank."""
@@ -99,9 +99,12 @@ def execute(runner, followers, items: list[ScheduledItem], pending_tokens: torch
     for it in items:
         by_rank[it.request.dp_rank].append(it)
     steps = [runner.host_step(mine) if mine else None for mine in by_rank]
-    pending = pending_tokens.numel() if any(s is not None and s.has_pending for s in steps) else 0
+    has_pending = any(s is not None and s.has_pending for s in steps)
+    pending = pending_tokens.numel() if has_pending and pending_tokens is not None else 0
     followers.send_data_parallel_step(steps, pending)
-    return run_rank(runner, followers.group, steps, 0, pending, pending_tokens)
+    logits = run_rank(runner, followers.group, steps, 0, pending, pending_tokens)
+    assert logits is not None, "the leader (rank 0) gathers every rank's logits"
+    return logits
 
 
 class DataParallelScheduler(SchedulerInterface):
@@ -153,9 +156,11 @@ class DataParallelScheduler(SchedulerInterface):
 
     def attach_prefix_caches(self, make) -> DataParallelPrefixCache:
         """A prefix cache per rank, over that rank's pools (`make(kv, states, checkpoints)`)."""
+        caches = []
         for scheduler, pools in zip(self.ranks, self.rank_pools):
             scheduler.prefix_cache = make(pools.kv, pools.states, pools.checkpoints)
-        return DataParallelPrefixCache([s.prefix_cache for s in self.ranks])
+            caches.append(scheduler.prefix_cache)
+        return DataParallelPrefixCache(caches)
 
     def add_running(self, request: Request) -> None:
         self.ranks[request.dp_rank].add_running(request)
@@ -177,10 +182,10 @@ class DataParallelScheduler(SchedulerInterface):
     def reserve(self, num_tokens: int) -> tuple[int, int, list[int]]:
         """Space on the least loaded rank that has it."""
         with self._lock:
-            pages = self.ranks[0].kv_pool.pages_for(num_tokens)
-            fits = [r for r, s in enumerate(self.ranks) if s.state_pool.num_free and s.kv_pool.num_free >= pages]
+            num_pages = self.ranks[0].kv_pool.pages_for(num_tokens)
+            fits = [r for r, s in enumerate(self.ranks) if s.state_pool.num_free and s.kv_pool.num_free >= num_pages]
             if not fits:
-                raise PoolExhausted(f"no rank has a free GDN state slot and {pages} free KV pages")
+                raise PoolExhausted(f"no rank has a free GDN state slot and {num_pages} free KV pages")
             rank = self._pick(fits)
             _, slot, pages = self.ranks[rank].reserve(num_tokens)
             return rank, slot, pages
@@ -249,8 +254,10 @@ class RankPools:
         copies.states.name = "slots"
         if copies.checkpoints is not None:
             copies.checkpoints.name = "checkpoints"
-        for pool in filter(None, (copies.kv, copies.states, copies.checkpoints)):
-            pool.mirror = ops
+        mirrored: tuple[KVPagePool | StatePool | None, ...] = (copies.kv, copies.states, copies.checkpoints)
+        for pool in mirrored:
+            if pool is not None:
+                pool.mirror = ops
         return copies
 
 

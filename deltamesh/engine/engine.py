@@ -7,7 +7,7 @@ import asyncio
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -17,7 +17,7 @@ from deltamesh.engine.cache import RankBytes, Region
 from deltamesh.engine.core import EngineCore
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.handoff import check_layouts, compat_hash
-from deltamesh.engine.prefix_cache import PinnedPrefix
+from deltamesh.engine.prefix_cache import PinnedPrefix, PrefixCache
 from deltamesh.engine.request import FinishReason, Request, RequestError, RequestOutput, TokenLogprobs
 from deltamesh.engine.reservations import Reservation
 from deltamesh.engine.step_report import StepReport
@@ -66,8 +66,9 @@ class _Mailbox:
     def put(self, out: RequestOutput) -> None:
         """The stepping thread's sink."""
         with self._lock:
-            first = self._out is None
-            self._out = out if first else self._out.then(out)
+            waiting = self._out
+            first = waiting is None
+            self._out = out if waiting is None else waiting.then(out)
         if first:
             self._loop.call_soon_threadsafe(self._ready.set)
 
@@ -76,6 +77,7 @@ class _Mailbox:
         with self._lock:
             out, self._out = self._out, None
             self._ready.clear()
+        assert out is not None, "_ready is set only while an output waits"
         return out
 
 
@@ -126,7 +128,7 @@ class Engine:
         self._wake.set()
 
     def submit_transferred(
-        self, request: Request, first_token: int, reservation: Reservation, sink, drafts: list[int] = ()
+        self, request: Request, first_token: int, reservation: Reservation, sink, drafts: Sequence[int] = ()
     ) -> None:
         self.core.submit_transferred(request, first_token, reservation, sink, drafts)
         self._wake.set()
@@ -178,7 +180,7 @@ class Engine:
     def pool_buffers(self) -> list[torch.Tensor | RankBytes]:
         """Each pool's whole memory as a 1-D byte view (of a parallel engine: its hand-off area's, made now; of
         one with `rank_memory`, every rank's pools): what a holder lets peers read."""
-        return self.core.held.pool_views()
+        return list(self.core.held.pool_views())
 
     @property
     def rank_memory(self) -> dict[int, bytes]:
@@ -218,6 +220,7 @@ class Engine:
         cache = self.core.prefix_cache
         if cache is None or self.core.handoff is not None:
             return None
+        assert isinstance(cache, PrefixCache), "a one-rank engine's (a data-parallel one has a hand-off area)"
         pinned = cache.pin(prompt_ids)
         return None if pinned is None else (pinned, [r.tensor for r in cache.regions(pinned)])
 
@@ -226,7 +229,9 @@ class Engine:
         torch.cuda.default_stream(self.device).synchronize()
 
     def unpin_prefix(self, pinned: PinnedPrefix) -> None:
-        self.core.prefix_cache.unpin(pinned)
+        cache = self.core.prefix_cache
+        assert isinstance(cache, PrefixCache), "pinned by pin_prefix, on a one-rank engine's cache"
+        cache.unpin(pinned)
 
     def cancel_reservation(self, reservation: Reservation) -> None:
         self.core.reservations.cancel(reservation)

@@ -159,10 +159,11 @@ class EngineConfig:
         it can hold instead: each checkpoint comes with a page of its own in the cache (its block's, or its tail's),
         so at most budget // (slot + page) of them, and no more than the pages the cache can hold (`pool_pages`:
         the most the KV pool can have). The slots are allocated up front: more would be memory never used."""
-        if self.prefix_cache_checkpoints or self.prefix_cache_memory_gb is None:
+        budget = self.prefix_cache_memory_bytes()
+        if self.prefix_cache_checkpoints or budget is None:
             return self.prefix_cache_checkpoints or 2 * self.max_num_seqs
         most_pages = pool_pages if self.prefix_cache_pages is None else min(pool_pages, self.prefix_cache_pages)
-        return min(self.prefix_cache_memory_bytes() // (slot_bytes + page_bytes), most_pages)
+        return min(budget // (slot_bytes + page_bytes), most_pages)
 
     def prefix_cache_memory_bytes(self) -> int | None:
         return None if self.prefix_cache_memory_gb is None else int(self.prefix_cache_memory_gb * 2**30)

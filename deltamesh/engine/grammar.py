@@ -43,6 +43,8 @@ from deltamesh.engine.sampling import on_device
 from deltamesh.protocol.structured import StructuredOutputs
 
 if TYPE_CHECKING:
+    from xgrammar import GrammarCompiler, GrammarMatcher
+
     from deltamesh.engine.request import Request
     from deltamesh.engine.tokenizer import Tokenizer
 
@@ -71,6 +73,7 @@ def parse(spec: StructuredOutputs):
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if spec.kind == "choice":  # JSON's string escapes are EBNF's
+            assert spec.choice is not None, "a choice spec has its choices"
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_quoted(c) for c in spec.choice))
         return xgr.Grammar.from_ebnf(spec.grammar)
     except RuntimeError as e:  # xgrammar's parsers: "[time] /path/file.cc:line: what is wrong"
@@ -93,7 +96,7 @@ class RequestGrammar:
 
     def __init__(self, compiled: Future):
         self._compiled = compiled
-        self.matcher = None  # xgrammar's GrammarMatcher, once compiled and first fed
+        self.matcher: GrammarMatcher | None = None  # once compiled and first fed
         self._accepted = 0  # output tokens fed to the matcher
         self.error: str | None = None
 
@@ -129,6 +132,7 @@ class RequestGrammar:
         longer), or the token was sampled against its mask (a bug)."""
         xgr = xgrammar()
         bitmask = xgr.allocate_token_bitmask(1, self._compiled.result().tokenizer_info.vocab_size)
+        assert self.matcher is not None, "called by advance, with its matcher"
         self.matcher.fill_next_token_bitmask(bitmask)
         if not bitmask.any():
             return (
@@ -146,7 +150,7 @@ class Grammars:
         self.on_compiled: Callable[[], None] | None = None  # wakes the stepping thread (Engine)
         self._lock = threading.Lock()  # the jobs
         self._pool: ThreadPoolExecutor | None = None
-        self._compiler = None
+        self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()  # its making, which takes seconds (held by a pool thread only)
         self._compiling: dict[str, Future] = {}  # spec key -> its job, while it runs
 
@@ -158,12 +162,13 @@ class Grammars:
         with self._lock:
             job = self._compiling.get(spec.key)
             started = job is None
-            if started:
+            if job is None:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
                 job = self._compiling[spec.key] = self._pool.submit(self._compile, grammar)
         if started:  # not under the lock: a job done already calls back at once, here, and `_done` takes the lock
-            job.add_done_callback(lambda _, key=spec.key: self._done(key))
+            key = spec.key
+            job.add_done_callback(lambda _: self._done(key))
         return RequestGrammar(job)
 
     def _done(self, key: str) -> None:
@@ -175,13 +180,15 @@ class Grammars:
     def _compile(self, grammar):
         with self._compiler_lock:
             if self._compiler is None:
+                assert self.tokenizer is not None, "start refuses grammars without a tokenizer"
                 xgr = xgrammar()
                 self._compiler = xgr.GrammarCompiler(
                     tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.stop_token_ids),
                     max_threads=COMPILE_THREADS,
                     cache_limit_bytes=CACHE_BYTES,
                 )
-        return self._compiler.compile_grammar(grammar)
+            compiler = self._compiler
+        return compiler.compile_grammar(grammar)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -235,10 +242,11 @@ class GrammarMasks:
         cuda = logits.is_cuda
         words = (logits.shape[-1] + 31) // 32
         bitmask = torch.empty((logits.shape[0], words), dtype=torch.int32, pin_memory=cuda)
-        self._batch.batch_fill_next_token_bitmask([requests[i].grammar.matcher for i in rows], bitmask, rows)
-        indices = None if len(rows) == len(requests) else rows
+        matchers = [grammar.matcher for i in rows if (grammar := requests[i].grammar) is not None]  # (all of rows)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        indices: list[int] | torch.Tensor | None = None if len(rows) == len(requests) else rows
         if cuda:  # queued behind the forward pass, without waiting for it
             bitmask = bitmask.to(logits.device, non_blocking=True)
-            indices = None if indices is None else on_device(indices, torch.int32, logits.device)
+            indices = None if indices is None else on_device(rows, torch.int32, logits.device)
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
         return time.perf_counter() - started

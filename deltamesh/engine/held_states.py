@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,7 +65,7 @@ class HeldStates:
             req.pages = req.pages[:prompt_pages]
         if self.handoff is not None and not self.rank_memory:
             try:
-                req.staged = self.handoff.gather(req.pages, req.slot, req.dp_rank)
+                req.staged = self.handoff.gather(req.pages, req.held_slot, req.dp_rank)
             except PoolExhausted:
                 return False
             self.scheduler.free(req)
@@ -87,27 +88,27 @@ class HeldStates:
             req = self._held.pop(request_id, None)
         if req is None:
             return False
-        if req.staged is not None:
+        if self.handoff is not None and req.staged is not None:
             self.handoff.unstage(req.staged)
             req.staged = None
         self.scheduler.free(req)
         return True
 
-    def regions(self, request_id: str) -> list[Region | RankBytes]:
+    def regions(self, request_id: str) -> Sequence[Region | RankBytes]:
         """A held state's bytes, in hand-off order (KeyError if not held)."""
         req = self.get(request_id)
         if req is None:
             raise KeyError(request_id)
-        if req.staged is not None:  # a parallel engine's: in its hand-off area
+        if self.handoff is not None and req.staged is not None:  # a parallel engine's: in its hand-off area
             return self.handoff.staged_regions(req.staged)
-        own = self.kv_pool.regions(req.pages) + self.state_pool.regions(req.slot)
+        own = self.kv_pool.regions(req.pages) + self.state_pool.regions(req.held_slot)
         if not self.rank_memory:
             return own
         if self.data_parallel:  # where its rank keeps it, whole
             if not req.dp_rank:
                 return own
             kv, states = self.scheduler.pools(req.dp_rank)
-            return self._rank_bytes(req.dp_rank, kv.regions(req.pages) + states.regions(req.slot))
+            return self._rank_bytes(req.dp_rank, kv.regions(req.pages) + states.regions(req.held_slot))
         # tensor parallel: every rank's part, in rank order (StateLayout.rank_parts)
         return own + [b for rank in sorted(self.rank_memory) for b in self._rank_bytes(rank, own)]
 
@@ -116,9 +117,9 @@ class HeldStates:
         bookkeeping copy of a data-parallel rank's), at the same offsets in that rank's pools."""
         (kv, _), (conv, _), (recurrent, _) = self.rank_memory[rank].pools
         starts = [kv] * (len(regions) - 2) + [conv, recurrent]
-        return [RankBytes(rank, start + r.tensor.storage_offset(), r.nbytes) for start, r in zip(starts, regions)]
+        return [RankBytes(rank, start + int(r.tensor.storage_offset()), r.nbytes) for start, r in zip(starts, regions)]
 
-    def pool_views(self) -> list[torch.Tensor | RankBytes]:
+    def pool_views(self) -> Sequence[torch.Tensor | RankBytes]:
         """What a holder lets peers read: each pool's whole memory (of a parallel engine: its hand-off area's, or
         every rank's pools when the transport reads the ranks' memory)."""
         if self.rank_memory:

@@ -164,6 +164,7 @@ def size_kv_pool(
         elif share is not None:
             budget, what = share - held - fp.apart - fp.runtime, None
         elif gpu_total is not None:
+            assert gpu_free is not None, "a GPU's free memory comes with its total"
             budget = FREE_FRACTION * gpu_free - fp.apart
             what = f"{FREE_FRACTION:.0%} of the free GPU memory (without --gpu-memory-utilization)"
         else:
@@ -178,6 +179,7 @@ def size_kv_pool(
     kv = (pages if c.num_kv_pages else max(pages, fp.request_pages)) * fp.page_bytes
     need = held + fp.apart + fp.runtime + kv
     if share is not None and need > share:
+        assert gpu_total is not None  # (share is its part)
         kv_part = (
             f"KV pool {_gib(kv)} ({pages} pages)"
             if c.num_kv_pages or c.kv_cache_memory_gb is not None

@@ -20,6 +20,7 @@ head j // (HV / HK)), so a rank's key heads and value heads are contiguous range
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ import torch.nn.functional as F
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.quantization import SCALE_SUFFIX
 from deltamesh.kernels.fp8 import BLOCK
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class ParallelConfigError(ValueError):
@@ -104,8 +108,9 @@ def shard_config(
         raise ParallelConfigError(
             f"cannot split this model into {size} {kind} ranks: {', '.join(bad)} not divisible by {size}"
         )
-    heads = {} if data_parallel else {"num_key_value_heads": max(kv // size, 1)}
-    return replace(cfg, **heads, **{k: v // size for k, v in needs.items()}, **experts)
+    changes: dict[str, Any] = {} if data_parallel else {"num_key_value_heads": max(kv // size, 1)}
+    changes |= {k: v // size for k, v in needs.items()} | experts
+    return replace(cfg, **changes)
 
 
 @dataclass(frozen=True)
@@ -227,7 +232,7 @@ def shard_scales(name: str, scales: torch.Tensor, shard: Shard) -> torch.Tensor 
 class TensorParallelGroup:
     """The collectives of one tensor-parallel engine, over a torch.distributed process group."""
 
-    def __init__(self, shard: Shard, group=None):
+    def __init__(self, shard: Shard, group: ProcessGroup | None = None):
         self.shard, self.group = shard, group
 
     def all_reduce(self, x: torch.Tensor, min: bool = False) -> torch.Tensor:

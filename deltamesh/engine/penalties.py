@@ -128,19 +128,23 @@ class LogitAdjustments:
         """Count the step's sampled tokens (`tokens`, one per batch row, on the device) into the rows."""
         if counting is None:
             return
+        assert self._sparse is not None, "counting rows come from the sparse pool"
         self._sparse["generated"][counting.sparse] += 1
         if counting.counted is not None:  # one token per row: no (row, token) pair twice
+            assert self._counted is not None, "counted rows come from the counted pool"
             self._counted["counts"][counting.counted, tokens[counting.counted_at]] += 1
 
     # ---- on the device ---------------------------------------------------------------------------------
     def _apply_sparse(self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
         pool = self._sparse
+        assert pool is not None, "rows come from the sparse pool"
         holding = pool["generated"][rows] < pool["min_tokens"][rows]  # min_tokens not reached yet
         added = torch.where(pool["is_stop"][rows] & holding[:, None], float("-inf"), pool["values"][rows])
         logits[at] = logits[at].scatter_add_(1, pool["ids"][rows], added)  # padding adds 0 to token 0
 
     def _apply_penalties(self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
         pool = self._counted
+        assert pool is not None, "rows come from the counted pool"
         x, counts = logits[at], pool["counts"][rows]
         generated = counts > 0
         repetition, frequency, presence = pool["penalties"][rows].unbind(1)
@@ -156,8 +160,10 @@ class LogitAdjustments:
         for key, rows in list(self._rows.items()):
             if rows.request.status is not Status.RUNNING:
                 del self._rows[key]
+                assert self._sparse is not None, "rows come from the sparse pool"
                 self._sparse.free.append(rows.sparse)
                 if rows.counted is not None:
+                    assert self._counted is not None, "counted rows come from the counted pool"
                     self._counted.free.append(rows.counted)
 
     def _build(self, req: Request) -> _Rows:

@@ -175,12 +175,14 @@ class PrefixCache(PrefixCacheInterface):
             keys = req.block_keys[:best]
             pages = [self.entries.blocks[k].page for k in keys]
             entries: list = list(keys)
+            checkpoint: int | None
             if tail is not None:
                 pages.append(tail.page)
                 entries.append((keys[-1] if keys else None, tail.tokens))
                 checkpoint = tail.checkpoint
             else:
                 checkpoint = self.entries.blocks[keys[-1]].checkpoint
+            assert checkpoint is not None, "the longest prefix ends at a checkpoint"
             self.kv_pool.share(pages)
             self.entries.pin(entries)
             self.entries.touch(keys[::-1])
@@ -209,11 +211,13 @@ class PrefixCache(PrefixCacheInterface):
         with self._lock:
             if tail is None:
                 key = req.block_keys[num_pages - 1]
-                self.state_pool.copy_slot(req.slot, self.checkpoints, self.entries.blocks[key].checkpoint)
+                checkpoint = self.entries.blocks[key].checkpoint
+                assert checkpoint is not None, "a request resumes at a block's checkpoint"
+                self.state_pool.copy_slot(req.held_slot, self.checkpoints, checkpoint)
                 self.entries.touch_checkpoint(key)
             else:
                 self.kv_pool.copy_page(req.pages[num_pages], tail.page)
-                self.state_pool.copy_slot(req.slot, self.checkpoints, tail.checkpoint)
+                self.state_pool.copy_slot(req.held_slot, self.checkpoints, tail.checkpoint)
                 self.entries.touch_tail((req.block_keys[num_pages - 1] if num_pages else None, tail.tokens), tail)
             self.entries.touch(req.block_keys[:num_pages][::-1])
         self.release(tail)
@@ -294,7 +298,7 @@ class PrefixCache(PrefixCacheInterface):
         read from state slot `src` (default: the request's own): a checkpoint on the block ending there, or a
         tail past the last full block."""
         full = pos // self.kv_pool.page_size
-        src = req.slot if src is None else src
+        src = req.held_slot if src is None else src
         if pos == full * self.kv_pool.page_size:
             self._save_checkpoint(keys[full - 1], src, keys[:full])
         else:

@@ -114,9 +114,8 @@ class CacheEntries:
     def resume_keys(self) -> set[int]:
         """The block keys a request can resume after: blocks with a checkpoint, and the full blocks that tails
         follow (a tail of a sequence shorter than a page follows none)."""
-        keys = {k if isinstance(k, int) else k[0] for k in self._checkpointed}
-        keys.discard(None)
-        return keys
+        keys = (k if isinstance(k, int) else k[0] for k in self._checkpointed)
+        return {k for k in keys if k is not None}
 
     # ---- use ---------------------------------------------------------------------------------------------------
     def touch(self, keys: list[int]) -> None:
@@ -265,6 +264,7 @@ class CacheEntries:
         self.kv_pool.free([tail.page])
 
     def _free_checkpoint(self, key: int, block: Block) -> None:
+        assert block.checkpoint is not None, key
         self.checkpoints.free(block.checkpoint)
         block.checkpoint = None
         del self._checkpointed[key]
@@ -273,5 +273,5 @@ class CacheEntries:
         """Drop every entry, pinned ones too (so only once nothing reads them)."""
         for key in [k for k, b in self.blocks.items() if b.parent is None]:
             self._drop(key, evicted=False)
-        for key in list(self.tails):
-            self._drop_tail(key, evicted=False)
+        for tail_key in list(self.tails):
+            self._drop_tail(tail_key, evicted=False)

@@ -16,7 +16,9 @@ from deltamesh.protocol.sampling import SamplingParams
 if TYPE_CHECKING:
     from deltamesh.engine.cache import KVPagePool
     from deltamesh.engine.grammar import RequestGrammar
+    from deltamesh.engine.reservations import RankParts
     from deltamesh.engine.tokenizer import Tokenizer
+    from deltamesh.engine.tp_handoff import Staged
 
 
 @dataclass
@@ -97,8 +99,8 @@ class Request:
     # runner caches each request's pages as an array on that basis.
     pages: list[int] = field(default_factory=list)
     dp_rank: int = 0  # data-parallel attention: the rank whose pools hold `slot` and `pages`
-    staged: object = None  # a parallel engine: its place in the hand-off area (tp_handoff.Staged)
-    parts: object = None  # arrived as its sender's rank parts, until merged (reservations.RankParts)
+    staged: Staged | None = None  # a parallel engine: its place in the hand-off area
+    parts: RankParts | None = None  # arrived as its sender's rank parts, until merged
     # Prefix cache (prefix_cache.py): the hash-chain keys of the prompt's full pages, computed once, and how many
     # of its prompt pages the cache has been offered since the request was (re)admitted.
     block_keys: list[int] = field(default_factory=list)
@@ -129,6 +131,12 @@ class Request:
         if start >= n:
             return self.output_ids[start - n : stop - n]
         return self.prompt_ids[start:] + self.output_ids[: stop - n]
+
+    @property
+    def held_slot(self) -> int:
+        """`slot`, where the request is known to hold one (admitted, held for a puller, or arriving)."""
+        assert self.slot is not None, f"request {self.request_id} holds no state slot"
+        return self.slot
 
     @property
     def num_tokens(self) -> int:

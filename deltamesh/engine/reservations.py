@@ -14,7 +14,7 @@ from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.interfaces import SchedulerInterface
 from deltamesh.engine.request import Request
 from deltamesh.engine.state_shards import RequestState, merge, nbytes, part_shapes, unpack
-from deltamesh.engine.tp_handoff import Handoff, one_rank_template, store_rank_state
+from deltamesh.engine.tp_handoff import Handoff, Staged, one_rank_template, store_rank_state
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Reservation:
     # outside that stream (a UCX pull) before `wait_ready`.
     ready: torch.cuda.Event | None = None
     rank: int = 0  # data-parallel attention: the rank whose pools these are
-    staged: object = None  # a parallel engine: `regions` are this place of its hand-off area (tp_handoff.Staged)
+    staged: Staged | None = None  # a parallel engine: `regions` are this place of its hand-off area
     # a state sent as its sender's rank parts: `regions` are this RankParts' bytes, placed before the first step
     parts: RankParts | None = None
 
@@ -102,7 +102,7 @@ class Reservations:
         if sender_parts > 1:
             parts = self._parts(len(pages), sender_parts)
             regions = [Region(parts.flat, f"rank parts [{sender_parts}]")]
-        elif staged is not None:
+        elif self.handoff is not None and staged is not None:
             regions = self.handoff.staged_regions(staged)
         else:
             regions = self.kv_pool.regions(pages) + self.state_pool.regions(slot)
@@ -114,7 +114,7 @@ class Reservations:
         return RankParts(shapes, torch.empty(sum(map(nbytes, shapes)), dtype=torch.uint8, device=self.device))
 
     def cancel(self, reservation: Reservation) -> None:
-        if reservation.staged is not None:
+        if self.handoff is not None and reservation.staged is not None:
             self.handoff.unstage(reservation.staged)
         self.scheduler.cancel(reservation.rank, reservation.slot, reservation.pages)
 
@@ -130,14 +130,17 @@ class Reservations:
             if req.parts is not None:
                 parts, req.parts = req.parts.unpacked(), None
                 if self.handoff is not None and self.handoff.takes_parts(len(parts)):
-                    self.handoff.hand_out(req.pages, req.slot, parts)  # its own ranks' parts: as they came
+                    self.handoff.hand_out(req.pages, req.held_slot, parts)  # its own ranks' parts: as they came
                     return
                 whole = merge(parts, self.full)
                 if self.handoff is None:
-                    store_rank_state(self.kv_pool, self.state_pool, req.pages, req.slot, whole)
+                    store_rank_state(self.kv_pool, self.state_pool, req.pages, req.held_slot, whole)
                     return
+                assert req.staged is not None, "reserve staged it: a parallel engine that takes no parts as they are"
                 self.handoff.area.write(req.staged, whole)
-            self.handoff.scatter(req.pages, req.slot, req.dp_rank, req.staged)
+            # (the first return above leaves only a parallel engine here, which staged the state: reserve)
+            assert self.handoff is not None and req.staged is not None
+            self.handoff.scatter(req.pages, req.held_slot, req.dp_rank, req.staged)
         finally:
             self.unstage(req)
 
@@ -148,6 +151,6 @@ class Reservations:
 
     def unstage(self, req: Request) -> None:
         """Give back a request's place in the hand-off area: its state went to its ranks, or it never will."""
-        if req.staged is not None:
+        if self.handoff is not None and req.staged is not None:
             self.handoff.unstage(req.staged)
             req.staged = None

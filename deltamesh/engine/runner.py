@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +16,11 @@ from deltamesh.engine.spec import host as spec_host
 from deltamesh.engine.spec.host import SpecHost
 from deltamesh.kernels import Kernels
 from deltamesh.kernels.batch import StateSnapshots, StepBatch
+
+if TYPE_CHECKING:
+    from deltamesh.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+    from deltamesh.engine.spec.runner import SpecRunner
+    from deltamesh.engine.tp_workers import Followers
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
@@ -47,13 +53,13 @@ class ModelRunner:
             device,
         )
         self.tp = model.tp  # the tensor-parallel group, or None (one rank, or data-parallel attention)
-        self.followers = None  # on a tensor-parallel leader: tp_workers.Followers, sent every step
-        self.graphs = None  # DecodeGraphs once captured
+        self.followers: Followers | None = None  # on a tensor-parallel leader: sent every step
+        self.graphs: DecodeGraphs | None = None  # once captured
         self.graph_steps = 0  # steps replayed from them (step_report.py)
-        self.pieces = None  # PiecewiseGraphs once captured: steps with prompt tokens
+        self.pieces: PiecewiseGraphs | None = None  # once captured: steps with prompt tokens
         self.piecewise_steps = 0  # steps replayed from those
         self._page_rows: dict[str, tuple[list[int], np.ndarray]] = {}  # request id -> (pages list, as array)
-        self.spec = None  # spec.runner.SpecRunner: a speculative engine's (rank.py)
+        self.spec: SpecRunner | None = None  # a speculative engine's (rank.py)
         self._staging: torch.Tensor | None = None  # pinned host buffer of the step's index arrays (CUDA)
         self._staged: torch.cuda.Event | None = None  # recorded after its last copy to the device
 
@@ -88,7 +94,7 @@ class ModelRunner:
         speculative engine proposes drafts in this step."""
         ps = self.kv_pool.page_size
         nv = sum(it.verify for it in items)  # the leading items
-        w = self.spec.width if nv else 1
+        w = self.spec.width if nv and self.spec is not None else 1  # (only a speculative engine verifies)
         snaps = [it for it in items if it.snapshot_at is not None]
         reqs = [it.request for it in items[:nv] for _ in range(w)] + [it.request for it in items[nv:]]
         reqs += [it.request for it in snaps]
@@ -174,6 +180,7 @@ class ModelRunner:
             if pending_tokens is not None:
                 ids_t[fill[0]] = pending_tokens[fill[1]]
                 if step.spec is not None:
+                    assert self.spec is not None, "a step with drafts comes from a speculative engine"
                     self.spec.fill_drafts(step.spec, arrays[11:], ids_t)
             elif self.tp is None or self.tp.shard.rank == 0:
                 raise ValueError("a scheduled token is pending but no previous step's tokens were given")
@@ -194,6 +201,7 @@ class ModelRunner:
             snapshot=StateSnapshots(step.snapshots, tail_cu, kept) if step.snapshots else None,
         )
         if step.spec is not None:
+            assert self.spec is not None, "a step with drafts comes from a speculative engine"
             batch.verify = self.spec.place(step.spec, arrays[11:], batch)
         return ids_t, batch
 
@@ -280,6 +288,7 @@ class ModelRunner:
         """`execute` from the host inputs: what every tensor-parallel rank runs for the leader's step."""
         input_ids, batch = self.device_inputs(step, pending_tokens)
         if step.spec is not None:
+            assert self.spec is not None, "a step with drafts comes from a speculative engine"
             return self.spec.run(step.spec, input_ids, batch, sampling, between_layers)
         hidden, logits = self.forward(input_ids, batch, between_layers)
         if logits is not None:

@@ -113,15 +113,15 @@ def sample_async(
                 g = torch.Generator(device=dev).manual_seed(_mix(seed, output_index[i]))
                 noise[row].exponential_(generator=g)
         tokens[rand] = (probs / noise).argmax(-1)
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    asked = {i: p.logprobs for i, p in enumerate(params) if p.logprobs is not None}
+    want = list(asked)
     if not want:
         return SampledTokens(tokens, [], [])
     wanted = _rows(want, n, dev)
     lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[wanted], dim=-1)
-    k = max(params[i].logprobs for i in want)
-    top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+    top_vals, top_ids = lp.topk(max(*asked.values(), 1), dim=-1)
     chosen = lp.gather(1, tokens[wanted][:, None]).squeeze(1)
-    return SampledTokens(tokens, want, [params[i].logprobs for i in want], (chosen, top_vals, top_ids))
+    return SampledTokens(tokens, want, list(asked.values()), (chosen, top_vals, top_ids))
 
 
 def sample(

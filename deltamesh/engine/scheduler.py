@@ -246,7 +246,7 @@ class Scheduler(SchedulerInterface):
             return False
         req.slot = self.state_pool.alloc(zeroed=not (cached or tail))
         req.pages = cached + self.alloc_pages(need)
-        if cached or tail:
+        if cache is not None and (cached or tail):  # (only the cache gives cached pages or a tail)
             cache.restore(req, len(cached), tail)
         if req.num_cached_tokens is None:
             req.num_cached_tokens = req.num_computed

@@ -104,13 +104,15 @@ class StepLauncher:
         if span:
             span[0].record()
         sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
-        spec = self._spec_sampling(items, sampling) if self.runner.spec is not None else None
+        spec_runner = self.runner.spec
+        spec = self._spec_sampling(items, sampling) if spec_runner is not None else None
         out = self._forward(items, previous, between_layers, spec)
         if span:
             span[1].record()
         self._advance(items, started)
-        if spec is not None:  # accepted inside the forward pass (spec/runner.py): its outputs
-            sampled = SpecTokens(out, sampling, sum(it.verify for it in items), self.runner.spec.k)
+        sampled: SpecTokens | SampledTokens
+        if spec_runner is not None and spec is not None:  # accepted inside the forward pass (spec/runner.py)
+            sampled = SpecTokens(out, sampling, sum(it.verify for it in items), spec_runner.k)
             self._pending(sampling)
         else:
             if any(r.grammar is not None for r in sampling):

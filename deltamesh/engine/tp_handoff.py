@@ -239,6 +239,7 @@ class TensorParallelHandoff(Handoff):
         staged = self.stage(len(pages))
         self.followers.send_gather(pages, slot)
         parts = gather_parts(self.tp, rank_state(self.kv_pool, self.state_pool, pages, slot))
+        assert parts is not None, "the leader (rank 0) gathers every rank's part"
         self.area.write(staged, merge(parts, self.tp.shard.full, self.tp.shard.expert_parallel))
         self._synchronize()
         return staged

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -34,6 +35,9 @@ import torch
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.parallel import Shard, TensorParallelGroup
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 log = structlog.get_logger("deltamesh.tp")
 
@@ -49,7 +53,9 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def join_group(config: EngineConfig, full: ModelConfig, rank: int, store) -> tuple[TensorParallelGroup, object]:
+def join_group(
+    config: EngineConfig, full: ModelConfig, rank: int, store: Any
+) -> tuple[TensorParallelGroup, ProcessGroup | None]:
     """(the model's collectives, the gloo group the leader's messages travel on) of this rank; `store`: the
     leader's torch.distributed TCPStore, where the ranks meet."""
     import torch.distributed as dist
@@ -207,6 +213,7 @@ def exports_rank_memory(config: EngineConfig) -> bool:
 def export_rank_memory(config: EngineConfig, views: list[torch.Tensor]) -> RankMemory:
     import importlib
 
+    assert config.rank_exporter is not None, "called only when exports_rank_memory(config)"
     module, _, function = config.rank_exporter.partition(":")
     exported = getattr(importlib.import_module(module), function)(views)
     return RankMemory(exported, [(v.data_ptr(), v.numel()) for v in views])
@@ -217,7 +224,7 @@ def follow(config: EngineConfig, rank: int, store_port: int) -> None:
     import torch.distributed as dist
 
     from deltamesh.engine.cache import pool_views
-    from deltamesh.engine.data_parallel import follow_point_to_point, run_rank
+    from deltamesh.engine.data_parallel import DataParallelGroup, follow_point_to_point, run_rank
     from deltamesh.engine.rank import build_rank
     from deltamesh.engine.tp_handoff import gather_parts, rank_state, scatter_parts, store_rank_state
 
@@ -234,7 +241,7 @@ def follow(config: EngineConfig, rank: int, store_port: int) -> None:
         dist.gather_object(dataclasses.astuple(memory), None, dst=0, group=control)
     pools = {"slots": me.state_pool, "checkpoints": me.checkpoint_pool}
     while True:
-        message = [None]
+        message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0, group=control)
         kind, *args = message[0]
         if kind == "stop":
@@ -251,11 +258,13 @@ def follow(config: EngineConfig, rank: int, store_port: int) -> None:
                 store_rank_state(me.kv_pool, me.state_pool, pages, slot, scatter_parts(tp, mine, None))
             continue
         if kind == "p2p":
+            assert isinstance(tp, DataParallelGroup), "the leader sends p2p only to data-parallel ranks"
             follow_point_to_point(tp, me.kv_pool, me.state_pool, *args)
             continue
         if kind == "dp_step":
             steps, ops, pending_count = args
             _repeat(ops[rank], me, pools)
+            assert isinstance(tp, DataParallelGroup), "the leader sends dp_step only to data-parallel ranks"
             run_rank(me.runner, tp, steps, rank, pending_count)
             continue
         step, ops = args

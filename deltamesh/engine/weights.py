@@ -9,7 +9,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import structlog
@@ -150,17 +150,20 @@ class ShardReader:
     on load (`keep` says which stay FP8), a tensor the model family regroups on load."""
 
     def __init__(self, model: HybridLM, keep: Callable[[str], bool]):
+        assert model.group is not None, "a parallel rank's model reads its parts"
         self.model, self.shard, self.keep = model, model.group.shard, keep
         self.taken: set[str] = set()  # canonical names read as this rank's part already
         self.elements = 0  # read from disk
 
     def read(self, f, name: str) -> torch.Tensor:
         stored, canonical = f.get_slice(name), canonical_name(name)
+        assert canonical is not None, f"{name}: read only when wanted (load_checkpoint), so a model weight's"
         dequantized_whole = stored.get_dtype().startswith("F8") and not self.keep(name)
         if name.endswith(SCALE_SUFFIX) or dequantized_whole or self.model.regroups(canonical):
             tensor = f.get_tensor(name)
         else:
             part = shard_part(canonical, stored.get_shape(), self.shard)
+            assert part is not None, f"{name}: read only when this rank holds part of it (reads_tensor)"
             tensor = part.take(stored)
             self.taken.add(canonical)
         self.elements += tensor.numel()
@@ -185,7 +188,9 @@ def load_checkpoint(model: HybridLM, model_dir: Path) -> ShardReader | None:
     return reader
 
 
-def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None, taken: set[str] = frozenset()) -> None:
+def load_tensors(
+    model: HybridLM, named_tensors, slots: dict | None = None, taken: Collection[str] = frozenset()
+) -> None:
     """Fill every weight from (checkpoint name, tensor) pairs; names the missing and the unexpected. A parallel
     rank keeps its own part of each tensor (parallel.shard_tensor), unless `taken` names it as read so already.
     `slots`: the model's weight_slots, when the caller has them."""
@@ -201,9 +206,10 @@ def load_tensors(model: HybridLM, named_tensors, slots: dict | None = None, take
             for part_name, part in model.checkpoint_tensors(name, tensor):
                 if model.group and part_name not in taken:
                     shard = shard_scales if part_name.endswith(SCALE_SUFFIX) else shard_tensor
-                    part = shard(part_name, part, model.group.shard)
-                    if part is None:  # an expert another rank holds
+                    mine = shard(part_name, part, model.group.shard)
+                    if mine is None:  # an expert another rank holds
                         continue
+                    part = mine
                 slot = slots.get(part_name)
                 if slot is None:
                     unexpected.append(part_name)

@@ -9,8 +9,12 @@ code never has to synchronise to learn a length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the engine's pools import the kernels: named for type checkers only
+    from deltamesh.engine.cache import StatePool
 
 
 @dataclass
@@ -33,7 +37,7 @@ class Verification:
 
     count: int
     width: int
-    pool: object  # cache.StatePool: the draft states
+    pool: StatePool  # the draft states
     slots: torch.Tensor  # [count, width] int64 the draft-pool slot of each token's state (device)
 
     @property

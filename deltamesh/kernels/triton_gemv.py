@@ -419,8 +419,9 @@ def gemv(
         if kind in (SIGMOID_GATE, GATED_NORM):
             head = x.shape[-1]
             assert x.dim() == 3 and head & (head - 1) == 0 and config.block_k % head == 0
-    normed = prologue.normed if kind == ADD_NORM else out
-    residual = prologue.residual if kind == ADD_NORM else out
+    add_norm = prologue if prologue is not None and kind == ADD_NORM else None  # (kind is PLAIN without one)
+    normed = add_norm.normed if add_norm is not None else out
+    residual = add_norm.residual if add_norm is not None else out
     split = config.split_k > 1
     partials = torch.empty(config.split_k, m, n + n_tail, dtype=torch.float32, device=x.device) if split else out
     arrivals = _arrivals(x.device) if split else out

@@ -73,7 +73,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None):
     return fp8_gemm(x, w, bias)
 
 
-def _linears(x: torch.Tensor, weights: list, bias: None) -> list[torch.Tensor]:
+def _linears(x: torch.Tensor, weights: list, bias: torch.Tensor | None) -> list[torch.Tensor]:
     """An FP8 weight and plain rows beside it in one GEMV launch at few tokens (views of one output); else one
     projection after the other."""
     assert bias is None, "a list of weights takes no bias"

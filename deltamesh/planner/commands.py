@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -47,18 +47,19 @@ def _defaults(field: str) -> str:
     return f"default: GPU {show(getattr(Grid.default(True), field))}; CPU {show(getattr(Grid.default(False), field))}"
 
 
-def _ints_option(what: str, field: str):
-    return Annotated[str | None, typer.Option(help=f"{what}, comma-separated ({_defaults(field)})")]
+def _ints_option(what: str, field: str) -> Any:
+    """The typer option of a comma-separated list of integers (the metadata of its Annotated[str | None, ...])."""
+    return typer.Option(help=f"{what}, comma-separated ({_defaults(field)})")
 
 
 @with_options(PROFILED)
 def profile(
     out: Annotated[str | None, typer.Option(help="Profile JSON (default: PROFILE-NAME.json)")] = None,
     name: Annotated[str | None, typer.Option(help="Label (default: MODEL-DEVICE[-tpN])")] = None,
-    prefill_lens: _ints_option("Prompt lengths of the prefill points", "prefill_lens") = None,
-    prefill_batches: _ints_option("Prompts prefilled together", "prefill_batches") = None,
-    decode_batches: _ints_option("Decode batches", "decode_batches") = None,
-    decode_contexts: _ints_option("Decode contexts", "decode_contexts") = None,
+    prefill_lens: Annotated[str | None, _ints_option("Prompt lengths of the prefill points", "prefill_lens")] = None,
+    prefill_batches: Annotated[str | None, _ints_option("Prompts prefilled together", "prefill_batches")] = None,
+    decode_batches: Annotated[str | None, _ints_option("Decode batches", "decode_batches")] = None,
+    decode_contexts: Annotated[str | None, _ints_option("Decode contexts", "decode_contexts")] = None,
     decode_steps: Annotated[
         int | None, typer.Option(help=f"Timed decode steps per point ({_defaults('decode_steps')})")
     ] = None,
@@ -69,7 +70,7 @@ def profile(
         ),
     ] = None,
     reps: Annotated[int | None, typer.Option(help=f"Rounds of every point, medians ({_defaults('reps')})")] = None,
-    transfer_lens: _ints_option("Prompt lengths of the transfer points", "transfer_lens") = None,
+    transfer_lens: Annotated[str | None, _ints_option("Prompt lengths of the transfer points", "transfer_lens")] = None,
     transfer_from: Annotated[
         str | None,
         typer.Option(help="Take the transfer times from a bench/transfer.py JSON (or a profile)"),
@@ -124,7 +125,7 @@ def profile(
         result = run_profile(engine, grid, moves, label)
     except (ValueError, ProfileError, MeasurementError) as e:
         raise _fail("profile", e) from None
-    given = dict(
+    given_options = dict(
         values,
         out=out,
         name=name,
@@ -140,7 +141,7 @@ def profile(
         transfer=transfer,
         ucx_error_handling=ucx_error_handling,
     )
-    result.provenance = {"command": _command_line(profile, given), **_provenance()}
+    result.provenance = {"command": _command_line(profile, given_options), **_provenance()}
     result.save(path)
     print(f"deltamesh profile: wrote {path}", file=sys.stderr)
     print(_profile_summary(result))

@@ -42,9 +42,14 @@ class Layout:
     def disaggregated(self) -> bool:
         return self.colocated is None
 
+    def prefill_decode(self) -> tuple[Role, Role]:
+        """A disaggregated layout's prefill and decode roles."""
+        assert self.prefill is not None and self.decode is not None, "a disaggregated layout (__post_init__)"
+        return self.prefill, self.decode
+
     @property
     def roles(self) -> list[Role]:
-        return [self.colocated] if self.colocated else [self.prefill, self.decode]
+        return [self.colocated] if self.colocated else list(self.prefill_decode())
 
     @property
     def gpus(self) -> int:
@@ -54,13 +59,14 @@ class Layout:
     def label(self) -> str:
         if self.colocated:
             return f"colocated x{self.colocated.workers}"
-        return f"{self.prefill.workers}P{self.decode.workers}D"
+        p, d = self.prefill_decode()
+        return f"{p.workers}P{d.workers}D"
 
     def describe(self) -> str:
         if self.colocated:
             r = self.colocated
             return f"{self.label} [{r.profile.describe()}; {r.limits()}]"
-        p, d = self.prefill, self.decode
+        p, d = self.prefill_decode()
         return f"{self.label} [P: {p.profile.describe()}; D: {d.profile.describe()}; {p.limits()}]"
 
     def to_json(self) -> dict:
@@ -76,7 +82,8 @@ class Layout:
         out = {"label": self.label, "gpus": self.gpus, "max_model_len": self.max_model_len}
         if self.colocated:
             return {**out, "colocated": role(self.colocated)}
-        return {**out, "prefill": role(self.prefill), "decode": role(self.decode)}
+        p, d = self.prefill_decode()
+        return {**out, "prefill": role(p), "decode": role(d)}
 
     # ---- how to deploy it ---------------------------------------------------------------------------------
     def commands(self) -> list[str]:
@@ -86,7 +93,7 @@ class Layout:
             r = self.colocated
             flags = ["--colocated", "--decode-workers", str(r.workers)]
             return [_join(["deltamesh", "serve", *flags, *self._worker_flags(r), *self._gpus(r.gpus)])]
-        p, d = self.prefill, self.decode
+        p, d = self.prefill_decode()
         if self._worker_flags(p) == self._worker_flags(d):
             counts = ["--prefill-workers", str(p.workers), "--decode-workers", str(d.workers)]
             return [_join(["deltamesh", "serve", *counts, *self._worker_flags(p), *self._gpus(self.gpus)])]

@@ -115,6 +115,7 @@ class MemoryModel:
 
     def kv_capacity_tokens(self, max_num_seqs: int, max_model_len: int) -> int:
         pages_wanted = max_num_seqs * -(-max_model_len // self.page_size)
+        budget: float
         if self.fixed_kv_budget_bytes is not None:
             budget = self.fixed_kv_budget_bytes
         else:

@@ -57,7 +57,8 @@ def shown(plan: Plan, top: int) -> list[Evaluated]:
     """The best `top` layouts evaluated, best first (of layouts that differ only in limits that never bound them,
     the first: the smallest), and the best of each kind whatever its place."""
     ranked = sorted((e for e in plan.evaluated if e.summary), key=Evaluated.rank, reverse=True)
-    out, seen = [], set()
+    out: list[Evaluated] = []
+    seen = set()
     for e in ranked:
         same = (e.layout.label, *row(e)[3:])
         if same not in seen and len(out) < top:
@@ -76,6 +77,7 @@ def verdict(plan: Plan) -> list[str]:
         if best is None:
             continue
         s = best.summary
+        assert s is not None, "a best layout was evaluated"
         status = "meets the SLA" if best.meets else "closest, misses the SLA (" + "; ".join(s["misses"]) + ")"
         lines.append(
             f"best {word}: {best.layout.describe()} on {best.layout.gpus} GPU(s): TTFT p50/p90 "
@@ -87,6 +89,7 @@ def verdict(plan: Plan) -> list[str]:
         return lines
     other = disaggregated if winner is colocated else colocated
     if other is not None and other.meets:
+        assert winner.summary is not None and other.summary is not None, "both were evaluated"
         ratio = winner.summary["goodput_tok_s_per_gpu"] / other.summary["goodput_tok_s_per_gpu"]
         lines.append(
             f"winner: {winner.layout.label}, {ratio:.2f}x the goodput per GPU of {other.layout.label} "

@@ -11,6 +11,7 @@ the winner has the highest goodput per GPU (for a fixed traffic: the fewest GPUs
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deltamesh.planner.layouts import Layout, Role
@@ -73,8 +74,8 @@ class Planner:
         traffic: Traffic,
         sla: Sla,
         max_gpus: int = 8,
-        seqs: tuple[int, ...] | None = None,
-        budgets: tuple[int, ...] | None = None,
+        seqs: Sequence[int] | None = None,
+        budgets: Sequence[int] | None = None,
         disaggregated_only: bool = False,
         colocated_only: bool = False,
     ):

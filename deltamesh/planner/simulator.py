@@ -331,7 +331,10 @@ class Simulation:
 
     def _roles(self) -> list[tuple[str, Role]]:
         lay = self.layout
-        return [("colocated", lay.colocated)] if lay.colocated else [("prefill", lay.prefill), ("decode", lay.decode)]
+        if lay.colocated:
+            return [("colocated", lay.colocated)]
+        prefill, decode = lay.prefill_decode()
+        return [("prefill", prefill), ("decode", decode)]
 
     def _check_fits(self, kind: str, role: Role, kv_tokens: int) -> None:
         page = role.profile.memory.page_size
@@ -360,6 +363,7 @@ class Simulation:
     def run(self) -> SimResult:
         if self.traffic.concurrency is None:
             for req in self.requests:
+                assert req.arrival is not None, "an open loop's requests arrive at their times (Traffic.requests)"
                 self.at(req.arrival, self.router.send, req)
         else:
             self._unsent.extend(self.requests)

@@ -112,6 +112,7 @@ class Traffic:
         rng = np.random.default_rng(self.seed)
         n = self.num_requests
         prompts, outputs = self.input_len.sample(rng, n), self.output_len.sample(rng, n)
+        arrivals: list[float | None]
         if self.request_rate is None:
             arrivals = [None] * n
         elif math.isinf(self.burstiness):  # evenly spaced

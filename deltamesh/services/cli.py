@@ -165,7 +165,7 @@ def _api_key(ctx: typer.Context, values: dict) -> str | None:
             raise typer.BadParameter(str(e), param_hint="--api-key-file") from None
         if not key:
             raise typer.BadParameter(f"the API key file {key_file} is empty", param_hint="--api-key-file")
-    elif key and ctx.get_parameter_source("api_key").name == "COMMANDLINE":
+    elif key and (source := ctx.get_parameter_source("api_key")) is not None and source.name == "COMMANDLINE":
         write_line(
             sys.stderr,
             "deltamesh: warning: --api-key on the command line can be read by every user of this machine "
@@ -479,7 +479,8 @@ def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
 def one_flag_per_value(argv: list[str], flag: str) -> list[str]:
     """`flag a b c` as `flag a flag b flag c`: vLLM takes several values after one flag (nargs="+"), click takes
     a repeated flag."""
-    out, after_flag = [], False
+    out: list[str] = []
+    after_flag = False
     for arg in argv:
         if after_flag and not arg.startswith("-"):
             out += [arg] if out[-1] == flag else [flag, arg]

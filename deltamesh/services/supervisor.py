@@ -175,19 +175,19 @@ class Supervisor:
     def _stop_all(self) -> None:
         """SIGTERM every child (they shut down gracefully, in parallel), SIGKILL those still running at the
         deadline or at once on a second SIGINT/SIGTERM."""
-        running = [c for c in self.children if c.popen is not None and c.popen.poll() is None]
-        for child in running:
-            child.popen.send_signal(signal.SIGTERM)
+        running = [(c, c.popen) for c in self.children if c.popen is not None and c.popen.poll() is None]
+        for _, popen in running:
+            popen.send_signal(signal.SIGTERM)
         started = time.monotonic()
         deadline = started + STOP_DEADLINE_S
         waiting = list(running)
         while waiting and time.monotonic() < deadline and not self.kill_now:
             time.sleep(POLL_S / 2)
-            for child in [c for c in waiting if c.popen.poll() is not None]:
-                waiting.remove(child)
+            for child, popen in [(c, p) for c, p in waiting if p.poll() is not None]:
+                waiting.remove((child, popen))
                 log(f"{child.spec.name} stopped after {time.monotonic() - started:.1f} s")
-        for child in running:
-            if child.popen.poll() is None:
-                log(f"killing {child.spec.name} (pid {child.popen.pid}): still running")
-                child.popen.kill()
-            child.popen.wait()
+        for child, popen in running:
+            if popen.poll() is None:
+                log(f"killing {child.spec.name} (pid {popen.pid}): still running")
+                popen.kill()
+            popen.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -12,16 +13,31 @@ from torch import nn
 
 from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.config import FULL_ATTENTION, ModelConfig
-from deltamesh.engine.models.layers import GatedAttention, GatedDeltaNet, RMSNorm, Rotary, SparseMoE, WeightSlot, _param
+from deltamesh.engine.models.layers import (
+    FeedForward,
+    GatedAttention,
+    GatedDeltaNet,
+    Mixer,
+    ModuleListOf,
+    RMSNorm,
+    Rotary,
+    SparseMoE,
+    WeightSlot,
+    _param,
+)
 from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.engine.quantization import SCALE_SUFFIX
 from deltamesh.kernels import Kernels
 from deltamesh.kernels.batch import StepBatch
 from deltamesh.kernels.fp8 import BLOCK
 
+if TYPE_CHECKING:
+    from deltamesh.engine.data_parallel import DataParallelGroup
+    from deltamesh.engine.models.mtp import MultiTokenPredictor
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, mixer: Mixer, mlp: FeedForward):
         super().__init__()
         self.mixer, self.mlp = mixer, mlp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -58,12 +74,15 @@ class HybridLM(nn.Module, ABC):
         super().__init__()
         self.cfg, self.group, self.fp8 = cfg, tp, fp8  # group: how the loader shards the weights
         data_parallel = tp is not None and tp.shard.data_parallel
-        self.tp, self.dp = (None, tp) if data_parallel else (tp, None)
+        # a data-parallel shard's group is the engine's DataParallelGroup (engine/data_parallel.py builds it)
+        self.tp: TensorParallelGroup | None = None if data_parallel else tp
+        self.dp: DataParallelGroup | None = cast("DataParallelGroup", tp) if data_parallel else None
         local = tp.shard.local if tp else cfg
         vocab_rows = tp.shard.vocab_rows if tp else cfg.vocab_size
         self.embed = _param(vocab_rows, cfg.hidden_size)
         layers, kv_layer, state_layer = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
+            mixer: Mixer
             if kind == FULL_ATTENTION:
                 mixer = GatedAttention(local, kv_layer, fp8)
                 kv_layer += 1
@@ -71,12 +90,12 @@ class HybridLM(nn.Module, ABC):
                 mixer = GatedDeltaNet(local, state_layer, fp8)
                 state_layer += 1
             layers.append(DecoderLayer(local, mixer, self.make_mlp(local, i)))
-        self.layers = nn.ModuleList(layers)
+        self.layers: ModuleListOf[DecoderLayer] = ModuleListOf(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         self.rotary = Rotary(cfg, device)
         self.moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
-        self.mtp = None
+        self.mtp: MultiTokenPredictor | None = None
         if mtp:
             from deltamesh.engine.models.mtp import MultiTokenPredictor
 
@@ -86,7 +105,7 @@ class HybridLM(nn.Module, ABC):
 
     # -- family hooks --------------------------------------------------------------------------------
     @abstractmethod
-    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> FeedForward:
         """The feed-forward block of decoder layer `layer` (FP8 projections when `self.fp8`)."""
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -124,6 +143,7 @@ class HybridLM(nn.Module, ABC):
             start = stop = None
             if slot.start is not None:
                 assert slot.start % BLOCK == 0 and slot.dim == 0, (name, slot.start)  # blocks never straddle parts
+                assert slot.stop is not None, name
                 start, stop = slot.start // BLOCK, -(-slot.stop // BLOCK)
             out[name + SCALE_SUFFIX] = WeightSlot(scale, start, stop, slot.dim, slot.index)
         return out
@@ -177,7 +197,7 @@ class HybridLM(nn.Module, ABC):
         kv_pool: KVPagePool,
         state_pool: StatePool,
         kernels: Kernels,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rope, state_rows, snapshot_rows, draft_rows = context
         mixer = self.layers[i].mixer
         if isinstance(mixer, GatedAttention):
@@ -185,7 +205,7 @@ class HybridLM(nn.Module, ABC):
         return mixer.mix(x, batch, state_pool, state_rows, snapshot_rows, kernels, draft_rows)
 
     def after_mix(
-        self, i: int, mixed: torch.Tensor, residual: torch.Tensor, kernels: Kernels
+        self, i: int, mixed: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor, kernels: Kernels
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then the next layer's input norm (the final norm after the last
         layer): (its normed output, the residual stream). Each residual add is fused with the norm that reads it,
@@ -212,6 +232,7 @@ class HybridLM(nn.Module, ABC):
         """A data-parallel rank with no tokens in a step: its part of each MoE layer for the other ranks' tokens."""
         if not self.moe_layers:
             return
+        assert self.dp is not None, "only a data-parallel rank idles"
         nothing = torch.empty((0, self.cfg.hidden_size), dtype=self.embed.dtype, device=self.embed.device)
         for moe in self.moe_layers:
             self.dp.moe(moe, nothing, kernels)

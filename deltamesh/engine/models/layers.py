@@ -11,7 +11,9 @@ in full precision (GDN a/b gates, routers) stay in the model dtype.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 import torch
 from torch import nn
@@ -38,6 +40,7 @@ class WeightSlot:
         t = self.param if self.index is None else self.param[self.index]
         if self.start is None:
             return t
+        assert self.stop is not None, "a slot with a start has a stop"
         return t.narrow(self.dim, self.start, self.stop - self.start)
 
 
@@ -61,6 +64,26 @@ def linear_weight(module: nn.Module, name: str):
     scale = getattr(module, name + "_scale", None)
     weight = getattr(module, name)
     return weight if scale is None else Fp8Weight(weight, scale)
+
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+class ModuleListOf(nn.ModuleList, Generic[ModuleT]):
+    """An nn.ModuleList whose modules are all ModuleT: the same container at run time, but type checkers see
+    its items as ModuleT where torch types them as plain Modules."""
+
+    if TYPE_CHECKING:
+
+        def __iter__(self) -> Iterator[ModuleT]: ...
+
+        @overload
+        def __getitem__(self, idx: slice) -> nn.ModuleList: ...
+
+        @overload
+        def __getitem__(self, idx: int) -> ModuleT: ...
+
+        def __getitem__(self, idx: int | slice) -> ModuleT | nn.ModuleList: ...
 
 
 def _fused_slots(param: torch.Tensor, names_and_rows: list[tuple[str, int]], dim: int = 0) -> dict[str, WeightSlot]:
@@ -127,6 +150,9 @@ class Rotary:
 class GatedAttention(nn.Module):
     """Full softmax attention with an output gate (sigmoid), q/k RMSNorm, partial RoPE, GQA, paged KV."""
 
+    qkv: nn.Parameter  # the linear weights _linear_param sets (and their block scales with FP8)
+    o_proj: nn.Parameter
+
     def __init__(self, cfg: ModelConfig, kv_layer: int, fp8: bool = False):
         super().__init__()
         self.kv_layer = kv_layer
@@ -146,13 +172,16 @@ class GatedAttention(nn.Module):
         slots = {f"{n}.weight": s for n, s in _fused_slots(self.qkv, list(zip(names, self.splits))).items()}
         if self.qkv_bias is not None:
             slots |= {f"{n}.bias": s for n, s in _fused_slots(self.qkv_bias, list(zip(names, self.splits))).items()}
+        if self.o_bias is not None:  # (set with qkv_bias: cfg.attention_bias)
             slots[f"{prefix}.o_proj.bias"] = WeightSlot(self.o_bias)
         slots[f"{prefix}.o_proj.weight"] = WeightSlot(self.o_proj)
         slots[f"{prefix}.q_norm.weight"] = WeightSlot(self.q_norm.weight)
         slots[f"{prefix}.k_norm.weight"] = WeightSlot(self.k_norm.weight)
         return slots
 
-    def mix(self, x, batch: StepBatch, rope: tuple, kv_pool: KVPagePool, kernels: Kernels):
+    def mix(
+        self, x: torch.Tensor, batch: StepBatch, rope: tuple, kv_pool: KVPagePool, kernels: Kernels
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention output, its gate), each [T, heads, head_dim]: what `output` reads (it gates, then projects)."""
         t, d = x.shape[0], self.head_dim
         qkv = kernels.linear(x, linear_weight(self, "qkv"), self.qkv_bias)
@@ -179,6 +208,10 @@ class GatedAttention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention: depthwise causal conv1d over q|k|v, then the gated delta rule with
     g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), then a gated RMSNorm with silu(z)."""
+
+    in_proj: nn.Parameter  # the linear weights _linear_param sets (and their block scales with FP8)
+    in_proj_ba: nn.Parameter | None
+    out_proj: nn.Parameter
 
     def __init__(self, cfg: ModelConfig, state_layer: int, fp8: bool = False):
         super().__init__()
@@ -217,14 +250,14 @@ class GatedDeltaNet(nn.Module):
 
     def mix(
         self,
-        x,
+        x: torch.Tensor,
         batch: StepBatch,
         state_pool: StatePool,
         state_rows: torch.Tensor,
         snapshot_rows: torch.Tensor | None,
         kernels: Kernels,
         draft_rows: torch.Tensor | None = None,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the delta rule's output, z), each [T, HV, DV]: what `output` reads (it norms, gates, projects). state_rows:
         StatePool.layer_rows of the step's slots; snapshot_rows: those of its snapshot slots (batch.snapshot);
         draft_rows: the draft pool's rows of batch.verify's slots.
@@ -248,20 +281,23 @@ class GatedDeltaNet(nn.Module):
         cut = t - sum(prefill_lens[len(first) :])  # where the tails' tokens start
         passes = []  # (token rows, lengths, cumulative lengths, state rows) of each prefill pass
         if prefill_lens:  # (a decode-only batch has no prefill_cu_seqlens)
+            assert batch.prefill_cu_seqlens is not None, "a batch with prefill rows has their offsets"
             heads_cu = batch.prefill_cu_seqlens[: len(first) + 1]
             passes.append((slice(nd, cut), first, heads_cu, idx[nd : idx.shape[0] - tails]))
-        if tails:
+        if snap is not None and tails:
+            assert snapshot_rows is not None, "a step with snapshots has their slots' rows"
             passes.append((slice(cut, t), prefill_lens[len(first) :], snap.tail_cu_seqlens, idx[-tails:]))
             kept = snapshot_rows[self.state_layer]
 
         conv_out = []
-        if nv:
+        if verify is not None and nv:
+            assert draft_rows is not None, "a verify step has its draft slots' rows"
             drafts = draft_rows[self.state_layer].view(verify.count, verify.width)
-            first = idx[: nv : verify.width]  # each verifying sequence's own state
+            own_rows = idx[: nv : verify.width]  # each verifying sequence's own state
             pool = verify.pool
             conv_out.append(
                 kernels.conv1d_verify(
-                    mixed[:nv], conv_pool, first, pool.conv_flat, drafts, self.conv_weight, self.activation
+                    mixed[:nv], conv_pool, own_rows, pool.conv_flat, drafts, self.conv_weight, self.activation
                 )
             )
         if nd > nv:
@@ -280,23 +316,25 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split((key_dim, key_dim, self.value_dim), dim=-1)
         q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
         gates = (self.A_log, self.dt_bias)
-        core = []
+        core_out = []
         if nv:
-            core.append(
+            core_out.append(
                 kernels.gdn_verify(
-                    q[:nv], k[:nv], v[:nv], a[:nv], b[:nv], *gates, rec_pool, first, pool.recurrent_flat, drafts
+                    q[:nv], k[:nv], v[:nv], a[:nv], b[:nv], *gates, rec_pool, own_rows, pool.recurrent_flat, drafts
                 )
             )
         if nd > nv:
             rows = slice(nv, nd)
-            core.append(kernels.gdn_decode(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, rec_pool, idx[rows]))
+            core_out.append(
+                kernels.gdn_decode(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, rec_pool, idx[rows])
+            )
         for i, (rows, lens, cu, seq_idx) in enumerate(passes):
             if i:  # the heads' recurrent states
                 rec_pool.index_copy_(0, kept, rec_pool.index_select(0, seq_idx))
-            core.append(
+            core_out.append(
                 kernels.gdn_prefill(q[rows], k[rows], v[rows], a[rows], b[rows], *gates, lens, cu, rec_pool, seq_idx)
             )
-        core = torch.cat(core) if len(core) > 1 else core[0]
+        core = torch.cat(core_out) if len(core_out) > 1 else core_out[0]
         return core, z.view(t, self.hv, self.dv)
 
     def output(self, mixed: tuple[torch.Tensor, torch.Tensor], kernels: Kernels) -> torch.Tensor:
@@ -308,6 +346,9 @@ class GatedDeltaNet(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused. `input_weight` is its first projection's weight,
     which the decoder may compute with the norm before it (`forward_projected` then takes the rest)."""
+
+    gate_up: nn.Parameter  # the linear weights _linear_param sets (and their block scales with FP8)
+    down: nn.Parameter
 
     def __init__(self, hidden: int, inter: int, fp8: bool = False):
         super().__init__()
@@ -336,6 +377,9 @@ class SparseMoE(nn.Module):
     """Top-k routed experts (softmax router, optional renormalisation) plus a sigmoid-gated shared expert, all in
     one kernels.moe call (so a backend can fuse the shared expert with the routed ones). Its first projection
     (`input_weight`: the router and the shared expert's gate) may come from the norm before it, as in MLP."""
+
+    w13: nn.Parameter  # the experts' linear weights _linear_param sets (and their block scales with FP8)
+    w2: nn.Parameter
 
     def __init__(self, cfg: ModelConfig, fp8: bool = False):
         super().__init__()
@@ -387,3 +431,7 @@ class SparseMoE(nn.Module):
             logits[:, e:],
             first_expert=self.first_expert,
         )
+
+
+Mixer = GatedAttention | GatedDeltaNet  # a decoder layer's token mixer
+FeedForward = MLP | SparseMoE  # a decoder layer's MLP block

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from deltamesh.engine.config import ModelConfig
-from deltamesh.engine.models.layers import GatedAttention, RMSNorm, WeightSlot, _param
+from deltamesh.engine.models.layers import FeedForward, GatedAttention, ModuleListOf, RMSNorm, WeightSlot, _param
 from deltamesh.kernels import Kernels
 from deltamesh.kernels.batch import StepBatch
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class MultiTokenPredictor(nn.Module):
-    def __init__(self, cfg: ModelConfig, kv_layer: int, mlps: list[nn.Module], fp8: bool = False):
+    def __init__(self, cfg: ModelConfig, kv_layer: int, mlps: list[FeedForward], fp8: bool = False):
         """`cfg`: this rank's config (a parallel rank's shard); `kv_layer`: the KV pool layer of the first MTP
         layer's attention; `mlps`: each MTP layer's feed-forward block (the family's, models/base.py)."""
         from deltamesh.engine.models.base import DecoderLayer
@@ -43,7 +43,7 @@ class MultiTokenPredictor(nn.Module):
         self.fc = _param(h, 2 * h)  # kept in the model dtype (an FP8 checkpoint's is dequantized on load)
         self.pre_fc_norm_embedding = RMSNorm(h, eps)
         self.pre_fc_norm_hidden = RMSNorm(h, eps)
-        self.layers = nn.ModuleList(
+        self.layers: ModuleListOf[DecoderLayer] = ModuleListOf(
             DecoderLayer(cfg, GatedAttention(cfg, kv_layer + i, fp8), mlp) for i, mlp in enumerate(mlps)
         )
         self.norm = RMSNorm(h, eps)
@@ -76,8 +76,10 @@ class MultiTokenPredictor(nn.Module):
         residual = kernels.linear(x, self.fc)
         layer = self.layers[step % len(self.layers)]
         rope = model.rotary.cos_sin(batch.positions, residual.dtype)
-        mixed = layer.mixer.mix(layer.input_norm(residual, kernels), batch, rope, kv_pool, kernels)
-        h = layer.mixer.output(mixed, kernels)
+        mixer = layer.mixer
+        assert isinstance(mixer, GatedAttention)  # an MTP layer's mixer is full attention (__init__)
+        mixed = mixer.mix(layer.input_norm(residual, kernels), batch, rope, kv_pool, kernels)
+        h = mixer.output(mixed, kernels)
         if tp:  # partial sums of each rank's heads, as in HybridLM.after_mix
             h = tp.all_reduce(h)
         x, residual = kernels.add_rms_norm(h, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps)

@@ -5,15 +5,14 @@ which we split into the Qwen3.5 layout (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
 from collections.abc import Iterator
 
 import torch
-from torch import nn
 
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.models.base import HybridLM
-from deltamesh.engine.models.layers import MLP, SparseMoE
+from deltamesh.engine.models.layers import MLP, FeedForward, SparseMoE
 
 
 class Qwen3NextForCausalLM(HybridLM):
-    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> FeedForward:
         if cfg.moe_layers[layer]:
             return SparseMoE(cfg, self.fp8)
         return MLP(cfg.hidden_size, cfg.intermediate_size, self.fp8)

@@ -129,7 +129,7 @@ def _logprobs(logits, tokens, rows: list[int], params: list[SamplingParams]):
     r, w, _ = logits.shape
     index = on_device(rows, torch.int64, logits.device)
     lp = torch.log_softmax(logits[index], dim=-1)
-    k = max(1, max(params[i].logprobs for i in rows))
+    k = max(1, max(params[i].logprobs or 0 for i in rows))  # (rows: those that ask for logprobs)
     top_vals, top_ids = lp.topk(k, dim=-1)
     chosen = lp.gather(-1, tokens[index][..., None]).squeeze(-1)
     full = (

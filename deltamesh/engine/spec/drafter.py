@@ -15,19 +15,25 @@ greedily (the acceptance treats a draft as a point mass: spec/accept.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltamesh.kernels.batch import StepBatch
+
+if TYPE_CHECKING:
+    from deltamesh.engine.cache import KVPagePool
+    from deltamesh.engine.models import HybridLM
+    from deltamesh.kernels import Kernels
 
 
 @dataclass
 class DraftContext:
     """What a drafter may read after a step's acceptance (device tensors unless said)."""
 
-    model: object  # models.HybridLM
-    kv_pool: object  # cache.KVPagePool
-    kernels: object
+    model: HybridLM
+    kv_pool: KVPagePool
+    kernels: Kernels
     ids: torch.Tensor  # [T] the step's input tokens
     hidden: torch.Tensor  # [T, hidden] the target's normed hidden states
     batch: StepBatch
@@ -52,6 +58,7 @@ class MtpDrafter(Drafter):
     def draft(self, ctx: DraftContext) -> torch.Tensor | None:
         model = ctx.model
         mtp = model.mtp
+        assert mtp is not None, "a speculative engine's model has its MTP module"
         g = mtp(model, ctx.next_ids, ctx.hidden, ctx.batch, ctx.kv_pool, ctx.kernels)
         r = ctx.last_rows.shape[0]
         if not ctx.draft or not r:

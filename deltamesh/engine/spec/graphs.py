@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -23,6 +24,9 @@ import torch
 from deltamesh.engine.cuda_graphs import DEFAULT_BUCKETS
 from deltamesh.engine.spec.drafter import DraftContext, MtpDrafter
 from deltamesh.kernels.batch import StepBatch, Verification
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # the type of a graph's memory pool (torch names it privately)
 
 log = structlog.get_logger("deltamesh.cuda_graphs")
 
@@ -42,7 +46,7 @@ class VerifyGraphs:
         self.outputs: dict[int, tuple] = {}  # bucket -> (hidden, logits) of part 1
         self.drafts: dict[int, torch.Tensor] = {}  # bucket -> [bucket, K] of part 2
         self.parts: dict[int, tuple] = {}  # bucket -> (replay of part 1, replay of part 2)
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         if capture:
             self._capture()
         else:

@@ -54,7 +54,8 @@ def build(
     source_rows = np.fromiter(
         (it.request.pending_row if it.request.num_pending else -1 for it in items[:num_verify]), np.int64, num_verify
     )
-    move_rows, move_from = [], []
+    move_rows: list[int] = []
+    move_from: list[int] = []
     for i, it in enumerate(items):
         if not (it.verify or it.num_tokens == 1):
             break  # decode items lead, verifying ones first

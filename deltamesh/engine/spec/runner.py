@@ -23,6 +23,7 @@ its tokens' state to the prefix cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from deltamesh.engine.spec.accept import Accepted, AcceptInputs, accept
 from deltamesh.engine.spec.drafter import DraftContext, Drafter, MtpDrafter
 from deltamesh.engine.spec.host import SpecHost
 from deltamesh.kernels.batch import Verification
+
+if TYPE_CHECKING:
+    from deltamesh.engine.spec.graphs import VerifyGraphs
 
 
 @dataclass
@@ -59,7 +63,7 @@ class SpecRunner:
         self.width = k + 1
         self.drafter: Drafter = MtpDrafter()
         self.previous: SpecOutputs | None = None  # this rank's last step's outputs
-        self.graphs = None  # spec.graphs.VerifyGraphs once captured (CUDA)
+        self.graphs: VerifyGraphs | None = None  # once captured (CUDA)
         self._spec_arrays: list[torch.Tensor] = []
         self._delta: torch.Tensor | None = None  # [num_verify] the previous step's accepted drafts per verifier
 
@@ -108,6 +112,7 @@ class SpecRunner:
         runner, model = self.runner, self.runner.model
         r, n = len(spec.sample_rows), spec.num_verify
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(batch, spec) else None
+        logits: torch.Tensor | None
         if graphs is not None:
             runner.graph_steps += 1
             hidden, logits = graphs.forward(ids, batch)
@@ -131,6 +136,7 @@ class SpecRunner:
         if n and self.previous is not None:  # a request the previous step ended commits its first input only
             ended = (source >= 0) & self.previous.done[source.clamp(min=0)]
             advanced[:n] = torch.where(ended, 0, advanced[:n])
+        drafts: torch.Tensor | None
         if graphs is not None:
             drafts = graphs.after_accept(advanced, next_tokens)
         else:
@@ -233,5 +239,6 @@ def _concat(parts: list[Accepted], w: int) -> Accepted:
                 grow = (0, k - vals.shape[-1])
                 lp = (chosen, torch.nn.functional.pad(vals, grow), torch.nn.functional.pad(ids, grow))
             lps.append((pad(lp[0]), *(torch.nn.functional.pad(t, (0, 0, 0, w - width)) for t in lp[1:])))
-        out.logprobs = tuple(torch.cat([lp[i] for lp in lps]) for i in range(3))
+        chosen, vals, ids = (torch.cat([lp[i] for lp in lps]) for i in range(3))
+        out.logprobs = (chosen, vals, ids)
     return out

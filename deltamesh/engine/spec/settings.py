@@ -38,17 +38,18 @@ def parse_speculative_config(text: str) -> tuple[int, int | None]:
         raise ValueError(
             "speculative_config: a separate draft model is not supported; MTP drafts with the checkpoint's own module"
         )
-    k = spec.get("num_speculative_tokens")
-    check_tokens(k, "speculative_config num_speculative_tokens")
+    k = check_tokens(spec.get("num_speculative_tokens"), "speculative_config num_speculative_tokens")
     disable = spec.get("disable_by_batch_size")
     if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
         raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer, got {disable!r}")
     return k, disable
 
 
-def check_tokens(k, name: str = "speculative_tokens") -> None:
+def check_tokens(k: object, name: str = "speculative_tokens") -> int:
+    """`k`, checked as a count of speculative tokens."""
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"{name} must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off), got {k!r}")
+    return k
 
 
 def unserved_fields(params) -> list[str]:

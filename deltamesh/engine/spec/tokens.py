@@ -41,6 +41,7 @@ class SpecTokens:
 
     def __init__(self, outputs: SpecOutputs, requests: list[Request], num_verify: int, k: int):
         acc = outputs.accepted
+        assert acc is not None, "the leader's outputs: it accepted the drafts (SpecRunner.run)"
         self.tokens = outputs.next_tokens
         self.num_verify, self.k = num_verify, k
         self._logprob_counts = [r.params.logprobs for r in requests]
@@ -63,7 +64,7 @@ class SpecTokens:
             self._done.synchronize()
         tokens, counts, advanced, drafts = (t.tolist() for t in self._host[:4])
         rows = [row[:n] for row, n in zip(tokens, counts)]
-        logprobs = [[None] * n for n in counts]
+        logprobs: list[list[TokenLogprobs | None]] = [[None] * n for n in counts]
         if len(self._host) > 4:
             chosen, vals, ids = (t.tolist() for t in self._host[4:])
             for i, want in enumerate(self._logprob_counts):

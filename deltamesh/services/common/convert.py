@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from deltamesh.engine.request import FinishReason, RequestOutput
 from deltamesh.protocol.sampling import SamplingParams
@@ -50,8 +51,8 @@ def structured_from_proto(so: common_pb2.StructuredOutputs) -> StructuredOutputs
         except (ValueError, RecursionError) as e:
             raise ValueError(f"structured_outputs.json_schema is not valid JSON: {e}") from None
         return StructuredOutputs(json=schema, disable_any_whitespace=so.disable_any_whitespace)
-    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
-    return StructuredOutputs(**{kind: value}, disable_any_whitespace=so.disable_any_whitespace)
+    fields: dict[str, Any] = {kind: list(so.choice.choices) if kind == "choice" else getattr(so, kind)}
+    return StructuredOutputs(**fields, disable_any_whitespace=so.disable_any_whitespace)
 
 
 def structured_to_proto(s: StructuredOutputs) -> common_pb2.StructuredOutputs:

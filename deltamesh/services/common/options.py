@@ -93,7 +93,10 @@ def with_options(*groups: list[Option]) -> Callable:
         def command(**values):
             return fn(**values)
 
-        command.__signature__ = signature.replace(parameters=own + [o.parameter() for o in merge(*groups)])
+        # typer reads the parameters from __signature__, which the type of functools.wraps' result does not declare
+        command.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=own + [o.parameter() for o in merge(*groups)]
+        )
         return command
 
     return decorate
@@ -174,8 +177,10 @@ def _fields(model: type):
             default = None if f.default is dataclasses.MISSING else f.default
             yield f.name, hints[f.name], default, dict(f.metadata)
         return
+    assert issubclass(model, BaseModel), model
     for name, info in model.model_fields.items():
-        meta = dict(info.json_schema_extra or {})
+        extra = info.json_schema_extra  # our fields' are dicts (settings.py), never pydantic's callable form
+        meta = dict(extra) if isinstance(extra, dict) else {}
         if info.description:
             meta["help"] = info.description
         default = None if info.is_required() or info.default_factory else info.default

@@ -44,9 +44,11 @@ def check_listeners(host: str, ports: dict[str, int | None]) -> None:
     model loads, not found by a server's traceback after it."""
     given: dict[int, str] = {}
     for flag, port in ports.items():
-        if port and port in given:
+        if not port:  # chosen later or off: no clash
+            continue
+        if port in given:
             raise ListenProblem(f"{given[port]} and {flag} are both port {port}: every port must differ")
-        given.setdefault(port, flag)
+        given[port] = flag
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         socket.create_server((host, 0)).close()
@@ -63,4 +65,6 @@ def check_listeners(host: str, ports: dict[str, int | None]) -> None:
 
 def _reason(e: OSError) -> str:
     """The error in words, without the address socket.create_server adds (the message names it already)."""
-    return e.strerror if isinstance(e, socket.gaierror) else os.strerror(e.errno)
+    if isinstance(e, socket.gaierror) or e.errno is None:
+        return e.strerror or str(e)
+    return os.strerror(e.errno)

@@ -100,7 +100,10 @@ class ReportsServicer(control_pb2_grpc.WorkerReportsServicer):
             if sample.holder is not None:
                 report.holder.CopyFrom(sample.holder)
             changed = (
-                changes is None or changes != (set(), set()) or (sample.load, sample.holder) != (seen.load, seen.holder)
+                seen is None
+                or changes is None
+                or changes != (set(), set())
+                or (sample.load, sample.holder) != (seen.load, seen.holder)
             )
             if changed or quiet + 1 >= REPORT_KEEPALIVE_INTERVALS:
                 yield report

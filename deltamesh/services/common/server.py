@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import structlog
@@ -43,7 +43,7 @@ class GrpcServer:
         self,
         host: str,
         port: int,
-        services: list[tuple[Callable, object, str]],
+        services: Sequence[tuple[Callable, object, str]],
         tls=None,
         interceptors: tuple = (),
         max_request_bytes: int = MAX_MESSAGE_BYTES,

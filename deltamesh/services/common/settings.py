@@ -9,23 +9,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic.json_schema import JsonDict
 
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.services.common.tls import TlsSettings
 
 Role = Literal["prefill", "decode", "colocated"]
-_NO_OPTION = {"cli": False}
-PORT = {"ge": 0, "le": 65535}  # a port setting's range (0: any free port, or off where the field says so)
+_NO_OPTION: JsonDict = {"cli": False}
+# a port setting's range is ge=0, le=65535 (0: any free port, or off where the field says so); written out in each
+# Field, as type checkers read the arguments of a pydantic field only when they are spelled out
 
 
-def _flag(name: str) -> dict:
-    return {"json_schema_extra": {"flag": name}}
+def _flag(name: str) -> JsonDict:
+    """json_schema_extra of a field whose command-line option has another name than the field."""
+    return {"flag": name}
 
 
-def _engine_setting(name: str):
+def _engine_setting(name: str) -> Any:
     """The engine's setting `name` (default and help) on a service that takes it without running an engine."""
     (f,) = [f for f in dataclasses.fields(EngineConfig) if f.name == name]
     return Field(f.default, description=f.metadata["help"])
@@ -34,7 +37,7 @@ def _engine_setting(name: str):
 class WorkerSettings(BaseModel):
     role: Role = Field(json_schema_extra=_NO_OPTION)  # the command
     host: str = Field("127.0.0.1", description="Address to bind (loopback unless told otherwise)")
-    port: int = Field(0, **PORT, description="gRPC port (0: any free port)")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port (0: any free port)")
     # registration and heartbeats
     router: str | None = Field(
         None,
@@ -59,24 +62,26 @@ class WorkerSettings(BaseModel):
     ucx_error_handling: bool = Field(True, description="UCX peer error handling (a dead peer ends a pull at once)")
     # prefill: how long a held state waits for its decode worker
     lease_ttl_s: float = Field(
-        30.0, description="Prefill: seconds a held state waits to be pulled", **_flag("lease_ttl")
+        30.0, description="Prefill: seconds a held state waits to be pulled", json_schema_extra=_flag("lease_ttl")
     )
     # prefill: the longest TTL a caller may ask for (Prefill, ExtendLease)
     max_lease_ttl_s: float = Field(
-        300.0, description="Prefill: the longest lease TTL a caller may ask for (s)", **_flag("max_lease_ttl")
+        300.0,
+        description="Prefill: the longest lease TTL a caller may ask for (s)",
+        json_schema_extra=_flag("max_lease_ttl"),
     )
     # decode: deadline of one state pull
     transfer_timeout_s: float = Field(
-        30.0, description="Deadline of one state transfer (s)", **_flag("transfer_timeout")
+        30.0, description="Deadline of one state transfer (s)", json_schema_extra=_flag("transfer_timeout")
     )
     # decode: how long a transferred request may wait for pool space
     admission_timeout_s: float = Field(
         30.0,
         description="Decode: how long a request may queue for pool space before it is refused as full (s)",
-        **_flag("admission_timeout"),
+        json_schema_extra=_flag("admission_timeout"),
     )
     # Prometheus /metrics over HTTP (None: off)
-    metrics_port: int | None = Field(None, **PORT, description="Serve Prometheus /metrics on this port")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus /metrics on this port")
     tls: TlsSettings = Field(default_factory=TlsSettings, json_schema_extra={"prefix": "tls_"})
     log_level: str = Field("info", description="debug | info | warning | error")
 
@@ -112,15 +117,24 @@ class RequestLimits(BaseModel):
     )
 
 
+def _worker_field(name: str) -> Any:
+    """WorkerSettings' field `name` (default, description, metadata) for a router setting of the same meaning.
+    Typed Any as _engine_setting is: the FieldInfo is the field's default to pydantic, not a value of its type."""
+    return WorkerSettings.model_fields[name]
+
+
 class RouterSettings(BaseModel):
-    host: str = WorkerSettings.model_fields["host"]
-    grpc_port: int = Field(50051, **PORT, description="Router gRPC port of the client API")
+    host: str = _worker_field("host")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="Router gRPC port of the client API")
     control_port: int = Field(
-        50052, **PORT, description="Router gRPC port of the control plane (workers register here; mesh secret required)"
+        50052,
+        ge=0,
+        le=65535,
+        description="Router gRPC port of the control plane (workers register here; mesh secret required)",
     )
     mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
     # OpenAI-compatible REST gateway (None: off)
-    http_port: int | None = Field(8000, **PORT, description="OpenAI-compatible REST port (0: off)")
+    http_port: int | None = Field(8000, ge=0, le=65535, description="OpenAI-compatible REST port (0: off)")
     # several router processes (deltamesh/services/router/processes.py)
     api_server_count: int = Field(
         1,
@@ -175,7 +189,7 @@ class RouterSettings(BaseModel):
         10.0,
         description="Seconds a request waits for the mesh to have workers (at "
         "start, or all restarting) before a 503 / UNAVAILABLE",
-        **_flag("ready_timeout"),
+        json_schema_extra=_flag("ready_timeout"),
     )
     api_key: str | None = Field(None, description="Require this key on the REST /v1 routes and the gRPC client API")
     # how the REST gateway reads a chat reply (vLLM's flags and names); auto: from the model's chat template
@@ -193,7 +207,10 @@ class RouterSettings(BaseModel):
     # Seconds a client has to send a request's line and headers once it connects or starts a request (idle
     # keep-alive connections are closed by uvicorn's own keep-alive timeout).
     http_header_timeout_s: float = Field(
-        10.0, gt=0, description="Seconds a REST client has to send a request's headers", **_flag("http_header_timeout")
+        10.0,
+        gt=0,
+        description="Seconds a REST client has to send a request's headers",
+        json_schema_extra=_flag("http_header_timeout"),
     )
     # Seconds a client has to send a request's whole body once its headers are in: a client that trickles a body
     # (a byte every few seconds) would otherwise hold its connection and request for ever. 30 s carries the
@@ -202,10 +219,10 @@ class RouterSettings(BaseModel):
         30.0,
         gt=0,
         description="Seconds a REST client has to send a request's body once its headers are in",
-        **_flag("http_body_timeout"),
+        json_schema_extra=_flag("http_body_timeout"),
     )
-    tls: TlsSettings = WorkerSettings.model_fields["tls"]
-    log_level: str = WorkerSettings.model_fields["log_level"]
+    tls: TlsSettings = _worker_field("tls")
+    log_level: str = _worker_field("log_level")
 
     @field_validator("http_port")
     @classmethod
@@ -222,7 +239,7 @@ class ServeSettings(BaseModel):
         False,
         description="Aggregated baseline: --decode-workers colocated workers prefill and "
         "decode their own requests (--prefill-workers is ignored)",
-        json_schema_extra={"decls": ("--colocated",)},
+        json_schema_extra={"decls": ["--colocated"]},
     )
     gpus: str | None = Field(
         None, description="GPU ids to spread workers over, e.g. 0,1 (cuda only; 0 with 1P+1D: both on GPU 0)"

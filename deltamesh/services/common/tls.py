@@ -19,7 +19,7 @@ class TlsSettings(BaseModel):
     client_auth: bool = Field(
         False,
         description="Mutual TLS: require and present client certificates",
-        json_schema_extra={"decls": ("--tls-client-auth",)},
+        json_schema_extra={"decls": ["--tls-client-auth"]},
     )
 
     @property

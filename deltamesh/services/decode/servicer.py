@@ -39,11 +39,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def OfferPrefix(self, request: decode_pb2.OfferPrefixRequest, context) -> decode_pb2.OfferPrefixResponse:
         if self.offers is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker offers no prefixes (no prefix cache)")
+        assert self.offers is not None  # (context.abort raised)
         return await self.offers.offer(request, context)
 
     async def ReleaseLease(self, request: common_pb2.LeaseRequest, context) -> common_pb2.LeaseResponse:
         if self.holding is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker holds no leases (no prefix cache)")
+        assert self.holding is not None  # (context.abort raised)
         return self.holding.release(request)
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):

@@ -16,6 +16,8 @@ class PrefillRole(Role):
     """Prefills prompts and holds their state under leases until a decode worker pulls it over the transport; pulls
     the conversation prefixes decode workers offer (the reverse direction) before computing the rest."""
 
+    holding: HolderSide  # a prefill worker always holds states
+
     def __init__(self, worker: Worker, transport: Transport):
         self.holding = HolderSide(worker, transport)
         self.leases = self.holding.leases

@@ -32,7 +32,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         await self.holding.check(context, request.lease_ttl_ms, request.lease_token, token_required=False)
         req = await engine_request(self.engine, request, context, hold_state=True)
         rid = req.request_id
-        task = self._prefilling.setdefault(rid, asyncio.current_task())  # a duplicate id is the engine's to refuse
+        current = asyncio.current_task()
+        assert current is not None, "a gRPC call runs in a task"
+        task = self._prefilling.setdefault(rid, current)  # a duplicate id is the engine's to refuse
         first = None
         leased = False
         started = time.monotonic()
@@ -41,6 +43,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             async for out in self.engine.stream(req, submit):
                 first = out
             metrics.TTFT.observe(time.monotonic() - started)
+            assert first is not None, "an engine stream ends with an output"
             if first.finish_reason == FinishReason.ERROR:
                 await context.abort(grpc.StatusCode.INTERNAL, first.error or "prefill failed")
             if first.finish_reason == FinishReason.ABORT:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -32,7 +33,7 @@ class NotHeld(Exception):
 @dataclass
 class Inflight:
     owner: bytes = b""  # what Abort must present (the nonce of the abort token; empty: only cancelling aborts it)
-    call: object = None  # the worker call in progress
+    call: Any = None  # the worker call in progress (a grpc.aio call: grpc ships no types)
     worker: WorkerHandle | None = None  # the decode (or colocated) worker that streams its tokens
     aborted: bool = False
 
@@ -103,13 +104,13 @@ class Legs:
         """The reverse pull: the decode worker that holds the longest prefix of this prompt (a conversation it
         finished), asked to offer it to the prefill worker under a lease whose token is ours. None when no decode
         worker holds one, or it has nothing (evicted) or fails to answer: the prefill worker computes it all."""
-        holder, _ = self.pd.holder(self.registry.healthy("decode"), prompt_ids)
+        pd = self.pd
+        assert pd is not None, "the reverse pull is the P/D decider's"
+        holder, _ = pd.holder(self.registry.healthy("decode"), prompt_ids)
         if holder is None:
             return None
         token = secrets.token_bytes(16)
-        ask = decode_pb2.OfferPrefixRequest(
-            prompt_token_ids=prompt_ids, lease_token=token, min_tokens=self.pd.held.block
-        )
+        ask = decode_pb2.OfferPrefixRequest(prompt_token_ids=prompt_ids, lease_token=token, min_tokens=pd.held.block)
         try:
             offer = await holder.stub.OfferPrefix(ask, metadata=self.registry.call_metadata(), timeout=5)
         except grpc.aio.AioRpcError as e:
@@ -162,6 +163,7 @@ class Legs:
                 common_pb2.FINISH_REASON_STOP,
                 common_pb2.FINISH_REASON_LENGTH,
             ):
+                assert self.pd is not None and inflight.worker is not None, "remembered with a P/D decider, for a leg"
                 self.pd.finished(inflight.worker.address, prompt_ids + tokens)
             yield delta
 

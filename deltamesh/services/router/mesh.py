@@ -15,7 +15,7 @@ import contextlib
 import hmac
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 import structlog
@@ -98,7 +98,7 @@ class Mesh:
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, owner: bytes = b""
-    ) -> AsyncIterator[common_pb2.TokenDelta]:
+    ) -> AsyncGenerator[common_pb2.TokenDelta, None]:
         """The request's token deltas, first token first; raises MeshError when it cannot be served. `owner`: a
         secret of this run of the request that `abort` must be given (empty: it is aborted by closing the stream)."""
         timer = metrics.RequestTimer()
@@ -142,16 +142,17 @@ class Mesh:
                 async for delta in self.legs.decode(req, "colocated", inflight):
                     yield delta
                 return
-            direct = self.pd.direct(self.registry.healthy("decode"), prompt_ids) if self.pd else None
+            pd = self.pd
+            direct = pd.direct(self.registry.healthy("decode"), prompt_ids) if pd else None
             # room on a decode worker, held from before the prefill to the end (None: the holder went away)
             ticket = await self.admission.admit(len(prompt_ids), params.max_tokens, direct)
-            if direct is not None and ticket is not None:  # it holds the conversation: it prefills the new message
+            if pd and direct is not None and ticket is not None:  # it holds the conversation: it prefills the new one
                 req = decode_pb2.DecodeRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt_ids,
                     sampling=sampling,
                     stop=stop,
-                    max_uncached_tokens=self.pd.max_suffix,
+                    max_uncached_tokens=pd.max_suffix,
                 )
                 try:
                     async for delta in self.legs.remembered(
@@ -160,9 +161,10 @@ class Mesh:
                         yield delta
                     return
                 except NotHeld:  # its cache no longer holds the conversation: through a prefill worker after all
-                    self.pd.refused()
+                    pd.refused()
             if ticket is None:
                 ticket = await self.admission.admit(len(prompt_ids), params.max_tokens)
+                assert ticket is not None, "admit without `only` waits for a ticket or raises"
             async for delta in self._through_prefill(request_id, prompt_ids, sampling, stop, inflight, ticket):
                 yield delta
         except MeshError as e:

@@ -142,7 +142,7 @@ def _structured(body: _Sampling) -> StructuredOutputs | None:
     constrained = fmt is not None and fmt.type != "text"
     if constrained and so is not None:
         raise InvalidParam("structured_outputs", "set response_format or structured_outputs, not both")
-    if constrained:
+    if fmt is not None and constrained:
         if fmt.type == "json_object":
             spec = StructuredOutputs(json_object=True)
         elif fmt.json_schema is None or fmt.json_schema.schema_ is None:

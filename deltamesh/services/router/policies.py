@@ -61,7 +61,7 @@ class SentBlocks:
 
     def matched(self, address: str, keys: list[int]) -> int:
         """How many of `keys`, from the first, went to the worker at `address`."""
-        sent = self._sent.get(address, {})
+        sent = self._sent.get(address, OrderedDict())
         n = 0
         while n < len(keys) and keys[n] in sent:
             n += 1
@@ -112,7 +112,7 @@ class CacheAware:
         return chosen
 
 
-POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}
+POLICIES: dict[str, type[Policy]] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}
 
 
 def make_policy(name: str, page_size: int, index: PrefixIndex | None = None) -> Policy:

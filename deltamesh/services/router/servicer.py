@@ -119,6 +119,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 "a request is aborted with the abort token of its first response (or by cancelling its Generate call)",
             )
+        assert nonce is not None  # (context.abort raised)
         # found only while the run that issued the token runs: a token of an earlier request with this id aborts none
         return common_pb2.AbortResponse(found=self.mesh.abort(request.request_id, nonce))
 

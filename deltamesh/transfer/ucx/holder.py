@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -20,6 +21,9 @@ from deltamesh.transfer.ucx.descriptors import RemoteRegion
 from deltamesh.v1 import ucx_pb2
 from deltamesh.v1.common_pb2 import TransportDescriptor
 
+if TYPE_CHECKING:
+    from deltamesh.transfer.ucx.rma import Registration
+
 log = structlog.get_logger("deltamesh.transfer")
 
 
@@ -27,7 +31,7 @@ class UcxHolder(StateHolder):
     def __init__(self, leases: LeaseTable):
         self.leases = leases
         self._task: asyncio.Task | None = None
-        self._registered: dict[tuple[int, int], object] = {}  # (start, bytes) of an allocation -> registration
+        self._registered: dict[tuple[int, int], Registration] = {}  # (start, bytes) of an allocation -> its own
         # the last notices: lease id and perf_counter() when the done notice arrived (see TransferStats.marks)
         self.timeline: deque[dict] = deque(maxlen=256)
         self.address = b""

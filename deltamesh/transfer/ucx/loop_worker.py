@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltamesh.transfer.ucx.rma import Registration
 
 # Progress now and then while requests are pending, in case a wake-up is ever missed (ucxx does the same, at
 # 1 s): this bounds the damage to a delay, never a hang. Often while a transfer is under way, rarely while only
@@ -65,7 +69,7 @@ class LoopWorker:
         self._fd = self.worker.epoll_file_descriptor
         # UCX request (ucxx's, or rma.GetRequest) -> (caller's future, buffer, listening, spin until
         # this perf_counter())
-        self._waiting: dict[object, tuple] = {}
+        self._waiting: dict[Any, tuple] = {}  # ucxx's requests (an untyped module) -> what waits on them
         self._request_of: dict[asyncio.Future, object] = {}  # caller's future -> its UCX request, until done
         self._settle_waiters: list[tuple[set, asyncio.Future]] = []  # (requests not done yet, who waits)
         self._safety: asyncio.TimerHandle | None = None
@@ -108,7 +112,7 @@ class LoopWorker:
             self.worker.progress()  # a host read (over CMA: one syscall) is done now, without a loop turn
         return self._track(request, buffer, False, _spin_until(spin_s))
 
-    def register(self, address: int, length: int, cuda: bool):
+    def register(self, address: int, length: int, cuda: bool) -> Registration:
         """Register memory for peers' reads (see rma.Registration)."""
         from deltamesh.transfer.ucx import rma
 

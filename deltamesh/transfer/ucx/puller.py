@@ -34,7 +34,15 @@ import structlog
 import torch
 
 from deltamesh.transfer import failpoints
-from deltamesh.transfer.base import DescriptorError, LeaseKey, StatePuller, TransferError, TransferStats, segments
+from deltamesh.transfer.base import (
+    DescriptorError,
+    LeaseKey,
+    Source,
+    StatePuller,
+    TransferError,
+    TransferStats,
+    segments,
+)
 from deltamesh.transfer.ucx import descriptors, loop_worker, notices
 from deltamesh.transfer.ucx.descriptors import UcxSource
 from deltamesh.transfer.ucx.endpoints import Endpoints
@@ -159,7 +167,8 @@ class UcxPuller(StatePuller):
         if not notice.cancelled() and notice.exception():  # the holder is gone: its memory went with it
             log.info("pull notice not delivered", error=repr(notice.exception()))
 
-    async def pull(self, source: UcxSource, buffers: list[torch.Tensor], timeout_s: float) -> TransferStats:
+    async def pull(self, source: Source, buffers: list[torch.Tensor], timeout_s: float) -> TransferStats:
+        assert isinstance(source, UcxSource), "a source this transport made (source())"
         started = time.perf_counter()
         lease_id = source.lease.lease_id
         try:

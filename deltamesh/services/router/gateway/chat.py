@@ -43,7 +43,13 @@ router = APIRouter()
 
 @dataclass
 class ChatReply(Reply):
+    body: oa.ChatCompletionRequest
     new_output: Callable[[], ChatOutput] | None = None  # a parser for one choice's text
+
+    def output(self) -> ChatOutput:
+        """A new parser for one choice's text."""
+        assert self.new_output is not None, "chat_completions gives every reply its parser"
+        return self.new_output()
 
     @property
     def named_tool(self) -> bool:
@@ -139,7 +145,7 @@ def _prepare(
     return prompt, build_choices(frontend, rid, [prompt.ids], body, max_tokens, logprobs, structured=forced)
 
 
-def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob]) -> oa.ChatLogprobs | None:
+def _logprobs(reply: ChatReply, items: list[common_pb2.TokenLogprob]) -> oa.ChatLogprobs | None:
     if not reply.body.logprobs:
         return None
 
@@ -189,7 +195,7 @@ def _chunk(reply: Reply, choices: list[oa.ChatChunkChoice], usage: oa.Usage | No
 
 async def _chunks(reply: ChatReply, deltas: Deltas):
     acc = Accumulator(reply.choices)
-    outputs = {c.index: reply.new_output() for c in reply.choices}
+    outputs = {c.index: reply.output() for c in reply.choices}
     for c in reply.choices:  # the role comes first, as OpenAI sends it
         yield _chunk(reply, [oa.ChatChunkChoice(index=c.index, delta=oa.ChatDelta(role="assistant", content=""))])
     async for index, d in deltas:
@@ -221,7 +227,7 @@ def _message(reply: ChatReply, output: ChatOutput) -> oa.ChatCompletionMessage:
 def _whole(reply: ChatReply, acc: Accumulator) -> oa.ChatCompletion:
     choices = []
     for c in reply.choices:
-        output = reply.new_output()
+        output = reply.output()
         output.feed(acc.text[c.index])
         output.finish()
         choices.append(

@@ -40,7 +40,7 @@ def unknown_model(frontend: Frontend, model: str) -> ApiError:
 def check_model(frontend: Frontend, body: oa._Sampling) -> None:
     """The model named is served here; none named is the served one, which the reply then names (as vLLM)."""
     if not frontend.serves(body.model):
-        raise unknown_model(frontend, body.model)
+        raise unknown_model(frontend, body.model or "")  # (none named is the served one)
     body.model = body.model or frontend.model_id
 
 

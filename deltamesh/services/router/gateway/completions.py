@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -28,11 +30,16 @@ from deltamesh.v1 import common_pb2
 router = APIRouter()
 
 
+@dataclass
+class CompletionReply(Reply):
+    body: oa.CompletionRequest
+
+
 @router.post("/v1/completions", response_model=oa.Completion, responses=sse_responses("Completion or SSE stream"))
 async def completions(request: Request, body: oa.CompletionRequest, gateway: GatewayDep) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     choices = await completion_choices(gateway.frontend, rid, body)
-    return await respond(request, Reply(gateway, body, rid, choices), _chunks, _completion)
+    return await respond(request, CompletionReply(gateway, body, rid, choices), _chunks, _completion)
 
 
 async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRequest) -> list[Choice]:
@@ -44,12 +51,21 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
     if body.best_of not in (None, body.n):
         raise ApiError(400, "best_of must equal n", param="best_of")
     p = body.prompt
-    texts = [p] if isinstance(p, str) else p if p and all(isinstance(x, str) for x in p) else None
-    id_lists = None if texts is not None else [p] if p and isinstance(p[0], int) else p or [[]]
+    # the prompt's four shapes (pydantic checked each list's items: their first tells which list it is)
+    texts: list[str] | None = None
+    id_lists: list[list[int]] | None = None
+    if isinstance(p, str):
+        texts = [p]
+    elif p and all(isinstance(x, str) for x in p):
+        texts = cast(list[str], p)
+    elif p and isinstance(p[0], int):
+        id_lists = [p]
+    else:
+        id_lists = cast(list[list[int]], p) or [[]]
     max_tokens = body.max_tokens if body.max_tokens is not None else SamplingParams.max_tokens
     check_sampling(frontend, body, max_tokens, body.logprobs)
     with as_api_error("prompt"):
-        check_sizes(frontend, len(texts if texts is not None else id_lists), body)
+        check_sizes(frontend, len(texts) if texts is not None else len(id_lists or ()), body)
         for text in texts or ():
             frontend.check_text(text)
         for ids in id_lists or ():
@@ -66,10 +82,13 @@ def _prepare(
     max_tokens: int,
 ) -> list[Choice]:
     prompts = frontend.encode_texts(texts) if texts is not None else id_lists
+    assert prompts is not None, "a prompt is texts or token id lists"
     return build_choices(frontend, rid, prompts, body, max_tokens, body.logprobs)
 
 
-def _logprobs(reply: Reply, items: list[common_pb2.TokenLogprob], offset: int) -> oa.CompletionLogprobs | None:
+def _logprobs(
+    reply: CompletionReply, items: list[common_pb2.TokenLogprob], offset: int
+) -> oa.CompletionLogprobs | None:
     if reply.body.logprobs is None:
         return None
     token_text = reply.gateway.token_text
@@ -92,7 +111,7 @@ class _TextChunks:
     costs one json.dumps instead of building and dumping two pydantic models (bench/RESULTS.md, "Router CPU per
     streamed token")."""
 
-    def __init__(self, reply: Reply):
+    def __init__(self, reply: CompletionReply):
         self.reply = reply
         self._around: dict[int, tuple[str, str]] = {}
 
@@ -108,7 +127,7 @@ class _TextChunks:
         return around[0] + json.dumps(text, ensure_ascii=False) + around[1]
 
 
-async def _chunks(reply: Reply, deltas: Deltas):
+async def _chunks(reply: CompletionReply, deltas: Deltas):
     acc = Accumulator(reply.choices)
     text_only = _TextChunks(reply)
     async for index, d in deltas:
@@ -130,7 +149,7 @@ async def _chunks(reply: Reply, deltas: Deltas):
         )
 
 
-def _completion(reply: Reply, acc: Accumulator) -> oa.Completion:
+def _completion(reply: CompletionReply, acc: Accumulator) -> oa.Completion:
     return oa.Completion(
         id=reply.id,
         created=reply.created,

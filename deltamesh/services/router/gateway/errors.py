@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import structlog
@@ -32,7 +34,9 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
-ERROR_RESPONSES = {code: {"model": oa.ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 502, 503)}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": oa.ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 502, 503)
+}
 
 
 class ApiError(Exception):
@@ -181,7 +185,7 @@ async def _bug(request: Request, e: Exception):  # details go to the log, never 
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    handlers = {
+    handlers: dict[type[Exception], Callable[..., Any]] = {
         ApiError: _api_error,
         BodyTooLarge: _too_large,
         BodySlow: _slow,

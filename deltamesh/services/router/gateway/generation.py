@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import structlog
 from fastapi import Request
@@ -54,7 +54,8 @@ def _merged(items: list, queue: asyncio.Queue) -> list:
     fell behind (a slow client, a busy loop) sends what piled up as one event, not a growing backlog."""
     while not queue.empty():
         items.append(queue.get_nowait())
-    out, open_delta = [], {}  # choice -> its delta in `out` that later ones still merge into
+    out: list = []
+    open_delta: dict[int, common_pb2.TokenDelta] = {}  # choice -> its delta in `out` that later ones still merge into
     for index, item in items:
         if isinstance(item, common_pb2.TokenDelta) and index in open_delta:
             merge_delta(open_delta[index], item)
@@ -77,7 +78,7 @@ def merge_delta(delta: common_pb2.TokenDelta, later: common_pb2.TokenDelta) -> N
 
 async def run_choices(
     mesh: Mesh, choices: list[Choice], fanout: Fanout
-) -> AsyncIterator[tuple[int, common_pb2.TokenDelta]]:
+) -> AsyncGenerator[tuple[int, common_pb2.TokenDelta], None]:
     """Deltas of all choices as they arrive; raises ApiError on the first failure. Leaving early
     (client gone) cancels every choice in the mesh. The choices start in order, as `fanout` lets them (fanout.py:
     a request of many prompts must not hold back other clients' requests)."""
@@ -115,7 +116,9 @@ async def run_choices(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run_one(mesh: Mesh, choice: Choice, fanout: Fanout) -> AsyncIterator[tuple[int, common_pb2.TokenDelta]]:
+async def _run_one(
+    mesh: Mesh, choice: Choice, fanout: Fanout
+) -> AsyncGenerator[tuple[int, common_pb2.TokenDelta], None]:
     """`run_choices` of a request with one choice (most requests): its deltas straight from the mesh, in the task of
     whoever reads them. Without the per-choice task and queue that merge several choices, a token costs one task
     switch instead of two (bench/RESULTS.md, "Router CPU per streamed token")."""
@@ -150,8 +153,8 @@ class Accumulator:
 
     def __init__(self, choices: list[Choice]):
         self.text = {c.index: "" for c in choices}
-        self.finish = {c.index: None for c in choices}
-        self.logprobs = {c.index: [] for c in choices}
+        self.finish: dict[int, str | None] = {c.index: None for c in choices}
+        self.logprobs: dict[int, list[common_pb2.TokenLogprob]] = {c.index: [] for c in choices}
         self.prompt_tokens = {c.prompt_index: len(c.prompt_ids) for c in choices}  # once per prompt, as OpenAI
         self.completion_tokens = {c.index: 0 for c in choices}
         # per prompt, as prompt_tokens: the most any of its choices (each a request of its own) found cached

@@ -27,7 +27,10 @@ async def ready(gateway: GatewayDep):
     if missing := gateway.mesh.missing():
         return ApiError(503, missing, "service_unavailable").response()
     healthy = [w.role for w in gateway.mesh.registry.workers.values() if w.healthy]
-    answer = {"status": "ready", "workers": {role: healthy.count(role) for role in sorted(set(healthy))}}
+    answer: dict[str, object] = {
+        "status": "ready",
+        "workers": {role: healthy.count(role) for role in sorted(set(healthy))},
+    }
     if gateway.process is not None:  # one of several router processes: the one this connection reached
         answer["process"] = gateway.process
     return answer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -35,11 +36,14 @@ class Reply:
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
 
+ReplyT = TypeVar("ReplyT", bound=Reply)
+
+
 async def respond(
     request: Request,
-    reply: Reply,
-    chunks: Callable[[Reply, Deltas], AsyncIterator[str]],
-    whole: Callable[[Reply, Accumulator], BaseModel],
+    reply: ReplyT,
+    chunks: Callable[[ReplyT, Deltas], AsyncIterator[str]],
+    whole: Callable[[ReplyT, Accumulator], BaseModel],
 ) -> Response:
     limits, mesh = reply.gateway.frontend.limits, reply.gateway.mesh
     fanout = Fanout(limits.max_running_choices, limits.max_prefilling_tokens)

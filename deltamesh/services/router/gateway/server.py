@@ -32,7 +32,7 @@ class _HeaderDeadline(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._deadline = None
+        self._deadline: asyncio.TimerHandle | None = None
         self._arm()
 
     def data_received(self, data: bytes) -> None:

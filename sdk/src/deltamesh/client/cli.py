@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -29,7 +29,9 @@ def generate(
 ) -> None:
     """Generate a completion through a deltamesh router."""
     payload = [{"role": "user", "content": prompt}] if chat else prompt
-    kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop or ())
+    kwargs: dict[str, Any] = dict(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop or ()
+    )
     try:
         with Client(address, timeout=timeout, api_key=api_key) as client:
             if stream:

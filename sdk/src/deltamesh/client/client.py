@@ -11,7 +11,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import grpc
 
@@ -67,7 +67,7 @@ def build_request(
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) or `structured_outputs` in vLLM's
     ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": EBNF}, {"json_object": True}, and
     "disable_any_whitespace")."""
-    sampling = dict(
+    sampling: dict[str, Any] = dict(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -83,10 +83,10 @@ def build_request(
         min_tokens=min_tokens,
         skip_special_tokens=skip_special_tokens,
     )
-    stops = dict(
+    stops: dict[str, Any] = dict(
         stop=list(stop), stop_token_ids=list(stop_token_ids), include_stop_str_in_output=include_stop_str_in_output
     )
-    chat = dict(
+    chat: dict[str, Any] = dict(
         tools=tools,
         chat_template_kwargs=chat_template_kwargs,
         add_generation_prompt=add_generation_prompt,
@@ -105,7 +105,7 @@ def build_request(
         if isinstance(prompt, str):
             req.text = prompt
         elif prompt and isinstance(prompt[0], dict):
-            req.chat.CopyFrom(chat_messages(prompt, **chat))
+            req.chat.CopyFrom(chat_messages(cast(Sequence[dict], prompt), **chat))  # (its first item is a message)
         else:
             req.token_ids.ids.extend(prompt)
         if not req.HasField("chat") and (
@@ -263,7 +263,8 @@ class Client(_ClientBase):
         logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model, request_id, response_format,
         structured_outputs; for a chat, tools, chat_template_kwargs, add_generation_prompt, continue_final_message)."""
         request = _request(prompt, kwargs)
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             result = Result(request.request_id)
             try:
                 for delta in self._open(request, timeout):
@@ -275,6 +276,7 @@ class Client(_ClientBase):
                 if delay is None:
                     raise
             time.sleep(delay)
+            attempt += 1
 
     def stream(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Stream:
         """The deltas as they come (`kwargs` as for generate)."""
@@ -315,7 +317,8 @@ class AsyncClient(_ClientBase):
     async def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
         """The whole result (`kwargs` as for Client.generate: build_request's sampling keywords)."""
         request = _request(prompt, kwargs)
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             result = Result(request.request_id)
             try:
                 async for delta in self._open(request, timeout):
@@ -326,6 +329,7 @@ class AsyncClient(_ClientBase):
                 if delay is None:
                     raise
             await asyncio.sleep(delay)
+            attempt += 1
 
     def stream(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> AsyncStream:
         """The deltas as they come (`kwargs` as for Client.generate)."""

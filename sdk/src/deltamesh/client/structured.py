@@ -23,7 +23,7 @@ def structured_message(
     if fmt_type == "json_object":
         return common_pb2.StructuredOutputs(json_object=True)
     if fmt_type == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
+        schema = ((response_format or {}).get("json_schema") or {}).get("schema")
         if schema is None:
             raise ValueError("response_format json_schema needs json_schema.schema")
         return common_pb2.StructuredOutputs(json_schema=json.dumps(schema))

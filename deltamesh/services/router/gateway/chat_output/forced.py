@@ -5,7 +5,7 @@ schemas, and the parsing of that output into tool calls, streamed as it is writt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from deltamesh.services.router.gateway.chat_output.events import (
     CallArguments,
@@ -28,7 +28,7 @@ def named_schema(parameters: dict | None) -> dict:
     return parameters_schema(parameters)
 
 
-def required_schema(tools: dict[str, dict | None], parallel: bool) -> dict:
+def required_schema(tools: Mapping[str, dict | None], parallel: bool) -> dict:
     """What tool_choice "required" makes the model write: one call or more (one only without parallel calls), each
     naming a tool and giving arguments under its schema. The tools' `$defs` move to the top, where their `$ref`s
     ("#/$defs/...") point from there."""
@@ -74,17 +74,19 @@ class RequiredToolCalls:
         while True:
             head = self._buf.lstrip()
             if self._mode == "call":
-                events = self._call.feed(self._buf, final)
+                call = self._call
+                assert call is not None, "set with the call mode"
+                events = call.feed(self._buf, final)
                 self._buf = ""
                 if events and isinstance(events[0], CallHeader):
                     self._spacing.call_starts()
                     self.calls += 1
                 out += events
-                if self._call.mode == "rejected":
-                    self._buf, self._mode = self._call.raw, "rest"
-                elif self._call.mode == "done":
+                if call.mode == "rejected":
+                    self._buf, self._mode = call.raw, "rest"
+                elif call.mode == "done":
                     self._spacing.call_ends()
-                    self._buf, self._mode = self._call.rest, "between"
+                    self._buf, self._mode = call.rest, "between"
                 else:
                     return
             elif self._mode == "rest":

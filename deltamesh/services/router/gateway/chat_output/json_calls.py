@@ -93,7 +93,7 @@ class JsonCallObject:
         except ValueError:
             call = None
         arguments = call.get(self._key) if isinstance(call, dict) else None
-        if isinstance(arguments, dict) and call.get("name") in self._tools:
+        if isinstance(call, dict) and isinstance(arguments, dict) and call.get("name") in self._tools:
             out.append(CallHeader(self._index, self._new_id(), call["name"]))
             out.append(CallArguments(self._index, json.dumps(arguments, ensure_ascii=False)))
             self.mode = "done"
@@ -134,18 +134,20 @@ class HermesToolCalls:
                 self._buf, self._mode = self._buf[at + len(TOOL_CALL) :], "call"
                 self._call = JsonCallObject("arguments", self._tools, self.calls, self._new_id)
             elif self._mode == "call":
-                events = self._call.feed(self._buf, final)
+                call = self._call
+                assert call is not None, "set with the call mode"
+                events = call.feed(self._buf, final)
                 self._buf = ""
                 if events and isinstance(events[0], CallHeader):
                     self._spacing.call_starts()
                     self.calls += 1
                 out += events
-                if self._call.mode == "rejected":
+                if call.mode == "rejected":
                     out += self._spacing.text(TOOL_CALL)
-                    self._buf, self._mode = self._call.raw, "text"
-                elif self._call.mode == "done":
+                    self._buf, self._mode = call.raw, "text"
+                elif call.mode == "done":
                     self._spacing.call_ends()
-                    self._buf, self._mode = self._call.rest, "after"
+                    self._buf, self._mode = call.rest, "after"
                 else:
                     return
             else:  # after a call object: its </tool_call> (a missing one is tolerated)

@@ -36,7 +36,12 @@ class OutputFormat:
     tool_calls: ToolCallParser = "none"
 
     @classmethod
-    def resolve(cls, template: str | None, reasoning: str = "auto", tool_calls: str = "auto") -> OutputFormat:
+    def resolve(
+        cls,
+        template: str | None,
+        reasoning: ReasoningParser | Literal["auto"] = "auto",
+        tool_calls: ToolCallParser | Literal["auto"] = "auto",
+    ) -> OutputFormat:
         template = template or ""
         if reasoning == "auto":
             reasoning = "qwen3" if "<think>" in template else "none"
@@ -98,7 +103,8 @@ class ChatOutput:
             return events
         out: list[Event] = []
         for event in events:
-            out += self._calls.feed(event.text) if event.kind == "content" else [event]
+            # (the reasoning parser's events are all Text)
+            out += self._calls.feed(event.text) if isinstance(event, Text) and event.kind == "content" else [event]
         return out
 
     def _deliver(self, events: list[Event]) -> OutputDelta:
