@@ -15,7 +15,7 @@ from test_openai_api import thinking_reply
 from deltamesh.client import InvalidRequest
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from deltamesh.protocol.structured import StructuredOutputs
-from deltamesh.services.router.gateway.chat_output import named_schema, required_schema
+from deltamesh.services.router.chat_output import named_schema, required_schema
 
 pytestmark = [pytest.mark.e2e, pytest.mark.api]
 MODEL_ID = DEFAULT_MODEL.name
