@@ -1,10 +1,13 @@
 """Tools, tool calls, reasoning and the chat template's options through a real mesh (1P+1D), with the official
 `openai` client and the gRPC SDK, on the default model (Qwen3.5's format, random-ish weights): each reply is the
 monolithic engine's text on the same prompt, as Qwen3.5's format reads it; REST and gRPC render the same prompt
-from the same fields and refuse bad ones alike; tool_choice required and named are enforced by structured decoding."""
+from the same fields, refuse bad ones alike and read the reply into the same reasoning, content and tool calls;
+tool_choice required and named are enforced by structured decoding on both."""
 
+import asyncio
 import json
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -12,10 +15,10 @@ import pytest
 from harness import start_mesh
 from test_openai_api import thinking_reply
 
-from deltamesh.client import InvalidRequest
+from deltamesh.client import AsyncClient, InvalidRequest
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
 from deltamesh.protocol.structured import StructuredOutputs
-from deltamesh.services.router.gateway.chat_output import named_schema, required_schema
+from deltamesh.services.router.chat_output import named_schema, required_schema
 
 pytestmark = [pytest.mark.e2e, pytest.mark.api]
 MODEL_ID = DEFAULT_MODEL.name
@@ -214,12 +217,10 @@ def test_bad_tool_and_template_fields_are_refused_alike_on_both_edges(mesh, fiel
     r = httpx.post(f"http://127.0.0.1:{mesh.http_port}/v1/chat/completions", json=body, timeout=30)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
-    if param == "tool_choice":
-        return  # gRPC returns the model's text: it has no tool_choice
     grpc_fields = {k: v for k, v in fields.items() if k != "messages"}
     with mesh.client(retries=0) as grpc_client, pytest.raises(InvalidRequest) as refused:
         grpc_client.generate(body["messages"], max_tokens=2, **grpc_fields)
-    assert error["message"] in str(refused.value)
+    assert (refused.value.code, refused.value.message) == (grpc.StatusCode.INVALID_ARGUMENT, error["message"])
     assert mesh.wait_idle() == {}
 
 
@@ -233,6 +234,9 @@ def test_a_tools_definition_takes_only_openais_fields_and_a_forced_choice_takes_
         r = httpx.post(url, json=body | {"response_format": {"type": "json_object"}}, timeout=30)
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "tool_choice" and "response_format" in error["message"]
+        with mesh.client(retries=0) as grpc_client, pytest.raises(InvalidRequest) as refused:
+            grpc_client.generate(ASK, tools=[WEATHER], tool_choice=choice, structured_outputs={"json_object": True})
+        assert (refused.value.code, refused.value.message) == (grpc.StatusCode.INVALID_ARGUMENT, error["message"])
     assert mesh.wait_idle() == {}
 
 
@@ -271,11 +275,11 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     [("required", False), ("required", True), ({"type": "function", "function": {"name": "forecast"}}, True)],
 )
 def test_a_forced_tool_choice_is_enforced_by_structured_decoding_streamed_and_whole(
-    client, reference_engine, choice, parallel
+    mesh, client, reference_engine, choice, parallel
 ):
     """tool_choice required / named: the reply is written under the JSON schema built from the tools (thinking off),
     so it parses into calls of the tools with arguments that match their schemas; the mesh's tokens are the
-    monolithic engine's under the same schema."""
+    monolithic engine's under the same schema. Over REST and gRPC (both SDK clients) alike."""
     tools = [FORECAST, CLOCK]
     parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     named = isinstance(choice, dict)
@@ -308,6 +312,28 @@ def test_a_forced_tool_choice_is_enforced_by_structured_decoding_streamed_and_wh
     joined = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in range(len(headers))]
     assert [json.loads(a) for a in joined] == [json.loads(c.function.arguments) for c in message.tool_calls]
 
+    grpc_fields = dict(tools=tools, tool_choice=choice, parallel_tool_calls=parallel, max_tokens=96, temperature=0)
+    with mesh.client() as grpc_client:
+        result = grpc_client.generate(ASK, **grpc_fields)
+    assert (result.usage.prompt_tokens, result.token_ids) == (len(ids), ref.token_ids)
+    assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == expected
+    assert (result.reasoning, result.content, result.finish_reason) == ("", "", "stop")
+    for call in result.tool_calls:
+        assert call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), parameters[call.name])
+
+    async def stream_async() -> list:
+        async with AsyncClient(mesh.router_address, **mesh.client_kwargs) as async_client:
+            return [d.chat async for d in async_client.stream(ASK, **grpc_fields)]
+
+    pieces = asyncio.run(stream_async())
+    assert all(p is not None for p in pieces) and not any(p.reasoning or p.content for p in pieces)
+    calls = [c for p in pieces for c in p.tool_calls]
+    assert [(c.index, c.name) for c in calls if c.id] == [(i, c.name) for i, c in enumerate(result.tool_calls)]
+    assert all(c.id is None and c.name is None for c in calls if c.id is None)
+    joined = ["".join(c.arguments for c in calls if c.index == i) for i in range(len(result.tool_calls))]
+    assert [json.loads(a) for a in joined] == [args for _, args in expected]
+
 
 def test_a_chat_under_structured_outputs_is_rendered_without_thinking_on_both_edges(mesh, client, reference_engine):
     """The grammar holds from the reply's first token, so REST and gRPC both render the chat with thinking off
@@ -332,3 +358,47 @@ def test_a_chat_under_structured_outputs_is_rendered_without_thinking_on_both_ed
                 ASK, structured_outputs=spec, chat_template_kwargs=kwargs, max_tokens=8, temperature=0
             )
         assert (result.usage.prompt_tokens, result.token_ids) == (len(ids), ref.token_ids)
+
+
+OPEN_CALL_FIELDS = dict(
+    messages=[*ASK, OPEN_CALL], tools=[WEATHER], add_generation_prompt=False, continue_final_message=True
+)
+PARITY = [  # (the request's chat fields, what its reply must hold for the comparison to say something)
+    pytest.param(dict(messages=ASK), "reasoning", id="thinking"),
+    pytest.param(dict(messages=ASK, chat_template_kwargs={"enable_thinking": False}), "content", id="no-thinking"),
+    pytest.param(dict(messages=ASK, tools=[WEATHER]), "reasoning", id="tools-auto"),
+    pytest.param(OPEN_CALL_FIELDS, "tool_calls", id="auto-call"),
+    pytest.param(dict(messages=ASK, tools=[FORECAST, CLOCK], tool_choice="required"), "tool_calls", id="required"),
+    pytest.param(
+        dict(messages=ASK, tools=[FORECAST, CLOCK], tool_choice="required", parallel_tool_calls=False),
+        "tool_calls",
+        id="required-one",
+    ),
+    pytest.param(
+        dict(messages=ASK, tools=[FORECAST, CLOCK], tool_choice={"type": "function", "function": {"name": "clock"}}),
+        "tool_calls",
+        id="named",
+    ),
+    pytest.param(dict(OPEN_CALL_FIELDS, tool_choice="none"), "content", id="none"),
+]
+
+
+@pytest.mark.parametrize("fields,holds", PARITY)
+def test_rest_and_grpc_read_the_same_reply_into_the_same_reasoning_content_and_tool_calls(mesh, fields, holds):
+    """One request at temperature 0 over both edges: the same tokens, read by the same parsers into the same
+    reasoning, content and tool calls (ids aside: each reply mints its own)."""
+    body = {"model": MODEL_ID, "max_tokens": 96, "temperature": 0} | fields
+    r = httpx.post(f"http://127.0.0.1:{mesh.http_port}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    message, usage = r.json()["choices"][0]["message"], r.json()["usage"]
+    rest_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
+    rest = (message.get("reasoning_content") or "", message.get("content") or "", rest_calls)
+    assert rest[("reasoning", "content", "tool_calls").index(holds)], rest
+    messages, options = fields["messages"], {k: v for k, v in fields.items() if k != "messages"}
+    with mesh.client() as grpc_client:
+        result = grpc_client.generate(messages, max_tokens=96, temperature=0, **options)
+    assert (result.reasoning, result.content, [(c.name, c.arguments) for c in result.tool_calls]) == rest
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltamesh.services.router.gateway.chat_output import OutputFormat, chat_output, named_schema, required_schema
+from deltamesh.services.router.chat_output import OutputFormat, chat_output, named_schema, required_schema
 
 pytestmark = pytest.mark.api
 

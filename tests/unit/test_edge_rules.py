@@ -1,4 +1,4 @@
-"""The rules the router's two edges share (request ids, stop strings), the abort tokens, and the secret files, in
+"""The rules the router's two edges share (request ids, stop strings, a chat's tool_choice), the abort tokens, and the secret files, in
 process; tests/e2e/test_edge_attacks.py and test_attacks.py send the same attacks to real processes."""
 
 import os
@@ -10,8 +10,10 @@ import pytest
 
 from deltamesh.services.common.auth import MissingSecret, load_mesh_secret, read_secret_file
 from deltamesh.services.common.logs import MAX_REQUEST_ID_CHARS, request_id_problem
+from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.limits import MAX_STOP_BYTES, MAX_STOP_CHARS, InvalidParam, check_stop
 from deltamesh.services.router.servicer import AbortTokens
+from deltamesh.v1 import router_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,6 +57,33 @@ def test_stop_strings_are_bounded_in_count_length_and_bytes():
     assert refusal(over) == f"the stop strings take 4200 bytes (UTF-8) together; at most {MAX_STOP_BYTES}"
     assert "non-empty" in refusal(["ok", ""])
     assert "lone surrogate" in refusal(["a\ud800"])
+
+
+def test_grpcs_tool_choice_reads_as_rests_and_is_refused_in_rests_words():
+    ask = [router_pb2.ChatMessage(role="user", content="hi")]
+    tool = router_pb2.Tool(name="f", parameters='{"type": "object"}')
+    modes = router_pb2.ToolChoice
+
+    def chat(**kw) -> ChatRequest:
+        return ChatRequest.from_proto(router_pb2.ChatMessages(messages=ask, **kw))
+
+    assert (chat().tool_choice, chat(tools=[tool]).tool_choice) == ("none", "auto")  # OpenAI's defaults
+    assert chat(tools=[tool], tool_choice=modes(mode=modes.MODE_UNSPECIFIED)).tool_choice == "auto"
+    assert chat(tools=[tool], tool_choice=modes(mode=modes.MODE_NONE)).tool_choice == "none"
+    assert chat(tools=[tool], tool_choice=modes(mode=modes.MODE_REQUIRED)).tool_choice == "required"
+    assert chat(tools=[tool], tool_choice=modes(function="f")).tool_choice == {"name": "f"}
+    assert chat().parallel_tool_calls and not chat(parallel_tool_calls=False).parallel_tool_calls
+    for request, words in (
+        (chat(tools=[tool], tool_choice=modes(mode=7)), "tool_choice must be none, auto, required or a named"),
+        (chat(tool_choice=modes(function="f")), "tool_choice names a function, but the request has no tools"),
+        (chat(tools=[tool], tool_choice=modes(function="g")), "tool_choice names the function 'g', not in tools"),
+        (chat(tool_choice=modes(mode=modes.MODE_REQUIRED)), 'tool_choice "required" needs tools'),
+    ):
+        with pytest.raises(InvalidParam, match=words) as refused:
+            request.check()
+        assert refused.value.param == "tool_choice"
+    with pytest.raises(InvalidParam, match="parameters must be a JSON Schema object"):
+        chat(tools=[router_pb2.Tool(name="f", parameters="[1]")])
 
 
 def test_an_abort_token_names_one_run_of_a_request():

@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from deltamesh.client import AsyncClient, Client, InvalidRequest, Unavailable, build_request
+from deltamesh.client import AsyncClient, Client, Delta, InvalidRequest, Result, ToolCall, Unavailable, build_request
 from deltamesh.client.client import _KEYWORDS, _request
+from deltamesh.v1 import common_pb2, router_pb2
 
 
 def test_generate_names_its_keywords_and_refuses_unknown_ones():
@@ -41,6 +42,40 @@ def test_requests_carry_the_prompt_kind_and_only_the_sampling_fields_set():
         with pytest.raises(InvalidRequest, match="invalid request"):
             build_request("hi", **bad)
     assert _request("hi", dict(max_tokens=3, request_id="r")) == build_request("hi", max_tokens=3, request_id="r")
+
+
+def test_a_chats_tool_choice_travels_in_openais_shapes_and_others_are_refused():
+    ask = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f"}}
+    default = build_request(ask, tools=[tool]).chat
+    assert not default.HasField("tool_choice") and not default.HasField("parallel_tool_calls")
+    required = build_request(ask, tools=[tool], tool_choice="required", parallel_tool_calls=False).chat
+    assert required.tool_choice.mode == router_pb2.ToolChoice.MODE_REQUIRED and required.parallel_tool_calls is False
+    named = build_request(ask, tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}).chat
+    assert named.tool_choice.WhichOneof("choice") == "function" and named.tool_choice.function == "f"
+    for bad in ("sometimes", {"name": "f"}, {"type": "function", "function": {}}):
+        with pytest.raises(InvalidRequest, match="tool_choice must be"):
+            build_request(ask, tools=[tool], tool_choice=bad)
+    with pytest.raises(InvalidRequest, match="chat messages only"):
+        build_request("hi", tool_choice="auto")
+
+
+def test_a_results_chat_reply_is_the_sum_of_its_deltas():
+    def delta(chat: router_pb2.ChatDelta, finished=False) -> Delta:
+        return Delta.from_proto("r", common_pb2.TokenDelta(text="t", finished=finished), chat)
+
+    result = Result("r")
+    result.add(delta(router_pb2.ChatDelta(reasoning="think", content="a")))
+    header = router_pb2.ToolCallDelta(index=0, id="call_1", name="f", arguments='{"x": ')
+    result.add(delta(router_pb2.ChatDelta(content="b", tool_calls=[header])))
+    second = router_pb2.ToolCallDelta(index=1, id="call_2", name="g", arguments="{}")
+    pieces = [router_pb2.ToolCallDelta(index=0, arguments="1}"), second]
+    result.add(delta(router_pb2.ChatDelta(tool_calls=pieces), finished=True))
+    assert (result.text, result.reasoning, result.content) == ("ttt", "think", "ab")
+    assert result.tool_calls == [ToolCall("call_1", "f", '{"x": 1}'), ToolCall("call_2", "g", "{}")]
+    plain = Result("r")
+    plain.add(Delta.from_proto("r", common_pb2.TokenDelta(text="t")))
+    assert (plain.text, plain.content, plain.tool_calls) == ("t", "", [])  # not a chat: the text alone
 
 
 def test_both_clients_raise_the_same_errors_without_a_router():

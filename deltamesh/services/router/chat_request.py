@@ -1,7 +1,7 @@
 """A chat request as both of the router's edges take it (REST's body, gRPC's ChatMessages), checked by one rule and
 made ready for the chat template: messages in OpenAI's shape (an assistant's `tool_calls` with their arguments as
-a JSON string, a tool result's `tool_call_id`, `reasoning_content`), function tools, tool_choice, and the template
-options (chat_template_kwargs, add_generation_prompt, continue_final_message).
+a JSON string, a tool result's `tool_call_id`, `reasoning_content`), function tools, tool_choice and
+parallel_tool_calls, and the template options (chat_template_kwargs, add_generation_prompt, continue_final_message).
 
 The checks that cost O(count) run on the event loop; the JSON schemas of the tools' parameters and the assistants'
 JSON arguments are read in `prepare`, off the loop, beside templating."""
@@ -24,6 +24,11 @@ from deltamesh.v1 import router_pb2
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MAX_TOOLS = 1024  # a request's function tools: far above OpenAI's 128
 TOOL_CHOICES = ("none", "auto", "required")
+_TOOL_CHOICE_MODES = {  # gRPC's ToolChoice.Mode -> REST's word
+    router_pb2.ToolChoice.MODE_NONE: "none",
+    router_pb2.ToolChoice.MODE_AUTO: "auto",
+    router_pb2.ToolChoice.MODE_REQUIRED: "required",
+}
 
 
 @dataclass
@@ -31,6 +36,7 @@ class ChatRequest:
     messages: list[dict]  # OpenAI's shape: role, content (text), name, tool_calls, tool_call_id, reasoning_content
     tools: list[dict] | None = None  # OpenAI's function tools: {"type": "function", "function": {name, ...}}
     tool_choice: str | dict = "auto"  # none | auto | required | {"name": NAME}
+    parallel_tool_calls: bool = True  # False: at most one tool call
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -42,6 +48,8 @@ class ChatRequest:
         return cls(
             messages=[_message_from_proto(m) for m in chat.messages],
             tools=[_tool_from_proto(t) for t in chat.tools] or None,
+            tool_choice=_tool_choice_from_proto(chat),
+            parallel_tool_calls=chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True,
             add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
             continue_final_message=chat.continue_final_message,
             template_kwargs=json_format.MessageToDict(chat.chat_template_kwargs),
@@ -123,10 +131,24 @@ def _tool_from_proto(t: router_pb2.Tool) -> dict:
         function["description"] = t.description
     if t.parameters:
         try:
-            function["parameters"] = json.loads(t.parameters)
+            parameters = json.loads(t.parameters)
         except (ValueError, RecursionError):
             raise InvalidParam("tools", f"tool {t.name[:100]!r}: parameters is not JSON") from None
+        if not isinstance(parameters, dict):  # REST's body takes an object only; a forced choice's schema needs one
+            raise InvalidParam("tools", f"tool {t.name[:100]!r}: parameters must be a JSON Schema object")
+        function["parameters"] = parameters
     return {"type": "function", "function": function}
+
+
+def _tool_choice_from_proto(chat: router_pb2.ChatMessages) -> str | dict:
+    """ToolChoice in REST's terms; unset, OpenAI's default (auto with tools, none without). A mode this router does
+    not know (a newer client's) is passed on as its number, for check() to refuse in REST's words."""
+    choice = chat.tool_choice
+    if choice.WhichOneof("choice") == "function":
+        return {"name": choice.function}
+    if choice.mode == router_pb2.ToolChoice.MODE_UNSPECIFIED:
+        return "auto" if chat.tools else "none"
+    return _TOOL_CHOICE_MODES.get(choice.mode, f"mode {choice.mode}")
 
 
 def _tool_name(tool: dict) -> str:

@@ -12,10 +12,10 @@ from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.server import GrpcServer
 from deltamesh.services.common.settings import RouterSettings
 from deltamesh.services.router.admission import AdmissionLimits
+from deltamesh.services.router.chat_output import OutputFormat
 from deltamesh.services.router.control import ControlServicer
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway import Gateway, start_gateway
-from deltamesh.services.router.gateway.chat_output import OutputFormat
 from deltamesh.services.router.limits import MAX_REQUEST_BYTES
 from deltamesh.services.router.mesh import Mesh
 from deltamesh.services.router.metrics import register_worker_gauge
@@ -53,9 +53,11 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     mesh = Mesh(
         registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd, admission
     )
+    template = frontend.tokenizer.chat_template if frontend.tokenizer else None
+    output_format = OutputFormat.resolve(template, settings.reasoning_parser, settings.tool_call_parser)
     # Two listeners: the client API (the API key, when set) and the control plane (the mesh secret)
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-    client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh), name)]
+    client_api = [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(frontend, mesh, output_format), name)]
     key_check = (api_key_interceptor(settings.api_key),) if settings.api_key else ()
     server = GrpcServer(
         settings.host,
@@ -83,8 +85,6 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         await learn_from_siblings(settings, registry)
     tasks = [asyncio.create_task(registry.poll_forever(stop))]
     http = None
-    template = frontend.tokenizer.chat_template if frontend.tokenizer else None
-    output_format = OutputFormat.resolve(template, settings.reasoning_parser, settings.tool_call_parser)
     if settings.http_port:
         gateway = Gateway(
             frontend,

@@ -12,8 +12,11 @@ import grpc
 import structlog
 
 from deltamesh.protocol.requests import RequestError
+from deltamesh.protocol.sampling import SamplingParams
 from deltamesh.services.common.convert import sampling_from_proto
 from deltamesh.services.common.logs import bind_request, request_id_from, request_id_problem
+from deltamesh.services.router.chat_output import ChatOutput, OutputDelta, OutputFormat
+from deltamesh.services.router.chat_reply import plan_chat_reply
 from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.limits import check_count, check_logit_bias_count, check_request_id, check_stop
@@ -25,6 +28,17 @@ log = structlog.get_logger("deltamesh.router")
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def _chat_delta(part: OutputDelta) -> router_pb2.ChatDelta:
+    return router_pb2.ChatDelta(
+        reasoning=part.reasoning,
+        content=part.content,
+        tool_calls=[
+            router_pb2.ToolCallDelta(index=c.index, id=c.id or "", name=c.name or "", arguments=c.arguments)
+            for c in part.calls
+        ],
+    )
 
 
 class AbortTokens:
@@ -55,28 +69,34 @@ class AbortTokens:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, frontend: Frontend, mesh: Mesh):
+    def __init__(self, frontend: Frontend, mesh: Mesh, output_format: OutputFormat):
         self.frontend, self.mesh = frontend, mesh
+        self.output_format = output_format  # how the model writes reasoning and tool calls
         self.abort_tokens = AbortTokens()
 
-    async def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
-        """Size checks first, on the loop and before copying anything out of the message; then tokenising
-        or templating off the loop."""
+    async def _prompt(
+        self, request: router_pb2.GenerateRequest, params: SamplingParams
+    ) -> tuple[list[int], ChatOutput | None]:
+        """The prompt's token ids, and for a chat the parser of its reply. Size checks first, on the loop and before
+        copying anything out of the message; then tokenising or templating off the loop. A chat's forced
+        tool_choice sets `params.structured_outputs` (the rules are REST's: chat_reply.py)."""
         f = self.frontend
         kind = request.WhichOneof("prompt")
         if kind == "text":
             f.check_text(request.text)
-            return (await f.off_loop(f.encode_texts, [request.text]))[0]
+            return (await f.off_loop(f.encode_texts, [request.text]))[0], None
         if kind == "token_ids":
             f.check_token_count(len(request.token_ids.ids))
-            return list(request.token_ids.ids)
+            return list(request.token_ids.ids), None
         if kind == "chat":
             check_count(len(request.chat.messages), f.limits.max_messages, "chat messages", "messages")
             chat = ChatRequest.from_proto(request.chat)
             f.check_chat(chat)
-            if request.sampling.HasField("structured_outputs"):
-                chat.think_not_before_a_grammar()
-            return (await f.off_loop(f.encode_chat, chat)).ids
+            plan = plan_chat_reply(chat, self.output_format, params.structured_outputs is not None)
+            if plan.forced is not None:
+                params.structured_outputs = plan.forced
+            prompt = await f.off_loop(f.encode_chat, chat, plan.parsed)
+            return prompt.ids, plan.new_output(prompt.assistant_prefix)
         raise RequestError("a prompt is required (text, token_ids or chat)")
 
     async def Generate(self, request: router_pb2.GenerateRequest, context):
@@ -93,7 +113,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             check_logit_bias_count(len(request.sampling.logit_bias))
             params = sampling_from_proto(request.sampling, request.stop)
             self.frontend.check_sampling(params)
-            prompt_ids = await self._prompt_ids(request)
+            prompt_ids, output = await self._prompt(request, params)
             self.frontend.check(prompt_ids, params)
         except (ValueError, RequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -101,7 +121,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             nonce, abort_token = self.abort_tokens.issue(rid)  # the token goes in the first response only
             async with contextlib.aclosing(self.mesh.generate(rid, prompt_ids, params, nonce)) as deltas:
                 async for delta in deltas:
-                    yield router_pb2.GenerateResponse(request_id=rid, delta=delta, abort_token=abort_token)
+                    response = router_pb2.GenerateResponse(request_id=rid, delta=delta, abort_token=abort_token)
+                    if output is not None:  # a chat: its reply read as REST's stream reads it
+                        response.chat.CopyFrom(_chat_delta(output.take(delta.text, delta.finished)))
+                    yield response
                     abort_token = b""
         except MeshError as e:
             log.warning("request failed", code=e.code.name, error=e.message)

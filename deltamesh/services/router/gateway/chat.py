@@ -1,28 +1,22 @@
 """POST /v1/chat/completions: messages (with tools, tool calls and results) rendered with the checkpoint's chat
 template, answered whole or streamed; each choice's text split into reasoning, content and tool calls by the
-model family's parsers (chat_output/)."""
+model family's parsers (chat_output/), under the rules the gRPC edge applies too (chat_reply.py)."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from deltamesh.protocol.structured import StructuredOutputs
 from deltamesh.services.router import openai_schema as oa
+from deltamesh.services.router.chat_output import ChatOutput, OutputDelta, OutputFormat
+from deltamesh.services.router.chat_reply import ChatReplyPlan, plan_chat_reply
 from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.frontend import ChatPrompt, Frontend
-from deltamesh.services.router.gateway.chat_output import (
-    ChatOutput,
-    OutputDelta,
-    OutputFormat,
-    chat_output,
-    named_schema,
-    required_schema,
-)
 from deltamesh.services.router.gateway.choices import (
     Choice,
     build_choices,
@@ -35,7 +29,6 @@ from deltamesh.services.router.gateway.errors import as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
 from deltamesh.services.router.gateway.reply import Reply, respond
 from deltamesh.services.router.gateway.streaming import Deltas, sse, sse_responses
-from deltamesh.services.router.limits import InvalidParam
 from deltamesh.v1 import common_pb2
 
 router = APIRouter()
@@ -70,6 +63,7 @@ def chat_request(body: oa.ChatCompletionRequest) -> ChatRequest:
         messages=[m.for_template() for m in body.messages],
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         tool_choice=body.tool_choice_value(),
+        parallel_tool_calls=body.parallel_tool_calls,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         template_kwargs=body.chat_template_kwargs or {},
@@ -87,48 +81,9 @@ async def chat_choices(
     with as_api_error("messages"):
         check_sizes(frontend, 1, body)
         frontend.check_chat(chat)
-        forced = _forced_calls(chat, body)
-        structured = forced is not None or body.structured is not None
-        if structured:
-            chat.think_not_before_a_grammar()
-        parsed = fmt.reasoning != "none" or bool(chat.tools and chat.tool_choice != "none")
-        prompt, choices = await frontend.off_loop(
-            _prepare, frontend, rid, body, chat, parsed, max_tokens, logprobs, forced
-        )
-    tools = chat.tool_parameters
-
-    def new_output() -> ChatOutput:
-        return chat_output(
-            fmt, prompt.assistant_prefix, tools, chat.tool_choice, body.parallel_tool_calls, reasoning=not structured
-        )
-
-    return choices, new_output
-
-
-def _forced_calls(chat: ChatRequest, body: oa.ChatCompletionRequest) -> StructuredOutputs | None:
-    """tool_choice "required" or a named function, enforced as vLLM enforces it: the reply is written under a JSON
-    schema built from the tools (chat_output/forced.py), so its calls always parse and match the tools' schemas."""
-    choice = chat.tool_choice
-    if choice == "required":
-        schema = required_schema(chat.tool_parameters, body.parallel_tool_calls)
-    elif isinstance(choice, dict):
-        schema = named_schema(chat.tool_parameters[choice["name"]])
-    else:
-        return None
-    if body.structured is not None:
-        raise InvalidParam(
-            "tool_choice",
-            'tool_choice "required" or a named function sets the output\'s structure: leave out response_format and '
-            "structured_outputs",
-        )
-    # laid out as json.dumps writes it: whitespace in the calls carries nothing, and a model that drifts into it
-    # (up to the grammar's 32 characters per gap) can spend its max_tokens before the calls are complete
-    forced = StructuredOutputs(json=schema, disable_any_whitespace=True)
-    try:
-        forced.validate()
-    except ValueError as e:  # too large: the tools' schemas, put together
-        raise InvalidParam("tools", f"tool_choice {choice!r} cannot be enforced for these tools: {e}") from None
-    return forced
+        plan = plan_chat_reply(chat, fmt, body.structured is not None)
+        prompt, choices = await frontend.off_loop(_prepare, frontend, rid, body, chat, plan, max_tokens, logprobs)
+    return choices, partial(plan.new_output, prompt.assistant_prefix)
 
 
 def _prepare(
@@ -136,13 +91,12 @@ def _prepare(
     rid: str,
     body: oa.ChatCompletionRequest,
     chat: ChatRequest,
-    with_prefix: bool,
+    plan: ChatReplyPlan,
     max_tokens: int | None,
     logprobs: int | None,
-    forced: StructuredOutputs | None,
 ) -> tuple[ChatPrompt, list[Choice]]:
-    prompt = frontend.encode_chat(chat, with_prefix)
-    return prompt, build_choices(frontend, rid, [prompt.ids], body, max_tokens, logprobs, structured=forced)
+    prompt = frontend.encode_chat(chat, plan.parsed)
+    return prompt, build_choices(frontend, rid, [prompt.ids], body, max_tokens, logprobs, structured=plan.forced)
 
 
 def _logprobs(reply: ChatReply, items: list[common_pb2.TokenLogprob]) -> oa.ChatLogprobs | None:
@@ -201,10 +155,7 @@ async def _chunks(reply: ChatReply, deltas: Deltas):
     async for index, d in deltas:
         acc.add(index, d)
         output = outputs[index]
-        part = output.feed(d.text)
-        if d.finished:
-            last = output.finish()
-            part = OutputDelta(part.reasoning + last.reasoning, part.content + last.content, part.calls + last.calls)
+        part = output.take(d.text, d.finished)
         delta, logprobs = _delta(reply, part), _logprobs(reply, list(d.logprobs))
         finish = _finish_reason(reply, output, acc.finish[index])
         if delta.model_dump() or logprobs is not None or finish is not None:

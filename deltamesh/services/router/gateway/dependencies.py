@@ -9,8 +9,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from deltamesh.services.router.chat_output import OutputFormat
 from deltamesh.services.router.frontend import Frontend
-from deltamesh.services.router.gateway.chat_output import OutputFormat
 from deltamesh.services.router.mesh import Mesh
 
 

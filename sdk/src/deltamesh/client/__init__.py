@@ -12,12 +12,13 @@ from deltamesh.client.errors import (
     PermissionDenied,
     Unavailable,
 )
-from deltamesh.client.types import Delta, Model, Result, TokenLogprob, Usage
+from deltamesh.client.types import ChatDelta, Delta, Model, Result, TokenLogprob, ToolCall, ToolCallDelta, Usage
 
 __all__ = [
     "AsyncClient",
     "AsyncStream",
     "Cancelled",
+    "ChatDelta",
     "Client",
     "DeadlineExceeded",
     "Delta",
@@ -31,6 +32,8 @@ __all__ = [
     "Result",
     "Stream",
     "TokenLogprob",
+    "ToolCall",
+    "ToolCallDelta",
     "Unavailable",
     "Usage",
     "build_request",

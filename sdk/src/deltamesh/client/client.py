@@ -52,14 +52,18 @@ def build_request(
     response_format: dict | None = None,
     structured_outputs: dict | None = None,
     tools: Sequence[dict] = (),
+    tool_choice: str | dict | None = None,
+    parallel_tool_calls: bool | None = None,
     chat_template_kwargs: dict | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> router_pb2.GenerateRequest:
     """A prompt is text, token ids, or chat messages in OpenAI's shape ({"role": ..., "content": ...}, an
     assistant's "tool_calls", a tool result's "tool_call_id", "reasoning_content"). A chat takes `tools` (OpenAI's
-    function tools), `chat_template_kwargs` (e.g. {"enable_thinking": False}), `add_generation_prompt` and
-    `continue_final_message` (chat.py). A sampling keyword left None takes the server's default (the router's
+    function tools), `tool_choice` ("none", "auto", "required" or {"type": "function", "function": {"name": ...}};
+    left None: auto with tools, none without), `parallel_tool_calls` (False: one call at most),
+    `chat_template_kwargs` (e.g. {"enable_thinking": False}), `add_generation_prompt` and `continue_final_message`
+    (chat.py); its reply comes back read into reasoning, content and tool calls (Result, Delta.chat). A sampling keyword left None takes the server's default (the router's
     SamplingParams). Values the protocol cannot carry (negative counts, ids over 32 bits) raise InvalidRequest
     before anything is sent.
 
@@ -88,6 +92,8 @@ def build_request(
     )
     chat: dict[str, Any] = dict(
         tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
         chat_template_kwargs=chat_template_kwargs,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
@@ -108,9 +114,8 @@ def build_request(
             req.chat.CopyFrom(chat_messages(cast(Sequence[dict], prompt), **chat))  # (its first item is a message)
         else:
             req.token_ids.ids.extend(prompt)
-        if not req.HasField("chat") and (
-            tools or chat_template_kwargs or not add_generation_prompt or continue_final_message
-        ):
+        chat_only = (tools, tool_choice is not None, parallel_tool_calls is not None, chat_template_kwargs)
+        if not req.HasField("chat") and (any(chat_only) or not add_generation_prompt or continue_final_message):
             raise ValueError("tools and the chat template's options apply to chat messages only")
         return req
     except (ValueError, TypeError) as e:
@@ -143,7 +148,7 @@ class _StreamBase:
 
     def _delta(self, msg: router_pb2.GenerateResponse) -> Delta:
         self.abort_token = msg.abort_token or self.abort_token
-        delta = Delta.from_proto(self.request_id, msg.delta)
+        delta = Delta.from_proto(self.request_id, msg.delta, msg.chat if msg.HasField("chat") else None)
         self._done = delta.finished
         return delta
 
@@ -261,7 +266,8 @@ class Client(_ClientBase):
         """The whole result. `kwargs`: build_request's keywords (max_tokens, temperature, top_p, top_k, min_p, seed,
         stop, stop_token_ids, logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
         logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model, request_id, response_format,
-        structured_outputs; for a chat, tools, chat_template_kwargs, add_generation_prompt, continue_final_message)."""
+        structured_outputs; for a chat, tools, tool_choice, parallel_tool_calls, chat_template_kwargs,
+        add_generation_prompt, continue_final_message)."""
         request = _request(prompt, kwargs)
         attempt = 0
         while True:

@@ -47,8 +47,42 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of one tool call of a chat reply: its first carries the call's id and name, each the next fragment of
+    its JSON arguments."""
+
+    index: int  # which call of the reply
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    """What a stream's new text adds to a chat reply, read as the REST API reads it: reasoning, content, tool calls."""
+
+    reasoning: str
+    content: str
+    tool_calls: list[ToolCallDelta]
+
+    @classmethod
+    def from_proto(cls, d: router_pb2.ChatDelta) -> ChatDelta:
+        calls = [ToolCallDelta(c.index, c.id or None, c.name or None, c.arguments) for c in d.tool_calls]
+        return cls(d.reasoning, d.content, calls)
+
+
+@dataclass
+class ToolCall:
+    """A call a chat reply made: `arguments` is a JSON object, as text (OpenAI's tool_calls[].function)."""
+
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class Delta:
-    """New tokens of a stream and the text they add."""
+    """New tokens of a stream and the text they add; for a chat, `chat` too (what the text adds to the reply)."""
 
     request_id: str
     token_ids: list[int]
@@ -58,9 +92,10 @@ class Delta:
     finish_reason: str | None  # stop | length | abort | error
     stop_reason: str | int | None
     usage: Usage
+    chat: ChatDelta | None = None  # chat prompts only
 
     @classmethod
-    def from_proto(cls, request_id: str, d: common_pb2.TokenDelta) -> Delta:
+    def from_proto(cls, request_id: str, d: common_pb2.TokenDelta, chat: router_pb2.ChatDelta | None = None) -> Delta:
         kind = d.WhichOneof("stop_reason")
         return cls(
             request_id=request_id,
@@ -73,15 +108,21 @@ class Delta:
             finish_reason=_FINISH.get(d.finish_reason),
             stop_reason=getattr(d, kind) if kind else None,
             usage=Usage(d.usage.prompt_tokens, d.usage.completion_tokens, d.usage.cached_tokens),
+            chat=ChatDelta.from_proto(chat) if chat is not None else None,
         )
 
 
 @dataclass
 class Result:
-    """A whole generation."""
+    """A whole generation. A chat's reply is also read as the REST API reads it (its model family's parsers):
+    `reasoning` (REST's reasoning_content), `content` and `tool_calls`; `text` stays the model's text. A reply's
+    finish_reason is the generation's (stop, length): where REST says "tool_calls", tool_calls is not empty."""
 
     request_id: str
     text: str = ""
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -95,3 +136,15 @@ class Result:
         self.usage = delta.usage
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.chat is not None:
+            self._add_chat(delta.chat)
+
+    def _add_chat(self, chat: ChatDelta) -> None:
+        self.reasoning += chat.reasoning
+        self.content += chat.content
+        for piece in chat.tool_calls:
+            while len(self.tool_calls) <= piece.index:
+                self.tool_calls.append(ToolCall())
+            call = self.tool_calls[piece.index]
+            call.id, call.name = piece.id or call.id, piece.name or call.name
+            call.arguments += piece.arguments

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from deltamesh.services.router.gateway.chat_output.events import (
+from deltamesh.services.router.chat_output.events import (
     CallArguments,
     CallHeader,
     ContentSpacing,
     Event,
     new_call_id,
 )
-from deltamesh.services.router.gateway.chat_output.json_calls import JsonCallObject
+from deltamesh.services.router.chat_output.json_calls import JsonCallObject
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from deltamesh.services.router.gateway.chat_output.events import Event, Text, held_prefix
+from deltamesh.services.router.chat_output.events import Event, Text, held_prefix
 
 THINK, END_THINK = "<think>", "</think>"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from deltamesh.services.router.gateway.chat_output.events import (
+from deltamesh.services.router.chat_output.events import (
     CallArguments,
     CallHeader,
     ContentSpacing,
@@ -19,7 +19,7 @@ from deltamesh.services.router.gateway.chat_output.events import (
     held_prefix,
     new_call_id,
 )
-from deltamesh.services.router.gateway.chat_output.json_scan import PARTIAL, STRING, WS, Matched, ValueEnd, match_shape
+from deltamesh.services.router.chat_output.json_scan import PARTIAL, STRING, WS, Matched, ValueEnd, match_shape
 
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from deltamesh.services.router.gateway.chat_output.arguments import convert
-from deltamesh.services.router.gateway.chat_output.events import (
+from deltamesh.services.router.chat_output.arguments import convert
+from deltamesh.services.router.chat_output.events import (
     CallArguments,
     CallHeader,
     ContentSpacing,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from deltamesh.services.router.gateway.chat_output.events import (
+from deltamesh.services.router.chat_output.events import (
     CallArguments,
     CallHeader,
     Event,
@@ -18,10 +18,10 @@ from deltamesh.services.router.gateway.chat_output.events import (
     Text,
     new_call_id,
 )
-from deltamesh.services.router.gateway.chat_output.forced import NamedToolCall, RequiredToolCalls
-from deltamesh.services.router.gateway.chat_output.json_calls import HermesToolCalls
-from deltamesh.services.router.gateway.chat_output.reasoning import ReasoningSplitter, think_state
-from deltamesh.services.router.gateway.chat_output.xml_calls import TOOL_CALL, XmlToolCalls
+from deltamesh.services.router.chat_output.forced import NamedToolCall, RequiredToolCalls
+from deltamesh.services.router.chat_output.json_calls import HermesToolCalls
+from deltamesh.services.router.chat_output.reasoning import ReasoningSplitter, think_state
+from deltamesh.services.router.chat_output.xml_calls import TOOL_CALL, XmlToolCalls
 
 ReasoningParser = Literal["qwen3", "none"]
 ToolCallParser = Literal["qwen3_coder", "hermes", "none"]
@@ -90,6 +90,14 @@ class ChatOutput:
 
     def feed(self, text: str) -> OutputDelta:
         return self._deliver(self._route(self._splitter.feed(text) if self._splitter else [Text("content", text)]))
+
+    def take(self, text: str, last: bool) -> OutputDelta:
+        """What a stream's next text adds to the reply; with `last` (the output ended), all that was held back too."""
+        part = self.feed(text)
+        if not last:
+            return part
+        rest = self.finish()
+        return OutputDelta(part.reasoning + rest.reasoning, part.content + rest.content, part.calls + rest.calls)
 
     def finish(self) -> OutputDelta:
         events = self._route(self._splitter.finish()) if self._splitter else []
