@@ -80,8 +80,9 @@ def _tool_choice(choice: str | Mapping) -> router_pb2.ToolChoice:
     """OpenAI's shapes only; whether a named function is one of the tools is the router's check."""
     if isinstance(choice, str) and choice in _MODES:
         return router_pb2.ToolChoice(mode=_MODES[choice])
-    named = isinstance(choice, Mapping) and choice.get("type") == "function"
-    function = choice.get("function") if named else None
+    function = None
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        function = choice.get("function")
     name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str):
         raise ValueError(
