@@ -317,7 +317,7 @@ def test_a_forced_tool_choice_is_enforced_by_structured_decoding_streamed_and_wh
         result = grpc_client.generate(ASK, **grpc_fields)
     assert (result.usage.prompt_tokens, result.token_ids) == (len(ids), ref.token_ids)
     assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == expected
-    assert (result.reasoning, result.content, result.finish_reason) == ("", "", "stop")
+    assert (result.reasoning, result.content, result.finish_reason) == ("", "", finish)  # REST's finish reason
     for call in result.tool_calls:
         assert call.id.startswith("call_")
         jsonschema.validate(json.loads(call.arguments), parameters[call.name])
@@ -390,7 +390,8 @@ def test_rest_and_grpc_read_the_same_reply_into_the_same_reasoning_content_and_t
     body = {"model": MODEL_ID, "max_tokens": 96, "temperature": 0} | fields
     r = httpx.post(f"http://127.0.0.1:{mesh.http_port}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    message, usage = r.json()["choices"][0]["message"], r.json()["usage"]
+    (choice,), usage = r.json()["choices"], r.json()["usage"]
+    message = choice["message"]
     rest_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
     rest = (message.get("reasoning_content") or "", message.get("content") or "", rest_calls)
     assert rest[("reasoning", "content", "tool_calls").index(holds)], rest
@@ -398,6 +399,7 @@ def test_rest_and_grpc_read_the_same_reply_into_the_same_reasoning_content_and_t
     with mesh.client() as grpc_client:
         result = grpc_client.generate(messages, max_tokens=96, temperature=0, **options)
     assert (result.reasoning, result.content, [(c.name, c.arguments) for c in result.tool_calls]) == rest
+    assert result.finish_reason == choice["finish_reason"]
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
         usage["prompt_tokens"],
         usage["completion_tokens"],

@@ -124,6 +124,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     response = router_pb2.GenerateResponse(request_id=rid, delta=delta, abort_token=abort_token)
                     if output is not None:  # a chat: its reply read as REST's stream reads it
                         response.chat.CopyFrom(_chat_delta(output.take(delta.text, delta.finished)))
+                        stopped = delta.finished and delta.finish_reason == common_pb2.FINISH_REASON_STOP
+                        if stopped and output.finish_reason("stop") == "tool_calls":  # REST's rule
+                            response.delta.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
                     yield response
                     abort_token = b""
         except MeshError as e:

@@ -99,6 +99,12 @@ class ChatOutput:
         rest = self.finish()
         return OutputDelta(part.reasoning + rest.reasoning, part.content + rest.content, part.calls + rest.calls)
 
+    def finish_reason(self, finish: str | None) -> str | None:
+        """The reply's finish reason given the generation's ("stop", "length", ...): "tool_calls" for a reply that
+        stopped after tool calls, but "stop" for one forced to call a named function (as OpenAI answers)."""
+        named = isinstance(self._calls, NamedToolCall)
+        return "tool_calls" if finish == "stop" and self.tool_calls and not named else finish
+
     def finish(self) -> OutputDelta:
         events = self._route(self._splitter.finish()) if self._splitter else []
         if self._calls is not None:

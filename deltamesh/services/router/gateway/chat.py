@@ -44,10 +44,6 @@ class ChatReply(Reply):
         assert self.new_output is not None, "chat_completions gives every reply its parser"
         return self.new_output()
 
-    @property
-    def named_tool(self) -> bool:
-        return isinstance(self.body.tool_choice_value(), dict)
-
 
 @router.post(
     "/v1/chat/completions", response_model=oa.ChatCompletion, responses=sse_responses("Chat completion or SSE stream")
@@ -118,12 +114,6 @@ def _logprobs(reply: ChatReply, items: list[common_pb2.TokenLogprob]) -> oa.Chat
     )
 
 
-def _finish_reason(reply: ChatReply, output: ChatOutput, finish: str | None) -> str | None:
-    """A reply that ends in tool calls finishes with "tool_calls" (one forced to call a named function with "stop",
-    as OpenAI answers)."""
-    return "tool_calls" if finish == "stop" and output.tool_calls and not reply.named_tool else finish
-
-
 def _delta(reply: ChatReply, part: OutputDelta) -> oa.ChatDelta:
     calls = [
         oa.DeltaToolCall(
@@ -157,7 +147,7 @@ async def _chunks(reply: ChatReply, deltas: Deltas):
         output = outputs[index]
         part = output.take(d.text, d.finished)
         delta, logprobs = _delta(reply, part), _logprobs(reply, list(d.logprobs))
-        finish = _finish_reason(reply, output, acc.finish[index])
+        finish = output.finish_reason(acc.finish[index])
         if delta.model_dump() or logprobs is not None or finish is not None:
             choice = oa.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
             yield _chunk(reply, [choice])
@@ -185,7 +175,7 @@ def _whole(reply: ChatReply, acc: Accumulator) -> oa.ChatCompletion:
             oa.ChatChoice(
                 index=c.index,
                 message=_message(reply, output),
-                finish_reason=_finish_reason(reply, output, acc.finish[c.index]),
+                finish_reason=output.finish_reason(acc.finish[c.index]),
                 logprobs=_logprobs(reply, acc.logprobs[c.index]),
             )
         )

@@ -11,6 +11,7 @@ _FINISH = {
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
     common_pb2.FINISH_REASON_ERROR: "error",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -89,7 +90,7 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob]
     finished: bool
-    finish_reason: str | None  # stop | length | abort | error
+    finish_reason: str | None  # stop | length | tool_calls | abort | error
     stop_reason: str | int | None
     usage: Usage
     chat: ChatDelta | None = None  # chat prompts only
@@ -115,8 +116,8 @@ class Delta:
 @dataclass
 class Result:
     """A whole generation. A chat's reply is also read as the REST API reads it (its model family's parsers):
-    `reasoning` (REST's reasoning_content), `content` and `tool_calls`; `text` stays the model's text. A reply's
-    finish_reason is the generation's (stop, length): where REST says "tool_calls", tool_calls is not empty."""
+    `reasoning` (REST's reasoning_content), `content` and `tool_calls`; `text` stays the model's text. finish_reason
+    is REST's: stop, length, tool_calls (a chat reply that stopped after tool calls), or abort / error."""
 
     request_id: str
     text: str = ""
