@@ -29,6 +29,7 @@ from deltamesh.services.common.auth import mesh_metadata
 from deltamesh.services.common.reports import REPORT_KEEPALIVE_INTERVALS
 from deltamesh.services.common.server import CHANNEL_OPTIONS
 from deltamesh.services.common.tls import aio_channel
+from deltamesh.services.router.load_order import SCORED_FIELDS, LoadOrder, Pool
 from deltamesh.services.router.prefix_index import PrefixIndex
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -60,6 +61,13 @@ class WorkerHandle:
     # a puller: the holders to announce to it (by address), and whether a call is under way
     to_announce: dict[str, common_pb2.TransportDescriptor] = field(default_factory=dict)
     announcing: bool = False
+    order: LoadOrder | None = field(default=None, repr=False, compare=False)  # its role's, in the registry
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        # a new load moves it in its role's order: whoever changes a count (legs.py, admission.py) need not know
+        if name in SCORED_FIELDS and (order := self.__dict__.get("order")) is not None:
+            order.moved(self)
 
     # stubs made once: making one per call costs more than the call's own Python work
     @functools.cached_property
@@ -81,6 +89,7 @@ class WorkerRegistry:
         self.health_interval_s = health_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, WorkerHandle] = {}
+        self.orders = {role: LoadOrder() for role in ROLES}  # each role's workers, least loaded first
         self.index = PrefixIndex()  # what the workers' prefix caches hold, as they report it
         self._closing: set[asyncio.Task] = set()
         # called with a worker after each of its reports and when it is marked failed (router/admission.py)
@@ -94,16 +103,24 @@ class WorkerRegistry:
             self._drop(w)
             w = None
         if w is None:
-            w = WorkerHandle(address, role, static, aio_channel(address, self.tls, CHANNEL_OPTIONS))
-            self.workers[address] = w
+            w = self.keep(WorkerHandle(address, role, static, aio_channel(address, self.tls, CHANNEL_OPTIONS)))
             log.info("worker added", address=address, role=role, static=static)
             self._start_watch(w)
         w.compat_hash = compat_hash or w.compat_hash
         w.last_registered = time.monotonic()
         return w
 
+    def keep(self, w: WorkerHandle) -> WorkerHandle:
+        """Take in a new worker's handle: routing sees it (by its role's order) from now on."""
+        self.workers[w.address] = w
+        w.order = self.orders[w.role]
+        w.order.add(w)
+        return w
+
     def _drop(self, w: WorkerHandle) -> None:
         self.workers.pop(w.address, None)
+        self.orders[w.role].remove(w)
+        w.order = None
         w.healthy = False  # for whoever still holds it
         if w.watch is not None:
             w.watch.cancel()
@@ -127,6 +144,13 @@ class WorkerRegistry:
 
     def healthy(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
+
+    def pool(self, role: str, accept: Callable[[WorkerHandle], bool] = lambda w: True) -> Pool:
+        """The healthy workers of `role` that `accept` takes, for a routing decision (no pass over the workers)."""
+        return Pool(self.orders[role], lambda w: w.healthy and accept(w))
+
+    def has_healthy(self, role: str) -> bool:
+        return self.pool(role).least_loaded() is not None
 
     def mark_failed(self, w: WorkerHandle, why: str) -> None:
         if w.healthy:
