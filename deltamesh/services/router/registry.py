@@ -1,9 +1,14 @@
 """The router's view of its workers: given by flags (static) or registered by the workers themselves
-(dynamic, kept alive by repeated registration). The router watches every worker it knows (WorkerReports.Watch): the
+(dynamic, kept alive by their reports, or by registering again). The router watches every worker it knows (WorkerReports.Watch): the
 worker pushes its load and the prefixes its cache holds (services/common/reports.py), which every process of every
 router receives alike, so no process depends on another for its view of the mesh. A worker whose stream breaks, or
 that a call found dead, is left out of routing until a new stream's first report; one that stays silent on its
 stream for MAX_SILENT_REPORTS report intervals (a stopped process, or a loop held by long work) is out too.
+
+A registered worker stays registered while its reports come (their keep-alives included), or while it registers
+again: it registers again only while this process does not watch it (services/common/registration.py: the id of
+this process, `id`, names its streams to the worker). One heard from by neither for MAX_MISSED_HEARTBEATS heartbeat
+intervals is dropped.
 
 The reports also carry the side channel's announcements (docs/notes/side-channel-security.md): a worker that holds
 state for pullers reports its holder descriptor, and the router names the holders of the role a puller pulls from
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +42,7 @@ from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2_g
 log = structlog.get_logger("deltamesh.registry")
 
 ROLES = ("prefill", "decode", "colocated")
-MAX_MISSED_HEARTBEATS = 5  # a registered worker that stops registering for this many intervals is dropped
+MAX_MISSED_HEARTBEATS = 5  # a registered worker neither reporting nor registering for this many intervals is dropped
 MAX_SILENT_REPORTS = 5  # a worker silent on its report stream for this many keep-alive periods is out of routing
 PULLS_FROM = {"decode": "prefill", "prefill": "decode"}  # a role -> the role whose held states it pulls
 
@@ -86,6 +92,7 @@ class WorkerRegistry:
         """`health_interval_s`: how often workers report (at most) and how often the registry tends its workers;
         `heartbeat_interval_s`: how often registered workers must register again."""
         self.tls, self._secret = tls, mesh_secret
+        self.id = secrets.token_hex(8)  # this process's, this run: the workers match their report streams to it
         self.health_interval_s = health_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, WorkerHandle] = {}
@@ -175,12 +182,13 @@ class WorkerRegistry:
                 w.watch.cancel()
 
     def tend(self) -> None:
-        """Drop registered workers that stopped registering, count silent ones as failed, watch again every
-        worker whose stream ended, and announce again where an announcement failed."""
+        """Drop registered workers heard from neither by report nor by registration, count silent ones as failed,
+        watch again every worker whose stream ended, and announce again where an announcement failed."""
         now = time.monotonic()
         silent_s = MAX_SILENT_REPORTS * REPORT_KEEPALIVE_INTERVALS * self.health_interval_s
         for w in list(self.workers.values()):
-            if not w.static and now - w.last_registered > MAX_MISSED_HEARTBEATS * self.heartbeat_interval_s:
+            heard = max(w.last_registered, w.last_report)
+            if not w.static and now - heard > MAX_MISSED_HEARTBEATS * self.heartbeat_interval_s:
                 self._drop(w)
             elif w.watch is None or w.watch.done():
                 self._start_watch(w)
@@ -201,7 +209,8 @@ class WorkerRegistry:
             o.address: o.holder for o in self.workers.values() if o.role == source and o.holder is not None
         }
         try:
-            call = w.reports.Watch(control_pb2.WatchRequest(interval_ms=interval_ms), metadata=self.call_metadata())
+            request = control_pb2.WatchRequest(interval_ms=interval_ms, router_id=self.id)
+            call = w.reports.Watch(request, metadata=self.call_metadata())
             async for report in call:
                 self._take(w, report)
             self.mark_failed(w, "report stream ended")
@@ -211,6 +220,7 @@ class WorkerRegistry:
             self.index.forget(w.address)
 
     def _take(self, w: WorkerHandle, report: control_pb2.WorkerReport) -> None:
+        w.last_report = time.monotonic()  # alive, refused or not: a refused worker stays known, as it registered
         before = w.holder
         reported = report.holder if report.HasField("holder") else None
         if reported != before and not self.record_holder(w, reported):
@@ -224,7 +234,6 @@ class WorkerRegistry:
             return
         w.refused = False
         w.load = report.load
-        w.last_report = time.monotonic()
         if report.prefixes_whole:
             self.index.replace(w.address, report.prefixes_added)
         else:
