@@ -90,10 +90,11 @@ class Admission:
         max_model_len: int,
         shared: SharedCounts | None = None,
     ):
-        """`pick`: the routing policy's choice among the decode workers with room (None: none has room). `max_queued`: requests that may
-        wait at once (0: none; a request no worker has room for is refused). `max_wait_s`: the longest a request
-        waits before it is refused. `page_size`, `max_model_len`: the workers' (a request's pages). `shared`: where
-        the router's processes count their admissions (None: this process is the router)."""
+        """`pick`: the routing policy's choice among the decode workers with room (None: none has room).
+        `max_queued`: requests that may wait at once (0: none; a request no worker has room for is refused).
+        `max_wait_s`: the longest a request waits before it is refused. `page_size`, `max_model_len`: the workers' (a
+        request's pages). `shared`: where the router's processes count their admissions (None: this process is the
+        router)."""
         self.registry, self.pick = registry, pick
         self.max_queued, self.max_wait_s = max_queued, max_wait_s
         self.page_size, self.max_model_len = page_size, max_model_len

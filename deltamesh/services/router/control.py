@@ -1,5 +1,6 @@
 """The router's control plane: workers register (and again whenever this process does not watch them:
-services/common/registration.py) and operators read the workers' loads. Served on a listener of its own, for callers holding the mesh secret only."""
+services/common/registration.py) and operators read the workers' loads. Served on a listener of its own, for callers
+holding the mesh secret only."""
 
 from __future__ import annotations
 

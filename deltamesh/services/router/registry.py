@@ -1,9 +1,10 @@
 """The router's view of its workers: given by flags (static) or registered by the workers themselves
-(dynamic, kept alive by their reports, or by registering again). The router watches every worker it knows (WorkerReports.Watch): the
-worker pushes its load and the prefixes its cache holds (services/common/reports.py), which every process of every
-router receives alike, so no process depends on another for its view of the mesh. A worker whose stream breaks, or
-that a call found dead, is left out of routing until a new stream's first report; one that stays silent on its
-stream for MAX_SILENT_REPORTS report intervals (a stopped process, or a loop held by long work) is out too.
+(dynamic, kept alive by their reports, or by registering again). The router watches every worker it knows
+(WorkerReports.Watch): the worker pushes its load and the prefixes its cache holds (services/common/reports.py),
+which every process of every router receives alike, so no process depends on another for its view of the mesh. A
+worker whose stream breaks, or that a call found dead, is left out of routing until a new stream's first report; one
+that stays silent on its stream for MAX_SILENT_REPORTS report intervals (a stopped process, or a loop held by long
+work) is out too.
 
 A registered worker stays registered while its reports come (their keep-alives included), or while it registers
 again: it registers again only while this process does not watch it (services/common/registration.py: the id of
@@ -90,7 +91,8 @@ class WorkerHandle:
 class WorkerRegistry:
     def __init__(self, health_interval_s: float, heartbeat_interval_s: float, mesh_secret: str, tls=None):
         """`health_interval_s`: how often workers report (at most) and how often the registry tends its workers;
-        `heartbeat_interval_s`: how often registered workers must register again."""
+        `heartbeat_interval_s`: a registered worker neither reporting nor registering for MAX_MISSED_HEARTBEATS of
+        these is dropped."""
         self.tls, self._secret = tls, mesh_secret
         self.id = secrets.token_hex(8)  # this process's, this run: the workers match their report streams to it
         self.health_interval_s = health_interval_s
