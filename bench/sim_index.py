@@ -6,9 +6,9 @@ with --keys random cached-prefix keys, then the cache-aware routing decision ove
 
 What is measured: the index's memory (the process's RSS before and after filling it) and fill time; one prompt's
 lookup (`PrefixIndex.matched` over its block keys) for a prompt one worker holds and for one nobody holds; and the
-whole decision a router process makes per request (the prompt's block keys, the lookup, CacheAware's pick over every
-worker's handle), p50/p99. The keys are distinct per worker (no two workers cache the same prefix): the largest
-index for that many entries."""
+whole decision a router process makes per request (the prompt's block keys, the lookup, CacheAware's pick from the
+pool of every worker's handle, kept in load order as a router's registry keeps it), p50/p99. The keys are distinct
+per worker (no two workers cache the same prefix): the largest index for that many entries."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from deltamesh.protocol.blocks import block_keys
+from deltamesh.services.router.load_order import Pool
 from deltamesh.services.router.policies import CacheAware
 from deltamesh.services.router.prefix_index import PrefixIndex
 from deltamesh.services.router.registry import WorkerHandle
@@ -61,6 +62,7 @@ def run_index(workers: int, keys: int, prompt_tokens: int, decisions: int, seed:
         for a in addresses
     ]
     policy = CacheAware(block=BLOCK, index=index)
+    pool = Pool.of(handles)  # ordered once: a router's registry keeps its pools ordered as loads change
     hit_keys, miss_keys = block_keys(prompts[0], BLOCK), block_keys(prompts[40], BLOCK)
     lookups = {"hit": [], "miss": []}
     for _ in range(2000):
@@ -72,7 +74,7 @@ def run_index(workers: int, keys: int, prompt_tokens: int, decisions: int, seed:
     for i in range(decisions):
         prompt = prompts[i % len(prompts)]
         t = time.perf_counter()
-        chosen = policy.pick(handles, prompt)
+        chosen = policy.pick(pool, prompt)
         picks.append(time.perf_counter() - t)
         chose_holder += i % len(prompts) < 32 and chosen.address == addresses[(i % len(prompts)) * 7 % workers]
     return {

@@ -1,9 +1,9 @@
 """Simulated workers for the router simulation (bench/router_sim.py): no model, no engine, no side channel.
 
 Each fake worker is a real gRPC server (the mesh secret checked, as a worker checks it) that speaks the workers'
-protocol to the router: it registers with the router's control plane and keeps registering, pushes its reports to
-every router process that watches it (the workers' own code: services/common/reports.py), and serves its role's
-calls:
+protocol to the router: it registers with the router's control plane, and again while a router process does not
+watch it (the workers' own rule: services/common/registration.py), pushes its reports to every router process that
+watches it (the workers' own code: services/common/reports.py), and serves its role's calls:
 
 - prefill: `Prefill` answers at once with a first token, a lease and a layout (a pull never comes: the fake decode
   worker does not read it), `ReleaseLease` says yes; its "cache" then holds the prompt (its last whole block's key,
@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltamesh.protocol.blocks import block_keys
 from deltamesh.services.common.auth import MESH_SECRET_ENV, mesh_interceptor, mesh_metadata
-from deltamesh.services.common.reports import ReportSource, ReportsServicer
+from deltamesh.services.common.registration import RegistrationPace
+from deltamesh.services.common.reports import ReportSource, ReportsServicer, Watchers
 from deltamesh.services.common.server import SERVER_OPTIONS
 from deltamesh.v1 import (
     common_pb2,
@@ -64,6 +65,7 @@ class FakeWorker:
 
     def __init__(self, role: str, cached_blocks: int = 0, seed: int = 0):
         self.role, self.address = role, ""
+        self.watchers = Watchers()  # the router processes watching it
         self.running = 0
         rng = random.Random(seed)
         self.cache: OrderedDict[int, None] = OrderedDict((rng.getrandbits(63), None) for _ in range(cached_blocks))
@@ -169,7 +171,7 @@ async def serve_one(worker: FakeWorker, host: str, secret: str) -> grpc.aio.Serv
         worker.role, decode_pb2_grpc.add_DecodeWorkerServicer_to_server
     )
     add(worker, server)
-    reports = CountingReports(ReportSource(worker.load, worker.keys))
+    reports = CountingReports(ReportSource(worker.load, worker.keys), worker.watchers)
     control_pb2_grpc.add_WorkerReportsServicer_to_server(reports, server)
     port = server.add_insecure_port(f"{host}:0")
     worker.address = f"{host}:{port}"
@@ -190,9 +192,9 @@ class CountingReports(ReportsServicer):
 
 
 class Registrar:
-    """Keeps every fake worker registered with every process of the router (as the workers' own code does: the
-    replies name the router's processes), each at the interval the router asks for, spread over it; counts the
-    calls and their bytes (control-plane traffic)."""
+    """Keeps every fake worker registered with every process of the router as the workers' own code does (the
+    replies name the router's processes; a worker calls a process again while that process does not watch it), the
+    workers' calls spread over the interval; counts the calls and their bytes (control-plane traffic)."""
 
     def __init__(self, router: str, secret: str):
         self.host = router.rsplit(":", 1)[0]
@@ -210,19 +212,23 @@ class Registrar:
             address=worker.address, role=worker.role, model=MODEL, compat_hash="sim"
         )
         await asyncio.sleep(offset)
-        interval = 0.5
+        paces: dict[str, RegistrationPace] = {}
         while True:
-            for stub in list(self.stubs.values()):
+            for address, stub in list(self.stubs.items()):
+                pace = paces.setdefault(address, RegistrationPace(worker.watchers))
+                if not pace.due():
+                    continue
                 try:
                     reply = await stub.RegisterWorker(request, metadata=self.auth, timeout=5)
                 except grpc.aio.AioRpcError:
+                    pace.failed()
                     continue
-                interval = max(reply.heartbeat_interval_ms / 2000, 0.05)
+                pace.registered(reply)
                 self.calls += 1
                 self.bytes += request.ByteSize() + reply.ByteSize()
                 for port in reply.router_control_ports:
                     self.know(f"{self.host}:{port}")
-            await asyncio.sleep(interval)
+            await asyncio.sleep(min(pace.interval_s for pace in paces.values()))
 
 
 async def main(args) -> None:

@@ -283,13 +283,14 @@ def test_restarted_router_and_worker_are_rejoined(tmp_path):
         assert mesh.wait_idle() == {}
         record(
             "router SIGKILLed and restarted on its port",
-            "workers re-register through their heartbeat; the router marks them healthy and serves again",
+            "workers register again once the killed process's report streams end; the router marks them healthy "
+            "and serves again",
             "test_restarted_router_and_worker_are_rejoined",
             f"serving {router_back:.2f}s after the restart (process start included)",
         )
         record(
             "decode worker SIGKILLed and a new one started",
-            "the new worker registers and is used; the dead one is dropped after 5 missed heartbeats",
+            "the new worker registers and is used; the dead one is dropped 5 heartbeat intervals after its last report",
             "test_restarted_router_and_worker_are_rejoined",
             f"new worker serving {worker_back:.2f}s after start (model load included)",
         )

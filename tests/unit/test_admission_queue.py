@@ -21,7 +21,7 @@ def mesh_of(*workers: tuple[str, int, int]) -> tuple[WorkerRegistry, list[Worker
     for address, slots, pages in workers:
         load = common_pb2.WorkerLoad(address=address, state_slots_total=slots, kv_pages_total=pages)
         w = WorkerHandle(address, "decode", static=True, channel=None, healthy=True, load=load)
-        registry.workers[address] = w
+        registry.keep(w)
         handles.append(w)
     return registry, handles
 

@@ -212,7 +212,7 @@ def test_router_processes_admit_against_each_others_admissions():
         registry = WorkerRegistry(0.5, 1.0, "s" * 32)
         load = common_pb2.WorkerLoad(address="d0", state_slots_total=2, kv_pages_total=1000)
         w = WorkerHandle("d0", "decode", static=True, channel=None, healthy=True, load=load)
-        registry.workers["d0"] = w
+        registry.keep(w)
         shared = SharedCounts(fd, 2, i, capacity=8)
         return Admission(registry, LeastLoaded().pick, 8, 30.0, page_size=16, max_model_len=4096, shared=shared), w
 

@@ -7,14 +7,17 @@ have processes. One `ReportSource` samples the load and the cache's resume keys 
 half the shortest interval asked, and keeps what changed between its samples for a while: a stream sends the whole
 set of keys once, then only the keys added and removed since its previous report, and nothing at all while neither
 the load nor the keys change, but for a report every REPORT_KEEPALIVE_INTERVALS intervals that tells the router the
-worker is alive (a router counts a worker that stays silent for longer as failed: router/registry.py)."""
+worker is alive (a router counts a worker that stays silent for longer as failed: router/registry.py). The streams
+open now are counted by the id of the router process watching (`Watchers`): a worker registers again with a process
+that stops watching it (services/common/registration.py), and need not otherwise."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
@@ -81,33 +84,55 @@ class ReportSource:
         return added, removed
 
 
+class Watchers:
+    """The report streams open now, by the id of the router process that opened each (WatchRequest.router_id)."""
+
+    def __init__(self):
+        self._open: Counter[str] = Counter()
+
+    def watching(self, router_id: str) -> bool:
+        return self._open[router_id] > 0
+
+    @contextlib.contextmanager
+    def stream(self, router_id: str) -> Iterator[None]:
+        self._open[router_id] += 1
+        try:
+            yield
+        finally:  # the stream ended, was cancelled, or its connection broke (the router process gone)
+            self._open[router_id] -= 1
+            if not self._open[router_id]:
+                del self._open[router_id]
+
+
 class ReportsServicer(control_pb2_grpc.WorkerReportsServicer):
-    def __init__(self, source: ReportSource):
+    def __init__(self, source: ReportSource, watchers: Watchers | None = None):
         self.source = source
+        self.watchers = watchers or Watchers()
 
     async def Watch(self, request: control_pb2.WatchRequest, context):
-        interval = max(request.interval_ms / 1000, MIN_INTERVAL_S) if request.interval_ms else DEFAULT_INTERVAL_S
-        seen: Sample | None = None  # the sample the last report was made from
-        quiet = 0  # intervals since the last report
-        while True:
-            sample = self.source.sample(interval / 2)
-            changes = self.source.changes(seen.number) if seen is not None else None
-            if changes is None:  # the first report, or one too far behind for the changes: the whole set
-                report = control_pb2.WorkerReport(load=sample.load, prefixes_whole=True, prefixes_added=sample.keys)
-            else:
-                added, removed = changes
-                report = control_pb2.WorkerReport(load=sample.load, prefixes_added=added, prefixes_removed=removed)
-            if sample.holder is not None:
-                report.holder.CopyFrom(sample.holder)
-            changed = (
-                seen is None
-                or changes is None
-                or changes != (set(), set())
-                or (sample.load, sample.holder) != (seen.load, seen.holder)
-            )
-            if changed or quiet + 1 >= REPORT_KEEPALIVE_INTERVALS:
-                yield report
-                seen, quiet = sample, 0
-            else:
-                quiet += 1
-            await asyncio.sleep(interval)
+        with self.watchers.stream(request.router_id):
+            interval = max(request.interval_ms / 1000, MIN_INTERVAL_S) if request.interval_ms else DEFAULT_INTERVAL_S
+            seen: Sample | None = None  # the sample the last report was made from
+            quiet = 0  # intervals since the last report
+            while True:
+                sample = self.source.sample(interval / 2)
+                changes = self.source.changes(seen.number) if seen is not None else None
+                if changes is None:  # the first report, or one too far behind for the changes: the whole set
+                    report = control_pb2.WorkerReport(load=sample.load, prefixes_whole=True, prefixes_added=sample.keys)
+                else:
+                    added, removed = changes
+                    report = control_pb2.WorkerReport(load=sample.load, prefixes_added=added, prefixes_removed=removed)
+                if sample.holder is not None:
+                    report.holder.CopyFrom(sample.holder)
+                changed = (
+                    seen is None
+                    or changes is None
+                    or changes != (set(), set())
+                    or (sample.load, sample.holder) != (seen.load, seen.holder)
+                )
+                if changed or quiet + 1 >= REPORT_KEEPALIVE_INTERVALS:
+                    yield report
+                    seen, quiet = sample, 0
+                else:
+                    quiet += 1
+                await asyncio.sleep(interval)

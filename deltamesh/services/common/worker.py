@@ -1,5 +1,5 @@
 """What prefill and decode workers share: the engine, its compatibility hash, load reports, and
-registration with the router (repeated as a heartbeat)."""
+registration with the router (repeated while a router process does not watch the worker: registration.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,12 @@ import grpc
 import structlog
 
 from deltamesh.engine import Engine, RequestError
-from deltamesh.services.common.auth import mesh_interceptor, mesh_metadata
+from deltamesh.services.common.auth import mesh_interceptor
 from deltamesh.services.common.convert import sampling_from_proto
 from deltamesh.services.common.logs import bind_request, request_id_from, write_line
-from deltamesh.services.common.reports import ReportSource, ReportsServicer
-from deltamesh.services.common.server import CHANNEL_OPTIONS
+from deltamesh.services.common.registration import Registration
+from deltamesh.services.common.reports import ReportSource, ReportsServicer, Watchers
 from deltamesh.services.common.settings import WorkerSettings
-from deltamesh.services.common.tls import aio_channel
 from deltamesh.services.supervisor import CONFIG_ERROR
 from deltamesh.transfer import LeaseTable, Transport
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc
@@ -86,6 +85,7 @@ class Worker:
         self.reservations = 0
         self.failure: str | None = None  # why the engine stopped serving, once it did
         self.refused: str | None = None  # why the router will not take this worker, once it said so
+        self.watchers = Watchers()  # the router processes watching it: it registers again with those that stop
 
     def load(self, leases: int = 0) -> common_pb2.WorkerLoad:
         l = self.engine.loads()  # noqa: E741
@@ -108,59 +108,18 @@ class Worker:
         )
 
     async def register_forever(self, stop: asyncio.Event) -> None:
-        """Keep this worker registered with every router it knows of: the control-plane addresses of --router
-        (comma-separated: several router hosts), and every process of each of those routers, which their replies
-        name (`--api-server-count`). Survives router restarts."""
-        loops: dict[str, asyncio.Task] = {}
-
-        def know(address: str) -> None:
-            if address not in loops:
-                loops[address] = asyncio.create_task(self._register_with(address, stop, know))
-
-        for address in router_addresses(self.settings.router):
-            know(address)
-        await stop.wait()
-        await asyncio.gather(*loops.values(), return_exceptions=True)
-
-    async def _register_with(self, router: str, stop: asyncio.Event, know: Callable[[str], None]) -> None:
-        """Register with the router process at `router` again and again (its heartbeat); `know` each process of
-        that router its replies name, at the host this one was reached at."""
-        auth = mesh_metadata(self.settings.mesh_secret.get_secret_value())
+        """Keep this worker registered with every router it knows of (registration.py); a router refusing its mesh
+        secret stops it (`refused` says why)."""
         request = control_pb2.RegisterWorkerRequest(
             address=self.address,
             role=self.settings.role,
             model=self.model_id,
             compat_hash=self.compat_hash,
         )
-        host = router.rsplit(":", 1)[0]
-        interval = 1.0
-        async with aio_channel(router, self.settings.tls, CHANNEL_OPTIONS) as channel:
-            stub = control_pb2_grpc.MeshControlStub(channel)
-            registered = False
-            while not stop.is_set():
-                try:
-                    reply = await stub.RegisterWorker(request, metadata=auth, timeout=2.0)
-                    interval = max(reply.heartbeat_interval_ms / 1000 / 2, 0.05)
-                    for port in reply.router_control_ports:
-                        know(f"{host}:{port}")
-                    if not registered:
-                        log.info("registered with router", router=router)
-                    registered = True
-                except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # no retry can change that: stop, and say why
-                        self.refused = (
-                            f"the router at {router} refused this worker's mesh secret: give every process of the "
-                            "mesh the same DELTAMESH_MESH_SECRET (or --mesh-secret-file)"
-                        )
-                        stop.set()
-                        return
-                    if registered:
-                        log.warning("router unreachable", router=router, code=e.code().name)
-                    registered = False
-                try:
-                    await asyncio.wait_for(stop.wait(), interval)
-                except TimeoutError:
-                    pass
+        secret = self.settings.mesh_secret.get_secret_value()
+        registration = Registration(request, secret, self.settings.tls, self.watchers)
+        await registration.run(router_addresses(self.settings.router), stop)
+        self.refused = registration.refused
 
     async def stop_on_engine_failure(self, stop: asyncio.Event) -> None:
         """A tensor-parallel rank gone ends the engine (its requests end with the reason); the worker then stops,
@@ -215,7 +174,8 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
             lambda: worker.load(len(role.leases) if role.leases is not None else 0),
             worker.prefix_keys,
             lambda: role.holding.description if role.holding is not None else None,
-        )
+        ),
+        worker.watchers,
     )
     reports_name = control_pb2.DESCRIPTOR.services_by_name["WorkerReports"].full_name
     # only the router (and tools holding the mesh secret) may call a worker: its calls hand out leases' tokens

@@ -39,6 +39,7 @@ import grpc
 
 from deltamesh.services.router import metrics
 from deltamesh.services.router.legs import MeshError
+from deltamesh.services.router.load_order import Pool
 from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
 from deltamesh.services.router.shared_counts import SharedCounts
 
@@ -82,17 +83,18 @@ class Admission:
     def __init__(
         self,
         registry: WorkerRegistry,
-        pick: Callable[[list[WorkerHandle]], WorkerHandle],
+        pick: Callable[[Pool], WorkerHandle | None],
         max_queued: int,
         max_wait_s: float,
         page_size: int,
         max_model_len: int,
         shared: SharedCounts | None = None,
     ):
-        """`pick`: the routing policy's choice among the decode workers with room. `max_queued`: requests that may
-        wait at once (0: none; a request no worker has room for is refused). `max_wait_s`: the longest a request
-        waits before it is refused. `page_size`, `max_model_len`: the workers' (a request's pages). `shared`: where
-        the router's processes count their admissions (None: this process is the router)."""
+        """`pick`: the routing policy's choice among the decode workers with room (None: none has room).
+        `max_queued`: requests that may wait at once (0: none; a request no worker has room for is refused).
+        `max_wait_s`: the longest a request waits before it is refused. `page_size`, `max_model_len`: the workers' (a
+        request's pages). `shared`: where the router's processes count their admissions (None: this process is the
+        router)."""
         self.registry, self.pick = registry, pick
         self.max_queued, self.max_wait_s = max_queued, max_wait_s
         self.page_size, self.max_model_len = page_size, max_model_len
@@ -194,20 +196,24 @@ class Admission:
 
     def _dispatch(self) -> None:
         """Place waiting requests in arrival order, each where it may go and there is room."""
-        healthy = self.registry.healthy("decode")
-        blocked: set[str] = set()
+        blocked: set[str] = set()  # workers a request ahead was refused by: no request behind it jumps onto them
         for waiter in list(self._queue):
-            if waiter.only is not None and not waiter.only.healthy:
+            only = waiter.only
+            if only is not None and not only.healthy:
                 self._grant(waiter, None)  # its worker is gone: the caller sends it elsewhere
                 continue
-            allowed = [waiter.only] if waiter.only is not None else healthy
-            fits = [w for w in allowed if w.address not in blocked and self._room(w, waiter.pages)]
-            if fits:
-                self._grant(waiter, self.pick(fits))
+            if only is not None:
+                fits = only.address not in blocked and self._room(only, waiter.pages)
+                w = self.pick(Pool.of([only])) if fits else None
+            else:  # the least loaded decode worker with room, found in load order (router/load_order.py)
+                pages = waiter.pages
+                w = self.pick(self.registry.pool("decode", lambda w: w.address not in blocked and self._room(w, pages)))
+            if w is not None:
+                self._grant(waiter, w)
                 continue
-            blocked.update(w.address for w in allowed)
-            if waiter.only is None:
+            if only is None:
                 break  # it may go anywhere: whoever is behind it waits too
+            blocked.add(only.address)
         metrics.QUEUE_LENGTH.set(len(self._queue))
 
     def _grant(self, waiter: _Waiter, w: WorkerHandle | None) -> None:

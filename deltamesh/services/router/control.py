@@ -1,5 +1,6 @@
-"""The router's control plane: workers register (and keep registering, as a heartbeat) and operators read the
-workers' loads. Served on a listener of its own, for callers holding the mesh secret only."""
+"""The router's control plane: workers register (and again whenever this process does not watch them:
+services/common/registration.py) and operators read the workers' loads. Served on a listener of its own, for callers
+holding the mesh secret only."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class ControlServicer(control_pb2_grpc.MeshControlServicer):
         return control_pb2.RegisterWorkerResponse(
             heartbeat_interval_ms=int(self.registry.heartbeat_interval_s * 1000),
             router_control_ports=self.control_ports,
+            router_id=self.registry.id,
         )
 
     async def GetLoads(self, request, context) -> common_pb2.GetLoadsResponse:

@@ -94,11 +94,12 @@ class Legs:
         self._background: set[asyncio.Task] = set()
 
     def pick(self, role: str, exclude: set[str], prompt_ids=()) -> WorkerHandle:
-        candidates = [w for w in self.registry.healthy(role) if w.address not in exclude]
-        if not candidates:
-            raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker is available")
+        candidates = self.registry.pool(role, lambda w: w.address not in exclude)
         # decode workers cache nothing of a transferred prompt: only prefill and colocated picks see the prompt
-        return self.policy.pick(candidates, prompt_ids if role != "decode" else ())
+        w = self.policy.pick(candidates, prompt_ids if role != "decode" else ())
+        if w is None:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker is available")
+        return w
 
     async def offer_prefix(self, prompt_ids: list[int]) -> tuple[WorkerHandle, prefill_pb2.PrefixSource] | None:
         """The reverse pull: the decode worker that holds the longest prefix of this prompt (a conversation it
@@ -106,7 +107,7 @@ class Legs:
         worker holds one, or it has nothing (evicted) or fails to answer: the prefill worker computes it all."""
         pd = self.pd
         assert pd is not None, "the reverse pull is the P/D decider's"
-        holder, _ = pd.holder(self.registry.healthy("decode"), prompt_ids)
+        holder, _ = pd.holder(self.registry.pool("decode"), prompt_ids)
         if holder is None:
             return None
         token = secrets.token_bytes(16)
@@ -240,7 +241,7 @@ class Legs:
     ) -> bool:
         """Whether another decode worker can try the pull: one is healthy, and the prefill worker still holds the
         state (asked with the lease's token, which extends the lease by its TTL for the retry)."""
-        if holder is None or not any(w.address not in tried for w in self.registry.healthy(role)):
+        if holder is None or self.registry.pool(role, lambda w: w.address not in tried).least_loaded() is None:
             return False
         try:
             reply = await holder.stub.ExtendLease(

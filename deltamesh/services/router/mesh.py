@@ -54,7 +54,7 @@ class Mesh:
         limits = admission or AdmissionLimits()
         self.admission = Admission(
             registry,
-            lambda workers: policy.pick(workers, ()),  # as a decode pick always was: no prompt, by load
+            lambda pool: policy.pick(pool, ()),  # as a decode pick always was: no prompt, by load
             limits.max_queued,
             timeout_s,
             limits.page_size,
@@ -65,15 +65,15 @@ class Mesh:
 
     @property
     def colocated(self) -> bool:
-        return bool(self.registry.healthy("colocated")) and not self.registry.healthy("prefill")
+        return self.registry.has_healthy("colocated") and not self.registry.has_healthy("prefill")
 
     def missing(self) -> str:
         """What the mesh lacks to serve a request ("" when nothing): a user told only "no healthy workers" while
         the prefill workers are up would look in the wrong place."""
         r = self.registry
-        if r.healthy("colocated") or (r.healthy("prefill") and r.healthy("decode")):
+        if r.has_healthy("colocated") or (r.has_healthy("prefill") and r.has_healthy("decode")):
             return ""
-        lacking = [role for role in ("prefill", "decode") if not r.healthy(role)]
+        lacking = [role for role in ("prefill", "decode") if not r.has_healthy(role)]
         if len(lacking) == 2:
             return "no healthy workers to serve requests"
         return f"no healthy {lacking[0]} worker (and no colocated one) to serve requests"
@@ -143,7 +143,7 @@ class Mesh:
                     yield delta
                 return
             pd = self.pd
-            direct = pd.direct(self.registry.healthy("decode"), prompt_ids) if pd else None
+            direct = pd.direct(self.registry.pool("decode"), prompt_ids) if pd else None
             # room on a decode worker, held from before the prefill to the end (None: the holder went away)
             ticket = await self.admission.admit(len(prompt_ids), params.max_tokens, direct)
             if pd and direct is not None and ticket is not None:  # it holds the conversation: it prefills the new one

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from deltamesh.services.router import metrics
-from deltamesh.services.router.policies import SentBlocks
+from deltamesh.services.router.load_order import as_pool
+from deltamesh.services.router.policies import Candidates, SentBlocks, longest_held
 from deltamesh.services.router.prefix_index import PrefixIndex
 from deltamesh.services.router.registry import WorkerHandle
 
@@ -30,25 +31,22 @@ class PdDecider:
         self.held = SentBlocks(block, max_blocks)  # the sequences each decode worker finished (here)
         self.index = index  # what the workers report their caches hold
 
-    def direct(self, decode_workers: list[WorkerHandle], prompt_ids: Sequence[int]) -> WorkerHandle | None:
+    def direct(self, decode_workers: Candidates, prompt_ids: Sequence[int]) -> WorkerHandle | None:
         """The decode worker to send this prompt to directly, or None (through a prefill worker)."""
         best, matched = self.holder(decode_workers, prompt_ids)
         go = best is not None and len(prompt_ids) - matched <= self.max_suffix
         metrics.PD_DECISIONS.labels("direct" if go else "prefill").inc()
         return best if go else None
 
-    def holder(self, decode_workers: list[WorkerHandle], prompt_ids: Sequence[int]) -> tuple[WorkerHandle | None, int]:
-        """The decode worker that finished the longest prefix of this prompt (with a prefix cache that keeps it),
-        and how many tokens of it (whole blocks); (None, 0) when none did."""
+    def holder(self, decode_workers: Candidates, prompt_ids: Sequence[int]) -> tuple[WorkerHandle | None, int]:
+        """The decode worker that finished the longest prefix of this prompt (with a prefix cache that keeps it; the
+        least loaded of those that hold as much), and how many tokens of it (whole blocks); (None, 0) when none
+        did."""
         keys = self.held.keys(prompt_ids)
-        reported = self.index.matched(keys) if self.index is not None and keys else {}
-        best, matched = None, 0
-        for w in decode_workers:
-            if w.load is None or not w.load.prefix_cache:  # it keeps nothing: it would compute the whole prompt
-                continue
-            n = max(reported.get(w.address, 0), self.held.matched(w.address, keys))
-            if n > matched:
-                best, matched = w, n
+        # a worker without a prefix cache keeps nothing: it would compute the whole prompt
+        best, matched = longest_held(
+            as_pool(decode_workers), keys, self.index, self.held, lambda w: w.load is not None and w.load.prefix_cache
+        )
         return best, matched * self.held.block
 
     def finished(self, address: str, sequence: Sequence[int]) -> None:

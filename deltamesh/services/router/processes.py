@@ -78,8 +78,8 @@ def router_specs(settings: RouterSettings, env: dict[str, str], name: str = "rou
 
 
 async def learn_from_siblings(settings: RouterSettings, registry: WorkerRegistry) -> int:
-    """Add the workers the router's other processes know (each registers with this one too, but only at its next
-    heartbeat); how many were added."""
+    """Add the workers the router's other processes know (each registers with this one too, but only once it finds
+    that no stream of this process watches it: services/common/registration.py); how many were added."""
     own = own_control_port(settings)
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else "::1" if settings.host == "::" else settings.host
     added = 0

@@ -1,9 +1,15 @@
 """The router's view of its workers: given by flags (static) or registered by the workers themselves
-(dynamic, kept alive by repeated registration). The router watches every worker it knows (WorkerReports.Watch): the
-worker pushes its load and the prefixes its cache holds (services/common/reports.py), which every process of every
-router receives alike, so no process depends on another for its view of the mesh. A worker whose stream breaks, or
-that a call found dead, is left out of routing until a new stream's first report; one that stays silent on its
-stream for MAX_SILENT_REPORTS report intervals (a stopped process, or a loop held by long work) is out too.
+(dynamic, kept alive by their reports, or by registering again). The router watches every worker it knows
+(WorkerReports.Watch): the worker pushes its load and the prefixes its cache holds (services/common/reports.py),
+which every process of every router receives alike, so no process depends on another for its view of the mesh. A
+worker whose stream breaks, or that a call found dead, is left out of routing until a new stream's first report; one
+that stays silent on its stream for MAX_SILENT_REPORTS report intervals (a stopped process, or a loop held by long
+work) is out too.
+
+A registered worker stays registered while its reports come (their keep-alives included), or while it registers
+again: it registers again only while this process does not watch it (services/common/registration.py: the id of
+this process, `id`, names its streams to the worker). One heard from by neither for MAX_MISSED_HEARTBEATS heartbeat
+intervals is dropped.
 
 The reports also carry the side channel's announcements (docs/notes/side-channel-security.md): a worker that holds
 state for pullers reports its holder descriptor, and the router names the holders of the role a puller pulls from
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,13 +36,14 @@ from deltamesh.services.common.auth import mesh_metadata
 from deltamesh.services.common.reports import REPORT_KEEPALIVE_INTERVALS
 from deltamesh.services.common.server import CHANNEL_OPTIONS
 from deltamesh.services.common.tls import aio_channel
+from deltamesh.services.router.load_order import SCORED_FIELDS, LoadOrder, Pool
 from deltamesh.services.router.prefix_index import PrefixIndex
 from deltamesh.v1 import common_pb2, control_pb2, control_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
 
 log = structlog.get_logger("deltamesh.registry")
 
 ROLES = ("prefill", "decode", "colocated")
-MAX_MISSED_HEARTBEATS = 5  # a registered worker that stops registering for this many intervals is dropped
+MAX_MISSED_HEARTBEATS = 5  # a registered worker neither reporting nor registering for this many intervals is dropped
 MAX_SILENT_REPORTS = 5  # a worker silent on its report stream for this many keep-alive periods is out of routing
 PULLS_FROM = {"decode": "prefill", "prefill": "decode"}  # a role -> the role whose held states it pulls
 
@@ -60,6 +68,13 @@ class WorkerHandle:
     # a puller: the holders to announce to it (by address), and whether a call is under way
     to_announce: dict[str, common_pb2.TransportDescriptor] = field(default_factory=dict)
     announcing: bool = False
+    order: LoadOrder | None = field(default=None, repr=False, compare=False)  # its role's, in the registry
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        # a new load moves it in its role's order: whoever changes a count (legs.py, admission.py) need not know
+        if name in SCORED_FIELDS and (order := self.__dict__.get("order")) is not None:
+            order.moved(self)
 
     # stubs made once: making one per call costs more than the call's own Python work
     @functools.cached_property
@@ -76,11 +91,14 @@ class WorkerHandle:
 class WorkerRegistry:
     def __init__(self, health_interval_s: float, heartbeat_interval_s: float, mesh_secret: str, tls=None):
         """`health_interval_s`: how often workers report (at most) and how often the registry tends its workers;
-        `heartbeat_interval_s`: how often registered workers must register again."""
+        `heartbeat_interval_s`: a registered worker neither reporting nor registering for MAX_MISSED_HEARTBEATS of
+        these is dropped."""
         self.tls, self._secret = tls, mesh_secret
+        self.id = secrets.token_hex(8)  # this process's, this run: the workers match their report streams to it
         self.health_interval_s = health_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, WorkerHandle] = {}
+        self.orders = {role: LoadOrder() for role in ROLES}  # each role's workers, least loaded first
         self.index = PrefixIndex()  # what the workers' prefix caches hold, as they report it
         self._closing: set[asyncio.Task] = set()
         # called with a worker after each of its reports and when it is marked failed (router/admission.py)
@@ -94,16 +112,24 @@ class WorkerRegistry:
             self._drop(w)
             w = None
         if w is None:
-            w = WorkerHandle(address, role, static, aio_channel(address, self.tls, CHANNEL_OPTIONS))
-            self.workers[address] = w
+            w = self.keep(WorkerHandle(address, role, static, aio_channel(address, self.tls, CHANNEL_OPTIONS)))
             log.info("worker added", address=address, role=role, static=static)
             self._start_watch(w)
         w.compat_hash = compat_hash or w.compat_hash
         w.last_registered = time.monotonic()
         return w
 
+    def keep(self, w: WorkerHandle) -> WorkerHandle:
+        """Take in a new worker's handle: routing sees it (by its role's order) from now on."""
+        self.workers[w.address] = w
+        w.order = self.orders[w.role]
+        w.order.add(w)
+        return w
+
     def _drop(self, w: WorkerHandle) -> None:
         self.workers.pop(w.address, None)
+        self.orders[w.role].remove(w)
+        w.order = None
         w.healthy = False  # for whoever still holds it
         if w.watch is not None:
             w.watch.cancel()
@@ -128,6 +154,13 @@ class WorkerRegistry:
     def healthy(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
 
+    def pool(self, role: str, accept: Callable[[WorkerHandle], bool] = lambda w: True) -> Pool:
+        """The healthy workers of `role` that `accept` takes, for a routing decision (no pass over the workers)."""
+        return Pool(self.orders[role], lambda w: w.healthy and accept(w))
+
+    def has_healthy(self, role: str) -> bool:
+        return self.pool(role).least_loaded() is not None
+
     def mark_failed(self, w: WorkerHandle, why: str) -> None:
         if w.healthy:
             log.warning("worker failed", address=w.address, role=w.role, why=why)
@@ -151,12 +184,13 @@ class WorkerRegistry:
                 w.watch.cancel()
 
     def tend(self) -> None:
-        """Drop registered workers that stopped registering, count silent ones as failed, watch again every
-        worker whose stream ended, and announce again where an announcement failed."""
+        """Drop registered workers heard from neither by report nor by registration, count silent ones as failed,
+        watch again every worker whose stream ended, and announce again where an announcement failed."""
         now = time.monotonic()
         silent_s = MAX_SILENT_REPORTS * REPORT_KEEPALIVE_INTERVALS * self.health_interval_s
         for w in list(self.workers.values()):
-            if not w.static and now - w.last_registered > MAX_MISSED_HEARTBEATS * self.heartbeat_interval_s:
+            heard = max(w.last_registered, w.last_report)
+            if not w.static and now - heard > MAX_MISSED_HEARTBEATS * self.heartbeat_interval_s:
                 self._drop(w)
             elif w.watch is None or w.watch.done():
                 self._start_watch(w)
@@ -177,7 +211,8 @@ class WorkerRegistry:
             o.address: o.holder for o in self.workers.values() if o.role == source and o.holder is not None
         }
         try:
-            call = w.reports.Watch(control_pb2.WatchRequest(interval_ms=interval_ms), metadata=self.call_metadata())
+            request = control_pb2.WatchRequest(interval_ms=interval_ms, router_id=self.id)
+            call = w.reports.Watch(request, metadata=self.call_metadata())
             async for report in call:
                 self._take(w, report)
             self.mark_failed(w, "report stream ended")
@@ -187,6 +222,7 @@ class WorkerRegistry:
             self.index.forget(w.address)
 
     def _take(self, w: WorkerHandle, report: control_pb2.WorkerReport) -> None:
+        w.last_report = time.monotonic()  # alive, refused or not: a refused worker stays known, as it registered
         before = w.holder
         reported = report.holder if report.HasField("holder") else None
         if reported != before and not self.record_holder(w, reported):
@@ -200,7 +236,6 @@ class WorkerRegistry:
             return
         w.refused = False
         w.load = report.load
-        w.last_report = time.monotonic()
         if report.prefixes_whole:
             self.index.replace(w.address, report.prefixes_added)
         else:
