@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.make_default_model import build_documents, split_documents, token_stream
+from scripts.default_model_data import build_documents, split_documents, token_stream
 from scripts.mtp_head import MtpHead
 
 SEED = 0
