@@ -87,6 +87,8 @@ class Planner:
             raise ValueError(f"profiles of different models: {', '.join(sorted(map(str, models)))}")
         if max_gpus < 1:
             raise ValueError(f"max GPUs must be >= 1, got {max_gpus}")
+        if path_ms < 0:
+            raise ValueError(f"the serving path's time must be >= 0 ms, got {path_ms}")
         gpu = profiles[0].is_gpu
         self.profiles, self.traffic, self.sla, self.max_gpus = profiles, traffic, sla, max_gpus
         self.path_ms = path_ms  # the serving path's time each way (simulator.py)
