@@ -7,6 +7,9 @@ and served, with the error of each median (TTFT, TPOT) and of the throughput.
     # GPU: profiles made on an H200 against the tables in bench/RESULTS.md (bench/plan_measured.json)
     python bench/plan_check.py gpu --profile qwen3.5-9b=h200-9b.json --profile qwen3.5-35b-a3b=h200-35b.json
 
+CPU: before the points of a layout, a few requests one at a time measure the serving path's time (the client's
+TTFT less the workers' own, halved: `measure_path`), which the simulation is given (`path_ms`).
+
 Throughput is total (input + output) tokens/s per GPU (CPU: per worker process, each with --torch-threads). The issue's goal: TTFT and TPOT
 medians within 15 %, tokens/s within 10 %.
 """
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS, ROOT, free_port, ints, stop_group, table, write_result
 from bench.disagg_sweep import run_point, wait_ready
+from bench.server_side import PointObserver
 from deltamesh.engine.defaults import DEFAULT_MODEL
 from deltamesh.planner.layouts import Layout, Role
 from deltamesh.planner.metrics import summarize
@@ -35,11 +39,14 @@ from deltamesh.planner.traffic import LengthDist, Sla, Traffic
 
 MEASURED = ROOT / "bench" / "plan_measured.json"
 GOALS = {"ttft": 0.15, "tpot": 0.15, "tok_s": 0.10}
+PATH_PROBES = 8  # requests one at a time that measure the serving path (measure_path)
 
 
-def predict(layout: Layout, input_len: int, output_len: int, concurrency: int, requests: int) -> dict:
+def predict(
+    layout: Layout, input_len: int, output_len: int, concurrency: int, requests: int, path_ms: float = 0.0
+) -> dict:
     traffic = Traffic(LengthDist.parse(str(input_len)), LengthDist.parse(str(output_len)), None, concurrency, requests)
-    s = summarize(simulate(layout, traffic), Sla())
+    s = summarize(simulate(layout, traffic, path_ms), Sla())
     return {"ttft_ms": s["ttft_p50_ms"], "tpot_ms": s["tpot_p50_ms"], "tok_s_per_gpu": s["tok_s_per_gpu"]}
 
 
@@ -81,17 +88,21 @@ def make_profile(path: Path, threads: int) -> Profile:
     return Profile.load(path)
 
 
-def start_mesh(args, colocated: bool, work: Path) -> tuple[list[subprocess.Popen], str]:
+def start_mesh(args, colocated: bool, work: Path) -> tuple[list[subprocess.Popen], str, list[str]]:
     """A router and its workers started one by one (as `deltamesh serve` starts them, but with --torch-threads
     of our choosing: serve shares the cores out, and on a shared machine torch's threads stall when the cores
-    are oversubscribed), on free loopback ports, sharing a mesh secret."""
+    are oversubscribed), on free loopback ports, sharing a mesh secret. Returns the processes, the REST base URL
+    and the workers' /metrics URLs."""
     env = {**os.environ, "DELTAMESH_MESH_SECRET": secrets.token_urlsafe(32)}
     http, control = free_port(), free_port()
     cli = [sys.executable, "-m", "deltamesh.services.cli"]
     router = [*cli, "router", "--model", args.model, "--grpc-port", str(free_port()), "--control-port", str(control)]
     commands = [[*router, "--http-port", str(http), "--log-level", "warning"]]
+    metrics = []
     for role in ["colocated"] if colocated else ["prefill", "decode"]:
         worker = [*cli, role, "--model", args.model, "--router", f"127.0.0.1:{control}", "--log-level", "warning"]
+        metrics.append(f"http://127.0.0.1:{(metrics_port := free_port())}/metrics")
+        worker += ["--metrics-port", str(metrics_port)]
         worker += ["--torch-threads", str(args.torch_threads), "--max-num-seqs", str(args.max_num_seqs)]
         worker += [
             "--max-num-batched-tokens",
@@ -106,7 +117,19 @@ def start_mesh(args, colocated: bool, work: Path) -> tuple[list[subprocess.Popen
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         )
-    return procs, f"http://127.0.0.1:{http}"
+    return procs, f"http://127.0.0.1:{http}", metrics
+
+
+def measure_path(args, base: str, pgid: int, metrics: list[str], work: Path) -> float:
+    """The serving path's time each way (the simulation's `path_ms`): a few requests one at a time, their mean
+    TTFT at the client less the mean the workers' servicers saw (request arrival to first token), halved (to the
+    worker and back). The engine's time is in both, so what is left is the REST gateway's, the router's and the
+    loopback's."""
+    observer = PointObserver(pgid, metrics)
+    got = run_point(base, args.model, args.input_len, 2, 1, PATH_PROBES, work / "path.json", 300, observer=observer)
+    if "error" in got or "worker_ttft_mean_ms" not in got:
+        raise RuntimeError(f"measuring the serving path: {got.get('error', got)}")
+    return max(0.0, (got["ttft_mean_ms"] - got["worker_ttft_mean_ms"]) / 2)
 
 
 def check_cpu(args) -> list[dict]:
@@ -122,9 +145,11 @@ def check_cpu(args) -> list[dict]:
         )
         if args.setups and layout.label not in args.setups:
             continue
-        procs, base = start_mesh(args, colocated, work)
+        procs, base, metrics = start_mesh(args, colocated, work)
         try:
             wait_ready(procs[0], f"{base}/ready", work / "mesh-0.log", 300)
+            path_ms = measure_path(args, base, procs[0].pid, metrics, work)
+            print(f"{layout.label}: the serving path takes {path_ms:.1f} ms each way", flush=True)
             for c in args.concurrency:
                 n = args.waves * c
                 got = run_point(base, args.model, args.input_len, args.output_len, c, n, work / f"{c}.json", 900)
@@ -140,7 +165,8 @@ def check_cpu(args) -> list[dict]:
                             "tpot_ms": got["tpot_median_ms"],
                             "tok_s_per_gpu": got["total_tok_s_per_gpu"] / layout.gpus,
                         },
-                        "predicted": predict(layout, args.input_len, args.output_len, c, n),
+                        "predicted": predict(layout, args.input_len, args.output_len, c, n, path_ms),
+                        "path_ms": path_ms,
                     }
                 )
                 print(rows[-1], flush=True)

@@ -248,6 +248,14 @@ def plan(
     ] = None,
     colocated_only: Annotated[bool, typer.Option(help="Weigh colocated layouts only")] = False,
     disaggregated_only: Annotated[bool, typer.Option(help="Weigh prefill/decode layouts only")] = False,
+    path_ms: Annotated[
+        float,
+        typer.Option(
+            help="The serving path's time each way (REST gateway, router, network), ms: a request reaches its "
+            "worker this long after it is sent and its tokens the client this long after they are made "
+            "(bench/plan_check.py measures it)"
+        ),
+    ] = 0.0,
     top: Annotated[int, typer.Option(help="Layouts in the table")] = 10,
     json_out: Annotated[str | None, typer.Option("--json", help="Also write the plan as JSON here")] = None,
 ) -> None:
@@ -286,6 +294,7 @@ def plan(
             _ints(max_num_batched_tokens, "--max-num-batched-tokens"),
             disaggregated_only,
             colocated_only,
+            path_ms,
         ).run()
     except (ValueError, ProfileError, SimulationError) as e:
         raise _fail("plan", e) from None

@@ -7,7 +7,8 @@ chunking, sampling), and fitted into a profile (profile.py).
 - decode: at each context, the largest batch that fits is placed in the pools at that context (a reservation and
   `submit_pulled`, the engine's own path for a state pulled from another worker: only the last 16 prompt tokens
   are computed; a worker over several ranks computes the contexts in full), then steps timed at every batch of
-  the grid, largest first, requests aborted between them;
+  the grid, largest first, requests aborted between them; a point is the mean of its steps (what they take end to
+  end, as a served request's TPOT is), the median of the --reps rounds;
 - mixed: prompts submitted beside a decode batch, every step until their first tokens timed;
 - transfer: `bench/transfer.py` run as it is (a holder and a puller process over the UCX side channel), or its
   JSON given (`transfer_times.py`);
@@ -231,8 +232,10 @@ def decode_ladder(d: Driver, grid: Grid, context: int) -> list[dict]:
                 "batch": batch,
                 "context": context,
                 "mean_context": context + statistics.fmean(d.tokens[r.request_id] for r in live),
-                "ms": statistics.median(times),
-                "samples_ms": times,
+                # the mean, not the median: the simulation adds steps end to end, and a served request's TPOT is
+                # their sum over its tokens, slow steps included (as the prefill and mixed points are sums)
+                "ms": statistics.fmean(times),
+                "steps_ms": times,
             }
         )
     d.end(live)

@@ -78,6 +78,7 @@ class Planner:
         budgets: Sequence[int] | None = None,
         disaggregated_only: bool = False,
         colocated_only: bool = False,
+        path_ms: float = 0.0,
     ):
         if not profiles:
             raise ValueError("a plan needs at least one profile")
@@ -86,8 +87,11 @@ class Planner:
             raise ValueError(f"profiles of different models: {', '.join(sorted(map(str, models)))}")
         if max_gpus < 1:
             raise ValueError(f"max GPUs must be >= 1, got {max_gpus}")
+        if path_ms < 0:
+            raise ValueError(f"the serving path's time must be >= 0 ms, got {path_ms}")
         gpu = profiles[0].is_gpu
         self.profiles, self.traffic, self.sla, self.max_gpus = profiles, traffic, sla, max_gpus
+        self.path_ms = path_ms  # the serving path's time each way (simulator.py)
         self.seqs = tuple(seqs or (GPU_SEQS if gpu else CPU_SEQS))
         self.budgets = tuple(budgets or (GPU_BUDGETS if gpu else CPU_BUDGETS))
         if min(self.seqs) < 1 or min(self.budgets) < 1:
@@ -124,7 +128,7 @@ class Planner:
         if key in self._seen:
             return self._seen[key]
         try:
-            result = Evaluated(layout, summarize(simulate(layout, self.traffic), self.sla))
+            result = Evaluated(layout, summarize(simulate(layout, self.traffic, self.path_ms), self.sla))
         except SimulationError as e:
             result = Evaluated(layout, None, str(e))
         self._seen[key] = result

@@ -15,8 +15,15 @@ the router then hands the request to a decode worker, which reserves a slot and 
 arrival order, while it has no room), pulls the state (the profile's transfer time) and decodes; the prefill
 worker's state is freed when the pull ends.
 
-What is left out: the router's and the network's own time, the host time the engine overlaps with the device
-(async scheduling is modelled as steps back to back), prefix-cache hits, and transfers slowing each other down.
+The serving path (the REST gateway, the router, the network: `path_ms`, measured by bench/plan_check.py from the
+client's and the workers' TTFT) takes that long each way: a request reaches its worker `path_ms` after it is sent,
+and its tokens reach the client `path_ms` after its worker made them, so a closed-loop client sends its next
+request only then. The gateway and the router each handle a request on one event loop, so requests sent together
+pass one after another, `path_ms` apart: a worker with nothing to do starts a step with the first (as the engine
+does), and the others join a later step. A hand-off from prefill to decode is left at the transfer's time.
+
+What is left out: the host time the engine overlaps with the device (async scheduling is modelled as steps back to
+back), prefix-cache hits, and transfers slowing each other down.
 """
 
 from __future__ import annotations
@@ -244,7 +251,7 @@ class Worker:
                 continue  # a prompt chunk that does not reach the prompt's end samples nothing
             req.generated += steps
             if math.isnan(req.first_token):
-                req.first_token = now
+                req.first_token = now + self.sim.router.path  # on the client, the way back later
             if self.kind == "prefill":
                 req.done = ended = True  # held until its state is pulled (or freed, for a one-token request)
                 self._hold(req)
@@ -264,8 +271,10 @@ class Worker:
 
 
 class Router:
-    def __init__(self, sim: Simulation, layout: Layout, workers: dict[str, list[Worker]]):
+    def __init__(self, sim: Simulation, layout: Layout, workers: dict[str, list[Worker]], path_ms: float = 0.0):
         self.sim = sim
+        self.path = path_ms / 1e3  # seconds each way between the client and a worker (module docstring)
+        self._way_in_free = 0.0  # when the way in has handled every request sent so far
         self.front = workers["colocated"] if layout.colocated else workers["prefill"]
         self.decoders = workers.get("decode", [])
 
@@ -277,7 +286,12 @@ class Router:
         req.sent = self.sim.now
         worker = self._least_loaded(self.front)
         worker.inflight += 1
-        worker.submit(req)
+        if not self.path:
+            worker.submit(req)
+            return
+        # one request at a time on the way in (module docstring)
+        self._way_in_free = max(self.sim.now, self._way_in_free) + self.path
+        self.sim.at(self._way_in_free, worker.submit, req)
 
     def prefilled(self, req: SimRequest, prefill: Worker) -> None:
         prefill.inflight -= 1
@@ -294,8 +308,11 @@ class Router:
         self._end(req)
 
     def _end(self, req: SimRequest) -> None:
-        req.finished = self.sim.now
-        self.sim.request_ended()
+        req.finished = self.sim.now + self.path
+        if self.path:
+            self.sim.at(req.finished, self.sim.request_ended)
+        else:
+            self.sim.request_ended()
 
 
 @dataclass
@@ -311,7 +328,9 @@ class SimResult:
 class Simulation:
     """One run of `traffic` on `layout`; `run()` returns what every request saw."""
 
-    def __init__(self, layout: Layout, traffic: Traffic):
+    def __init__(self, layout: Layout, traffic: Traffic, path_ms: float = 0.0):
+        if path_ms < 0:
+            raise ValueError(f"the serving path's time must be >= 0 ms, got {path_ms}")
         self.layout, self.traffic = layout, traffic
         self.now = 0.0
         self.steps = 0
@@ -326,7 +345,7 @@ class Simulation:
             kv_tokens = role.profile.memory.kv_capacity_tokens(role.max_num_seqs, layout.max_model_len)
             self._check_fits(kind, role, kv_tokens)
             self.workers[kind] = [Worker(self, f"{kind}-{i}", kind, role, kv_tokens) for i in range(role.workers)]
-        self.router = Router(self, layout, self.workers)
+        self.router = Router(self, layout, self.workers, path_ms)
         self._unsent: deque[SimRequest] = deque()
 
     def _roles(self) -> list[tuple[str, Role]]:
@@ -388,5 +407,6 @@ class Simulation:
         )
 
 
-def simulate(layout: Layout, traffic: Traffic) -> SimResult:
-    return Simulation(layout, traffic).run()
+def simulate(layout: Layout, traffic: Traffic, path_ms: float = 0.0) -> SimResult:
+    """`path_ms`: the serving path's time each way, client to worker and back (module docstring)."""
+    return Simulation(layout, traffic, path_ms).run()

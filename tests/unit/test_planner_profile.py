@@ -36,6 +36,9 @@ def test_profile_holds_every_measurement_and_its_fit(tiny_profile):
     low, high = sorted(by_context)
     assert 32 < low < 128 < high < 128 + 40 and all(sorted(v) == [1, 4] for v in by_context.values())
     assert all(ms > 0 for *_, ms in p.decode.points)
+    # a point is what its timed steps took end to end per step (their mean; one round here), not their median
+    for row in p.measurements["decode"]:
+        assert len(row["steps_ms"]) == 3 and row["ms"] == pytest.approx(sum(row["steps_ms"]) / 3)
     flows = p.measurements["prefill"]
     assert sorted((f["prompt_len"], f["batch"]) for f in flows) == [(16, 1), (16, 2), (64, 1), (64, 2)]
     assert all(f["steps"] >= 1 and f["ms"] > 0 for f in flows)

@@ -63,6 +63,15 @@ def test_no_layout_within_the_budget_is_said_so():
     assert "no layout within 2 GPU(s) meets the SLA" in render(result)
 
 
+def test_the_serving_path_adds_its_time_both_ways_to_every_layout_judged():
+    # 1 request/s of 400 ms prompts: nothing queues, so each first token comes 2 x 30 ms later than without it
+    sla = Sla(ttft_p90_ms=2000)
+    plain = Planner([profile()], LONG_PROMPTS, sla, max_gpus=2, seqs=(64,), budgets=(16384,)).run()
+    path = Planner([profile()], LONG_PROMPTS, sla, max_gpus=2, seqs=(64,), budgets=(16384,), path_ms=30.0).run()
+    ttft = {e.layout.label: e.summary["ttft_p50_ms"] for e in plain.evaluated}
+    assert ttft and all(e.summary["ttft_p50_ms"] == pytest.approx(ttft[e.layout.label] + 60) for e in path.evaluated)
+
+
 def test_deploy_commands():
     p = profile()
     assert Layout(9000, colocated=Role(p, 3, 64, 4096)).commands() == [
@@ -118,6 +127,7 @@ def test_plan_command_prints_the_table_the_verdict_and_the_command(profile_file,
         (["--request-rate", "1", "--max-num-seqs", "0,4"], "--max-num-seqs"),
         (["--request-rate", "1", "--input-len", "normal:5"], "length distribution"),
         (["--request-rate", "1", "--colocated-only", "--disaggregated-only"], "exclude each other"),
+        (["--request-rate", "1", "--path-ms", "-1"], "serving path"),
     ],
 )
 def test_plan_command_refuses_bad_input_in_one_line(profile_file, extra, message):

@@ -103,6 +103,49 @@ def test_closed_loop_sends_the_next_request_when_one_ends():
     assert [ms(r.finished) for r in result.requests] == [120, 240, 360]
 
 
+def test_the_serving_path_delays_a_request_each_way():
+    # 5 ms each way: the request reaches its worker at 5, its 100 ms prompt ends at 105, the client sees the first
+    # token at 110; two decode steps end at 125, seen at 130, when the closed loop sends the next request
+    traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("3"), concurrency=1, num_requests=2)
+    a, b = simulate(colocated(synthetic()), traffic, path_ms=5.0).requests
+    assert ms(a.first_token) == 110 and ms(a.finished) == 130
+    assert ms(b.sent) == 130 and ms(b.first_token) == 240 and ms(b.finished) == 260
+    s = summarize(simulate(colocated(synthetic()), traffic, path_ms=5.0), Sla())
+    assert s["ttft_p50_ms"] == pytest.approx(110) and s["tpot_p50_ms"] == pytest.approx(10)
+
+
+def test_requests_sent_together_reach_an_idle_worker_one_by_one():
+    # three prompts sent together pass the router 5 ms apart: the first reaches the idle worker at 5 and is
+    # stepped alone [5, 105]; the other two (at 10 and 15) wait and go together [105, 305] (budget 4096)
+    traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("1"), concurrency=3, num_requests=3)
+    result = simulate(colocated(synthetic()), traffic, path_ms=5.0)
+    assert [ms(r.first_token) for r in result.requests] == [110, 310, 310]
+    # without the path the three share the first step
+    result = simulate(colocated(synthetic()), traffic)
+    assert [ms(r.first_token) for r in result.requests] == [300, 300, 300]
+
+
+def test_a_closed_loop_next_request_misses_the_step_that_follows_an_end():
+    # 1 ms each way, two streams: A (100-token prompt, 1 token) reaches the worker at 1 and is stepped alone
+    # [1, 101]; B (10-token prompt, 4 tokens) at 2. A's end is seen at 102, when its successor C is sent; C reaches
+    # the worker at 103, after B's prompt step [101, 111] began: C's prompt goes beside B's first decode
+    # [111, 221], then B decodes alone [221, 231], [231, 241]
+    class Fixed(Traffic):
+        def requests(self):
+            return [(None, 100, 1), (None, 10, 4), (None, 100, 1)]
+
+    traffic = Fixed(LengthDist.parse("100"), LengthDist.parse("1"), concurrency=2, num_requests=3)
+    a, b, c = simulate(colocated(synthetic()), traffic, path_ms=1.0).requests
+    assert ms(a.first_token) == 102 and ms(a.finished) == 102
+    assert ms(c.sent) == 102 and ms(c.first_token) == 222
+    assert ms(b.first_token) == 112 and ms(b.finished) == 242
+
+
+def test_the_serving_path_cannot_be_negative():
+    with pytest.raises(ValueError, match="serving path"):
+        simulate(colocated(synthetic()), even(1.0, 1, 10, 2), path_ms=-1.0)
+
+
 def test_a_prompt_stalls_a_running_decode_colocated_not_disaggregated():
     # A (100-token prompt, 3 tokens) at 1 s, B (100-token prompt, 1 token) at 1.105 s
     a_then_b = [(1.0, 100, 3), (1.105, 100, 1)]
