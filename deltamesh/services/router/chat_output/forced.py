@@ -10,11 +10,10 @@ from collections.abc import Callable, Mapping
 from deltamesh.services.router.chat_output.events import (
     CallArguments,
     CallHeader,
-    ContentSpacing,
     Event,
     new_call_id,
 )
-from deltamesh.services.router.chat_output.json_calls import JsonCallObject
+from deltamesh.services.router.chat_output.json_calls import JsonCallObject, JsonCallStream
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -50,24 +49,11 @@ def required_schema(tools: Mapping[str, dict | None], parallel: bool) -> dict:
     return schema
 
 
-class RequiredToolCalls:
+class RequiredToolCalls(JsonCallStream):
     """The array of calls; whatever is not a call (output cut short before one, say) is content."""
 
     def __init__(self, tools: dict[str, dict], new_id: Callable[[], str] = new_call_id):
-        self._tools, self._new_id = tools, new_id
-        self._spacing = ContentSpacing()
-        self._buf, self._mode, self.calls = "", "open", 0  # open | element | between | call | rest
-        self._call: JsonCallObject | None = None
-
-    def feed(self, text: str) -> list[Event]:
-        out: list[Event] = []
-        self._run(out, text, final=False)
-        return out
-
-    def finish(self) -> list[Event]:
-        out: list[Event] = []
-        self._run(out, "", final=True)
-        return out + self._spacing.finish(self.calls > 0)
+        super().__init__(tools, new_id, "open")  # open | element | between | call | rest
 
     def _run(self, out: list[Event], text: str, final: bool) -> None:
         self._buf += text

@@ -101,13 +101,14 @@ class JsonCallObject:
             self.mode = "rejected"
 
 
-class HermesToolCalls:
-    """Content with calls in `<tool_call>` blocks of JSON call objects."""
+class JsonCallStream:
+    """What the parsers of JSON call objects share: the text held back, a mode, the calls so far, the content's
+    spacing around them; `_run` reads what it can of the held text (all of it when `final`)."""
 
-    def __init__(self, tools: dict[str, dict], new_id: Callable[[], str] = new_call_id):
+    def __init__(self, tools: dict[str, dict], new_id: Callable[[], str], mode: str):
         self._tools, self._new_id = tools, new_id
         self._spacing = ContentSpacing()
-        self._buf, self._mode, self.calls = "", "text", 0  # text | call | after
+        self._buf, self._mode, self.calls = "", mode, 0
         self._call: JsonCallObject | None = None
 
     def feed(self, text: str) -> list[Event]:
@@ -119,6 +120,16 @@ class HermesToolCalls:
         out: list[Event] = []
         self._run(out, "", final=True)
         return out + self._spacing.finish(self.calls > 0)
+
+    def _run(self, out: list[Event], text: str, final: bool) -> None:
+        raise NotImplementedError
+
+
+class HermesToolCalls(JsonCallStream):
+    """Content with calls in `<tool_call>` blocks of JSON call objects."""
+
+    def __init__(self, tools: dict[str, dict], new_id: Callable[[], str] = new_call_id):
+        super().__init__(tools, new_id, "text")  # text | call | after
 
     def _run(self, out: list[Event], text: str, final: bool) -> None:
         self._buf += text
