@@ -8,8 +8,8 @@ place, so that the log-probabilities a request asks for are of the masked distri
 penalties, logit_bias and min_tokens (penalties.py, their per-request state on the device), which log-probabilities
 do not see (vLLM's default too). A speculative engine (engine/spec/) verifies drafted tokens inside the forward pass
 of every rank (the leader's acceptance in place of `_sample`: spec/accept.py, whose logits are a row per verified
-position, where a logits stage would run), its one to K+1 new tokens per request returned by `read`; it refuses the
-requests that need the logits stage for now (spec/settings.py).
+position), its one to K+1 new tokens per request returned by `read`; the leader runs penalties, logit_bias and
+min_tokens there, over every verified position (spec/runner.py), and refuses grammars for now (spec/settings.py).
 
 Bitmasks run only in a step where some sampled row has a grammar: a row's mask depends on the token its request
 sampled in the step before, which under async scheduling reaches the host only now, so the step's caller takes those
@@ -129,7 +129,7 @@ class StepLauncher:
         batch: scheduler.py)."""
         backed_off = any(not it.verify and it.num_tokens == 1 and it.request.output_ids for it in items)
         inputs = spec_tokens.accept_inputs(sampling, self.max_model_len)
-        return SpecSampling(inputs, self.generator, sampling, draft=not backed_off)
+        return SpecSampling(inputs, self.generator, sampling, draft=not backed_off, adjustments=self.adjustments)
 
     def _forward(
         self,

@@ -53,17 +53,11 @@ def check_tokens(k: object, name: str = "speculative_tokens") -> int:
 
 
 def unserved_fields(params) -> list[str]:
-    """The sampling fields of `params` (protocol.SamplingParams) a speculative engine refuses: the logits stage
-    (penalties, logit_bias, min_tokens: penalties.py) and grammars (grammar.py) run in `StepLauncher._sample`, which
-    a verify step replaces, so its verified positions would go without them. Applying them per verified position is
-    what remains (docs/notes/speculative-decoding.md)."""
-    unserved = []
-    if params.penalized:
-        unserved.append("repetition_penalty / presence_penalty / frequency_penalty")
-    if params.logit_bias:
-        unserved.append("logit_bias")
-    if params.min_tokens:
-        unserved.append("min_tokens")
+    """The sampling fields of `params` (protocol.SamplingParams) a speculative engine refuses: grammars (grammar.py)
+    mask the logits in `StepLauncher.launch`'s plain sampling path, which a verify step replaces, so its verified
+    positions would go without them. Masking each verified position is what remains
+    (docs/notes/speculative-decoding.md). The logits stage (penalties, logit_bias, min_tokens) runs in the verify
+    path (spec/runner.py)."""
     if params.structured_outputs is not None:
-        unserved.append("structured outputs (response_format, structured_outputs, required tool calls)")
-    return unserved
+        return ["structured outputs (response_format, structured_outputs, required tool calls)"]
+    return []
