@@ -22,6 +22,7 @@ its tokens' state to the prefix cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,8 @@ class SpecSampling:
     requests: list | None = None
     draft: bool = True  # False: the step backed off (no drafts proposed)
     adjustments: LogitAdjustments | None = None  # penalties, logit_bias, min_tokens (penalties.py)
+    # grammar masks over the step's logits, in place (num_verify, width: grammar.GrammarMasks), when one samples
+    masks: Callable[[torch.Tensor, int, int], None] | None = None
 
 
 class SpecRunner:
@@ -188,11 +191,13 @@ class SpecRunner:
 
     def _accept(self, logits: torch.Tensor, ids: torch.Tensor, spec: SpecHost, sampling: SpecSampling) -> Accepted:
         """The verifying requests' runs (W rows of logits each), then the other sampling requests' one token; the
-        logits stage first, over every verified position (its drafts before it counted as generated), and the
-        emitted tokens counted after."""
+        grammars' masks and the logits stage first, over every verified position (its drafts before it as if
+        generated), and the emitted tokens counted after."""
         n, w = spec.num_verify, spec.width
         inputs, generator = sampling.inputs, sampling.generator
         drafts = ids[: n * w].view(n, w)[:, 1:]
+        if sampling.masks is not None:  # logprobs are of the masked logits, as without drafts
+            sampling.masks(logits, n, w)
         raw, counting = logits, None
         if sampling.adjustments is not None and sampling.requests is not None:
             verify = VerifyRows(n, w, drafts)
@@ -208,6 +213,9 @@ class SpecRunner:
             single, single_raw = logits[n * w :][:, None], raw[n * w :][:, None]
             none = torch.zeros((r - n, 0), dtype=torch.int64, device=logits.device)
             parts.append(accept(single, none, [0] * (r - n), _rows(inputs, n, r), None, generator, single_raw))
+        if not parts:  # no request samples in the step (prompt chunks, a request whose grammar still compiles)
+            none = torch.zeros((0, w), dtype=torch.int64, device=logits.device)
+            parts.append(Accepted(none, none[:, 0], none[:, 0], none[:, 0].bool()))
         accepted = _concat(parts, w)
         if counting is not None:
             assert sampling.adjustments is not None, "counting comes from the adjustments"

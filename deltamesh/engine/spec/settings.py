@@ -50,14 +50,3 @@ def check_tokens(k: object, name: str = "speculative_tokens") -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"{name} must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off), got {k!r}")
     return k
-
-
-def unserved_fields(params) -> list[str]:
-    """The sampling fields of `params` (protocol.SamplingParams) a speculative engine refuses: grammars (grammar.py)
-    mask the logits in `StepLauncher.launch`'s plain sampling path, which a verify step replaces, so its verified
-    positions would go without them. Masking each verified position is what remains
-    (docs/notes/speculative-decoding.md). The logits stage (penalties, logit_bias, min_tokens) runs in the verify
-    path (spec/runner.py)."""
-    if params.structured_outputs is not None:
-        return ["structured outputs (response_format, structured_outputs, required tool calls)"]
-    return []
