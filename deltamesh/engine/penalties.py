@@ -145,10 +145,10 @@ class LogitAdjustments:
             offsets = np.arange(len(owner)) - np.repeat(np.cumsum(spans) - spans, spans)
             batch_rows = np.where(requests < n, requests * w, n * (w - 1) + requests)[owner] + offsets
         penalized = counted_of[owner] >= 0
-        # every index the step needs in one copy to the device, in equal parts: per position (batch row, offset,
-        # sparse row), per penalized position (batch row, offset, counted row, its request's index), per adjusted
-        # request (index, sparse row), per penalized request (index, counted row)
         with_counts = counted_of >= 0
+        # every index the step needs in one copy to the device: per position (batch row, offset, sparse row), per
+        # penalized position (batch row, offset, counted row, its request's index), per adjusted request (index,
+        # sparse row), per penalized request (index, counted row)
         parts = [
             batch_rows,
             offsets,
@@ -164,15 +164,17 @@ class LogitAdjustments:
         ]
         index = on_device(np.concatenate(parts).tolist(), torch.int64, self.device)
         split = index.split([len(p) for p in parts])
-        self._apply_sparse(logits, split[0], split[2], split[1] if verify is not None else None)
+        at_rows, at_offsets, at_sparse, pen_rows, pen_offsets, pen_counted, pen_requests = split[:7]
+        adjusted, adjusted_sparse, counted_requests, counted_rows = split[7:]
+        self._apply_sparse(logits, at_rows, at_sparse, at_offsets if verify is not None else None)
         if not with_counts.any():
-            return _Counting(None, None, split[7], split[8])
+            return _Counting(None, None, adjusted, adjusted_sparse)
         drafts = None
         if verify is not None:  # a position's drafts before it: those of its request, where it verifies
-            source = verify.drafts[split[6].clamp(max=verify.num_verify - 1)]
-            drafts = (source, torch.arange(verify.width - 1, device=self.device)[None, :] < split[4][:, None])
-        self._apply_penalties(logits, split[3], split[5], drafts)
-        return _Counting(split[9], split[10], split[7], split[8])
+            source = verify.drafts[pen_requests.clamp(max=verify.num_verify - 1)]
+            drafts = (source, torch.arange(verify.width - 1, device=self.device)[None, :] < pen_offsets[:, None])
+        self._apply_penalties(logits, pen_rows, pen_counted, drafts)
+        return _Counting(counted_requests, counted_rows, adjusted, adjusted_sparse)
 
     @torch.inference_mode()
     def count(self, counting: _Counting | None, tokens: torch.Tensor, emitted: torch.Tensor | None = None) -> None:
