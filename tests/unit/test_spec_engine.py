@@ -186,3 +186,12 @@ def test_a_speculative_engine_takes_every_sampling_field(hf_checkpoints):
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1),
     ]:
         spec.make_request([1, 2, 3], params)
+
+
+def test_a_prompt_longer_than_a_step_is_chunked_through_steps_in_which_nothing_samples(hf_checkpoints):
+    """Steps of prompt chunks only: the acceptance has no request to accept for (it used to fail on them)."""
+    path, ps = hf_checkpoints["qwen3_5"], [list(range(1, 50)), prompts(1)[0]]
+    want = run(engine(path, 0, max_num_batched_tokens=16), ps)
+    core = engine(path, 2, max_num_batched_tokens=16)
+    assert run(core, ps) == want
+    assert_idle(core)
