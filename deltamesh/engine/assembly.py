@@ -69,9 +69,7 @@ def assemble(config: EngineConfig, device: torch.device) -> EngineParts:
     scheduler, handoff = leader_scheduling(config, followers, rank)
     eos_token_ids = tokenizer.eos_token_ids if tokenizer else frozenset(mc.eos_token_ids)
     spare = 3 * config.speculative_tokens  # Scheduler.spare_tokens
-    builder = RequestBuilder(
-        tokenizer, eos_token_ids, mc.vocab_size, max_model_len, rank.kv_pool, spare, config.speculative_tokens > 0
-    )
+    builder = RequestBuilder(tokenizer, eos_token_ids, mc.vocab_size, max_model_len, rank.kv_pool, spare)
     reservations = Reservations(scheduler, handoff, rank.kv_pool, rank.state_pool, device, mc)
     data_parallel = config.data_parallel_size > 1
     held = HeldStates(scheduler, handoff, rank.kv_pool, rank.state_pool, rank_memory, data_parallel)

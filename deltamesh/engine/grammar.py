@@ -19,7 +19,9 @@ Masking (`GrammarMasks`, called by the step only when a sampled row has a gramma
 next tokens is filled on the host in threads (xgrammar's BatchGrammarMatcher) once the previous step's tokens are in
 the matchers (core.py takes them before this step samples, while the device runs its forward pass), copied to the
 device and applied there in place (xgrammar's kernel: Triton on CUDA, its C++ loop on CPU). Sampling, greedy or
-not, and the reported logprobs see the masked distribution, as vLLM's do (a masked token's logprob is -inf).
+not, and the reported logprobs see the masked distribution, as vLLM's do (a masked token's logprob is -inf). A
+speculative engine's verify step masks each verified position, the matcher advanced through the drafts before it
+and rolled back after (`GrammarMasks.apply`'s `verify`).
 
 xgrammar is imported on the first structured request: it imports transformers, seconds that an engine that never
 sees one should not pay at start.
@@ -229,11 +231,17 @@ class GrammarMasks:
     def __init__(self):
         self._batch = None  # xgrammar's BatchGrammarMatcher (its fill threads), made with the first mask
 
-    def apply(self, logits: torch.Tensor, requests: list[Request]) -> float:
-        """Mask `logits` [N, V] (row i: requests[i]) in place where a running request has a grammar, its matcher
-        up to date; returns the host's seconds on it (filling the bitmask, queueing its copy and the kernel)."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.status != Status.FINISHED]
-        if not rows:
+    def apply(self, logits: torch.Tensor, requests: list[Request], verify: tuple[int, int] | None = None) -> float:
+        """Mask `logits` (row i: requests[i]) in place where a running request has a grammar, its matcher up to
+        date; returns the host's seconds on it (filling the bitmask, queueing its copy and the kernel).
+
+        `verify` (num_verify n, width w): a verify step's layout, each of the first n requests with w rows (its
+        positions after its drafts 1..j: `Request.draft_ids`, on the host once the step before is read). Position
+        j's mask is that of the matcher advanced through drafts 1..j, which is rolled back after; past a draft the
+        grammar refuses (or past its end) a position is left unmasked: the acceptance never reaches it, as the
+        position before masks that draft out."""
+        grammars = [i for i, r in enumerate(requests) if r.grammar is not None and r.status != Status.FINISHED]
+        if not grammars:
             return 0.0
         started = time.perf_counter()
         xgr = xgrammar()
@@ -242,11 +250,41 @@ class GrammarMasks:
         cuda = logits.is_cuda
         words = (logits.shape[-1] + 31) // 32
         bitmask = torch.empty((logits.shape[0], words), dtype=torch.int32, pin_memory=cuda)
-        matchers = [grammar.matcher for i in rows if (grammar := requests[i].grammar) is not None]  # (all of rows)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        indices: list[int] | torch.Tensor | None = None if len(rows) == len(requests) else rows
+        n, w = verify if verify is not None else (0, 1)
+        matchers = [grammar.matcher for i in grammars if (grammar := requests[i].grammar) is not None]  # all of them
+        first_rows = [i * w if i < n else n * w + i - n for i in grammars]
+        rows = self._fill_positions(bitmask, matchers, first_rows, [requests[i] for i in grammars], n, w)
+        indices: list[int] | torch.Tensor | None = None if len(rows) == logits.shape[0] else rows
         if cuda:  # queued behind the forward pass, without waiting for it
             bitmask = bitmask.to(logits.device, non_blocking=True)
             indices = None if indices is None else on_device(rows, torch.int32, logits.device)
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
         return time.perf_counter() - started
+
+    def _fill_positions(self, bitmask, matchers, first_rows: list[int], requests: list[Request], n: int, w: int):
+        """Each matcher's masks into its rows (one, or a verifying request's w); the rows filled, in order."""
+        assert self._batch is not None, "made by apply"
+        k = w - 1
+        verifying = [row < n * w for row in first_rows]
+        drafts = [(r.draft_ids + [0] * k)[:k] if v else [] for r, v in zip(requests, verifying)]
+        live = list(range(len(matchers)))  # matchers still following their drafts
+        advanced = [0] * len(matchers)
+        filled: list[int] = []
+        for j in range(w):
+            self._batch.batch_fill_next_token_bitmask(
+                [matchers[m] for m in live], bitmask, [first_rows[m] + j for m in live]
+            )
+            filled += [first_rows[m] + j for m in live]
+            if j == k:
+                break
+            following = []
+            for m in live:
+                if verifying[m] and matchers[m].accept_token(drafts[m][j]):
+                    advanced[m] += 1
+                    if not matchers[m].is_terminated():
+                        following.append(m)
+            live = following
+        for matcher, steps in zip(matchers, advanced):
+            if steps:
+                matcher.rollback(steps)
+        return sorted(filled)

@@ -19,6 +19,11 @@ counts exact, and a step in which no request adjusts its logits runs no kernel h
 Rows: one of each kind per running request that needs it, so at most --max-num-seqs of each; each pool grows by
 doubling when full and stays at its high-water mark (a counted row costs what the step's own logits row costs).
 
+A speculative engine's verify step (engine/spec/) runs the stage over every verified position: position j of a
+request's K+1 sees its output so far and its drafts 1..j, as if generated (their counts, and j more tokens toward
+min_tokens: the drafts are in the logits only where they are all accepted), and the acceptance then counts only the
+tokens the request emits (accepted drafts and the target's one more), so the rows stay exact through rejections.
+
 The order is vLLM's: min_tokens and logit_bias first, then the repetition penalty (transformers' definition: a
 seen token's logit divided by it when positive, multiplied when not; over prompt and output), then the frequency
 and presence penalties (OpenAI's: minus the penalty times the token's count in the output, minus the penalty once
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deltamesh.engine.request import Request, Status
@@ -75,12 +81,23 @@ class _Rows:
 
 
 @dataclass
-class _Counting:
-    """A step's rows to count its sampled tokens into (`count`)."""
+class VerifyRows:
+    """The layout of a verify step's logits: each of its first `num_verify` sampling requests has `width` rows (its
+    positions 0..K), every other one a row; `drafts` [num_verify, K] on the device (position j follows 1..j)."""
 
-    counted_at: torch.Tensor | None  # batch rows of the counted requests
+    num_verify: int
+    width: int
+    drafts: torch.Tensor
+
+
+@dataclass
+class _Counting:
+    """A step's rows to count its new tokens into (`count`), by the sampling requests' indices."""
+
+    counted_at: torch.Tensor | None  # indices of the counted requests
     counted: torch.Tensor | None  # their counted rows
-    sparse: torch.Tensor  # sparse rows of every adjusted request
+    sparse_at: torch.Tensor  # indices of every adjusted request
+    sparse: torch.Tensor  # their sparse rows
 
 
 class LogitAdjustments:
@@ -95,10 +112,13 @@ class LogitAdjustments:
         return len(self._rows)
 
     @torch.inference_mode()  # the logits are inference tensors (runner.py), and so are the rows made with them
-    def apply(self, logits: torch.Tensor, sampling: list[Request]) -> tuple[torch.Tensor, _Counting | None]:
-        """(the logits to sample from, what to pass to `count` with the step's sampled tokens); row i is request
-        `sampling[i]`'s. `logits` itself when no request adjusts them (nothing run); else adjusted in place, or in a
-        copy when a request asks for logprobs (those are of `logits` as they were)."""
+    def apply(
+        self, logits: torch.Tensor, sampling: list[Request], verify: VerifyRows | None = None
+    ) -> tuple[torch.Tensor, _Counting | None]:
+        """(the logits to sample from, what to pass to `count` with the step's new tokens); row i is request
+        `sampling[i]`'s, or with `verify` the rows are laid out as it says. `logits` itself when no request adjusts
+        them (nothing run); else adjusted in place, or in a copy when a request asks for logprobs (those are of
+        `logits` as they were)."""
         if self._rows:
             self._release_stopped()
         at = [i for i, r in enumerate(sampling) if r.adjusts_logits and r.status is Status.RUNNING]
@@ -106,46 +126,101 @@ class LogitAdjustments:
             return logits, None
         if any(r.params.logprobs is not None for r in sampling):
             logits = logits.clone()
-        return logits, self._adjust(logits, sampling, at)
+        if verify is not None and not verify.num_verify:
+            verify = None
+        return logits, self._adjust(logits, sampling, at, verify)
 
-    def _adjust(self, logits: torch.Tensor, sampling: list[Request], at: list[int]) -> _Counting:
+    def _adjust(self, logits: torch.Tensor, sampling: list[Request], at: list[int], verify: VerifyRows | None):
         rows = [self._rows.get(id(sampling[i])) or self._build(sampling[i]) for i in at]
-        counted = [(i, r.counted) for i, r in zip(at, rows) if r.counted is not None]
-        # every index the step needs in one copy to the device: batch rows and sparse rows of the adjusted
-        # requests, then batch rows and counted rows of the penalized ones
-        n, m = len(at), len(counted)
-        index = on_device(
-            at + [r.sparse for r in rows] + [i for i, _ in counted] + [c for _, c in counted], torch.int64, self.device
-        )
-        self._apply_sparse(logits, index[:n], index[n : 2 * n])
-        if not counted:
-            return _Counting(None, None, index[n : 2 * n])
-        self._apply_penalties(logits, index[2 * n : 2 * n + m], index[2 * n + m :])
-        return _Counting(index[2 * n : 2 * n + m], index[2 * n + m :], index[n : 2 * n])
+        requests = np.asarray(at, dtype=np.int64)
+        sparse = np.asarray([r.sparse for r in rows], dtype=np.int64)
+        counted_of = np.asarray([-1 if r.counted is None else r.counted for r in rows], dtype=np.int64)
+        # each adjusted request's positions: one row, or a verifying request's `width`
+        if verify is None:
+            owner, offsets, batch_rows = np.arange(len(at)), np.zeros(len(at), dtype=np.int64), requests
+        else:
+            n, w = verify.num_verify, verify.width
+            spans = np.where(requests < n, w, 1)
+            owner = np.repeat(np.arange(len(at)), spans)
+            offsets = np.arange(len(owner)) - np.repeat(np.cumsum(spans) - spans, spans)
+            batch_rows = np.where(requests < n, requests * w, n * (w - 1) + requests)[owner] + offsets
+        penalized = counted_of[owner] >= 0
+        with_counts = counted_of >= 0
+        # every index the step needs in one copy to the device: per position (batch row, offset, sparse row), per
+        # penalized position (batch row, offset, counted row, its request's index), per adjusted request (index,
+        # sparse row), per penalized request (index, counted row)
+        parts = [
+            batch_rows,
+            offsets,
+            sparse[owner],
+            batch_rows[penalized],
+            offsets[penalized],
+            counted_of[owner][penalized],
+            requests[owner][penalized],
+            requests,
+            sparse,
+            requests[with_counts],
+            counted_of[with_counts],
+        ]
+        index = on_device(np.concatenate(parts).tolist(), torch.int64, self.device)
+        split = index.split([len(p) for p in parts])
+        at_rows, at_offsets, at_sparse, pen_rows, pen_offsets, pen_counted, pen_requests = split[:7]
+        adjusted, adjusted_sparse, counted_requests, counted_rows = split[7:]
+        self._apply_sparse(logits, at_rows, at_sparse, at_offsets if verify is not None else None)
+        if not with_counts.any():
+            return _Counting(None, None, adjusted, adjusted_sparse)
+        drafts = None
+        if verify is not None:  # a position's drafts before it: those of its request, where it verifies
+            source = verify.drafts[pen_requests.clamp(max=verify.num_verify - 1)]
+            drafts = (source, torch.arange(verify.width - 1, device=self.device)[None, :] < pen_offsets[:, None])
+        self._apply_penalties(logits, pen_rows, pen_counted, drafts)
+        return _Counting(counted_requests, counted_rows, adjusted, adjusted_sparse)
 
     @torch.inference_mode()
-    def count(self, counting: _Counting | None, tokens: torch.Tensor) -> None:
-        """Count the step's sampled tokens (`tokens`, one per batch row, on the device) into the rows."""
+    def count(self, counting: _Counting | None, tokens: torch.Tensor, emitted: torch.Tensor | None = None) -> None:
+        """Count the step's new tokens into the rows: `tokens` [R] one per request, or [R, W] with `emitted` [R]
+        the first of each row to count (a verify step's accepted drafts and one more); on the device."""
         if counting is None:
             return
         assert self._sparse is not None, "counting rows come from the sparse pool"
-        self._sparse["generated"][counting.sparse] += 1
-        if counting.counted is not None:  # one token per row: no (row, token) pair twice
-            assert self._counted is not None, "counted rows come from the counted pool"
-            self._counted["counts"][counting.counted, tokens[counting.counted_at]] += 1
+        if emitted is None:
+            self._sparse["generated"][counting.sparse] += 1
+        else:
+            self._sparse["generated"][counting.sparse] += emitted[counting.sparse_at]
+        if counting.counted is None:
+            return
+        assert self._counted is not None, "counted rows come from the counted pool"
+        counts = self._counted["counts"]
+        if emitted is None:  # one token per row: no (row, token) pair twice
+            counts[counting.counted, tokens[counting.counted_at]] += 1
+            return
+        new = tokens[counting.counted_at]  # [M, W]: a row may hold a token twice, so accumulated
+        valid = torch.arange(new.shape[1], device=new.device)[None, :] < emitted[counting.counted_at][:, None]
+        counts.index_put_((counting.counted[:, None].expand_as(new), new), valid.to(counts.dtype), accumulate=True)
 
     # ---- on the device ---------------------------------------------------------------------------------
-    def _apply_sparse(self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
+    def _apply_sparse(
+        self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor | None
+    ) -> None:
+        """`offsets`: each verified position's drafts before it, which count as generated."""
         pool = self._sparse
         assert pool is not None, "rows come from the sparse pool"
-        holding = pool["generated"][rows] < pool["min_tokens"][rows]  # min_tokens not reached yet
+        generated = pool["generated"][rows] if offsets is None else pool["generated"][rows] + offsets
+        holding = generated < pool["min_tokens"][rows]  # min_tokens not reached yet
         added = torch.where(pool["is_stop"][rows] & holding[:, None], float("-inf"), pool["values"][rows])
         logits[at] = logits[at].scatter_add_(1, pool["ids"][rows], added)  # padding adds 0 to token 0
 
-    def _apply_penalties(self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
+    def _apply_penalties(
+        self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor, drafts: tuple | None
+    ) -> None:
+        """`drafts`: ([P, K] each verified position's request's drafts, [P, K] bool those before the position),
+        which count as generated there."""
         pool = self._counted
         assert pool is not None, "rows come from the counted pool"
         x, counts = logits[at], pool["counts"][rows]
+        if drafts is not None:
+            tokens, before = drafts
+            counts.scatter_add_(1, tokens, before.to(counts.dtype))
         generated = counts > 0
         repetition, frequency, presence = pool["penalties"][rows].unbind(1)
         seen = pool["in_prompt"][rows] | generated

@@ -8,7 +8,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deltamesh.engine.spec.settings import unserved_fields
 from deltamesh.engine.tokenizer import IncrementalDetokenizer
 from deltamesh.protocol.requests import RequestError, validate_request
 from deltamesh.protocol.sampling import SamplingParams
@@ -219,13 +218,11 @@ class RequestBuilder:
         max_model_len: int,
         kv_pool: KVPagePool,
         spare_tokens: int = 0,
-        speculative: bool = False,
     ):
-        """`spare_tokens`: KV a request may write past its last token (speculative decoding: scheduler.py);
-        `speculative`: the engine verifies drafts (it refuses what the verify path does not apply yet)."""
+        """`spare_tokens`: KV a request may write past its last token (speculative decoding: scheduler.py)."""
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.vocab_size, self.max_model_len, self.kv_pool = vocab_size, max_model_len, kv_pool
-        self.spare_tokens, self.speculative = spare_tokens, speculative
+        self.spare_tokens = spare_tokens
         self._ids = itertools.count()
 
     def build(
@@ -251,11 +248,6 @@ class RequestBuilder:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
-        if self.speculative and (unserved := unserved_fields(params)):
-            raise RequestError(
-                f"{'; '.join(unserved)}: not served with speculative decoding yet (this worker runs "
-                "--speculative-tokens); send the request without them, or to a worker without speculative decoding"
-            )
         pages = self.kv_pool.pages_for(len(prompt_ids) + params.max_tokens + self.spare_tokens)
         if pages > self.kv_pool.num_pages:
             raise RequestError(

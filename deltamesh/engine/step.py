@@ -8,8 +8,8 @@ place, so that the log-probabilities a request asks for are of the masked distri
 penalties, logit_bias and min_tokens (penalties.py, their per-request state on the device), which log-probabilities
 do not see (vLLM's default too). A speculative engine (engine/spec/) verifies drafted tokens inside the forward pass
 of every rank (the leader's acceptance in place of `_sample`: spec/accept.py, whose logits are a row per verified
-position, where a logits stage would run), its one to K+1 new tokens per request returned by `read`; it refuses the
-requests that need the logits stage for now (spec/settings.py).
+position), its one to K+1 new tokens per request returned by `read`; the leader runs the grammar masks and the
+logits stage there, over every verified position (spec/runner.py `_accept`, `_spec_sampling` below).
 
 Bitmasks run only in a step where some sampled row has a grammar: a row's mask depends on the token its request
 sampled in the step before, which under async scheduling reaches the host only now, so the step's caller takes those
@@ -105,7 +105,7 @@ class StepLauncher:
             span[0].record()
         sampling = [it.request for it in items if it.samples]  # before `_advance` moves the requests on
         spec_runner = self.runner.spec
-        spec = self._spec_sampling(items, sampling) if spec_runner is not None else None
+        spec = self._spec_sampling(items, sampling, before_masks) if spec_runner is not None else None
         out = self._forward(items, previous, between_layers, spec)
         if span:
             span[1].record()
@@ -124,12 +124,30 @@ class StepLauncher:
         self.stats.steps += 1
         return LaunchedStep(sampling, sampled, span)
 
-    def _spec_sampling(self, items: list[ScheduledItem], sampling: list[Request]) -> SpecSampling:
+    def _spec_sampling(
+        self, items: list[ScheduledItem], sampling: list[Request], before_masks: Callable[[list[Request]], None] | None
+    ) -> SpecSampling:
         """A speculative step drafts unless it backed off (its decodes run without verification at a large
-        batch: scheduler.py)."""
+        batch: scheduler.py). Its grammars mask its logits inside the forward pass, before the acceptance, their
+        matchers brought up to date there (the drafts they follow are on the host once the step before is read);
+        on a tensor-parallel engine before the forward pass instead: reading a step may hand a held state to the
+        followers, a collective that must not come between the step's own."""
         backed_off = any(not it.verify and it.num_tokens == 1 and it.request.output_ids for it in items)
         inputs = spec_tokens.accept_inputs(sampling, self.max_model_len)
-        return SpecSampling(inputs, self.generator, sampling, draft=not backed_off)
+        spec = SpecSampling(inputs, self.generator, sampling, draft=not backed_off, adjustments=self.adjustments)
+        if any(r.grammar is not None for r in sampling):
+            if before_masks is not None and self.followers is not None:
+                before_masks(sampling)
+                before_masks = None
+
+            def masks(logits: torch.Tensor, num_verify: int, width: int) -> None:
+                if before_masks is not None:
+                    before_masks(sampling)
+                self.stats.grammar_mask_seconds += self.masks.apply(logits, sampling, (num_verify, width))
+                self.stats.grammar_mask_steps += 1
+
+            spec.masks = masks
+        return spec
 
     def _forward(
         self,

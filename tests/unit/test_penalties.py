@@ -8,7 +8,7 @@ import pytest
 import torch
 from penalty_reference import reference_logits
 
-from deltamesh.engine.penalties import LogitAdjustments
+from deltamesh.engine.penalties import LogitAdjustments, VerifyRows
 from deltamesh.engine.request import Request, Status
 from deltamesh.protocol.sampling import SamplingParams
 
@@ -160,3 +160,39 @@ def test_the_counts_pool_grows_and_reuses_the_rows_of_finished_requests():
 def test_out_of_range_values_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs).validate(vocab_size=400)
+
+
+def test_verified_positions_see_the_drafts_before_them_and_only_emitted_tokens_are_counted():
+    """A verify step's logits: K+1 rows per verifying request (position j after its drafts 1..j, counted as
+    generated there), one row per other request; after acceptance only the emitted tokens (a run of accepted
+    drafts and one more, or a single row's token) are counted, so the next step follows the definitions again."""
+    k, w = 3, 4
+    adj = LogitAdjustments(V, torch.device("cpu"))
+    reqs = [mixed()[i] for i in (4, 6, 0, 3, 1, 2, 5)]  # min_tokens and every penalty among the verifying ones
+    outputs = {r.request_id: list(r.output_ids) for r in reqs}
+    gen = torch.Generator().manual_seed(2)
+    for step in range(5):
+        n = 4 if step % 2 == 0 else 0  # steps with and without verification; the first n requests verify
+        verifying, single = reqs[:n], reqs[n:]
+        # drafts that repeat a token, so counts of 2 inside a run show
+        drafts = torch.randint(0, V, (n, k), generator=gen)
+        if n:
+            drafts[:, 1] = drafts[:, 0]
+        raw = torch.randn(n * w + len(single), V, generator=gen) * 4
+        kept = raw.clone()
+        adjusted, counting = adj.apply(raw, reqs, VerifyRows(n, w, drafts))
+        assert torch.equal(raw, kept)
+        for i, req in enumerate(verifying):
+            for j in range(w):
+                seen = outputs[req.request_id] + drafts[i, :j].tolist()
+                assert_matches(adjusted[i * w + j][None], raw[i * w + j][None], [req], {req.request_id: seen})
+        assert_matches(adjusted[n * w :], raw[n * w :], single, outputs)
+        # each verifying request emits a run of its drafts and one more token; the others one token
+        emitted = torch.tensor([i % w + 1 for i in range(n)] + [1] * len(single))
+        new = torch.randint(0, V, (len(reqs), w), generator=gen)
+        if n:
+            new[:n, : w - 1] = drafts
+        adj.count(counting, new, emitted)
+        for req, row, m in zip(reqs, new.tolist(), emitted.tolist()):
+            outputs[req.request_id] += row[:m]
+            req.output_ids = list(outputs[req.request_id])  # the host read the step (no async lag here)

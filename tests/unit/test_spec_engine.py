@@ -172,24 +172,26 @@ def test_a_held_prefill_state_with_its_drafts_resumes_on_a_decode_engine(hf_chec
     assert_idle(decode)
 
 
-def test_a_speculative_engine_refuses_what_its_verify_path_does_not_apply(hf_checkpoints):
-    """Penalties, logit_bias, min_tokens and grammars run in the plain sampling path, which a verify step replaces:
-    a speculative engine refuses them with a RequestError (INVALID_ARGUMENT / 400 at the edges) naming them, and an
-    engine without speculative decoding serves them."""
-    from deltamesh.protocol.requests import RequestError
-    from deltamesh.protocol.structured import StructuredOutputs
+def test_a_speculative_engine_takes_every_sampling_field(hf_checkpoints):
+    """Penalties, logit_bias and min_tokens run over every verified position (test_spec_penalties.py), grammars mask
+    it (test_spec_structured.py, on the default model: a grammar needs a tokenizer, which these checkpoints lack):
+    a speculative engine refuses none of them."""
+    spec = engine(hf_checkpoints["qwen3_5"], 2)
+    for params in [
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(repetition_penalty=1.2),
+        SamplingParams(logit_bias={3: 1.0}),
+        SamplingParams(min_tokens=2),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1),
+    ]:
+        spec.make_request([1, 2, 3], params)
 
-    spec, plain = engine(hf_checkpoints["qwen3_5"], 2), engine(hf_checkpoints["qwen3_5"], 0)
-    refused = {
-        "presence_penalty": SamplingParams(presence_penalty=0.5),
-        "repetition_penalty": SamplingParams(repetition_penalty=1.2),
-        "logit_bias": SamplingParams(logit_bias={3: 1.0}),
-        "min_tokens": SamplingParams(min_tokens=2),
-        "structured outputs": SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+")),
-    }
-    for name, params in refused.items():
-        with pytest.raises(RequestError, match=name):
-            spec.make_request([1, 2, 3], params)
-        if params.structured_outputs is None:  # a grammar needs a tokenizer, which the test checkpoints lack
-            plain.make_request([1, 2, 3], params)
-    spec.make_request([1, 2, 3], SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1))
+
+def test_a_prompt_longer_than_a_step_is_chunked_through_steps_in_which_nothing_samples(hf_checkpoints):
+    """Steps of prompt chunks only: the acceptance has no request to accept for (it used to fail on them)."""
+    path, ps = hf_checkpoints["qwen3_5"], [list(range(1, 50)), prompts(1)[0]]
+    want = run(engine(path, 0, max_num_batched_tokens=16), ps)
+    core = engine(path, 2, max_num_batched_tokens=16)
+    assert run(core, ps) == want
+    assert_idle(core)

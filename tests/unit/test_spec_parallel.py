@@ -23,3 +23,25 @@ def test_two_ranks_with_mtp_match_one_rank_without(hf_checkpoints, family, k, ex
     # whose fp32 rounding differs from one-row decode steps (up to 1.8e-4 on the Qwen3-Next checkpoint; the same
     # with one rank, so not the split)
     assert_same(got, run(path, 1), tol=5e-4)
+
+
+def test_two_ranks_with_mtp_and_penalties_match_one_rank_without(hf_checkpoints):
+    """The leader runs the logits stage over every verified position and counts what it accepts; the followers
+    take its counts. Logprobs are of the logits before the stage (a copy is adjusted)."""
+    path = hf_checkpoints["qwen3_5"]
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=3,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias={5: 6.0},
+    )
+    with engine(path, 2, speculative_tokens=2) as e:
+        got = e.generate(prompts(), params)
+        assert e.core.stats.spec_drafts > 0
+    with engine(path, 1) as e:
+        want = e.generate(prompts(), params)
+    assert_same(got, want, tol=5e-4)

@@ -36,9 +36,10 @@ PERSON = {
 MAX_TOKENS = 17 * MAX_JSON_WHITESPACE + 64
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with Engine(EngineConfig(model=str(DEFAULT_MODEL))) as e:
+@pytest.fixture(scope="module", params=[0, 2], ids=["plain", "mtp2"])
+def engine(request):
+    """The default model's engine, and with speculative decoding (its MTP's drafts, masked per verified position)."""
+    with Engine(EngineConfig(model=str(DEFAULT_MODEL), speculative_tokens=request.param)) as e:
         yield e
 
 

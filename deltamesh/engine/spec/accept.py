@@ -1,7 +1,8 @@
 """Which drafted tokens a verify step keeps, on the device (no host synchronisation).
 
 Each verifying request ran its last token x and its drafts d_1..d_K through the target model; row j of its logits
-is the target's distribution p_j of the token after x, d_1..d_j. Its new tokens are d_1..d_a, then one more, t:
+is the target's distribution p_j of the token after x, d_1..d_j (after the logits stage, which counts d_1..d_j as
+generated there: penalties.py). Its new tokens are d_1..d_a, then one more, t:
 
 - greedy (temperature 0): a is the length of the drafts' prefix that equals the target's argmax, t = argmax p_a.
   The tokens are exactly those decoding one token at a time gives (the target's own choices).
@@ -60,6 +61,7 @@ def accept(
     inputs: AcceptInputs,
     delta: torch.Tensor | None,  # [R] outputs each had on the device beyond the host's count (None: none)
     generator: torch.Generator | None = None,
+    raw: torch.Tensor | None = None,  # [R, W, V] the logits before the logits stage, for logprobs (None: `logits`)
 ) -> Accepted:
     r, w, _ = logits.shape
     dev = logits.device
@@ -92,7 +94,7 @@ def accept(
     out = Accepted(tokens, counts, next_tokens, first_end < w)
     want = [i for i, p in enumerate(inputs.params) if p.logprobs is not None]
     if want:
-        out.logprobs = _logprobs(logits, tokens, want, inputs.params)
+        out.logprobs = _logprobs(logits if raw is None else raw, tokens, want, inputs.params)
     return out
 
 

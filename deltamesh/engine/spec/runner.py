@@ -22,11 +22,13 @@ its tokens' state to the prefix cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from deltamesh.engine.penalties import LogitAdjustments, VerifyRows
 from deltamesh.engine.spec.accept import Accepted, AcceptInputs, accept
 from deltamesh.engine.spec.drafter import DraftContext, Drafter, MtpDrafter
 from deltamesh.engine.spec.host import SpecHost
@@ -55,6 +57,9 @@ class SpecSampling:
     generator: torch.Generator
     requests: list | None = None
     draft: bool = True  # False: the step backed off (no drafts proposed)
+    adjustments: LogitAdjustments | None = None  # penalties, logit_bias, min_tokens (penalties.py)
+    # grammar masks over the step's logits, in place (num_verify, width: grammar.GrammarMasks), when one samples
+    masks: Callable[[torch.Tensor, int, int], None] | None = None
 
 
 class SpecRunner:
@@ -185,20 +190,37 @@ class SpecRunner:
         return out
 
     def _accept(self, logits: torch.Tensor, ids: torch.Tensor, spec: SpecHost, sampling: SpecSampling) -> Accepted:
-        """The verifying requests' runs (W rows of logits each), then the other sampling requests' one token."""
+        """The verifying requests' runs (W rows of logits each), then the other sampling requests' one token; the
+        grammars' masks and the logits stage first, over every verified position (its drafts before it as if
+        generated), and the emitted tokens counted after."""
         n, w = spec.num_verify, spec.width
         inputs, generator = sampling.inputs, sampling.generator
+        drafts = ids[: n * w].view(n, w)[:, 1:]
+        if sampling.masks is not None:  # logprobs are of the masked logits, as without drafts
+            sampling.masks(logits, n, w)
+        raw, counting = logits, None
+        if sampling.adjustments is not None and sampling.requests is not None:
+            verify = VerifyRows(n, w, drafts)
+            logits, counting = sampling.adjustments.apply(logits, sampling.requests, verify)
         parts = []
         if n:
-            drafts = ids[: n * w].view(n, w)[:, 1:]
-            verify = logits[: n * w].view(n, w, -1)
-            parts.append(accept(verify, drafts, [self.k] * n, _rows(inputs, 0, n), self._delta, generator))
+            verify_logits, verify_raw = (t[: n * w].view(n, w, -1) for t in (logits, raw))
+            parts.append(
+                accept(verify_logits, drafts, [self.k] * n, _rows(inputs, 0, n), self._delta, generator, verify_raw)
+            )
         r = len(inputs.params)
         if r > n:
-            single = logits[n * w :][:, None]
+            single, single_raw = logits[n * w :][:, None], raw[n * w :][:, None]
             none = torch.zeros((r - n, 0), dtype=torch.int64, device=logits.device)
-            parts.append(accept(single, none, [0] * (r - n), _rows(inputs, n, r), None, generator))
-        return _concat(parts, w)
+            parts.append(accept(single, none, [0] * (r - n), _rows(inputs, n, r), None, generator, single_raw))
+        if not parts:  # no request samples in the step (prompt chunks, a request whose grammar still compiles)
+            none = torch.zeros((0, w), dtype=torch.int64, device=logits.device)
+            parts.append(Accepted(none, none[:, 0], none[:, 0], none[:, 0].bool()))
+        accepted = _concat(parts, w)
+        if counting is not None:
+            assert sampling.adjustments is not None, "counting comes from the adjustments"
+            sampling.adjustments.count(counting, accepted.tokens, accepted.counts)
+        return accepted
 
     def commit(self, batch, advanced: torch.Tensor, n: int, w: int) -> None:
         """Each verifying request's state := the one after its last accepted input (from the draft pool)."""

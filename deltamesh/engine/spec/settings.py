@@ -50,20 +50,3 @@ def check_tokens(k: object, name: str = "speculative_tokens") -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"{name} must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off), got {k!r}")
     return k
-
-
-def unserved_fields(params) -> list[str]:
-    """The sampling fields of `params` (protocol.SamplingParams) a speculative engine refuses: the logits stage
-    (penalties, logit_bias, min_tokens: penalties.py) and grammars (grammar.py) run in `StepLauncher._sample`, which
-    a verify step replaces, so its verified positions would go without them. Applying them per verified position is
-    what remains (docs/notes/speculative-decoding.md)."""
-    unserved = []
-    if params.penalized:
-        unserved.append("repetition_penalty / presence_penalty / frequency_penalty")
-    if params.logit_bias:
-        unserved.append("logit_bias")
-    if params.min_tokens:
-        unserved.append("min_tokens")
-    if params.structured_outputs is not None:
-        unserved.append("structured outputs (response_format, structured_outputs, required tool calls)")
-    return unserved

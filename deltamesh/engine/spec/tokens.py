@@ -19,7 +19,8 @@ def accept_inputs(requests: list[Request], max_model_len: int) -> AcceptInputs:
     budget = []
     for r in requests:
         p = r.params
-        ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(r.eos_token_ids))
+        # under a grammar an EOS token ends the request even with ignore_eos (Request._stops_on)
+        ids = list(p.stop_token_ids) + ([] if p.ignore_eos and r.grammar is None else sorted(r.eos_token_ids))
         stops.append(ids)
         outputs = len(r.output_ids) + r.num_pending
         budget.append(min(p.max_tokens - outputs, max_model_len - len(r.prompt_ids) - outputs))
