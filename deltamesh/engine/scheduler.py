@@ -166,7 +166,7 @@ class Scheduler(SchedulerInterface):
             if req.last_token_pending:
                 i += 1
                 continue
-            verifies = verify and _decoding(req)
+            verifies = verify and _decoding(req) and req.may_sample  # (else it waits for its grammar below)
             n, at = (k + 1, None) if verifies else self._chunk(req, budget, self.snapshots)
             if n == 0:  # waits for its grammar
                 i += 1
