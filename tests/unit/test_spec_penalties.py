@@ -5,8 +5,6 @@ off, when the drafts are the checkpoints' random MTP module's (nearly all reject
 token (rejected mid-run: only emitted tokens may be counted); and across a prefill and a decode worker. Sampled
 output keeps the penalized distribution (speculative sampling's target is the adjusted p)."""
 
-from collections import Counter
-
 import pytest
 import torch
 from fidelity.test_transformers_fidelity import engine_logits
@@ -14,8 +12,8 @@ from hf_checkpoints import VOCAB
 from idle_pools import assert_idle
 from penalty_reference import reference_logits
 from spec_drafts import ReferenceDrafter
-from test_spec_accept import ALPHA, chi_square_p_value
 from test_spec_engine import FAMILIES, engine, prompts
+from test_spec_sampling import assert_follows, sample_with_greedy_drafts
 
 from deltamesh.engine import FinishReason, SamplingParams
 from deltamesh.engine.sampling import _filter
@@ -194,25 +192,5 @@ def test_sampled_sequences_follow_the_penalized_joint_distribution(hf_checkpoint
     joint = penalized_joint_distribution(plain, prompt, params[0], 4, plain.request_builder.eos_token_ids)
 
     core = engine(path, 2, max_num_seqs=64, speculative_disable_batch_size=64)  # every decode step verifies
-    ids = [f"s{i}" for i in range(N)]
-    core.runner.spec.drafter = ReferenceDrafter({rid: prompt + greedy + [0] * 4 for rid in ids}, VOCAB)
-    results, finals = {}, {}
-
-    def sink(out):
-        results.setdefault(out.request_id, []).extend(out.new_token_ids)
-        finals[out.request_id] = out.finished
-
-    for rid, p in zip(ids, params):
-        core.submit(core.make_request(prompt, p, rid), sink)
-    while sum(finals.values()) < N:
-        core.dispatch(core.process_commands())
-        core.dispatch(core.step())
-    counts = Counter(tuple(results[rid]) for rid in ids)
-    assert all(len(seq) == 4 for seq in counts)
-    assert not set(counts) - set(joint), "a sequence the penalized model cannot produce"
-    common = [seq for seq, p in joint.items() if p * N >= 5]
-    rare = [seq for seq in joint if seq not in set(common)]
-    observed = torch.tensor([counts[s] for s in common] + [sum(counts[s] for s in rare)], dtype=torch.float64)
-    expected = torch.tensor([joint[s] for s in common] + [sum(joint[s] for s in rare)], dtype=torch.float64)
-    assert chi_square_p_value(observed, expected) > ALPHA
+    assert_follows(sample_with_greedy_drafts(core, prompt, params, greedy), joint)
     assert core.stats.spec_drafts >= 2 * N and 0 < core.stats.spec_accepted < core.stats.spec_drafts

@@ -45,7 +45,15 @@ def test_sampled_sequences_follow_the_models_joint_distribution(hf_checkpoints):
     greedy = run(plain, [prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))["r0"]
 
     core = engine(path, 2, max_num_seqs=64, speculative_disable_batch_size=64)  # every decode step verifies
-    ids = [f"s{i}" for i in range(N)]
+    assert_follows(sample_with_greedy_drafts(core, prompt, params, greedy), joint)
+    # the drafts were verified, some accepted and some rejected
+    assert core.stats.spec_drafts >= 2 * N and 0 < core.stats.spec_accepted < core.stats.spec_drafts
+
+
+def sample_with_greedy_drafts(core, prompt: list[int], params: list[SamplingParams], greedy: list[int]) -> Counter:
+    """How often each continuation came out of `params` (one request each, submitted together) on `core`, whose
+    drafts are the greedy continuation (accepted where a sample follows it, rejected elsewhere)."""
+    ids = [f"s{i}" for i in range(len(params))]
     core.runner.spec.drafter = ReferenceDrafter({rid: prompt + greedy + [0] * 4 for rid in ids}, VOCAB)
     results, finals = {}, {}
 
@@ -55,18 +63,20 @@ def test_sampled_sequences_follow_the_models_joint_distribution(hf_checkpoints):
 
     for rid, p in zip(ids, params):
         core.submit(core.make_request(prompt, p, rid), sink)
-    while sum(finals.values()) < N:
+    while sum(finals.values()) < len(ids):
         core.dispatch(core.process_commands())
         core.dispatch(core.step())
-    counts = Counter(tuple(results[rid]) for rid in ids)
-    assert all(len(seq) == 4 for seq in counts)
+    return Counter(tuple(results[rid]) for rid in ids)
+
+
+def assert_follows(counts: Counter, joint: dict[tuple[int, ...], float]) -> None:
+    """The sampled continuations follow `joint` (chi-square at ALPHA); none is one `joint` cannot produce."""
+    n = sum(counts.values())
+    assert all(len(seq) == len(next(iter(joint))) for seq in counts)
     assert not set(counts) - set(joint), "a sequence the model cannot produce"
     # the chi-square approximation wants >= 5 expected per cell: the rarest sequences are pooled into one cell
-    common = [seq for seq, p in joint.items() if p * N >= 5]
+    common = [seq for seq, p in joint.items() if p * n >= 5]
     rare = [seq for seq in joint if seq not in set(common)]
     observed = torch.tensor([counts[s] for s in common] + [sum(counts[s] for s in rare)], dtype=torch.float64)
     expected = torch.tensor([joint[s] for s in common] + [sum(joint[s] for s in rare)], dtype=torch.float64)
     assert chi_square_p_value(observed, expected) > ALPHA
-    # the drafts were verified, some accepted and some rejected (a verify step that ends its request counts none
-    # accepted: only runs that go on are counted, spec/tokens.settle)
-    assert core.stats.spec_drafts >= 2 * N and 0 < core.stats.spec_accepted < core.stats.spec_drafts
