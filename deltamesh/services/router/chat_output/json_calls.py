@@ -9,6 +9,7 @@ another key order is read whole when it closes. Text that turns out not to be a 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from deltamesh.services.router.chat_output.events import (
@@ -101,7 +102,7 @@ class JsonCallObject:
             self.mode = "rejected"
 
 
-class JsonCallStream:
+class JsonCallStream(ABC):
     """What the parsers of JSON call objects share: the text held back, a mode, the calls so far, the content's
     spacing around them; `_run` reads what it can of the held text (all of it when `final`)."""
 
@@ -121,8 +122,9 @@ class JsonCallStream:
         self._run(out, "", final=True)
         return out + self._spacing.finish(self.calls > 0)
 
+    @abstractmethod
     def _run(self, out: list[Event], text: str, final: bool) -> None:
-        raise NotImplementedError
+        """Read what can be read of `self._buf` plus `text` into `out` (all of it when `final`)."""
 
 
 class HermesToolCalls(JsonCallStream):
