@@ -31,3 +31,39 @@ class ReferenceDrafter(Drafter):
             wrong = at - prompt[:, None] == self.wrong_at
             drafts = torch.where(wrong, (drafts + 1) % self.vocab, drafts)
         return drafts
+
+
+def prefill_then_decode(prefill, decode, requests: list, check=None) -> dict[str, list[int]]:
+    """P/D without a transport: `requests` [(request id, prompt, params)] run on `prefill` to their first token
+    and held; each held state's bytes, region for region, its first token and its drafts then start the request on
+    `decode`, stepped until every one ends. `check(request id, drafts, held regions, reserved regions)` sees each
+    hand-off before it is made. Returns each request's tokens (the first one included)."""
+    results: dict[str, list[int]] = {}
+    finals: dict[str, object] = {}
+
+    def sink(out):
+        results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            finals[out.request_id] = out
+
+    held_requests = [prefill.make_request(prompt, params, rid, hold_state=True) for rid, prompt, params in requests]
+    for req in held_requests:
+        prefill.submit(req, sink)
+    while len(prefill.held) < len(requests):
+        prefill.dispatch(prefill.process_commands())
+        prefill.dispatch(prefill.step())
+    finals.clear()  # a held request ends on the prefill engine after its first token
+    for req in held_requests:  # the prompts as token ids (a text prompt is tokenised by make_request)
+        rid, prompt, params = req.request_id, req.prompt_ids, req.params
+        held, drafts = prefill.held.regions(rid), prefill.held.drafts(rid)
+        res = decode.reservations.reserve(len(prompt))
+        if check is not None:
+            check(rid, drafts, held, res.regions)
+        for dst, src in zip(res.regions, held):
+            dst.tensor.copy_(src.tensor)
+        assert prefill.held.release(rid)
+        decode.submit_transferred(decode.make_request(prompt, params, rid), results[rid][0], res, sink, drafts)
+    while len(finals) < len(requests):
+        decode.dispatch(decode.process_commands())
+        decode.dispatch(decode.step())
+    return results

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hf_checkpoints import VOCAB
 from idle_pools import assert_idle
-from spec_drafts import ReferenceDrafter
+from spec_drafts import ReferenceDrafter, prefill_then_decode
 
 from deltamesh.engine import EngineConfig, SamplingParams
 from deltamesh.engine.core import EngineCore
@@ -141,32 +141,13 @@ def test_a_held_prefill_state_with_its_drafts_resumes_on_a_decode_engine(hf_chec
     prefill, decode = engine(path, 3), engine(path, 3)
     refs = {f"r{i}": p + want[f"r{i}"] for i, p in enumerate(ps)}
     prefill.runner.spec.drafter = decode.runner.spec.drafter = ReferenceDrafter(refs, VOCAB)
-    results, finals = {}, {}
 
-    def sink(out):
-        results.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if out.finished:
-            finals[out.request_id] = out
-
-    for i, p in enumerate(ps):
-        prefill.submit(prefill.make_request(p, GREEDY, f"r{i}", hold_state=True), sink)
-    while len(prefill.held) < len(ps):
-        prefill.dispatch(prefill.process_commands())
-        prefill.dispatch(prefill.step())
-    finals.clear()  # a held request ends on the prefill engine after its first token
-    for i, p in enumerate(ps):
-        rid = f"r{i}"
-        held, drafts = prefill.held.regions(rid), prefill.held.drafts(rid)
+    def check(rid, drafts, held, reserved):
         assert drafts == want[rid][1:4]  # the reference continuation's next three tokens
-        res = decode.reservations.reserve(len(p))
-        assert [r.nbytes for r in res.regions] == [r.nbytes for r in held]
-        for dst, src in zip(res.regions, held):
-            dst.tensor.copy_(src.tensor)
-        assert prefill.held.release(rid)
-        decode.submit_transferred(decode.make_request(p, GREEDY, rid), results[rid][0], res, sink, drafts)
-    while len(finals) < len(ps):
-        decode.dispatch(decode.process_commands())
-        decode.dispatch(decode.step())
+        assert [r.nbytes for r in reserved] == [r.nbytes for r in held]
+
+    requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
+    results = prefill_then_decode(prefill, decode, requests, check)
     assert results == want and decode.stats.spec_accepted > 0.7 * decode.stats.spec_drafts
     assert_idle(prefill)
     assert_idle(decode)

@@ -11,7 +11,7 @@ from fidelity.test_transformers_fidelity import engine_logits
 from hf_checkpoints import VOCAB
 from idle_pools import assert_idle
 from penalty_reference import reference_logits
-from spec_drafts import ReferenceDrafter
+from spec_drafts import ReferenceDrafter, prefill_then_decode
 from test_spec_engine import FAMILIES, engine, prompts
 from test_spec_sampling import assert_follows, sample_with_greedy_drafts
 
@@ -129,30 +129,7 @@ def test_a_held_prefill_state_resumes_on_a_decode_engine_with_its_counts(hf_chec
     want = references["qwen3_5"]
     prefill, decode = engine(path, 3), engine(path, 2)
     prefill.runner.spec.drafter = decode.runner.spec.drafter = ReferenceDrafter(continuations(ps, want), VOCAB)
-    results, finals = {}, {}
-
-    def sink(out):
-        results.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if out.finished:
-            finals[out.request_id] = out
-
-    for i, (p, sp) in enumerate(zip(ps, PARAMS)):
-        prefill.submit(prefill.make_request(p, sp, f"r{i}", hold_state=True), sink)
-    while len(prefill.held) < len(ps):
-        prefill.dispatch(prefill.process_commands())
-        prefill.dispatch(prefill.step())
-    finals.clear()
-    for i, (p, sp) in enumerate(zip(ps, PARAMS)):
-        rid = f"r{i}"
-        held, drafts = prefill.held.regions(rid), prefill.held.drafts(rid)
-        res = decode.reservations.reserve(len(p))
-        for dst, src in zip(res.regions, held):
-            dst.tensor.copy_(src.tensor)
-        assert prefill.held.release(rid)
-        decode.submit_transferred(decode.make_request(p, sp, rid), results[rid][0], res, sink, drafts)
-    while len(finals) < len(ps):
-        decode.dispatch(decode.process_commands())
-        decode.dispatch(decode.step())
+    results = prefill_then_decode(prefill, decode, [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(ps, PARAMS))])
     assert results == want and decode.stats.spec_accepted > 0.7 * decode.stats.spec_drafts
     assert_idle(prefill)
     assert_idle(decode)

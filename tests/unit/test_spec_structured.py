@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 from idle_pools import assert_idle
-from spec_drafts import ReferenceDrafter
+from spec_drafts import ReferenceDrafter, prefill_then_decode
 from test_spec_penalties import continuations, run
 from test_structured_outputs import PERSON
 
@@ -111,31 +111,8 @@ def test_a_held_prefill_state_with_its_drafts_resumes_under_its_grammar_on_a_dec
     and drafts after it (unmasked: drafts need not follow the grammar); the decode engine's matcher replays the
     first token and masks the verified positions of its first step, those drafts included."""
     prefill, decode = engine(3), engine(2)
-    results, finals = {}, {}
-
-    def sink(out):
-        results.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if out.finished:
-            finals[out.request_id] = out
-
-    reqs = [prefill.make_request(p, sp, f"r{i}", hold_state=True) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
-    for req in reqs:
-        prefill.submit(req, sink)
-    while len(prefill.held) < len(reqs):
-        prefill.dispatch(prefill.process_commands())
-        prefill.dispatch(prefill.step())
-    finals.clear()  # a held request ends on the prefill engine after its first token
-    for req, sp in zip(reqs, PARAMS):
-        rid = req.request_id
-        held, drafts = prefill.held.regions(rid), prefill.held.drafts(rid)
-        res = decode.reservations.reserve(len(req.prompt_ids))
-        for dst, src in zip(res.regions, held):
-            dst.tensor.copy_(src.tensor)
-        assert prefill.held.release(rid)
-        decode.submit_transferred(decode.make_request(req.prompt_ids, sp, rid), results[rid][0], res, sink, drafts)
-    while len(finals) < len(reqs):
-        decode.dispatch(decode.process_commands())
-        decode.dispatch(decode.step())
+    requests = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
+    results = prefill_then_decode(prefill, decode, requests)
     assert results == reference and decode.stats.spec_accepted > 0
     assert_idle(prefill)
     assert_idle(decode)
