@@ -142,16 +142,18 @@ KERNEL_GROUPS = [  # (group, regex over CUDA kernel names), first match wins
 ]
 
 
-def profiled_steps(core, items, steps: int):
-    """The torch profiler's record (CUDA activity) of `steps` eager steps of `items`, after one warm-up step."""
+def profiled_steps(core, items, steps: int, step=None):
+    """The torch profiler's record (CUDA activity) of `steps` eager steps of `items`, after one warm-up step; `step`
+    (a function of no arguments) profiles that instead, as it runs (a graph's replay: the kernels it launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     r = core.runner
-    input_ids, batch = r.prepare(items)
+    if step is None:
+        input_ids, batch = r.prepare(items)
 
-    def step():
-        with torch.inference_mode():
-            r.model.logits(r.model(input_ids, batch, r.kv_pool, r.state_pool, r.kernels))
+        def step():
+            with torch.inference_mode():
+                r.model.logits(r.model(input_ids, batch, r.kv_pool, r.state_pool, r.kernels))
 
     step()
     torch.cuda.synchronize()
@@ -162,10 +164,10 @@ def profiled_steps(core, items, steps: int):
     return prof
 
 
-def kernel_breakdown(core, items, steps: int = 3, top: int = 25) -> tuple[list[dict], list[dict]]:
-    """CUDA time per kernel of eager steps of `items` (the kernels a graph replays), grouped by KERNEL_GROUPS:
-    (groups, the `top` slowest kernels)."""
-    prof = profiled_steps(core, items, steps)
+def kernel_breakdown(core, items, steps: int = 3, top: int = 25, step=None) -> tuple[list[dict], list[dict]]:
+    """CUDA time per kernel of eager steps of `items` (the kernels a graph replays), or of `step`, grouped by
+    KERNEL_GROUPS: (groups, the `top` slowest kernels)."""
+    prof = profiled_steps(core, items, steps, step)
     kernels = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)

@@ -4,7 +4,8 @@
   Shapes: Qwen3.5-9B/35B GDN (HK 16, HV 32, d 128) and the 397B head shape (HK 16, HV 64); fp32 state.
 - Paged decode attention (`--attention`): the Triton kernel on the Qwen3.5-9B attention shape (16 query /
   4 KV heads of 256, 16-token pages of the engine's page-major pool, pages in random order) at ~9k
-  tokens of context, over a sweep of its launch settings, against the HBM floor of the KV bytes it reads.
+  tokens of context and batch 64 / 256, then the 35B-A3B shape's (2 KV heads) at 8k and batch 1 / 4, over a
+  sweep of its launch settings (more splits at the small batches), against the HBM floor of the KV bytes it reads.
 
     python bench/gpu_kernels.py --out bench/results/gpu_kernels.json
     python bench/gpu_kernels.py --attention --no-gdn --out bench/results/gpu_attention.json
@@ -160,11 +161,12 @@ def decode_rows(batch, hk, hv, state_dtype, bandwidth):
     }
 
 
-def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list[dict]:
-    """The paged decode kernel on a pool laid out as the engine's (8 attention layers, page-major)."""
+def attention_rows(batch: int, context: int, bandwidth: float, launches, kv_heads: int = 4) -> list[dict]:
+    """The paged decode kernel on a pool laid out as the engine's (8 attention layers, page-major); 16 query heads
+    of 256 over `kv_heads` (4: the 9B shape, 2: the 35B-A3B shape)."""
     from deltamesh.kernels.triton_attention import paged_decode
 
-    page, kv_heads, heads, dim, layers = 16, 4, 16, 256, 8
+    page, heads, dim, layers = 16, 16, 256, 8
     n_pages = -(-context // page)
     g = torch.Generator(device=DEV).manual_seed(batch)
     pool = torch.empty(batch * n_pages + 1, layers, 2, page, kv_heads, dim, dtype=torch.bfloat16, device=DEV)
@@ -184,7 +186,7 @@ def attention_rows(batch: int, context: int, bandwidth: float, launches) -> list
         rows.append(
             {
                 "op": "paged decode attention",
-                "case": f"B={batch} ctx={context}",
+                "case": f"B={batch} ctx={context} kv_heads={kv_heads}",
                 "block_n": launch.block_n,
                 "warps": launch.num_warps,
                 "stages": launch.num_stages,
@@ -212,6 +214,21 @@ def attention_launches() -> list:
     ]
     one_page = DecodeLaunch(block_n=16, num_warps=4, num_stages=3, target_programs=1024, max_splits=16)
     return [DEFAULT_LAUNCH, one_page] + [x for x in sweep if x != DEFAULT_LAUNCH]
+
+
+def few_sequence_launches() -> list:
+    """At batch 1-4 with 2 KV heads the default's 32 splits give 64-256 programs, under two per SM (what that costs
+    a 35B-A3B batch-1 step: bench/RESULTS.md, fused projections). More splits, and smaller tiles per program."""
+    from deltamesh.kernels.triton_attention import DEFAULT_LAUNCH, DecodeLaunch
+
+    sweep = [
+        DecodeLaunch(block_n=n, num_warps=w, num_stages=st, target_programs=8192, max_splits=ms)
+        for n in (16, 32, 64)
+        for w in (2, 4)
+        for st in (2, 3)
+        for ms in (64, 128, 256)
+    ]
+    return [DEFAULT_LAUNCH, *sweep]
 
 
 def main() -> None:
@@ -249,6 +266,8 @@ def main() -> None:
         attn = []
         for batch in (64, 256):
             attn += attention_rows(batch, 9216, bandwidth, attention_launches())
+        for batch in (1, 4):  # the 35B-A3B shape's attention at batch 1 and 4, 8k tokens of context
+            attn += attention_rows(batch, 8192, bandwidth, few_sequence_launches(), kv_heads=2)
         print_table(
             attn,
             [

@@ -4,6 +4,8 @@ reference (grouped GEMMs), alone and in whole decode steps, against an honest ro
 - `op` rows: one MoE layer (routed and shared experts) for T tokens, each implementation replayed from a CUDA
   graph (as a decode step runs them) up to T = 256, eager for prefill sizes; the floor is the bytes it must read
   (the experts the routing touched, the shared expert, x, the output) at the measured HBM copy rate.
+- `verify rows`: one request's K+1 = 2..4 verify rows when each keeps part of the previous row's experts (as a
+  real router's consecutive tokens do, the dummy one's do not): the pair-wise path against the aligned one.
 - `routing` rows: how evenly the dummy router spreads tokens: distinct experts touched per layer against what
   uniform routing would touch, E * (1 - (1 - k/E)^T), and the busiest expert's share of the pairs.
 - `decode step` rows: whole steps (CUDA graphs) with each MoE implementation; GPU operations per step (an eager
@@ -105,6 +107,49 @@ def op_rows(layer: SparseMoE, tokens: list[int], bandwidth: float, impls_: dict)
             row["speedup"] = row["torch_ms"] / row["triton_ms"]
         row["triton_of_floor"] = floor_ms / row["triton_ms"]
         rows.append(row)
+    return rows
+
+
+def overlapping_logits(tokens: int, experts: int, top_k: int, shared: int, generator: torch.Generator) -> torch.Tensor:
+    """Router logits [tokens, experts] whose top-k choices keep `shared` of the previous token's experts per row
+    (the rest new, drawn at random): consecutive tokens of one request, as a verify step's K+1 rows are, which a
+    real router sends to overlapping experts and the dummy one does not."""
+    chosen = [torch.randperm(experts, generator=generator)[:top_k]]
+    for _ in range(1, tokens):
+        kept = chosen[-1][torch.randperm(top_k, generator=generator)[:shared]]
+        others = torch.ones(experts, dtype=torch.bool)
+        others[chosen[-1]] = False
+        pool = others.nonzero().flatten()
+        new = pool[torch.randperm(len(pool), generator=generator)[: top_k - shared]]
+        chosen.append(torch.cat([kept, new]))
+    logits = torch.rand(tokens, experts, generator=generator) - 2  # below every chosen expert's
+    for row, picks in enumerate(chosen):
+        logits[row, picks] = torch.rand(top_k, generator=generator) + 1
+    return logits
+
+
+def verify_rows(layer: SparseMoE, bandwidth: float) -> list[dict]:
+    """One request's verify step through the MoE layer (K+1 = 2..4 rows, the pair-wise path's range) when each row
+    keeps 0, half or three quarters of the previous row's experts: the pair-wise path (every pair reads its
+    expert) against the aligned one (each expert read once), with the floor of the experts touched. What a real
+    checkpoint's routing would make of DECODE_MAX_TOKENS for verify steps (#42); the dummy router shares none."""
+    rows = []
+    per_expert = expert_bytes(linear_weight(layer, "w13"), linear_weight(layer, "w2"))
+    shared_bytes = nbytes(*(p for n, p in layer.shared.named_parameters()))
+    g = torch.Generator().manual_seed(0)
+    for t in (2, 3, 4):
+        for kept in sorted({0, layer.top_k // 2, 3 * layer.top_k // 4}):
+            args = list(layer_args(layer, t))
+            logits = overlapping_logits(t, layer.num_experts, layer.top_k, kept, g)
+            args[1] = logits.to(device=args[1].device, dtype=args[1].dtype)
+            touched = torch.topk(args[1].float(), layer.top_k, dim=-1).indices.unique().numel()
+            floor_ms = (touched * per_expert + shared_bytes + 2 * args[0].numel() * 2) / bandwidth * 1e3
+            aligned = triton_moe_aligned.gemm_config(t * layer.top_k)
+            row = {"bench": "verify rows", "tokens": t, "kept_of_previous": kept, "experts_touched": touched}
+            row["floor_ms"] = floor_ms
+            row["pairs_ms"] = graph_ms(lambda: triton_moe_pairs.moe_pairs(*args))
+            row["aligned_ms"] = graph_ms(lambda: triton_moe.moe(*args, config=aligned))
+            rows.append(row)
     return rows
 
 
@@ -374,6 +419,9 @@ def main() -> None:
             "triton_of_floor",
         ],
     )
+    verify = verify_rows(layer, bandwidth)
+    print_table(verify, ["tokens", "kept_of_previous", "experts_touched", "floor_ms", "pairs_ms", "aligned_ms"])
+    rows += verify
     routing = routing_rows(layer, [1, 16, 64, 256, 8192])
     print_table(routing, ["tokens", "experts_touched", "uniform_expectation", "busiest_expert_share", "uniform_share"])
     rows += routing

@@ -1,5 +1,7 @@
 """Speculative decoding (MTP) on one GPU, dummy bf16 weights at real shapes: the cost of a verify step against the
 plain decode step, and the TPOT it projects.
+`floor_ms` is each step's roofline (floor_ms below: the bytes it must move at the measured copy bandwidth),
+`of_floor` the share of it the measured GPU time reaches.
 
 For each shape (`--models`: the 9B and 35B-A3B configs), each K (`--ks`; 0 is the plain decode step) and each
 batch (`--batches`), one engine step of `batch` requests holding `--context` tokens each, as the engine runs it
@@ -16,11 +18,21 @@ concurrency = batch (1 and 16 are the issue's, 64 where MTP must not be slower).
 batch of the grid at which a K's projected TPOT is no better than the plain step's: what
 `--speculative-disable-batch-size` should be below (the engine's default, 64, is the largest batch where every K paid on the 35B-A3B shape).
 
+`--draft-vocab N[,M...]` (default 0: the whole vocabulary): each K > 0 is measured once per value, N > 0 drafting
+over the N lowest token ids (--speculative-draft-vocab N, spec/draft_vocab.py): each draft reads N rows of the LM
+head instead of all of them, and `floor_ms` counts those. The projection keeps the published acceptance for every
+N (a reduced vocabulary accepts less: bench/draft_vocab_acceptance.py measures how much on the default model).
+
+`--profile-batch B` (default 1, 0: none): the plain step and the largest K's verify step at batch B, as they run
+(graphs replayed), under the torch profiler: GPU time per kernel group and the slowest kernels (`kernels` in the
+row), to show where a verify step's time goes beyond the plain step's.
+
 The JSON is rewritten after each engine (`"complete": false` until the last), so a run stopped by a time limit
 (scripts/gpu_stage.sh v) keeps what it measured; `engine_build_s` is each engine's start-up.
 
     python bench/gpu_spec.py --out bench/results/gpu_spec.json
     python bench/gpu_spec.py --models bench/configs/qwen3.5-35b-a3b --ks 0,1,2,3 --batches 1,16,64 --context 8192
+    python bench/gpu_spec.py --models bench/configs/qwen3.5-35b-a3b --ks 0,3 --batches 1 --draft-vocab 0,32768
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, decode_items, ints, print_table, write_result
-from bench.gpu_common import core_for, gpu_ms, host_list, machine_info, time_ms
+from bench.gpu_common import core_for, gpu_ms, hbm_bandwidth, host_list, kernel_breakdown, machine_info, time_ms
 
 PUBLISHED_ACCEPTANCE = (0.80, 0.63, 0.50)
 
@@ -59,7 +71,17 @@ def verify_items(core, batch: int, context: int, k: int) -> list:
     return items
 
 
-def step_rows(config_dir: str, k: int, batches: list[int], context: int, quantization: str) -> list[dict]:
+def step_rows(
+    config_dir: str,
+    k: int,
+    batches: list[int],
+    context: int,
+    quantization: str,
+    bandwidth: float,
+    profile_batch: int,
+    draft_vocab: int = 0,
+) -> list[dict]:
+    """`draft_vocab`: N > 0 drafts over the N lowest token ids (K > 0 only), 0 over the whole vocabulary."""
     start = time.perf_counter()
     core = core_for(
         config_dir,
@@ -70,14 +92,67 @@ def step_rows(config_dir: str, k: int, batches: list[int], context: int, quantiz
         speculative_disable_batch_size=max(batches),
         quantization=quantization,
         piecewise_cuda_graph_max_tokens=0,  # steps with prompt tokens are not timed here
+        speculative_draft_vocab=str(draft_vocab) if draft_vocab and k else None,
     )
     built_s = time.perf_counter() - start  # dummy weights, warm-up and CUDA graphs: what a run's time limit must allow
-    rows = [timed_step(core, config_dir, k, batch, context) | {"engine_build_s": built_s} for batch in batches]
+    rows = [
+        timed_step(core, config_dir, k, batch, context, bandwidth, profile=batch == profile_batch)
+        | {"draft_vocab": draft_vocab if k else 0, "engine_build_s": built_s}
+        for batch in batches
+    ]
     core.close()
     return rows
 
 
-def timed_step(core, config_dir: str, k: int, batch: int, context: int) -> dict:
+def module_bytes(module: torch.nn.Module, rows: int, skip: tuple = ()) -> int:
+    """Bytes one pass of `rows` tokens through `module` must read: every weight but the experts (and `skip`), and
+    of each SparseMoE's experts those `rows` uniformly routed tokens are expected to touch (the dummy router spreads
+    tokens about evenly: bench/gpu_moe.py's routing rows): E * (1 - (1 - k/E)^rows)."""
+    from deltamesh.engine.models.layers import SparseMoE
+
+    skipped = {id(p) for p in skip}
+    experts = [m for m in module.modules() if isinstance(m, SparseMoE) and id(m.w13) not in skipped]
+    skipped |= {id(p) for m in experts for p in (m.w13, m.w2)}
+    dense = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skipped)
+    for m in experts:
+        local = m.w13.shape[0]
+        per_expert = (m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size()) / local
+        touched = min(local, local * (1 - (1 - m.top_k / m.num_experts) ** rows))
+        dense += int(touched * per_expert)
+    return dense
+
+
+def floor_ms(core, k: int, batch: int, context: int, bandwidth: float) -> float:
+    """The step's roofline: bytes it must move at the GPU's measured bandwidth. The target's pass over (K+1) rows
+    per request (its lm_head once), each request's KV and GDN state (read once, the K+1 verify states written);
+    with K > 0 the MTP module's catch-up over the same rows and K - 1 further passes over one row per request, and
+    the draft head once per draft: the whole lm_head, or with a reduced draft vocabulary its N hot rows
+    (spec/draft_vocab.py)."""
+    model = core.model
+    rows = (k + 1) * batch
+    mtp = [] if model.mtp is None else list(model.mtp.parameters())
+    lm_head = model.lm_head.numel() * model.lm_head.element_size()
+    total = module_bytes(model, rows, skip=(model.embed, *mtp)) + (lm_head if model.lm_head is model.embed else 0)
+    total += rows * model.embed.shape[1] * model.embed.element_size()
+    total += batch * context * core.kv_pool.page_bytes // core.kv_pool.page_size
+    total += (1 + k + 1) * batch * core.state_pool.slot_bytes
+    if k and model.mtp is not None:
+        tied = (model.embed, model.lm_head)
+        total += module_bytes(model.mtp, rows, skip=tied) + (k - 1) * module_bytes(model.mtp, batch, skip=tied)
+        total += k * draft_head_bytes(core)
+    return total / bandwidth * 1e3
+
+
+def draft_head_bytes(core) -> int:
+    """The LM head rows one draft reads: the drafter's reduced head's, else the whole lm_head's."""
+    head = getattr(core.runner.spec.drafter, "head", None) if core.runner.spec is not None else None
+    weight = core.model.lm_head if head is None else head.weight
+    return weight.numel() * weight.element_size()
+
+
+def timed_step(
+    core, config_dir: str, k: int, batch: int, context: int, bandwidth: float, profile: bool = False
+) -> dict:
     from deltamesh.engine.spec import tokens as spec_tokens
     from deltamesh.engine.spec.runner import SpecSampling
 
@@ -109,8 +184,20 @@ def timed_step(core, config_dir: str, k: int, batch: int, context: int) -> dict:
         "wall_ms": time_ms(read),
         "gpu_ms": gpu_ms(launch),
         "graphs": core.runner.graph_steps > graph_steps,
+        "floor_ms": floor_ms(core, k, batch, context, bandwidth),
     }
-    print_table([row], ["model", "k", "batch", "wall_ms", "gpu_ms", "graphs"])
+    row["of_floor"] = row["floor_ms"] / row["gpu_ms"]
+    print_table([row], ["model", "k", "batch", "wall_ms", "gpu_ms", "floor_ms", "of_floor", "graphs"])
+    if profile:
+        try:  # a diagnostic: a profiler failure must not cost the stage its remaining rows
+            groups, top = kernel_breakdown(core, items, steps=3, top=25, step=launch)
+        except Exception as e:
+            row["kernels_error"] = repr(e)
+            print(f"profile failed: {e!r}")
+        else:
+            row["kernels"] = {"groups": groups, "top": top}
+            print_table(groups, ["group", "kernels", "calls", "ms"])
+            print_table(top, ["kernel", "calls", "ms"])
     for it in items:
         core.scheduler.free(it.request)
     return row
@@ -131,12 +218,14 @@ def projections(rows: list[dict], acceptance: list[float]) -> list[dict]:
             {
                 "model": r["model"],
                 "k": r["k"],
+                "draft_vocab": r["draft_vocab"],
                 "batch": r["batch"],
                 "verify_over_plain": r["wall_ms"] / base["wall_ms"],
                 "tokens_per_step": per_step,
                 "plain_tpot_ms": base["wall_ms"],
                 "tpot_ms": tpot,
                 "gpu_tpot_ms": r["gpu_ms"] / per_step,
+                "floor_tpot_ms": r["floor_ms"] / per_step,  # the verify step at its roofline
                 "speedup": base["wall_ms"] / tpot,
             }
         )
@@ -144,12 +233,13 @@ def projections(rows: list[dict], acceptance: list[float]) -> list[dict]:
 
 
 def disable_batches(projected: list[dict]) -> list[dict]:
-    """Per model and K: the smallest batch measured where MTP stops paying (None: it pays at every batch)."""
+    """Per model, K and draft vocabulary: the smallest batch measured where MTP stops paying (None: it pays at
+    every batch)."""
     out = []
-    for model, k in sorted({(p["model"], p["k"]) for p in projected}):
-        mine = sorted((p for p in projected if (p["model"], p["k"]) == (model, k)), key=lambda p: p["batch"])
-        worse = [p["batch"] for p in mine if p["speedup"] <= 1.0]
-        out.append({"model": model, "k": k, "disable_batch": worse[0] if worse else None})
+    for model, k, vocab in sorted({(p["model"], p["k"], p["draft_vocab"]) for p in projected}):
+        mine = [p for p in projected if (p["model"], p["k"], p["draft_vocab"]) == (model, k, vocab)]
+        worse = [p["batch"] for p in sorted(mine, key=lambda p: p["batch"]) if p["speedup"] <= 1.0]
+        out.append({"model": model, "k": k, "draft_vocab": vocab, "disable_batch": worse[0] if worse else None})
     return out
 
 
@@ -166,25 +256,50 @@ def main() -> None:
         help="probability that draft j (and every one before it) is accepted, per position",
     )
     p.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    p.add_argument(
+        "--draft-vocab",
+        type=ints,
+        default=[0],
+        help="measure each K > 0 drafting over the N lowest token ids, for each N given (0: the whole vocabulary)",
+    )
+    p.add_argument("--profile-batch", type=int, default=1, help="profile K=0 and the largest K at this batch (0: none)")
     p.add_argument("--out", default=str(RESULTS / "gpu_spec.json"))
     args = p.parse_args()
     ks = sorted(set(args.ks) | {0})
     if max(ks) > len(args.acceptance):
         p.error(f"--acceptance gives {len(args.acceptance)} positions, K goes to {max(ks)}")
     rows = []
+    bandwidth = hbm_bandwidth()  # before any engine holds the GPU's memory
+    if min(args.draft_vocab) < 0:
+        p.error("--draft-vocab takes counts of token ids >= 0 (0: the whole vocabulary)")
     for model in args.models.split(","):
         for k in ks:
-            rows += step_rows(model, k, args.batches, args.context, args.quantization)
-            gc.collect()  # the engine of the last K, before the next one takes the GPU's memory
-            torch.cuda.empty_cache()
-            write(args.out, rows, args.acceptance, complete=False)  # what a time limit stops early still has
+            profile_batch = args.profile_batch if k in (0, max(ks)) else 0
+            for vocab in args.draft_vocab if k else [0]:  # the plain step drafts nothing
+                rows += step_rows(
+                    model, k, args.batches, args.context, args.quantization, bandwidth, profile_batch, vocab
+                )
+                gc.collect()  # the engine of the last K, before the next one takes the GPU's memory
+                torch.cuda.empty_cache()
+                write(args.out, rows, args.acceptance, complete=False)  # what a time limit stops early still has
     projected, backoff = write(args.out, rows, args.acceptance, complete=True)
     print(f"\nprojected at per-position acceptance {args.acceptance}:")
     print_table(
         projected,
-        ["model", "k", "batch", "verify_over_plain", "tokens_per_step", "plain_tpot_ms", "tpot_ms", "speedup"],
+        [
+            "model",
+            "k",
+            "draft_vocab",
+            "batch",
+            "verify_over_plain",
+            "tokens_per_step",
+            "plain_tpot_ms",
+            "tpot_ms",
+            "floor_tpot_ms",
+            "speedup",
+        ],
     )
-    print_table(backoff, ["model", "k", "disable_batch"])
+    print_table(backoff, ["model", "k", "draft_vocab", "disable_batch"])
     print(f"wrote {args.out}")
 
 

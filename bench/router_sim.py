@@ -10,6 +10,11 @@ model behind them), so that what is measured is the router alone.
     python bench/router_sim.py index --workers 1000 --keys 10000
         the prefix index's size and lookup cost, the routing decision's latency (in process: bench/sim_index.py)
 
+`tokens` and `mesh` take --worker-processes W (the simulated workers spread over W processes) and --client-processes
+C (the load generator in C processes, each at concurrency / C): one process of each runs out of CPU before the router
+does on a few cores (bench/RESULTS.md, "The router at scale"). Every row also gives the simulation's own cores
+(sim_workers_cores, client_cores): a row where they are near W or C was bounded by the simulation.
+
 Every run prints a table and writes JSON (the command, the date and the machine included) to bench/results/."""
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import asyncio
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -27,19 +33,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS, ROOT, busy_warning, free_port, print_table, stop_group, write_result
 from bench.sim_load import process_cpu_seconds, run_load, tree_pids
+from bench.sim_processes import LoadClients, shares
 from deltamesh.services.router.control import read_loads
 
 LOGS = RESULTS / "router_sim_logs"
 
 
 class SimMesh:
-    """A router (`deltamesh router`, its own process group) and a process of simulated workers registered with it."""
+    """A router (`deltamesh router`, its own process group) and `worker_processes` processes of simulated workers
+    registered with it, each with its share of the prefill and decode workers."""
 
     def __init__(
-        self, prefill: int, decode: int, token_rate: float, router_args: list[str], router_tree: str | None = None
+        self,
+        prefill: int,
+        decode: int,
+        token_rate: float,
+        router_args: list[str],
+        router_tree: str | None = None,
+        worker_processes: int = 1,
+        feeds: bool = True,
     ):
         """`router_tree`: run the router of that checkout of deltamesh (its protos generated), e.g. the commit before
-        a change, against the same simulated workers."""
+        a change, against the same simulated workers. `feeds`: the simulated decode workers serve the token feed
+        (else each request streams on its own, as before #45)."""
         LOGS.mkdir(parents=True, exist_ok=True)
         self.secret = secrets.token_hex(16)
         self.grpc_port, self.control_port, self.http_port = free_port(), free_port(), free_port()
@@ -56,23 +72,36 @@ class SimMesh:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.workers = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "sim_workers.py"), "--router", f"127.0.0.1:{self.control_port}"]
-            + ["--prefill", str(prefill), "--decode", str(decode), "--token-rate", str(token_rate)],
-            cwd=ROOT,
-            env=env,
-            stdout=(LOGS / "workers.log").open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        if not 1 <= worker_processes <= prefill + decode:
+            raise ValueError(f"--worker-processes {worker_processes}: from 1 to the {prefill + decode} workers")
+        self.workers: list[subprocess.Popen] = []
+        self.worker_logs: list[Path] = []
+        seed_base = 0  # each prefill worker its own seed (its cached keys) across the processes
+        for i, (p, d) in enumerate(zip(shares(prefill, worker_processes), shares(decode, worker_processes))):
+            self.worker_logs.append(LOGS / (f"workers-{i}.log" if worker_processes > 1 else "workers.log"))
+            self.workers.append(
+                subprocess.Popen(
+                    [sys.executable, str(ROOT / "bench" / "sim_workers.py"), "--router"]
+                    + [f"127.0.0.1:{self.control_port}", "--prefill", str(p), "--decode", str(d)]
+                    + ["--token-rate", str(token_rate), "--seed-base", str(seed_base)]
+                    + ([] if feeds else ["--no-feed"]),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=self.worker_logs[-1].open("w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            seed_base += p
         self.expected = prefill + decode
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
+        logs = [(self.router, LOGS / "router.log"), *zip(self.workers, self.worker_logs)]
         while time.monotonic() < deadline:
-            for proc, name in ((self.router, "router"), (self.workers, "workers")):
+            for proc, log in logs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited:\n{(LOGS / f'{name}.log').read_text()[-3000:]}")
+                    raise RuntimeError(f"{log.stem} exited:\n{log.read_text()[-3000:]}")
             try:
                 if sum(w.healthy for w in read_loads(f"127.0.0.1:{self.control_port}", self.secret)) >= self.expected:
                     return
@@ -84,18 +113,29 @@ class SimMesh:
     def router_cpu(self) -> float:
         return process_cpu_seconds(tree_pids(self.router.pid))
 
+    def workers_cpu(self) -> float:
+        return process_cpu_seconds([pid for proc in self.workers for pid in tree_pids(proc.pid)])
+
     def close(self) -> None:
         stop_group(self.router)
-        stop_group(self.workers)
+        for proc in self.workers:
+            stop_group(proc)
 
 
 def measure_tokens(
-    mesh: SimMesh, api: str, concurrency: int, duration: float, max_tokens: int, py_spy: str | None = None
+    mesh: SimMesh,
+    api: str,
+    concurrency: int,
+    duration: float,
+    max_tokens: int,
+    py_spy: str | None = None,
+    client_processes: int = 1,
 ) -> dict:
-    """One load point; with `py_spy`, py-spy samples the router's processes meanwhile (collapsed stacks to
-    `py_spy`.<api>.txt, for flame graphs or grep)."""
+    """One load point, its streams from `client_processes` processes; with `py_spy`, py-spy samples the router's
+    processes meanwhile (collapsed stacks to `py_spy`.<api>.txt, for flame graphs or grep)."""
     target = f"127.0.0.1:{mesh.grpc_port}" if api == "grpc" else f"http://127.0.0.1:{mesh.http_port}"
     asyncio.run(run_load(api, target, min(concurrency, 8), 3.0, max_tokens))  # warm-up: connections, first calls
+    clients = LoadClients(api, target, concurrency, duration, max_tokens, client_processes, LOGS)  # started, idle
     spies = [
         subprocess.Popen(
             [
@@ -117,15 +157,17 @@ def measure_tokens(
         )
         for pid in (tree_pids(mesh.router.pid) if py_spy else [])
     ]
-    cpu0 = mesh.router_cpu()
-    result = asyncio.run(run_load(api, target, concurrency, duration, max_tokens))
-    cpu = mesh.router_cpu() - cpu0
+    cpu0, workers_cpu0 = mesh.router_cpu(), mesh.workers_cpu()
+    result = clients.run()
+    cpu, workers_cpu = mesh.router_cpu() - cpu0, mesh.workers_cpu() - workers_cpu0
     for spy in spies:
         spy.wait()
     return {
         "api": api,
         "concurrency": concurrency,
         "max_tokens": max_tokens,
+        "worker_processes": len(mesh.workers),
+        "client_processes": client_processes,
         "streams": result.streams,
         "tokens": result.tokens,
         "errors": len(result.errors),
@@ -135,28 +177,49 @@ def measure_tokens(
         "router_cpu_s": round(cpu, 3),
         "router_cpu_us_per_token": round(1e6 * cpu / max(result.tokens, 1), 1),
         "router_core_share": round(cpu / result.seconds, 3),
+        "sim_workers_cores": round(workers_cpu / result.seconds, 3),
+        "client_cores": round(result.cpu_s / result.seconds, 3),
+        "client_tokens": clients.tokens_per_process,
         "first_errors": result.errors[:3],
     }
 
 
 def cmd_tokens(args) -> None:
-    mesh = SimMesh(args.prefill, args.decode, args.token_rate, args.router_arg, args.router_tree)
+    mesh = SimMesh(
+        args.prefill,
+        args.decode,
+        args.token_rate,
+        args.router_arg,
+        args.router_tree,
+        args.worker_processes,
+        feeds=not args.no_feed,
+    )
     rows = []
     try:
         mesh.wait_ready()
         for api in args.api.split(","):
-            rows.append(measure_tokens(mesh, api, args.concurrency, args.duration, args.max_tokens, args.py_spy))
+            rows.append(
+                measure_tokens(
+                    mesh, api, args.concurrency, args.duration, args.max_tokens, args.py_spy, args.client_processes
+                )
+                | {"sim_feed": not args.no_feed, "router_tree": args.router_tree or "."}
+            )
             print_table(
                 rows[-1:],
                 [
                     "api",
+                    "sim_feed",
                     "concurrency",
+                    "worker_processes",
+                    "client_processes",
                     "tokens",
                     "errors",
                     "wrong_streams",
                     "tokens_per_s",
                     "router_cpu_us_per_token",
                     "router_core_share",
+                    "sim_workers_cores",
+                    "client_cores",
                 ],
             )
     finally:
@@ -167,19 +230,22 @@ def cmd_tokens(args) -> None:
     write_result(args.out or RESULTS / "router_sim_tokens.json", {"rows": rows, "warning": warning})
 
 
-def control_traffic() -> dict:
-    """Per second, between the simulated workers' last two SIM_CONTROL lines: registration calls and their payload
-    bytes (request + reply messages, without HTTP/2 framing), report messages and their payload bytes."""
-    lines = [line.split()[1:] for line in (LOGS / "workers.log").read_text().splitlines() if line.startswith("SIM_")]
-    samples = [dict(kv.split("=") for kv in line) for line in lines if line and "=" in line[0]]
-    if len(samples) < 2:
-        return {}
-    a, b = samples[-2], samples[-1]
-    dt = float(b["seconds"]) - float(a["seconds"])
-    return {
-        f"{name}_per_s": round((float(b[name]) - float(a[name])) / dt, 1)
-        for name in ("calls", "bytes", "reports", "report_bytes")
-    }
+def control_traffic(worker_logs: list[Path]) -> dict:
+    """Per second, between each simulated workers' process's last two SIM_CONTROL lines, summed over the processes:
+    registration calls and their payload bytes (request + reply messages, without HTTP/2 framing), report messages
+    and their payload bytes."""
+    names = ("calls", "bytes", "reports", "report_bytes")
+    total = dict.fromkeys(names, 0.0)
+    for log in worker_logs:
+        lines = [line.split()[1:] for line in log.read_text().splitlines() if line.startswith("SIM_")]
+        samples = [dict(kv.split("=") for kv in line) for line in lines if line and "=" in line[0]]
+        if len(samples) < 2:
+            return {}  # a process not yet sampled twice: a partial sum would understate the traffic
+        a, b = samples[-2], samples[-1]
+        dt = float(b["seconds"]) - float(a["seconds"])
+        for name in names:
+            total[name] += (float(b[name]) - float(a[name])) / dt
+    return {f"{name}_per_s": round(total[name], 1) for name in names}
 
 
 def rss_mib(pids: list[int]) -> float:
@@ -197,32 +263,38 @@ def cmd_mesh(args) -> None:
     rows = []
     for n in (int(x) for x in args.processes.split(",")):
         started = time.monotonic()
-        mesh = SimMesh(args.prefill, args.decode, args.token_rate, ["--api-server-count", str(n), *args.router_arg])
+        router_args = ["--api-server-count", str(n), *args.router_arg]
+        mesh = SimMesh(args.prefill, args.decode, args.token_rate, router_args, None, args.worker_processes)
         try:
             mesh.wait_ready(args.ready_timeout)
             row = {"processes": n, "workers": args.prefill + args.decode}
+            row.update(worker_processes=args.worker_processes, client_processes=args.client_processes)
             row["all_healthy_s"] = round(time.monotonic() - started, 1)
             time.sleep(args.idle)  # settled: every stream past its first report
             cpu0 = mesh.router_cpu()
             time.sleep(args.idle)
             row["idle_router_cores"] = round((mesh.router_cpu() - cpu0) / args.idle, 3)
-            row.update(control_traffic())
+            row.update(control_traffic(mesh.worker_logs))
             row["idle_rss_mib"] = rss_mib(tree_pids(mesh.router.pid))
-            load = measure_tokens(mesh, "grpc", args.concurrency, args.duration, args.max_tokens)
+            load = measure_tokens(
+                mesh, "grpc", args.concurrency, args.duration, args.max_tokens, client_processes=args.client_processes
+            )
             row["loaded_rss_mib"] = rss_mib(tree_pids(mesh.router.pid))
             row["tokens_per_s"] = load["tokens_per_s"]
             row["tokens_per_s_per_process"] = round(load["tokens_per_s"] / n, 1)
             row["router_cpu_us_per_token"] = load["router_cpu_us_per_token"]
             row["router_cores"] = load["router_core_share"]
+            row["sim_workers_cores"], row["client_cores"] = load["sim_workers_cores"], load["client_cores"]
             row["errors"], row["wrong_streams"] = load["errors"], load["wrong_streams"]
             rows.append(row)
             print_table([row], list(row))
         finally:
             mesh.close()
-    warning = busy_warning("every figure here is bounded by the machine, not the router")
+        # after each row: a run cut short by its time bound (scripts/gpu_stage.sh) keeps the rows it finished
+        warning = busy_warning("every figure here is bounded by the machine, not the router")
+        write_result(args.out or RESULTS / "router_sim_mesh.json", {"rows": rows, "warning": warning})
     if warning:
         print(warning)
-    write_result(args.out or RESULTS / "router_sim_mesh.json", {"rows": rows, "warning": warning})
 
 
 def cmd_index(args) -> None:
@@ -234,6 +306,15 @@ def cmd_index(args) -> None:
     if warning:
         print(warning)
     write_result(args.out or RESULTS / "router_sim_index.json", {"rows": [row], "warning": warning})
+
+
+def add_process_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--worker-processes", type=int, default=1, help="processes the simulated workers are spread over"
+    )
+    parser.add_argument(
+        "--client-processes", type=int, default=1, help="processes of the load generator, each at concurrency / C"
+    )
 
 
 def main() -> None:
@@ -249,7 +330,11 @@ def main() -> None:
     t.add_argument("--decode", type=int, default=2)
     t.add_argument("--router-arg", action="append", default=[], help="one more flag for the router (repeatable)")
     t.add_argument("--router-tree", help="run the router of this checkout (before/after comparisons)")
+    t.add_argument(
+        "--no-feed", action="store_true", help="simulated decode workers without the token feed (per-request streams)"
+    )
     t.add_argument("--py-spy", help="sample the router with py-spy (on PATH) into PREFIX.<api>.<pid>.txt")
+    add_process_options(t)
     t.add_argument("--out")
     m = sub.add_parser("mesh", help="N router processes in front of many simulated workers")
     m.add_argument("--prefill", type=int, default=500)
@@ -262,6 +347,7 @@ def main() -> None:
     m.add_argument("--idle", type=float, default=10.0, help="seconds of each idle measurement")
     m.add_argument("--ready-timeout", type=float, default=600.0)
     m.add_argument("--router-arg", action="append", default=[], help="one more flag for the router (repeatable)")
+    add_process_options(m)
     m.add_argument("--out")
     i = sub.add_parser("index", help="prefix index size and lookup cost, routing decision latency (in process)")
     i.add_argument("--workers", type=int, default=1000)
@@ -270,6 +356,9 @@ def main() -> None:
     i.add_argument("--decisions", type=int, default=2000)
     i.add_argument("--out")
     args = p.parse_args()
+    # `timeout` (scripts/gpu_stage.sh) ends a run with SIGTERM: exit through the `finally`s, which stop the router
+    # and the simulation's processes (each in a process group of its own, which the signal does not reach)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     {"tokens": cmd_tokens, "mesh": cmd_mesh, "index": cmd_index}[args.command](args)
 
 

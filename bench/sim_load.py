@@ -30,6 +30,7 @@ class LoadResult:
     errors: list[str] = field(default_factory=list)
     wrong: int = 0  # streams whose tokens were not the simulated workers' (bench/sim_workers.token)
     seconds: float = 0.0
+    cpu_s: float = 0.0  # the load generator's own CPU over the run: is the client, not the router, the bound?
 
 
 def process_cpu_seconds(pids: list[int]) -> float:
@@ -146,9 +147,10 @@ async def run_load(
         while time.monotonic() < deadline:
             await one(i)
 
-    started = time.monotonic()
+    started, cpu0 = time.monotonic(), process_cpu_seconds([os.getpid()])
     await asyncio.gather(*(lane(i) for i in range(concurrency)))
     result.seconds = time.monotonic() - started
+    result.cpu_s = process_cpu_seconds([os.getpid()]) - cpu0
     if api == "grpc":
         await asyncio.gather(*(ch.close() for ch in pool))
     else:

@@ -12,14 +12,18 @@ watches it (the workers' own code: services/common/reports.py), and serves its r
 - decode: `Decode` streams the rest of the request's tokens at `--token-rate` tokens/s per stream, one token per
   message, in steps as an engine makes them: every stream of a worker gets its next token at the same moment,
   1 / rate seconds after the last. Token i of a request is (prompt length + i) % 1000, its text " t<id>", so that a
-  client can check its stream.
+  client can check its stream. A Decode naming a token feed (`Feed`, as the workers serve it: services/decode/
+  feed.py) puts its tokens there instead: one message per step for all of the feed's requests. `--no-feed`: Feed is
+  UNIMPLEMENTED, as on a worker from before it (the router then streams each request on its own).
 
 Run as a process of its own (the driver starts it):
 
     python bench/sim_workers.py --router 127.0.0.1:50052 --prefill 500 --decode 500 --token-rate 50
 
 and it prints one line `SIM_WORKERS_READY <n>` once every worker listens. The mesh secret comes from
-$DELTAMESH_MESH_SECRET as for real workers."""
+$DELTAMESH_MESH_SECRET as for real workers. Several such processes can serve one simulation (router_sim's
+--worker-processes): each worker listens on a port the kernel picks (from the ephemeral range, which the router's
+ports, from bench.common.free_port, lie below), so no two collide."""
 
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from deltamesh.v1 import (
     common_pb2,
     control_pb2,
     control_pb2_grpc,
+    decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
@@ -138,28 +143,101 @@ class Steps:
         await asyncio.shield(self._next)
 
 
+class FakeFeed:
+    """A token feed (decode.proto `Feed`) as the workers' own (services/decode/feed.py) serves it: the deltas ready
+    at a step, one message for all of the feed's requests; a request's deltas not yet written merge into one."""
+
+    def __init__(self):
+        self.pending: dict[int, common_pb2.TokenDelta] = {}
+        self.ready = asyncio.Event()
+        self.written: dict[int, asyncio.Future] = {}  # a request's, set once its final delta is written
+        self.closed = False
+
+    def put(self, key: int, delta: common_pb2.TokenDelta) -> None:
+        waiting = self.pending.get(key)
+        if waiting is None:
+            self.pending[key] = delta
+        else:
+            waiting.token_ids.extend(delta.token_ids)
+            waiting.text += delta.text
+            waiting.finished, waiting.finish_reason = delta.finished, delta.finish_reason
+            waiting.usage.CopyFrom(delta.usage)
+        self.ready.set()
+
+    async def messages(self):
+        yield decode_pb2.FeedBatch()
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            batch = decode_pb2.FeedBatch(deltas=[decode_pb2.FeedDelta(key=k, delta=d) for k, d in self.pending.items()])
+            ended = [k for k, d in self.pending.items() if d.finished]
+            self.pending.clear()
+            yield batch
+            for k in ended:
+                if (f := self.written.get(k)) is not None and not f.done():
+                    f.set_result(True)
+
+    def close(self) -> None:
+        self.closed = True
+        for f in self.written.values():
+            if not f.done():
+                f.set_result(False)
+
+
 class FakeDecode(FakeWorker, decode_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, token_rate: float):
+    def __init__(self, token_rate: float, feeds: bool = True):
+        """`feeds`: serves the token feed (else Feed is UNIMPLEMENTED, as on a worker from before it)."""
         super().__init__("decode")
         self.steps = Steps(1.0 / token_rate)
+        self.feeds: dict[str, FakeFeed] | None = {} if feeds else None
+
+    async def Feed(self, request, context):
+        if self.feeds is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no token feed here")
+        assert self.feeds is not None
+        feed = self.feeds[request.feed_id] = FakeFeed()
+        try:
+            async for batch in feed.messages():
+                yield batch
+        finally:
+            del self.feeds[request.feed_id]
+            feed.close()
 
     async def Decode(self, request, context):
         n, total = len(request.prompt_token_ids), request.sampling.max_tokens or 16
         start = 1 if request.HasField("source") else 0  # the prefill worker sent the first token
+        feed = None
+        if request.feed_id and self.feeds is not None:
+            feed = self.feeds.get(request.feed_id)
+            if feed is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "the token feed is not open")
         self.running += 1
         try:
+            if feed is not None:
+                written = feed.written[request.feed_key] = asyncio.get_running_loop().create_future()
             for i in range(start, total):
                 await self.steps.next()
                 last = i == total - 1
-                yield common_pb2.TokenDelta(
+                delta = common_pb2.TokenDelta(
                     token_ids=[token(n, i)],
                     text=f" t{token(n, i)}",
                     finished=last,
                     finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED,
                     usage=common_pb2.Usage(prompt_tokens=n, completion_tokens=i + 1),
                 )
+                if feed is None:
+                    yield delta
+                elif feed.closed:
+                    break
+                else:
+                    feed.put(request.feed_key, delta)
+            if feed is not None and not await written:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the token feed closed")
         finally:
             self.running -= 1
+            if feed is not None:
+                feed.written.pop(request.feed_key, None)
+                feed.pending.pop(request.feed_key, None)  # cancelled: nothing more of it goes out
 
     async def ReleaseLease(self, request, context):
         return common_pb2.LeaseResponse(ok=True)
@@ -233,8 +311,8 @@ class Registrar:
 
 async def main(args) -> None:
     secret = os.environ[MESH_SECRET_ENV]
-    workers: list[FakeWorker] = [FakePrefill(args.cached_blocks, seed=i) for i in range(args.prefill)]
-    workers += [FakeDecode(args.token_rate) for _ in range(args.decode)]
+    workers: list[FakeWorker] = [FakePrefill(args.cached_blocks, seed=args.seed_base + i) for i in range(args.prefill)]
+    workers += [FakeDecode(args.token_rate, feeds=not args.no_feed) for _ in range(args.decode)]
     servers = [await serve_one(w, args.host, secret) for w in workers]
     registrar = Registrar(args.router, secret)
     tasks = [asyncio.create_task(registrar.keep(w, i * 0.5 / len(workers))) for i, w in enumerate(workers)]
@@ -258,8 +336,12 @@ if __name__ == "__main__":
     p.add_argument("--prefill", type=int, default=1, help="fake prefill workers")
     p.add_argument("--decode", type=int, default=1, help="fake decode workers")
     p.add_argument("--token-rate", type=float, default=50.0, help="tokens/s of each stream")
+    p.add_argument("--no-feed", action="store_true", help="the decode workers serve no token feed (as before #45)")
     p.add_argument("--report-s", type=float, default=5.0, help="seconds between control-traffic lines")
     p.add_argument("--cached-blocks", type=int, default=0, help="random block keys each prefill worker starts with")
+    p.add_argument(
+        "--seed-base", type=int, default=0, help="first prefill worker's cache seed (each process of workers its own)"
+    )
     import uvloop
 
     uvloop.run(main(p.parse_args()))

@@ -33,6 +33,7 @@
 #            fp32 greedy equality, verify CUDA graphs against eager), then bench/gpu_spec.py on the shapes of $SHAPES
 #            (default the 35B-A3B, then the 9B shape): verify steps at K = 1, 2, 3 against the plain decode step at
 #            batch 1, 16, 64, 8k context, and the TPOT they project at the published acceptance ($OUT/gpu_spec.json)
+#            (SPEC_ARGS adds gpu_spec.py flags, e.g. "--draft-vocab 0,32768": the reduced draft head beside the full one)
 #   stage F: fused projections (issue #43): their GPU tests (bf16 tolerance against the float64 reference, graph
 #            replay, a model with the fusion on and off), then bench/gpu_fusion.py: each fused op against its two
 #            kernels at one token, whole decode steps of the 35B-A3B (bf16, FP8) and 9B shapes at batch 1, 4, 16
@@ -46,18 +47,25 @@
 #            colocated) runs that setup alone, P1_FIDELITY=0 skips the fidelity check
 #   stage 1m: (a call of its own, after 1) stage u's multi-turn chats, 9B shape, through 1P+1D on GPU 0 (0.45 + 0.45)
 #            with the P/D decider (--pd-direct-max-tokens 256), prefix cache off then on
+#   stage T: every GPU test (#47's one run of `pytest -m gpu`), at most 7 minutes
 #   stage n: every GPU test but those of stages v and F (penalties, structured outputs, memory budgets among them)
 #   stage P: what sampling penalties and structured outputs cost a decode step (#41): the 35B-A3B shape colocated,
 #            1024/1024 at concurrency 16 (bench/peers.py), plain, with presence/frequency/repetition penalties on
-#            every request, then with a long JSON schema on every request (compare tpot_median_ms)
+#            every request, then with a long JSON schema on every request (compare tpot_median_ms); the first shape
+#            of $SHAPES if set (the 9B shape on an H100)
 #   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
 #            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
+#   stage R: (CPU only, for the GPU host's 16 cores) the router at scale by simulation (#45), within 300 s: router
+#            CPU per streamed token through one router process, gRPC then REST (bench/router_sim.py tokens); 1, 2
+#            and 4 router processes in front of 200 + 200 simulated workers, the simulation spread over 4 worker and
+#            4 load processes (router_sim.py mesh: do tokens/s grow with the processes?); then the gRPC floor per
+#            token, per-request streams against one multiplexed stream (bench/grpc_floor.py), in what time is left
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, n, P, g, 1 or 1m}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, T, n, P, g, 1, 1m or R}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 # SITE_FIRST: folders of carried wheels installed with --target (scripts/gpu_session.sh sets it), before the staged
@@ -66,6 +74,13 @@ export PYTHONPATH="$PWD/sdk/src:$PWD:${SITE_FIRST:+$SITE_FIRST:}$PYTHONPATH" PYT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# SHAPES left unset: both shapes where the GPU holds the 35B-A3B shape's bf16 weights and pools (an H200's 139 GiB),
+# the 9B shape alone on a smaller one (an H100's 79 GiB)
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if [ -z "${SHAPES:-}" ] && [ -n "$gpu_mib" ] && ((gpu_mib < 100000)); then
+  SHAPES=qwen3.5-9b
+  echo "gpu_stage: $gpu_mib MiB of GPU memory: SHAPES=$SHAPES"
+fi
 
 run() {  # run NAME SECONDS CMD...: bounded, logged, summarised
   local name=$1 limit=$2
@@ -239,12 +254,17 @@ F)
     --serve-flag=--decode-gpu-memory-utilization=0.45 --serve-flag=--pd-direct-max-tokens=256 \
     --serve-flag=--no-ucx-error-handling --log-dir "$OUT" --out "$OUT/p1_multi_turn_9b.json"
   ;;
+T)
+  TAIL=40 run gpu_tests 420 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE ${N_IGNORE:-}
+  ;;
 n)
   TAIL=40 run gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE \
     --ignore=tests/gpu/test_gpu_spec.py --ignore=tests/gpu/test_gpu_fused_linear.py ${N_IGNORE:-}
   ;;
 P)
-  peers=(python bench/peers.py --engines deltamesh --shapes qwen3.5-35b-a3b --loads 1024:1024 --concurrency 16
+  # (SHAPES is the 9B shape on a GPU under 100 GB, above: the 35B-A3B shape needs the H200)
+  shapes=${SHAPES:-qwen3.5-35b-a3b}
+  peers=(python bench/peers.py --engines deltamesh --shapes "${shapes%% *}" --loads 1024:1024 --concurrency 16
     --log-dir "$OUT")
   # a run cut by its timeout leaves its mesh (its own process group) holding the GPU: end it before the next
   TAIL=10 run tpot_plain 200 "${peers[@]}" --out "$OUT/tpot_plain.json"
@@ -264,12 +284,35 @@ g)
   done
   TAIL=40 run plan_check 120 python bench/plan_check.py gpu ${checked[@]+"${checked[@]}"} --out "$OUT/plan_check_gpu.json"
   ;;
+R)
+  # 80 + 160 s at most, the floor in what is left of 285 s: under 300 s with the last run's shutdown. A run cut by
+  # its bound stops its router and simulation on the SIGTERM (router_sim's finally blocks), and mesh's JSON keeps
+  # the rows it finished. mesh: 512 streams at 100 tokens/s each offer 51k tokens/s, more than one router process
+  # streams (~100 us of CPU a token: ~10k/s), so that tokens/s can grow with the processes; sim_workers_cores and
+  # client_cores near 4 in a row mean the simulation, not the router, bounded it.
+  run env 20 sh -c 'nproc; uptime; python -c "import grpc, uvloop; print(grpc.__version__)"'
+  TAIL=12 run router_tokens 80 python bench/router_sim.py tokens --api grpc,rest --concurrency 64 --max-tokens 256 \
+    --duration 10 --worker-processes 2 --client-processes 2 --out "$OUT/router_sim_tokens.json"
+  TAIL=16 run router_mesh 160 python bench/router_sim.py mesh --prefill 200 --decode 200 --processes 1,2,4 \
+    --worker-processes 4 --client-processes 4 --concurrency 512 --token-rate 100 --max-tokens 128 --duration 10 \
+    --idle 3 --ready-timeout 40 --out "$OUT/router_sim_mesh.json"
+  left=$((285 - SECONDS)) && ((left > 0)) || left=1  # timeout 0 would mean no limit
+  TAIL=16 run grpc_floor "$left" python bench/grpc_floor.py --streams 16,64 --step-rates 50,0 --seconds 3 \
+    --warmup 0.5 --out "$OUT/grpc_floor.json"
+  ;;
 v)
   # One device call of at most 6 minutes: the tests get 150 s, the benchmark what is left of 345 s (its JSON is
   # rewritten after each engine, so a cut run keeps its rows; the 35B-A3B shape, the issue's goal, goes first).
-  TAIL=30 run gpu_spec_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_spec.py -rfE
+  # SPEC_TESTS=0 skips the tests (stage T ran them before, in the same session); VERIFY_ROWS=1 keeps 60 s for
+  # bench/gpu_moe.py's `verify rows` (one request's 2-4 verify rows sharing experts, pair-wise against aligned).
+  start=$SECONDS
+  [ "${SPEC_TESTS:-1}" = 1 ] && TAIL=30 run gpu_spec_tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_spec.py -rfE
   models=$(for shape in ${SHAPES:-qwen3.5-35b-a3b qwen3.5-9b}; do printf "bench/configs/%s," "$shape"; done)
-  left=$((345 - SECONDS)) && ((left > 0)) || left=1  # timeout 0 would mean no limit
-  TAIL=60 run gpu_spec "$left" python bench/gpu_spec.py --models "${models%,}" --out "$OUT/gpu_spec.json"
+  rows_s=$((${VERIFY_ROWS:-0} == 1 ? 60 : 0))
+  left=$((345 - rows_s - (SECONDS - start))) && ((left > 0)) || left=1  # timeout 0 would mean no limit
+  TAIL=60 run gpu_spec "$left" python bench/gpu_spec.py --models "${models%,}" ${SPEC_ARGS:-} \
+    --out "$OUT/gpu_spec.json"
+  ((rows_s > 0)) && TAIL=40 run verify_rows "$rows_s" python bench/gpu_moe.py --skip-steps --moe triton \
+    --op-tokens 1,4 --out "$OUT/gpu_moe_verify_rows.json"
   ;;
 esac

@@ -96,24 +96,40 @@ def train(model, head: MtpHead, stream: torch.Tensor) -> float:
     return sum(recent) / len(recent)
 
 
-def measure_acceptance(model_dir: Path, stream: torch.Tensor) -> dict:
-    """The engine's own greedy speculative decoding on held-out text: drafts accepted per position."""
+def held_out_prompts(stream: torch.Tensor) -> list[list[int]]:
+    """MEASURE_PROMPTS windows of MEASURE_PROMPT_TOKENS spread over the held-out token stream."""
+    stride = (len(stream) - MEASURE_PROMPT_TOKENS) // MEASURE_PROMPTS
+    return [stream[i * stride : i * stride + MEASURE_PROMPT_TOKENS].tolist() for i in range(MEASURE_PROMPTS)]
+
+
+def run_acceptance(
+    model_dir: Path | str, prompts: list[list[int]], draft_vocab: str | None = None
+) -> tuple[dict, list[list[int]]]:
+    """The engine's own greedy speculative decoding of `prompts` (with a reduced draft vocabulary if given): drafts
+    accepted per position, and the output tokens."""
     from deltamesh.engine import Engine, EngineConfig, SamplingParams
 
-    stride = (len(stream) - MEASURE_PROMPT_TOKENS) // MEASURE_PROMPTS
-    prompts = [stream[i * stride : i * stride + MEASURE_PROMPT_TOKENS].tolist() for i in range(MEASURE_PROMPTS)]
     params = SamplingParams(max_tokens=MEASURE_NEW_TOKENS, temperature=0, ignore_eos=True)
-    with Engine(EngineConfig(model=str(model_dir), speculative_tokens=MEASURE_K, prefix_cache=False)) as engine:
-        engine.generate(prompts, params)
+    config = EngineConfig(
+        model=str(model_dir), speculative_tokens=MEASURE_K, speculative_draft_vocab=draft_vocab, prefix_cache=False
+    )
+    with Engine(config) as engine:
+        outputs = engine.generate(prompts, params)
         stats = engine.core.stats
     verified = stats.spec_drafts / MEASURE_K
-    return {
-        "prompts": MEASURE_PROMPTS,
+    acceptance = {
+        "prompts": len(prompts),
         "new_tokens": MEASURE_NEW_TOKENS,
         "k": MEASURE_K,
         "per_position": [round(n / verified, 3) for n in stats.spec_accepted_at[:MEASURE_K]],
         "tokens_per_step": round(1 + stats.spec_accepted / verified, 3),
     }
+    return acceptance, [o.token_ids for o in outputs]
+
+
+def measure_acceptance(model_dir: Path, stream: torch.Tensor) -> dict:
+    """The engine's own greedy speculative decoding on held-out text: drafts accepted per position."""
+    return run_acceptance(model_dir, held_out_prompts(stream))[0]
 
 
 def write_card(model_dir: Path, stats: dict) -> None:

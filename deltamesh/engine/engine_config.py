@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltamesh.engine.defaults import DEFAULT_MODEL
-from deltamesh.engine.spec.settings import DEFAULT_DISABLE_BATCH_SIZE, check_tokens, parse_speculative_config
+from deltamesh.engine.spec.settings import (
+    DEFAULT_DISABLE_BATCH_SIZE,
+    DRAFT_VOCAB_HELP,
+    check_draft_vocab,
+    check_tokens,
+    parse_speculative_config,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -145,8 +152,10 @@ class EngineConfig:
     speculative_config: str | None = _setting(
         None,
         'vLLM\'s form of --speculative-tokens: \'{"method": "mtp", "num_speculative_tokens": K}\' '
-        "(disable_by_batch_size too)",
+        '(disable_by_batch_size too, and "draft_vocab": --speculative-draft-vocab\'s value)',
     )
+    # a count N or a token map's path (spec/settings.check_draft_vocab); None: the whole vocabulary
+    speculative_draft_vocab: str | None = _setting(None, DRAFT_VOCAB_HELP)
     speculative_disable_batch_size: int | None = _setting(
         None,
         "Speculative decoding: steps with more decoding requests than this run without drafts (default: "
@@ -240,8 +249,7 @@ class EngineConfig:
             if not 0 < self.gpu_memory_utilization <= 1:
                 raise ValueError(
                     f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], a fraction of the GPU's "
-                    f"memory, got "
-                    f"{self.gpu_memory_utilization}"
+                    f"memory, got {self.gpu_memory_utilization}"
                 )
             if self.torch_device().type != "cuda":
                 raise ValueError(
@@ -265,7 +273,7 @@ class EngineConfig:
         """--speculative-config (vLLM's form) into speculative_tokens / speculative_disable_batch_size, checked."""
         check_tokens(self.speculative_tokens)
         if self.speculative_config:
-            k, disable = parse_speculative_config(self.speculative_config)
+            k, disable, draft_vocab = parse_speculative_config(self.speculative_config)
             if self.speculative_tokens not in (0, k):
                 raise ValueError(
                     f"speculative_tokens {self.speculative_tokens} and speculative_config's num_speculative_tokens "
@@ -274,10 +282,34 @@ class EngineConfig:
             self.speculative_tokens = k
             if disable is not None:
                 self.speculative_disable_batch_size = disable
+            if draft_vocab is not None:
+                if self.speculative_draft_vocab not in (None, draft_vocab):
+                    raise ValueError(
+                        f"speculative_draft_vocab {self.speculative_draft_vocab!r} and speculative_config's "
+                        f"draft_vocab {draft_vocab!r} disagree (give one of them)"
+                    )
+                self.speculative_draft_vocab = draft_vocab
+        if self.speculative_draft_vocab is not None:
+            self.resolve_draft_vocab()
         if self.speculative_disable_batch_size is not None and self.speculative_disable_batch_size < 1:
             raise ValueError("speculative_disable_batch_size must be >= 1")
         if self.speculative_tokens and self.data_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with data-parallel attention yet")
+
+    def resolve_draft_vocab(self) -> None:
+        """--speculative-draft-vocab checked: its form now, its ids against the model's vocabulary where the model's
+        config.json is on this machine (the engine checks them again when it builds its draft head)."""
+        self.speculative_draft_vocab = check_draft_vocab(self.speculative_draft_vocab)
+        if not self.speculative_tokens:
+            raise ValueError(
+                "speculative_draft_vocab is the vocabulary of speculative decoding's drafts: it needs "
+                "speculative_tokens (--speculative-tokens K) >= 1"
+            )
+        if (Path(self.model) / "config.json").is_file():
+            from deltamesh.engine.config import ModelConfig
+            from deltamesh.engine.spec.draft_vocab import draft_vocab_ids
+
+            draft_vocab_ids(self.speculative_draft_vocab, ModelConfig.from_dir(Path(self.model)).vocab_size)
 
     def resolved_spec_disable_batch_size(self) -> int:
         if self.speculative_disable_batch_size is not None:

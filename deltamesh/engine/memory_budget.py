@@ -208,6 +208,10 @@ def estimate(c: EngineConfig, mc: ModelConfig, max_model_len: int) -> Footprint:
     fp8 = fp8_weights(mc, device, dtype, None, c.quantization)
     model = build_model(mc, torch.device("meta"), dtype, None, fp8, mtp=c.speculative_tokens > 0)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if c.speculative_tokens and c.speculative_draft_vocab is not None:  # the reduced draft head's copy of its rows
+        from deltamesh.engine.spec.draft_vocab import draft_vocab_ids
+
+        weights += draft_vocab_ids(c.speculative_draft_vocab, mc.vocab_size).numel() * mc.hidden_size * _size(dtype)
     slot, page = state_bytes(mc, dtype, state_dtype), page_bytes(c, mc, dtype)
     slots = c.max_num_seqs + 1 + draft_states(c)
     if c.prefix_cache:

@@ -256,6 +256,14 @@ class TensorParallelGroup:
         out = F.embedding(local.clamp(0, rows.shape[0] - 1), rows).masked_fill_(~mine[:, None], 0)
         return self.all_reduce(out)
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[ranks, ...]: every rank's `x` (of the same shape), in rank order."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.shard.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.stack(parts)
+
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[T, V] logits from each rank's [T, vocab_rows] part."""
         import torch.distributed as dist

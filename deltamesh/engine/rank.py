@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,10 @@ from deltamesh.engine.parallel import TensorParallelGroup
 from deltamesh.engine.runner import ModelRunner
 from deltamesh.engine.weights import fp8_weights, load_model
 from deltamesh.kernels import Kernels, ModelShapes, select_kernels
+
+if TYPE_CHECKING:
+    from deltamesh.engine.models import HybridLM
+    from deltamesh.engine.spec.drafter import MtpDrafter
 
 
 @dataclass
@@ -52,6 +57,8 @@ def build_rank(
         mtp=config.speculative_tokens > 0,
     )
     local = tp.shard.local if tp else mc
+    # the reduced draft head's rows are gathered now, before the KV pool is sized from the memory left
+    drafter = _mtp_drafter(config, model) if config.speculative_tokens else None
 
     def state_pool(num_slots: int, name: str) -> StatePool:
         pool = StatePool(
@@ -112,8 +119,17 @@ def build_rank(
     if k:
         from deltamesh.engine.spec.runner import SpecRunner
 
-        runner.spec = SpecRunner(runner, drafts, k)
+        runner.spec = SpecRunner(runner, drafts, k, drafter)
     return Rank(mc, device, dtype, slots, checkpoints, kv_pool, kernels, runner, drafts)
+
+
+def _mtp_drafter(config: EngineConfig, model: HybridLM) -> MtpDrafter:
+    from deltamesh.engine.spec.draft_vocab import DraftHead, draft_vocab_ids
+    from deltamesh.engine.spec.drafter import MtpDrafter
+
+    if config.speculative_draft_vocab is None:
+        return MtpDrafter()
+    return MtpDrafter(DraftHead(model, draft_vocab_ids(config.speculative_draft_vocab, model.cfg.vocab_size)))
 
 
 def _handoff_area_bytes(

@@ -32,12 +32,12 @@ from deltamesh.services.common.settings import RouterSettings, ServeSettings, Wo
 from deltamesh.services.common.tls import TlsSettings
 from deltamesh.services.ready_notice import announce_when_ready
 from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor, die_with_parent, exit_without_teardown
+from deltamesh.services.token_map_command import token_map
 
 # plain help (rich_markup_mode=None): rich tables cut long option names at 80 columns; plain help wraps them
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
-app.command("generate")(generate)
-app.command("profile")(profile)
-app.command("plan")(plan)
+for _name, _command in (("generate", generate), ("profile", profile), ("plan", plan), ("token-map", token_map)):
+    app.command(_name)(_command)
 
 # the mesh secret is read from this file (or $DELTAMESH_MESH_SECRET) into the settings' mesh_secret
 SECRET_FILE = Option(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -44,6 +45,20 @@ class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
         return continuation(self._details(details), request)
 
 
+def bench_rows(script: str, args: list[str], out: Path, timeout: float) -> list[dict]:
+    """Run bench/`script` with `args` and `--out out` from the repository root; the rows of the JSON it wrote
+    (the run's output in the failure message when it did not exit 0)."""
+    run = subprocess.run(
+        [sys.executable, f"bench/{script}", *args, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())["rows"]
+
+
 def channel(address: str, credentials: grpc.ChannelCredentials | None = None, secret: str | None = None):
     """A channel to one of the mesh's processes; with `secret`, every call carries the mesh secret."""
     ch = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
@@ -58,9 +73,15 @@ class Proc:
     log: Path
     credentials: grpc.ChannelCredentials | None = None  # for TLS meshes
     secret: str | None = None  # the mesh secret its calls carry
+    extra: tuple[str, ...] = ()  # a worker's own arguments, to start it again on another port
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def lost_its_port(self) -> bool:
+        """Exited because another process bound its port between free_port() and its own bind (tests run side
+        by side and each picks ports at random)."""
+        return not self.alive() and "Address already in use" in self.log.read_text()
 
     def stub(self, secret: str | None = ...):
         """A stub of this worker's service; its calls carry the mesh secret unless `secret` says otherwise."""
@@ -139,7 +160,9 @@ class Mesh:
             *self.worker_args,
             *extra,
         ]
-        return self._spawn(role, args, port)
+        proc = self._spawn(role, args, port)
+        proc.extra = tuple(extra)
+        return proc
 
     def client(self, **kwargs) -> Client:
         return Client(self.router_address, **{**self.client_kwargs, **kwargs})
@@ -152,13 +175,21 @@ class Mesh:
         return [p for p in self.procs if p.role != "router" and (role is None or p.role == role) and p.alive()]
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        """Until the router sees every live worker healthy."""
-        want = {p.address for p in self.workers()}
+        """Until the router sees every live worker healthy. A worker that lost its port to another test is
+        started again on another; one that exits with an error fails the wait at once, with its log."""
+        waiting = self.workers()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for p in self.procs:
                 if not p.alive() and p.role == "router":
                     raise RuntimeError(f"router exited:\n{p.log.read_text()[-3000:]}")
+            for p in list(waiting):
+                if p.lost_its_port():
+                    self.procs.remove(p)
+                    waiting[waiting.index(p)] = self.start_worker(p.role, list(p.extra))
+                elif not p.alive() and p.popen.returncode > 0:  # not a test's kill (a signal)
+                    raise RuntimeError(f"{p.role} worker exited while starting:\n{p.log.read_text()[-3000:]}")
+            want = {p.address for p in waiting}
             try:
                 healthy = {w.address for w in self.loads() if w.healthy}
                 if want <= healthy:

@@ -11,6 +11,7 @@ import time
 import pytest
 from harness import start_mesh
 from reliability import record
+from test_admission import router_metrics
 
 from deltamesh.client import DeltameshError, Unavailable
 from deltamesh.engine import DEFAULT_MODEL, SamplingParams
@@ -102,11 +103,13 @@ def test_sigkill_prefill_mid_prefill_is_retried_transparently(tmp_path):
 
 
 def test_sigkill_decode_mid_stream_fails_fast_and_the_router_keeps_serving(tmp_path):
-    mesh = start_mesh(MODEL, tmp_path, prefill=1, decode=2)
+    mesh = start_mesh(MODEL, tmp_path, prefill=1, decode=2, http=True)
     try:
         client = mesh.client(retries=0)
         job = Background(client, "The Python language", max_tokens=3000, temperature=0, ignore_eos=True)
         assert wait_until(lambda: job.tokens >= 5)
+        # its tokens come on the decode worker's token feed (#45), which the kill breaks with the worker
+        assert router_metrics(mesh.http_port).get("deltamesh_router_decode_calls_total{via=feed}") == 1
         victim = next(p for p in mesh.workers("decode") if p.load().running)
         killed_at = time.monotonic()
         mesh.kill(victim, signal.SIGKILL)

@@ -53,18 +53,21 @@ def test_fused_ops_match_the_reference(tokens, fp8):
     post-attention norm + router and shared gate (257 rows) or a gate|up (1024 rows); 3 tokens take the unfused
     kernels."""
     fl, g = triton_fused_linear, torch.Generator(device=DEV).manual_seed(0)
+    # FP8: the kernel quantizes its own (fp32/bf16) op output, the reference the float64 one; values near an e4m3
+    # rounding boundary land a whole step (2**-3 relative) apart, fused or not.
+    tol = 2e-2 if fp8 else 1e-2
     o_proj = weight(2048, 4096, fp8, g)
     x, gate = heads(tokens, 16, 256, g)
     bias = torch.randn(2048, generator=g, device=DEV).bfloat16()
     got = fl.gate_linear(x, gate, o_proj, None if fp8 else bias)
     ref = project_reference(torch_ref.sigmoid_gate(f64(x), f64(gate)), o_proj) + (0 if fp8 else f64(bias))
-    assert rel(got, ref) <= 1e-2
+    assert rel(got, ref) <= tol
 
     x, z = heads(tokens, 32, 128, g)
     norm_w = torch.rand(128, generator=g, device=DEV).bfloat16() + 0.5
     got = fl.gated_norm_linear(x, z, norm_w, 1e-6, o_proj)
     ref = torch_ref.gated_rms_norm(f64(x), f64(z), f64(norm_w), 1e-6).reshape(tokens, -1)
-    assert rel(got, project_reference(ref, o_proj)) <= 1e-2
+    assert rel(got, project_reference(ref, o_proj)) <= tol
 
     h = torch.randn(tokens, 2048, generator=g, device=DEV).bfloat16() * 4
     res = torch.randn(tokens, 2048, generator=g, device=DEV).bfloat16()
@@ -74,7 +77,7 @@ def test_fused_ops_match_the_reference(tokens, fp8):
         normed, total, got = fl.add_rms_norm_linear(h, res, norm_w, 1e-6, w)
         ref_normed, ref_total = torch_ref.add_rms_norm(f64(h), f64(res), f64(norm_w), 1e-6)
         assert rel(total, ref_total) <= 1e-2 and rel(normed, ref_normed) <= 1e-2
-        assert rel(got, project_reference(ref_normed, w)) <= 1e-2, rows
+        assert rel(got, project_reference(ref_normed, w)) <= tol, rows
 
 
 def test_fp8_projection_and_plain_rows_beside_it(tokens):

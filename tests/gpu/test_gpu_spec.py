@@ -70,3 +70,18 @@ def test_verify_steps_replayed_from_cuda_graphs_match_them_run_eagerly(hf_checkp
     graphed, graph_steps, drafts = generate(path, dtype="bfloat16", speculative_tokens=2)
     assert eager_graphs == 0 and graph_steps > 0 and drafts > 0
     assert graphed == eager
+
+
+def test_a_reduced_draft_vocabulary_in_the_verify_graphs_keeps_the_output_and_matches_eager(hf_checkpoints):
+    """The drafter's reduced head (--speculative-draft-vocab, spec/draft_vocab.py): fp32 greedy output equals the
+    output without MTP; inside the captured part 2 of the verify graphs (bf16: an fp32 model keeps the torch
+    attention reference, which runs without graphs) replayed equals eager."""
+    path = hf_checkpoints["qwen3_5_moe"]
+    spec = dict(speculative_tokens=3, speculative_draft_vocab="100")
+    plain, _, _ = generate(path, dtype="float32")
+    exact, _, drafts = generate(path, dtype="float32", **spec)
+    assert exact == plain and drafts > 0
+    eager, eager_graphs, _ = generate(path, dtype="bfloat16", cuda_graphs=False, **spec)
+    graphed, graph_steps, drafts = generate(path, dtype="bfloat16", **spec)
+    assert eager_graphs == 0 and graph_steps > 0 and drafts > 0
+    assert graphed == eager

@@ -3,6 +3,7 @@ heads' part, the leader accepts and sends the counts, every rank commits its par
 part of the MTP module; greedy tokens and logprobs equal the one-rank engine's without MTP."""
 
 import pytest
+from hf_checkpoints import VOCAB
 from test_tensor_parallel import assert_same, engine, prompts, run
 
 from deltamesh.engine import SamplingParams
@@ -45,3 +46,35 @@ def test_two_ranks_with_mtp_and_penalties_match_one_rank_without(hf_checkpoints)
     with engine(path, 1) as e:
         want = e.generate(prompts(), params)
     assert_same(got, want, tol=5e-4)
+
+
+@pytest.mark.parametrize(("family", "draft_vocab"), [("qwen3_5_moe", "spread"), ("qwen3_5", "100")])
+def test_two_ranks_with_a_reduced_draft_vocabulary_match_one_rank_without_mtp(
+    hf_checkpoints, tmp_path, family, draft_vocab
+):
+    """Each rank keeps the hot rows of its own vocabulary shard (ids [0, 160) and [160, 320) here) and the best of
+    the ranks' proposals is the draft: the drafts are one rank's with the same hot set, step for step, and the
+    greedy tokens the one-rank engine's without MTP. "spread": hot ids on both ranks, drafts come from both;
+    "100": the 100 lowest ids, all on rank 0 (rank 1 proposes nothing)."""
+    import torch
+    from test_spec_draft_vocab import recording
+
+    path = hf_checkpoints[family]
+    hot = set(range(1, VOCAB, 3)) if draft_vocab == "spread" else set(range(100))
+    setting = draft_vocab
+    if draft_vocab == "spread":
+        setting = str(tmp_path / "hot.pt")
+        torch.save(torch.tensor(sorted(hot)), setting)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    with engine(path, 2, speculative_tokens=3, speculative_draft_vocab=setting) as e:
+        drafter = recording(e.core)
+        got = e.generate(prompts(), params)
+        assert e.core.stats.spec_drafts > 0
+    with engine(path, 1, speculative_tokens=3, speculative_draft_vocab=setting) as e:
+        one_rank = recording(e.core)
+        assert_same(e.generate(prompts(), params), got, tol=5e-4)
+    # the same steps propose the same drafts as one rank's argmax over the whole hot set
+    assert drafter.proposed == one_rank.proposed and set(drafter.proposed) <= hot
+    if draft_vocab == "spread":  # the gathered proposals' winners come from either rank's shard
+        assert min(drafter.proposed) < VOCAB // 2 <= max(drafter.proposed)
+    assert_same(got, run(path, 1), tol=5e-4)

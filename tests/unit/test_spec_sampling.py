@@ -36,14 +36,20 @@ def joint_distribution(core, prompt: list[int], params: SamplingParams, length: 
     return joint
 
 
-def test_sampled_sequences_follow_the_models_joint_distribution(hf_checkpoints):
-    path = hf_checkpoints["qwen3_5"]
+def sampling_case(path) -> tuple[list[int], list[SamplingParams], dict[tuple[int, ...], float], list[int]]:
+    """The prompt, N seeded samplings of 4 tokens, their exact joint distribution and the greedy continuation, from
+    the engine without MTP."""
     prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(8)).tolist()
     params = [SamplingParams(max_tokens=4, temperature=0.8, top_k=4, seed=i, ignore_eos=True) for i in range(N)]
     plain = engine(path, 0, max_num_seqs=64)
     joint = joint_distribution(plain, prompt, params[0], 4)
     greedy = run(plain, [prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))["r0"]
+    return prompt, params, joint, greedy
 
+
+def test_sampled_sequences_follow_the_models_joint_distribution(hf_checkpoints):
+    path = hf_checkpoints["qwen3_5"]
+    prompt, params, joint, greedy = sampling_case(path)
     core = engine(path, 2, max_num_seqs=64, speculative_disable_batch_size=64)  # every decode step verifies
     assert_follows(sample_with_greedy_drafts(core, prompt, params, greedy), joint)
     # the drafts were verified, some accepted and some rejected
@@ -55,6 +61,13 @@ def sample_with_greedy_drafts(core, prompt: list[int], params: list[SamplingPara
     drafts are the greedy continuation (accepted where a sample follows it, rejected elsewhere)."""
     ids = [f"s{i}" for i in range(len(params))]
     core.runner.spec.drafter = ReferenceDrafter({rid: prompt + greedy + [0] * 4 for rid in ids}, VOCAB)
+    return sample_counts(core, prompt, params)
+
+
+def sample_counts(core, prompt: list[int], params: list[SamplingParams]) -> Counter:
+    """How often each continuation came out of `params` (one request each, request i named s<i>, submitted
+    together) on `core` with its drafter."""
+    ids = [f"s{i}" for i in range(len(params))]
     results, finals = {}, {}
 
     def sink(out):

@@ -9,7 +9,8 @@ then always sees the whole sequence, prompt included, as vLLM's and SGLang's MTP
 a request's accepted tokens lies beyond its length and is overwritten by the next step's catch-up. Then, for each
 request that samples, it drafts K tokens from its last accepted position: the first from the catch-up's output
 there, each further one from one more MTP step over one row per request (chained on the MTP's own hidden state),
-greedily (the acceptance treats a draft as a point mass: spec/accept.py).
+greedily (the acceptance treats a draft as a point mass: spec/accept.py): the argmax over the whole vocabulary, or
+over a reduced draft vocabulary's hot ids when one is set (spec/draft_vocab.py, --speculative-draft-vocab).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deltamesh.kernels.batch import StepBatch
 if TYPE_CHECKING:
     from deltamesh.engine.cache import KVPagePool
     from deltamesh.engine.models import HybridLM
+    from deltamesh.engine.spec.draft_vocab import DraftHead
     from deltamesh.kernels import Kernels
 
 
@@ -55,6 +57,13 @@ class Drafter:
 
 
 class MtpDrafter(Drafter):
+    def __init__(self, head: DraftHead | None = None):
+        """`head`: the reduced draft vocabulary's LM head rows; None: draft over the whole vocabulary."""
+        self.head = head
+
+    def _argmax(self, model: HybridLM, h: torch.Tensor) -> torch.Tensor:
+        return self.head.argmax(h) if self.head is not None else model.logits(h).argmax(-1)
+
     def draft(self, ctx: DraftContext) -> torch.Tensor | None:
         model = ctx.model
         mtp = model.mtp
@@ -64,7 +73,7 @@ class MtpDrafter(Drafter):
         if not ctx.draft or not r:
             return None
         h = g[ctx.last_rows]
-        token = model.logits(h).argmax(-1)
+        token = self._argmax(model, h)
         drafts = [token]
         position = ctx.batch.positions[ctx.last_rows]
         page = ctx.kv_pool.page_size
@@ -82,6 +91,6 @@ class MtpDrafter(Drafter):
                 decode_lengths_on_device=True,
             )
             h = mtp(model, token, h, batch, ctx.kv_pool, ctx.kernels, step)
-            token = model.logits(h).argmax(-1)
+            token = self._argmax(model, h)
             drafts.append(token)
         return torch.stack(drafts, 1)

@@ -63,10 +63,10 @@ class SpecSampling:
 
 
 class SpecRunner:
-    def __init__(self, runner, draft_pool, k: int):
+    def __init__(self, runner, draft_pool, k: int, drafter: Drafter | None = None):
         self.runner, self.draft_pool, self.k = runner, draft_pool, k
         self.width = k + 1
-        self.drafter: Drafter = MtpDrafter()
+        self.drafter: Drafter = drafter or MtpDrafter()
         self.previous: SpecOutputs | None = None  # this rank's last step's outputs
         self.graphs: VerifyGraphs | None = None  # once captured (CUDA)
         self._spec_arrays: list[torch.Tensor] = []

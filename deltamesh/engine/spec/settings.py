@@ -4,6 +4,8 @@ into the engine's own settings (torch-free: the CLI reads it for --help)."""
 from __future__ import annotations
 
 import json
+import re
+from typing import NamedTuple
 
 MAX_SPECULATIVE_TOKENS = 4
 # vLLM's names of MTP drafting for these models (its legacy per-model names too)
@@ -12,11 +14,26 @@ MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 # 35B-A3B shape's verify steps paid for themselves at every K up to batch 64, the largest measured, at the
 # published acceptance (bench/RESULTS.md, bench/gpu_spec.py); beyond 64 nothing was measured, so drafting stops.
 DEFAULT_DISABLE_BATCH_SIZE = 64
+DRAFT_VOCAB_KEY = "speculative_config draft_vocab"
+DRAFT_VOCAB_HELP = (
+    "Speculative decoding: draft over only these token ids (FR-Spec; SGLang's --speculative-token-map), which "
+    "saves reading the whole LM head per draft. A token map file (a torch-saved 1-D tensor of ids, .pt, as "
+    "SGLang's; or a JSON list of ids, .json), or N: the N lowest ids (for byte-level BPE tokenizers such as "
+    "Qwen's, ids follow merge order, which roughly follows frequency; a map of your traffic, from "
+    "`deltamesh token-map`, accepts more). Output is unchanged (drafts are verified); only acceptance can drop. Default: the whole vocabulary"
+)
+_COUNT = re.compile(r"[+-]?\d+")
 
 
-def parse_speculative_config(text: str) -> tuple[int, int | None]:
-    """(speculative tokens, disable batch size or None) of vLLM's `--speculative-config` JSON; ValueError with
-    the reason for anything this engine cannot serve (another method, a draft model, an out-of-range count)."""
+class SpeculativeConfig(NamedTuple):
+    tokens: int
+    disable_batch_size: int | None
+    draft_vocab: str | None  # the --speculative-draft-vocab setting (check_draft_vocab), None: the whole vocabulary
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """The settings in vLLM's `--speculative-config` JSON (and our `draft_vocab`); ValueError with the reason for
+    anything this engine cannot serve (another method, a draft model, an out-of-range count)."""
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
@@ -30,7 +47,7 @@ def parse_speculative_config(text: str) -> tuple[int, int | None]:
         raise ValueError(
             f"speculative_config: method {method!r} is not supported (only the checkpoint's MTP module: 'mtp')"
         )
-    known = {"method", "num_speculative_tokens", "disable_by_batch_size", "model"}
+    known = {"method", "num_speculative_tokens", "disable_by_batch_size", "model", "draft_vocab"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"speculative_config: unsupported keys {unknown} (supported: {sorted(known)})")
@@ -42,7 +59,10 @@ def parse_speculative_config(text: str) -> tuple[int, int | None]:
     disable = spec.get("disable_by_batch_size")
     if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
         raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer, got {disable!r}")
-    return k, disable
+    draft_vocab = spec.get("draft_vocab")
+    return SpeculativeConfig(
+        k, disable, None if draft_vocab is None else check_draft_vocab(draft_vocab, DRAFT_VOCAB_KEY)
+    )
 
 
 def check_tokens(k: object, name: str = "speculative_tokens") -> int:
@@ -50,3 +70,24 @@ def check_tokens(k: object, name: str = "speculative_tokens") -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"{name} must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off), got {k!r}")
     return k
+
+
+def check_draft_vocab(value: object, name: str = "speculative_draft_vocab") -> str:
+    """`value` (a count N, or a token map's path) as the setting's text; the ids themselves are checked when the
+    vocabulary is known (spec/draft_vocab.py)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            f"{name} must be a count of token ids (N >= 1: the N lowest) or the path of a token map (.pt or .json), "
+            f"got {value!r}"
+        )
+    value = value.strip()
+    if draft_vocab_count(value) is not None and int(value) < 1:
+        raise ValueError(f"{name} must be a count >= 1 of token ids (the N lowest) or a token map's path, got {value}")
+    return value
+
+
+def draft_vocab_count(setting: str) -> int | None:
+    """N when the setting is a count, None when it is a token map's path."""
+    return int(setting) if _COUNT.fullmatch(setting) else None

@@ -81,18 +81,18 @@ def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, com
     return sp, stop
 
 
-def delta_from_output(out: RequestOutput) -> common_pb2.TokenDelta:
-    delta = common_pb2.TokenDelta(
-        token_ids=out.new_token_ids,
-        text=out.new_text,
-        finished=out.finished and out.finish_reason is not None,
-        finish_reason=FINISH_TO_PROTO[out.finish_reason],
-        usage=common_pb2.Usage(
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-            cached_tokens=out.num_cached_tokens,
-        ),
-    )
+def delta_from_output(out: RequestOutput, delta: common_pb2.TokenDelta | None = None) -> common_pb2.TokenDelta:
+    """`delta`: an empty message to fill (a token feed's, in its batch: no copy), else a new one."""
+    if delta is None:
+        delta = common_pb2.TokenDelta()
+    delta.token_ids.extend(out.new_token_ids)
+    delta.text = out.new_text
+    delta.finished = out.finished and out.finish_reason is not None
+    delta.finish_reason = FINISH_TO_PROTO[out.finish_reason]
+    usage = delta.usage
+    usage.SetInParent()  # present even when all zero, as it always was
+    usage.prompt_tokens, usage.completion_tokens = out.num_prompt_tokens, out.num_output_tokens
+    usage.cached_tokens = out.num_cached_tokens
     for lp in out.logprobs:
         delta.logprobs.add(
             token_id=lp.token_id,

@@ -5,6 +5,8 @@ transfer figures are observed by the servicers."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
@@ -21,6 +23,28 @@ TPOT = Histogram(
     "Decode/colocated: time between output tokens of a request",
     buckets=_LATENCY,
 )
+
+
+class TokenTimes:
+    """When a request's tokens came, observed as TTFT (its first token, where this worker made it: colocated) and
+    TPOT (the time since its last delta, per token of this one); the same on a token feed and on a Decode stream."""
+
+    __slots__ = ("colocated", "last", "started")
+
+    def __init__(self, colocated: bool):
+        self.colocated = colocated
+        self.started = self.last = time.monotonic()
+
+    def observe(self, new_tokens: int, output_tokens: int, now: float) -> None:
+        if not new_tokens:
+            return
+        if self.colocated and output_tokens == new_tokens:
+            TTFT.observe(now - self.started)
+        else:
+            TPOT.observe((now - self.last) / new_tokens)
+        self.last = now
+
+
 TRANSFER_BYTES = Histogram("deltamesh_transfer_bytes", "Decode: bytes of state pulled per request", buckets=_BYTES)
 TRANSFER_SECONDS = Histogram("deltamesh_transfer_seconds", "Decode: duration of one state pull", buckets=_LATENCY)
 TRANSFER_BUFFERS = Histogram(

@@ -13,6 +13,7 @@ from deltamesh.services.common import metrics
 from deltamesh.services.common.convert import delta_from_output
 from deltamesh.services.common.state_exchange import HolderSide, PullerSide, PullFailed
 from deltamesh.services.common.worker import Worker, engine_request
+from deltamesh.services.decode.feed import Feeds
 from deltamesh.services.decode.offers import PrefixOffers
 from deltamesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -35,6 +36,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         or one without a prefix cache)."""
         self.worker, self.engine, self.pulling, self.holding = worker, worker.engine, pulling, holding
         self.offers = PrefixOffers(worker, holding) if holding is not None else None
+        self.feeds = Feeds()
+
+    async def Feed(self, request: decode_pb2.FeedRequest, context):
+        async for batch in self.feeds.serve(request.feed_id, context):
+            yield batch
 
     async def OfferPrefix(self, request: decode_pb2.OfferPrefixRequest, context) -> decode_pb2.OfferPrefixResponse:
         if self.offers is None:
@@ -49,10 +55,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return self.holding.release(request)
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        feed = None
+        if request.feed_id:  # looked up before any work (a pull): the router retries without it
+            feed = self.feeds.open.get(request.feed_id)
+            if feed is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "the token feed is not open")
         req = await engine_request(self.engine, request, context)
         submit = None
-        started = last = time.monotonic()
-        colocated = not request.HasField("source")  # this worker makes the first token too
+        times = metrics.TokenTimes(colocated=not request.HasField("source"))  # colocated: it makes the first token
         if request.HasField("source"):
             reservation = await self._receive_state(request, context)
             first, drafts = request.source.first_token_id, list(request.source.draft_token_ids)
@@ -65,14 +75,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     f"{uncached} prompt tokens are not in this "
                     f"worker's prefix cache (at most {request.max_uncached_tokens} asked)",
                 )
-        async for out in self.engine.stream(req, submit):
-            if out.new_token_ids:  # one token, or several when this stream fell behind (Engine.stream)
-                now = time.monotonic()
-                if colocated and out.num_output_tokens == len(out.new_token_ids):
-                    metrics.TTFT.observe(now - started)
-                else:
-                    metrics.TPOT.observe((now - last) / len(out.new_token_ids))
-                last = now
+        if feed is not None:  # its deltas go on the feed; this call ends once the last is written there
+            await self.feeds.decode(feed, request.feed_key, req, submit, times, self.engine, context)
+            return
+        async for out in self.engine.stream(req, submit):  # one token, or several when this stream fell behind
+            times.observe(len(out.new_token_ids), out.num_output_tokens, time.monotonic())
             yield delta_from_output(out)
 
     async def _receive_state(self, request: decode_pb2.DecodeRequest, context):

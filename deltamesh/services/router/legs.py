@@ -12,6 +12,7 @@ import grpc
 import structlog
 
 from deltamesh.services.router import metrics
+from deltamesh.services.router.feeds import Feeds, feed_error
 from deltamesh.services.router.pd_decider import PdDecider
 from deltamesh.services.router.policies import Policy
 from deltamesh.services.router.registry import WorkerHandle, WorkerRegistry
@@ -92,6 +93,7 @@ class Legs:
         self.registry, self.policy, self.pd = registry, policy, pd
         self.prefill_retries, self.timeout_s = prefill_retries, timeout_s
         self._background: set[asyncio.Task] = set()
+        self.feeds = Feeds(registry.call_metadata)  # the decode legs' token feeds, one per worker (feeds.py)
 
     def pick(self, role: str, exclude: set[str], prompt_ids=()) -> WorkerHandle:
         candidates = self.registry.pool(role, lambda w: w.address not in exclude)
@@ -180,19 +182,59 @@ class Legs:
         another decode worker retries a failed pull."""
         tried: set[str] = set()
         worker_failed = False  # a decode worker failed (not only a pull): the request's state may be used up
+        again: WorkerHandle | None = None  # the same worker once more, without its feed (it did not know it)
+        use_feed = True
         while True:
-            w = first_choice if first_choice is not None and not tried else self.pick(role, tried, req.prompt_token_ids)
+            if again is not None:
+                w, again = again, None
+            else:
+                w = (
+                    first_choice
+                    if first_choice is not None and not tried
+                    else self.pick(role, tried, req.prompt_token_ids)
+                )
             inflight.worker = w
-            w.inflight += 1
-            call = inflight.call = w.stub.Decode(
-                req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s
-            )
+            w.inflight += 1  # before any wait: the picks of the requests arriving meanwhile count this one
+            feed, key, inbox, call = None, 0, None, None
             streamed = finished = False
             try:
-                while (delta := await call.read()) is not grpc.aio.EOF:  # one async generator fewer per token
-                    streamed = True
-                    finished = delta.finished
-                    yield delta
+                feed = await self.feeds.of(w) if use_feed else None
+                if inflight.aborted:  # while the feed was opened
+                    raise _cancelled_call(inflight, role, w)
+                if feed is not None:
+                    key, inbox = feed.join()
+                    req.feed_id, req.feed_key = feed.id, key
+                    metrics.DECODE_CALLS.labels("feed").inc()
+                else:
+                    req.ClearField("feed_id")
+                    req.ClearField("feed_key")
+                    metrics.DECODE_CALLS.labels("stream").inc()
+                call = inflight.call = w.stub.Decode(
+                    req, metadata=self.registry.call_metadata(req.request_id), timeout=self.timeout_s
+                )
+                if inbox is None:
+                    while (delta := await call.read()) is not grpc.aio.EOF:  # one async generator fewer per token
+                        streamed = True
+                        finished = delta.finished
+                        yield delta
+                else:
+                    call.add_done_callback(inbox.put)  # its end (an error, or OK once its last delta is on the feed)
+                    items, loop, delta_type = inbox.items, asyncio.get_running_loop(), common_pb2.TokenDelta
+                    while not finished:
+                        if not items:  # wait on the inbox's future: no coroutine made per token
+                            waiter = inbox.waiter = loop.create_future()
+                            await waiter
+                            continue
+                        item = items.popleft()
+                        if item.__class__ is delta_type:
+                            streamed = True
+                            finished = item.finished
+                            yield item
+                        elif item is call:
+                            # raises the call's error (as a broken stream would); OK: its last delta is on its way
+                            await call.read()
+                        else:
+                            raise feed_error(item.code, item.details)
                 if not finished:
                     raise _worker_failure(grpc.StatusCode.UNAVAILABLE, role, w, "stream ended early")
                 return
@@ -201,6 +243,12 @@ class Legs:
                     raise
                 raise _cancelled_call(inflight, role, w) from None
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND and feed is not None and not streamed:
+                    # the worker's side of the feed closed before this request reached it (our reader learns it
+                    # next): the same worker, on its own stream
+                    log.warning("token feed not open on the worker; streaming on its own", worker=w.address)
+                    again, use_feed = w, False
+                    continue
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not inflight.aborted:
                     self.registry.mark_failed(w, "decode call unavailable")
                     if self.pd is not None:
@@ -233,7 +281,9 @@ class Legs:
             finally:
                 w.inflight -= 1
                 inflight.call = None
-                if not finished:
+                if feed is not None:
+                    feed.leave(key)
+                if not finished and call is not None:
                     call.cancel()  # the client left or the stream broke: stop the worker's request
 
     async def _another_may_pull(

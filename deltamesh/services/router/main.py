@@ -115,5 +115,6 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         http.should_exit = True
     await asyncio.gather(server.stop(grace_s=2.0), control.stop(grace_s=0.5))
     await asyncio.gather(*tasks, return_exceptions=True)
+    await mesh.legs.feeds.close()  # the token feeds' readers (the channels' closing would end them too)
     await registry.close()
     frontend.close()

@@ -31,6 +31,11 @@ PREFIX_CACHE_HIT_REQUESTS = Counter(
 )
 GENERATION_TOKENS = Counter("deltamesh_router_generation_tokens", "Output tokens streamed to clients")
 RETRIES = Counter("deltamesh_router_retries", "Requests re-sent to another worker", ["leg"])
+DECODE_CALLS = Counter(
+    "deltamesh_router_decode_calls",
+    "Decode calls by how their tokens came: on the worker's token feed (feed) or on their own stream (stream)",
+    ["via"],
+)
 ROUTING_DECISIONS = Counter(
     "deltamesh_router_cache_aware_decisions",
     "cache_aware policy: sent where the prompt's prefix went before (cache) or by load",

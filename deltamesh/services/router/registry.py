@@ -28,6 +28,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
@@ -69,6 +70,7 @@ class WorkerHandle:
     to_announce: dict[str, common_pb2.TransportDescriptor] = field(default_factory=dict)
     announcing: bool = False
     order: LoadOrder | None = field(default=None, repr=False, compare=False)  # its role's, in the registry
+    feeds: Any = field(default=None, repr=False, compare=False)  # its token feed from this process (router/feeds.py)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)

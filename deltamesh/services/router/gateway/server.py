@@ -6,9 +6,8 @@ import asyncio
 import contextlib
 import socket
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from deltamesh.services.router.gateway.app import create_app
 from deltamesh.services.router.gateway.dependencies import Gateway
@@ -22,25 +21,38 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-class _HeaderDeadline(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on receiving a request's line and headers. uvicorn closes idle
-    keep-alive connections but has no such deadline: a client that connects and sends nothing, or half a
-    request line, would hold its connection (and a file descriptor) for ever. The deadline starts when the
-    connection opens or a new request's first bytes arrive, and ends with the request's head."""
+class _HeaderDeadline(HttpToolsProtocol):
+    """uvicorn's httptools protocol (a C parser, cheaper per streamed SSE event than h11: bench/RESULTS.md) with two
+    bounds on a request's line and headers that uvicorn lacks: a deadline, and a size.
+    uvicorn closes idle keep-alive connections, but a client that connects and sends nothing, or half a request
+    line, would hold its connection (and a file descriptor) for ever, and llhttp keeps headers of any size (h11 stopped
+    at 16 KiB). The deadline starts when the connection opens or a new request's first bytes arrive, and ends with the
+    request's head; the head's bytes are counted over the same span."""
 
     header_timeout_s = 10.0  # set per server by start_gateway
+    max_head_bytes = 64 << 10
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        super().connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:  # (re)start: these bytes begin a request
-            self._arm()
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the request's head is in
-            self._disarm()
+        super().data_received(data)  # its callbacks disarm the deadline when the head is complete in `data`
+        if self._deadline is not None and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                self._disarm()
+                self.send_400_response("Request line and headers too large.")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
@@ -48,6 +60,7 @@ class _HeaderDeadline(H11Protocol):
 
     def _arm(self) -> None:
         if self._deadline is None:
+            self._head_bytes = 0
             self._deadline = self.loop.call_later(self.header_timeout_s, self._expired)
 
     def _disarm(self) -> None:
@@ -57,7 +70,7 @@ class _HeaderDeadline(H11Protocol):
 
     def _expired(self) -> None:
         self._deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if not self.transport.is_closing():
             self.transport.close()
 
 
