@@ -193,6 +193,13 @@ def _looks_numeric(s: str) -> bool:
         return False
 
 
+def exit_on_sigterm() -> None:
+    """`timeout` (scripts/gpu_stage.sh) ends a run with SIGTERM, whose default action skips every `finally`: exit
+    through them instead, so that the meshes and simulations they stop (each in a process group of its own, which
+    the signal does not reach) do not outlive the run and hold the GPU for the next one."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
     """Stop a child started with start_new_session=True and everything it started: SIGINT (a mesh shuts
     down cleanly on it), SIGKILL after `timeout` seconds. A group that is already gone is fine."""

@@ -27,7 +27,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CONFIGS, RESULTS, ROOT, free_port, ints, median, print_table, stop_group, write_result
+from bench.common import (
+    CONFIGS,
+    RESULTS,
+    ROOT,
+    exit_on_sigterm,
+    free_port,
+    ints,
+    median,
+    print_table,
+    stop_group,
+    write_result,
+)
 from bench.server_side import PointObserver, metrics_urls
 
 
@@ -315,6 +326,7 @@ def main() -> None:
     p.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--out", default=str(RESULTS / "serve_sweep.json"))
     args = p.parse_args()
+    exit_on_sigterm()
     args.shapes = args.shapes or [(args.input_len, args.output_len)]
     rows = []
     for setup in args.setups:

@@ -27,6 +27,7 @@ from bench.common import (
     CONFIGS,
     RESULTS,
     ROOT,
+    exit_on_sigterm,
     fmt,
     free_port,
     ints,
@@ -173,6 +174,7 @@ def main() -> None:
     p.add_argument("--compare", nargs="+", help="print the side-by-side table of earlier runs' JSON and exit")
     p.add_argument("--out", default=str(RESULTS / "peers.json"))
     args = p.parse_args()
+    exit_on_sigterm()
     if args.compare:
         rows = [r for f in args.compare for r in json.loads(Path(f).read_text())["rows"]]
         print(side_by_side(rows))

@@ -185,12 +185,16 @@ def check_gpu(args) -> list[dict]:
         if not path:
             raise SystemExit(f"--profile {spec!r}: expected SHAPE=FILE, e.g. qwen3.5-9b=h200-9b.json")
         profiles[shape] = Profile.load(path)
-    rows = []
+    rows, elsewhere = [], set()
     for row in data["rows"]:
         prof = profiles.get(row["shape"])
         if prof is None:
             continue
         setup = data["setups"][row["setup"]]
+        gpu = prof.provenance.get("machine", {}).get("gpu")
+        if gpu != setup["gpu"]:  # a profile predicts only the GPU it was made on
+            elsewhere.add(f"{row['setup']} ({setup['gpu']}) for {prof.name} ({gpu or 'no GPU named'})")
+            continue
         if row["layout"] != "colocated" and not prof.transfer.points:
             moves = data["transfers"].get(row["shape"])
             if moves is None:
@@ -213,8 +217,12 @@ def check_gpu(args) -> list[dict]:
                 "prefix_cache": {"profile": prof.engine.get("prefix_cache"), "measured": setup["prefix_cache"]},
             }
         )
+    for skipped in sorted(elsewhere):
+        print(f"not compared, measured on another GPU: {skipped}")
     if not rows:
-        raise SystemExit("no measured row has a profile: --profile qwen3.5-9b=FILE and/or qwen3.5-35b-a3b=FILE")
+        raise SystemExit(
+            "no measured row has a profile of its GPU: --profile qwen3.5-9b=FILE and/or qwen3.5-35b-a3b=FILE"
+        )
     return rows
 
 

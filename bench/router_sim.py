@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, ROOT, busy_warning, free_port, print_table, stop_group, write_result
+from bench.common import RESULTS, ROOT, busy_warning, exit_on_sigterm, free_port, print_table, stop_group, write_result
 from bench.sim_load import process_cpu_seconds, run_load, tree_pids
 from bench.sim_processes import LoadClients, shares
 from deltamesh.services.router.control import read_loads
@@ -356,9 +355,7 @@ def main() -> None:
     i.add_argument("--decisions", type=int, default=2000)
     i.add_argument("--out")
     args = p.parse_args()
-    # `timeout` (scripts/gpu_stage.sh) ends a run with SIGTERM: exit through the `finally`s, which stop the router
-    # and the simulation's processes (each in a process group of its own, which the signal does not reach)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    exit_on_sigterm()
     {"tokens": cmd_tokens, "mesh": cmd_mesh, "index": cmd_index}[args.command](args)
 
 

@@ -81,6 +81,9 @@ if [ -z "${SHAPES:-}" ] && [ -n "$gpu_mib" ] && ((gpu_mib < 100000)); then
   SHAPES=qwen3.5-9b
   echo "gpu_stage: $gpu_mib MiB of GPU memory: SHAPES=$SHAPES"
 fi
+# h100, h200, ...: in the names of files that hold one GPU's figures (profiles)
+gpu_tag=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i 'h[0-9]*' | head -1 | tr H h)
+gpu_tag=${gpu_tag:-gpu}
 
 run() {  # run NAME SECONDS CMD...: bounded, logged, summarised
   local name=$1 limit=$2
@@ -279,8 +282,8 @@ g)
   checked=()
   for shape in ${SHAPES:-qwen3.5-9b qwen3.5-35b-a3b}; do
     TAIL=40 run "profile_$shape" 300 python -m deltamesh.services.cli profile --model "bench/configs/$shape" \
-      --load-format dummy --device cuda --no-transfer --out "$OUT/profile-h200-$shape.json"
-    [ -f "$OUT/profile-h200-$shape.json" ] && checked+=(--profile "$shape=$OUT/profile-h200-$shape.json")
+      --load-format dummy --device cuda --no-transfer --out "$OUT/profile-$gpu_tag-$shape.json"
+    [ -f "$OUT/profile-$gpu_tag-$shape.json" ] && checked+=(--profile "$shape=$OUT/profile-$gpu_tag-$shape.json")
   done
   TAIL=40 run plan_check 120 python bench/plan_check.py gpu ${checked[@]+"${checked[@]}"} --out "$OUT/plan_check_gpu.json"
   ;;

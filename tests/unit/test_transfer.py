@@ -19,7 +19,7 @@ from deltamesh.transfer import (
     open_transport,
     segments,
 )
-from deltamesh.transfer.ucx import UcxTransport, descriptors
+from deltamesh.transfer.ucx import UcxTransport, descriptors, fast_pull_env
 from deltamesh.v1.common_pb2 import TransportDescriptor
 
 
@@ -571,3 +571,10 @@ def test_the_side_channel_listens_on_a_network_only_when_given_an_interface(inte
         assert listening == []
     else:
         assert listening and all(a.split(":")[0] in ("0100007F", "0000000000000000FFFF00000100007F") for a in listening)
+
+
+def test_gpu_pools_keep_cuda_ipc_reads_on_unless_the_user_turned_them_off():
+    """UCX turns CUDA IPC reads off where it sees no NVLink (a one-GPU host): pulls between two workers on one GPU
+    then go through host memory. A GPU worker turns them on; a user's own setting stands."""
+    assert fast_pull_env({}) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    assert fast_pull_env({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}

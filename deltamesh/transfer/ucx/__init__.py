@@ -55,6 +55,14 @@ def side_channel_env(interface: str | None, cuda: bool = False) -> dict[str, str
     }
 
 
+def fast_pull_env(environ) -> dict[str, str]:
+    """Speed settings for pulls of GPU pools, each left as the user set it. UCX turns CUDA IPC reads (`get_zcopy`)
+    off on a GPU without active NVLink links, a one-GPU host among them, where two workers on one GPU then copy
+    through host memory in slices (bench/RESULTS.md, "P/D on one GPU"); `y` keeps the reads on the GPU (same-GPU
+    copies, or PCIe peer reads)."""
+    return {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")}
+
+
 class UcxTransport(Transport):
     kind, version = descriptors.KIND, descriptors.VERSION
     rank_exporter = "deltamesh.transfer.ucx.rank_memory:export"
@@ -71,6 +79,8 @@ class UcxTransport(Transport):
             log.warning("UCX settings replaced by the side channel's own", replaced=replaced, now=env)
         os.environ.update(env)
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        if cuda:
+            os.environ.update(fast_pull_env(os.environ))
         self.interface, self.error_handling, self.spin_s = interface, error_handling, spin_s
 
     @classmethod

@@ -24,7 +24,7 @@ from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
 from deltamesh.services.router.gateway.reply import Reply, respond
-from deltamesh.services.router.gateway.streaming import Deltas, sse, sse_responses
+from deltamesh.services.router.gateway.streaming import Deltas, one_line, sse, sse_responses
 from deltamesh.v1 import common_pb2
 
 router = APIRouter()
@@ -122,9 +122,11 @@ class _TextChunks:
             empty = oa.Completion(
                 id=r.id, created=r.created, model=r.body.model, choices=[oa.CompletionChoice(index=index, text="")]
             )
-            before, after = empty.model_dump_json(exclude_none=False).split('"text":""')  # once: JSON escapes quotes
+            before, after = one_line(empty.model_dump_json(exclude_none=False)).split(
+                '"text":""'
+            )  # once: JSON escapes quotes
             around = self._around[index] = (f'data: {before}"text":', f"{after}\n\n")
-        return around[0] + json.dumps(text, ensure_ascii=False) + around[1]
+        return around[0] + one_line(json.dumps(text, ensure_ascii=False)) + around[1]
 
 
 async def _chunks(reply: CompletionReply, deltas: Deltas):

@@ -18,9 +18,21 @@ from deltamesh.v1 import common_pb2
 Deltas = AsyncIterator[tuple[int, common_pb2.TokenDelta]]
 
 
+# Characters JSON leaves raw in a string but str.splitlines() takes for line ends, and with it the line readers of
+# httpx (`aiter_lines`) and requests (`iter_lines`): raw in an event's data line they cut the event in two and the
+# client fails on half a JSON object (a random-weight model's json_schema output did, through httpx). Their JSON
+# escapes decode to the same text; they can only stand inside JSON strings, so replacing them anywhere is safe.
+_LINE_ENDS_JSON_LEAVES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def one_line(json_text: str) -> str:
+    """`json_text` with every character that a line reader could split on escaped (ASCII text as it is)."""
+    return json_text if json_text.isascii() else json_text.translate(_LINE_ENDS_JSON_LEAVES)
+
+
 def sse(obj) -> str:
     data = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
+    return f"data: {one_line(data)}\n\n"
 
 
 def sse_responses(description: str) -> dict:
