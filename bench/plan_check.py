@@ -17,6 +17,7 @@ medians within 15 %, tokens/s within 10 %.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import secrets
@@ -196,15 +197,18 @@ def check_gpu(args) -> list[dict]:
             elsewhere.add(f"{row['setup']} ({setup['gpu']}) for {prof.name} ({gpu or 'no GPU named'})")
             continue
         if row["layout"] != "colocated" and not prof.transfer.points:
-            moves = data["transfers"].get(row["shape"])
+            # the pulls measured beside the setup's own rows, else those of the shape between two GPUs
+            moves = setup.get("transfers") or data["transfers"].get(row["shape"])
             if moves is None:
                 continue
-            prof.transfer = TransferModel(moves["points"], moves["source"])
-        role = Role(prof, 1, setup["max_num_seqs"], setup["max_num_batched_tokens"])
+            prof = dataclasses.replace(prof, transfer=TransferModel(moves["points"], moves["source"]))
+        # a worker's pool as measured where it had a share of a GPU (the profile sizes one for a whole GPU)
+        kv_tokens = setup.get("kv_tokens_per_worker")
+        role = Role(prof, 1, setup["max_num_seqs"], setup["max_num_batched_tokens"], kv_tokens)
         if row["layout"] == "colocated":
             layout = Layout(setup["max_model_len"], colocated=role)
         else:
-            layout = Layout(setup["max_model_len"], prefill=role, decode=role)
+            layout = Layout(setup["max_model_len"], prefill=role, decode=role, one_gpu=setup.get("one_gpu", False))
         c = row["concurrency"]
         n = max(setup["waves"] * c, setup["min_prompts"])
         rows.append(

@@ -15,6 +15,7 @@ class Role:
     workers: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    kv_tokens: int | None = None  # each worker's KV pool when known (a share of a GPU); else sized from the profile
 
     @property
     def gpus(self) -> int:
@@ -27,12 +28,14 @@ class Role:
 @dataclass(frozen=True, eq=False)
 class Layout:
     """Exactly one of `colocated` and (`prefill`, `decode`). `max_model_len`: the context every worker is sized
-    for (the traffic's longest request)."""
+    for (the traffic's longest request). `one_gpu`: every worker on the same GPU (each in a share of its memory,
+    `Role.kv_tokens`), taking turns on it."""
 
     max_model_len: int
     colocated: Role | None = None
     prefill: Role | None = None
     decode: Role | None = None
+    one_gpu: bool = False
 
     def __post_init__(self) -> None:
         if (self.colocated is None) == (self.prefill is None or self.decode is None):
@@ -53,14 +56,18 @@ class Layout:
 
     @property
     def gpus(self) -> int:
+        if self.one_gpu:
+            return max(r.profile.gpus_per_worker for r in self.roles)
         return sum(r.gpus for r in self.roles)
 
     @property
     def label(self) -> str:
         if self.colocated:
-            return f"colocated x{self.colocated.workers}"
-        p, d = self.prefill_decode()
-        return f"{p.workers}P{d.workers}D"
+            label = f"colocated x{self.colocated.workers}"
+        else:
+            p, d = self.prefill_decode()
+            label = f"{p.workers}P{d.workers}D"
+        return label + " on one GPU" * self.one_gpu
 
     def describe(self) -> str:
         if self.colocated:

@@ -22,6 +22,10 @@ request only then. The gateway and the router each handle a request on one event
 pass one after another, `path_ms` apart: a worker with nothing to do starts a step with the first (as the engine
 does), and the others join a later step. A hand-off from prefill to decode is left at the transfer's time.
 
+Workers on one GPU (`Layout.one_gpu`: 1P+1D in two shares of a GPU) take turns on it: processes without MPS do
+not run kernels at the same time, so while k of them have a step to run each advances at 1/k of its own speed
+(processor sharing, `SharedGpu`); a worker alone on it runs at full speed.
+
 What is left out: the host time the engine overlaps with the device (async scheduling is modelled as steps back to
 back), prefix-cache hits, and transfers slowing each other down.
 """
@@ -62,6 +66,45 @@ class SimRequest:
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.generated
+
+
+class SharedGpu:
+    """One GPU that several workers' steps share (module docstring): each running step's remaining time alone
+    shrinks at 1/k while k steps run; the first to reach zero ends, the others go on at their new share."""
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self.steps: dict[Worker, list] = {}  # worker -> [seconds alone left, when it ends: callback, args, internal]
+        self.since = 0.0  # when the remaining times were last brought up to date
+        self.version = 0  # the end event scheduled last; earlier ones are stale
+
+    def run(self, worker: Worker, seconds: float, done: Callable, args: tuple, internal: bool) -> None:
+        self._advance()
+        self.steps[worker] = [seconds, done, args, internal]
+        self._schedule_next_end()
+
+    def _advance(self) -> None:
+        if self.steps:
+            share = (self.sim.now - self.since) / len(self.steps)
+            for step in self.steps.values():
+                step[0] -= share
+        self.since = self.sim.now
+
+    def _schedule_next_end(self) -> None:
+        self.version += 1
+        if self.steps:
+            left, _, _, internal = min(self.steps.values(), key=lambda step: step[0])
+            when = self.sim.now + max(left, 0.0) * len(self.steps)
+            self.sim.at(when, self._end, self.version, internal=internal)
+
+    def _end(self, version: int) -> None:
+        if version != self.version:
+            return  # the shares changed after this end was scheduled
+        self._advance()
+        worker = min(self.steps, key=lambda w: self.steps[w][0])
+        _, done, args, _ = self.steps.pop(worker)
+        self._schedule_next_end()
+        done(*args)
 
 
 class Worker:
@@ -153,13 +196,19 @@ class Worker:
         context = context / decodes if decodes else 0.0
         seconds = self.profile.step_ms(decodes, context, prompt_tokens, pairs) / 1e3
         steps = 1
-        if decodes == len(items) == len(self.running) and not self.waiting and not self.handoffs:
+        # (not on a shared GPU: how long a run of steps lasts there depends on what the other workers do meanwhile)
+        alone = self.sim.shared_gpu is None
+        if alone and decodes == len(items) == len(self.running) and not self.waiting and not self.handoffs:
             steps, seconds = self._stretch(items, context, seconds)
         self.busy = True
         self.busy_seconds += seconds
         self.steps += steps
         self.sim.steps += steps
-        self.sim.at(self.sim.now + seconds, self._end_step, items, steps, internal=not self._ends_any(items, steps))
+        internal = not self._ends_any(items, steps)
+        if self.sim.shared_gpu:
+            self.sim.shared_gpu.run(self, seconds, self._end_step, (items, steps), internal)
+        else:
+            self.sim.at(self.sim.now + seconds, self._end_step, items, steps, internal=internal)
 
     def _ends_any(self, items: list[tuple[SimRequest, int, int]], steps: int) -> bool:
         """Whether these steps end a request's time here (its last token; a prefill worker's first): only such
@@ -341,8 +390,11 @@ class Simulation:
         self._seq = 0
         self.requests = [SimRequest(i, p, o, a) for i, (a, p, o) in enumerate(traffic.requests())]
         self.workers: dict[str, list[Worker]] = {}
+        self.shared_gpu = SharedGpu(self) if layout.one_gpu else None
         for kind, role in self._roles():
-            kv_tokens = role.profile.memory.kv_capacity_tokens(role.max_num_seqs, layout.max_model_len)
+            kv_tokens = role.kv_tokens or role.profile.memory.kv_capacity_tokens(
+                role.max_num_seqs, layout.max_model_len
+            )
             self._check_fits(kind, role, kv_tokens)
             self.workers[kind] = [Worker(self, f"{kind}-{i}", kind, role, kv_tokens) for i in range(role.workers)]
         self.router = Router(self, layout, self.workers, path_ms)

@@ -167,6 +167,37 @@ def test_a_prompt_stalls_a_running_decode_colocated_not_disaggregated():
     assert ms(a.finished) == 1227
 
 
+def test_workers_on_one_gpu_take_turns_on_it():
+    # the case above, 1P1D with both workers on one GPU: A's prompt [1.0, 1.1] alone, pulled at 1.105, when B's
+    # prompt starts too; while both run each goes at half speed: A's two 10 ms decode steps end at 1.125 and
+    # 1.145 (B has 80 ms of its 100 left), then B alone to 1.225
+    class Fixed(Traffic):
+        def requests(self):
+            return [(1.0, 100, 3), (1.105, 100, 1)]
+
+    traffic = Fixed(LengthDist.parse("100"), LengthDist.parse("3"), request_rate=1.0, num_requests=2)
+    p = synthetic()
+    layout = Layout(4096, prefill=Role(p, 1, 64, 4096), decode=Role(p, 1, 64, 4096), one_gpu=True)
+    a, b = simulate(layout, traffic).requests
+    assert ms(a.first_token) == 1100 and ms(a.finished) == 1145 and ms(b.first_token) == 1225
+    assert layout.gpus == 1 and layout.label == "1P1D on one GPU"
+    # a worker alone on the GPU runs at full speed: the same as on a GPU of its own
+    alone = Fixed(LengthDist.parse("100"), LengthDist.parse("3"), request_rate=1.0, num_requests=1)
+    alone.requests = lambda: [(1.0, 100, 3)]  # type: ignore[method-assign]
+    (a,) = simulate(layout, alone).requests
+    assert ms(a.first_token) == 1100 and ms(a.finished) == 1125
+
+
+def test_a_worker_pool_given_in_tokens_bounds_the_batch():
+    # two prompts prefilled in one 200 ms step, both pulled at 205 and decoded together (4 steps of 10 ms); a decode
+    # pool of 112 tokens holds one: the second is pulled when the first ends (245) and ends 45 ms later
+    traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("5"), concurrency=2, num_requests=2)
+    p = synthetic()
+    for kv_tokens, ends in ((None, [245, 245]), (112, [245, 290])):
+        layout = Layout(4096, prefill=Role(p, 1, 64, 4096), decode=Role(p, 1, 64, 4096, kv_tokens=kv_tokens))
+        assert [ms(r.finished) for r in simulate(layout, traffic).requests] == ends
+
+
 def test_disaggregated_hand_off_holds_the_prefill_slot_until_the_pull():
     # 1P1D, prefill worker of one slot: the second prompt (sent with the first) waits until the first's state
     # is pulled (5 ms after its first token), then prefills 100 ms
