@@ -271,12 +271,12 @@ P)
     --log-dir "$OUT")
   # a run cut by its timeout leaves its mesh (its own process group) holding the GPU: end it before the next
   TAIL=10 run tpot_plain 200 "${peers[@]}" --out "$OUT/tpot_plain.json"
-  pkill -9 -f deltamesh.services.cli
+  pkill -9 -f "[d]eltamesh[.]services[.]cli"
   TAIL=10 run tpot_penalties 200 "${peers[@]}" --out "$OUT/tpot_penalties.json" \
     --serve-args='--presence-penalty 1.5 --frequency-penalty 0.5 --repetition-penalty 1.1'
-  pkill -9 -f deltamesh.services.cli
+  pkill -9 -f "[d]eltamesh[.]services[.]cli"
   TAIL=10 run tpot_json_schema 200 "${peers[@]}" --serve-args='--json-schema long' --out "$OUT/tpot_json_schema.json"
-  pkill -9 -f deltamesh.services.cli
+  pkill -9 -f "[d]eltamesh[.]services[.]cli"
   ;;
 g)
   checked=()
