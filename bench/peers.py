@@ -46,7 +46,9 @@ def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen,
     max_len = max(i + o for i, o in args.loads) + 16
     env = dict(os.environ)
     if engine == "deltamesh":
-        cmd = serve_command(str(folder), port, max_len, args.max_num_seqs, args.max_num_batched_tokens, colocated=True)
+        cmd = serve_command(
+            str(folder), port, max_len, args.max_num_seqs, args.max_num_batched_tokens, True, args.deltamesh_flag
+        )
         ready = f"http://127.0.0.1:{port}/ready"
     else:
         cmd = [
@@ -170,6 +172,12 @@ def main() -> None:
         default="",
         help="more flags of bench/serve.py for every point, e.g. sampling on every request: "
         "--serve-args='--presence-penalty 1.5 --frequency-penalty 0.5 --repetition-penalty 1.1'",
+    )
+    p.add_argument(
+        "--deltamesh-flag",
+        action="append",
+        default=[],
+        help="one more flag of `deltamesh serve` (repeatable), e.g. --deltamesh-flag=--quantization=fp8",
     )
     p.add_argument("--compare", nargs="+", help="print the side-by-side table of earlier runs' JSON and exit")
     p.add_argument("--out", default=str(RESULTS / "peers.json"))

@@ -27,7 +27,8 @@ start)
   # the stages source the staged packages' env.sh from a copy: a later call need not carry the wheel parts again
   mkdir -p /tmp/gpu-parts/p1 && cp "${GPU_PARTS:-.gpu-wheels/p}"1/env.sh /tmp/gpu-parts/p1/ || exit 1
   export GPU_PARTS=/tmp/gpu-parts/p
-  setsid nohup bash -c 'for s in "$@"; do OUT='"$root"'/$s bash scripts/gpu_stage.sh "$s"; done; touch '"$root"'/done' \
+  # a word NAME=VALUE among the stages is exported for the stages after it (e.g. SHAPES=qwen3.5-9b g)
+  setsid nohup bash -c 'for s in "$@"; do case $s in *=*) export "$s"; continue;; esac; OUT='"$root"'/$s bash scripts/gpu_stage.sh "$s"; done; touch '"$root"'/done' \
     stages "$@" > "$root/session.log" 2>&1 < /dev/null &
   echo "started: $*"
   ;;
