@@ -47,7 +47,13 @@ def start(engine: str, folder: Path, args, log: Path) -> tuple[subprocess.Popen,
     env = dict(os.environ)
     if engine == "deltamesh":
         cmd = serve_command(
-            str(folder), port, max_len, args.max_num_seqs, args.max_num_batched_tokens, True, args.deltamesh_flag
+            str(folder),
+            port,
+            max_len,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            colocated=True,
+            extra=args.deltamesh_flag,
         )
         ready = f"http://127.0.0.1:{port}/ready"
     else:

@@ -52,7 +52,7 @@
 #   stage P: what sampling penalties and structured outputs cost a decode step (#41): the 35B-A3B shape colocated,
 #            1024/1024 at concurrency 16 (bench/peers.py), plain, with presence/frequency/repetition penalties on
 #            every request, then with a long JSON schema on every request (compare tpot_median_ms); the first shape
-#            of $SHAPES if set (the 9B shape on an H100); P_SHAPE / P_FLAGS: another shape, more serve flags
+#            of $SHAPES if set (the 9B shape on an H100); P_FLAGS: more serve flags
 #   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
 #            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
 #   stage R: (CPU only, for the GPU host's 16 cores) the router at scale by simulation (#45), within 300 s: router
@@ -266,9 +266,8 @@ n)
   ;;
 P)
   # (SHAPES is the 9B shape on a GPU under 100 GB, above: the 35B-A3B shape needs the H200)
-  # P_SHAPE and P_FLAGS (flags of deltamesh serve) override, e.g. P_SHAPE=qwen3.5-35b-a3b
-  # P_FLAGS=--quantization=fp8 on an H100
-  shapes=${P_SHAPE:-${SHAPES:-qwen3.5-35b-a3b}}
+  # P_FLAGS: more flags of deltamesh serve, e.g. SHAPES=qwen3.5-35b-a3b P_FLAGS=--quantization=fp8 on an H100
+  shapes=${SHAPES:-qwen3.5-35b-a3b}
   flags=()
   for f in ${P_FLAGS:-}; do flags+=("--deltamesh-flag=$f"); done
   peers=(python bench/peers.py --engines deltamesh --shapes "${shapes%% *}" --loads 1024:1024 --concurrency 16
