@@ -4,8 +4,11 @@ the bytes a decode step must move and where a step's GPU time goes."""
 
 from __future__ import annotations
 
+import json
 import re
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -142,6 +145,49 @@ KERNEL_GROUPS = [  # (group, regex over CUDA kernel names), first match wins
 ]
 
 
+def timeline_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int = 12) -> dict:
+    """Where a stream of kernels leaves the GPU idle: `kernels` as (name, start us, duration us) of `steps` steps
+    launched back to back. Per step: the span from the first kernel's start to the last one's end, the time some
+    kernel ran (overlaps counted once) and the rest (idle); and the `top` kernel names after which the GPU idled
+    longest in all (the gap up to the next kernel's start, per step), with their counts and largest gap."""
+    spans = sorted((start, start + dur, name) for name, start, dur in kernels)
+    if not spans:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "kernels": 0, "after": []}
+    busy, end = 0.0, spans[0][0]
+    after: dict[str, dict] = {}
+    for i, (start, stop, name) in enumerate(spans):
+        busy += max(0.0, stop - max(start, end))
+        if i + 1 < len(spans):
+            gap = spans[i + 1][0] - max(stop, end)
+            if gap > 0:
+                row = after.setdefault(name, {"kernel": name[:90], "gaps": 0, "ms": 0.0, "largest_us": 0.0})
+                row["gaps"] += 1
+                row["ms"] += gap / 1e3
+                row["largest_us"] = max(row["largest_us"], gap)
+        end = max(end, stop)
+    span = end - spans[0][0]
+    rows = sorted(after.values(), key=lambda r: -r["ms"])[:top]
+    for r in rows:
+        r["gaps"], r["ms"] = r["gaps"] / steps, r["ms"] / steps
+    return {
+        "span_ms": span / steps / 1e3,
+        "busy_ms": busy / steps / 1e3,
+        "idle_ms": (span - busy) / steps / 1e3,
+        "kernels": len(spans) / steps,
+        "after": rows,
+    }
+
+
+def trace_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every kernel, copy and fill on the GPU in a torch profiler's record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    gpu = ("kernel", "gpu_memcpy", "gpu_memset")
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in events if e.get("cat") in gpu and "ts" in e]
+
+
 def profiled_steps(core, items, steps: int, step=None):
     """The torch profiler's record (CUDA activity) of `steps` eager steps of `items`, after one warm-up step; `step`
     (a function of no arguments) profiles that instead, as it runs (a graph's replay: the kernels it launches)."""
@@ -164,10 +210,15 @@ def profiled_steps(core, items, steps: int, step=None):
     return prof
 
 
-def kernel_breakdown(core, items, steps: int = 3, top: int = 25, step=None) -> tuple[list[dict], list[dict]]:
+def kernel_breakdown(
+    core, items, steps: int = 3, top: int = 25, step=None, timeline: dict | None = None
+) -> tuple[list[dict], list[dict]]:
     """CUDA time per kernel of eager steps of `items` (the kernels a graph replays), or of `step`, grouped by
-    KERNEL_GROUPS: (groups, the `top` slowest kernels)."""
+    KERNEL_GROUPS: (groups, the `top` slowest kernels). `timeline`: a dict that receives the steps' timeline_gaps
+    (the steps run back to back: the idle time between kernels and what came before it)."""
     prof = profiled_steps(core, items, steps, step)
+    if timeline is not None:
+        timeline.update(timeline_gaps(trace_kernels(prof), steps))
     kernels = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)

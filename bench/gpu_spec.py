@@ -9,7 +9,10 @@ from the host's inputs (runner.execute): with K > 0 every request verifies its l
 the leader accepts, the GDN states are committed and the MTP module drafts the next K tokens; the verify-only step
 replays its two CUDA graphs (spec/graphs.py), the plain one its decode graph. `wall_ms`: the step launched and its
 tokens read back, host work included (async scheduling hides the host part behind the step before); `gpu_ms`:
-the GPU's time between events around it.
+the GPU's time between events around it (the host's preparation of the step included: the GPU waits for it);
+`pipelined_ms`: per step of PIPELINED_STEPS launched back to back without a read between them, as async
+scheduling runs a decode loop, so that the host prepares each step while the GPU runs the one before (when the
+host is the slower, this is the host's time a step).
 
 The projection: a verify step yields 1 + a_1 + ... + a_K tokens per request on average, where a_j is the
 probability that draft j is accepted (with all before it): `--acceptance`, by default the published per-position
@@ -25,7 +28,9 @@ N (a reduced vocabulary accepts less: bench/draft_vocab_acceptance.py measures h
 
 `--profile-batch B` (default 1, 0: none): the plain step and the largest K's verify step at batch B, as they run
 (graphs replayed), under the torch profiler: GPU time per kernel group and the slowest kernels (`kernels` in the
-row), to show where a verify step's time goes beyond the plain step's.
+row), to show where a verify step's time goes beyond the plain step's, and the timeline of three steps launched back
+to back (`timeline`: per step the span, the time kernels ran and the idle rest, and the kernels after which the GPU
+idled longest, each with the gaps that followed it).
 
 The JSON is rewritten after each engine (`"complete": false` until the last), so a run stopped by a time limit
 (scripts/gpu_stage.sh v) keeps what it measured; `engine_build_s` is each engine's start-up.
@@ -49,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, decode_items, ints, print_table, write_result
 from bench.gpu_common import core_for, gpu_ms, hbm_bandwidth, host_list, kernel_breakdown, machine_info, time_ms
+
+PIPELINED_STEPS = 8  # steps launched back to back for `pipelined_ms`
 
 PUBLISHED_ACCEPTANCE = (0.80, 0.63, 0.50)
 
@@ -183,21 +190,29 @@ def timed_step(
         "context": context,
         "wall_ms": time_ms(read),
         "gpu_ms": gpu_ms(launch),
+        "pipelined_ms": gpu_ms(lambda: [launch() for _ in range(PIPELINED_STEPS)]) / PIPELINED_STEPS,
         "graphs": core.runner.graph_steps > graph_steps,
         "floor_ms": floor_ms(core, k, batch, context, bandwidth),
     }
     row["of_floor"] = row["floor_ms"] / row["gpu_ms"]
-    print_table([row], ["model", "k", "batch", "wall_ms", "gpu_ms", "floor_ms", "of_floor", "graphs"])
+    print_table([row], ["model", "k", "batch", "wall_ms", "gpu_ms", "pipelined_ms", "floor_ms", "of_floor", "graphs"])
     if profile:
+        timeline: dict = {}
         try:  # a diagnostic: a profiler failure must not cost the stage its remaining rows
-            groups, top = kernel_breakdown(core, items, steps=3, top=25, step=launch)
+            groups, top = kernel_breakdown(core, items, steps=3, top=25, step=launch, timeline=timeline)
         except Exception as e:
             row["kernels_error"] = repr(e)
             print(f"profile failed: {e!r}")
         else:
-            row["kernels"] = {"groups": groups, "top": top}
+            row["kernels"] = {"groups": groups, "top": top, "timeline": timeline}
             print_table(groups, ["group", "kernels", "calls", "ms"])
             print_table(top, ["kernel", "calls", "ms"])
+            print(
+                f"timeline per step, steps back to back: span {timeline['span_ms']:.3f} ms, kernels busy "
+                f"{timeline['busy_ms']:.3f}, idle {timeline['idle_ms']:.3f}, {timeline['kernels']:.0f} kernels; "
+                "idle after:"
+            )
+            print_table(timeline["after"], ["kernel", "gaps", "ms", "largest_us"])
     for it in items:
         core.scheduler.free(it.request)
     return row
@@ -227,6 +242,10 @@ def projections(rows: list[dict], acceptance: list[float]) -> list[dict]:
                 "gpu_tpot_ms": r["gpu_ms"] / per_step,
                 "floor_tpot_ms": r["floor_ms"] / per_step,  # the verify step at its roofline
                 "speedup": base["wall_ms"] / tpot,
+                # steps back to back, as async scheduling runs them: the host's preparation hidden behind the GPU
+                "pipelined_plain_tpot_ms": base["pipelined_ms"],
+                "pipelined_tpot_ms": r["pipelined_ms"] / per_step,
+                "pipelined_speedup": base["pipelined_ms"] * per_step / r["pipelined_ms"],
             }
         )
     return out
@@ -297,6 +316,8 @@ def main() -> None:
             "tpot_ms",
             "floor_tpot_ms",
             "speedup",
+            "pipelined_tpot_ms",
+            "pipelined_speedup",
         ],
     )
     print_table(backoff, ["model", "k", "draft_vocab", "disable_batch"])

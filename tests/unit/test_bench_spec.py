@@ -3,6 +3,7 @@ them, and its projection arithmetic."""
 
 import pytest
 
+from bench.gpu_common import timeline_gaps
 from bench.gpu_spec import PUBLISHED_ACCEPTANCE, disable_batches, floor_ms, projections, verify_items
 from deltamesh.engine import EngineConfig
 from deltamesh.engine.core import EngineCore
@@ -42,17 +43,65 @@ def test_the_floor_reads_the_reduced_draft_heads_rows_per_draft_not_the_whole_lm
 
 def test_the_projection_divides_a_step_by_the_tokens_it_yields():
     rows = [
-        {"model": "m", "k": 0, "draft_vocab": 0, "batch": 1, "wall_ms": 3.0, "gpu_ms": 2.9, "floor_ms": 1.5},
-        {"model": "m", "k": 3, "draft_vocab": 0, "batch": 1, "wall_ms": 4.0, "gpu_ms": 3.9, "floor_ms": 2.0},
-        {"model": "m", "k": 0, "draft_vocab": 0, "batch": 64, "wall_ms": 6.0, "gpu_ms": 6.0, "floor_ms": 4.0},
-        {"model": "m", "k": 3, "draft_vocab": 0, "batch": 64, "wall_ms": 19.0, "gpu_ms": 19.0, "floor_ms": 9.0},
-        {"model": "m", "k": 3, "draft_vocab": 32, "batch": 1, "wall_ms": 3.5, "gpu_ms": 3.4, "floor_ms": 1.8},
+        {
+            "model": "m",
+            "k": 0,
+            "draft_vocab": 0,
+            "batch": 1,
+            "wall_ms": 3.0,
+            "gpu_ms": 2.9,
+            "pipelined_ms": 2.5,
+            "floor_ms": 1.5,
+        },
+        {
+            "model": "m",
+            "k": 3,
+            "draft_vocab": 0,
+            "batch": 1,
+            "wall_ms": 4.0,
+            "gpu_ms": 3.9,
+            "pipelined_ms": 3.2,
+            "floor_ms": 2.0,
+        },
+        {
+            "model": "m",
+            "k": 0,
+            "draft_vocab": 0,
+            "batch": 64,
+            "wall_ms": 6.0,
+            "gpu_ms": 6.0,
+            "pipelined_ms": 6.0,
+            "floor_ms": 4.0,
+        },
+        {
+            "model": "m",
+            "k": 3,
+            "draft_vocab": 0,
+            "batch": 64,
+            "wall_ms": 19.0,
+            "gpu_ms": 19.0,
+            "pipelined_ms": 19.0,
+            "floor_ms": 9.0,
+        },
+        {
+            "model": "m",
+            "k": 3,
+            "draft_vocab": 32,
+            "batch": 1,
+            "wall_ms": 3.5,
+            "gpu_ms": 3.4,
+            "pipelined_ms": 3.0,
+            "floor_ms": 1.8,
+        },
     ]
     projected = projections(rows, list(PUBLISHED_ACCEPTANCE))
     one, many, reduced = projected
     assert one["tokens_per_step"] == pytest.approx(2.93)  # the published mean accepted length at K = 3
     assert one["tpot_ms"] == pytest.approx(4.0 / 2.93) and one["speedup"] == pytest.approx(3.0 / (4.0 / 2.93))
     assert one["floor_tpot_ms"] == pytest.approx(2.0 / 2.93)  # the verify step's roofline over the same tokens
+    # steps back to back (the host's preparation hidden), against the plain step measured the same way
+    assert one["pipelined_tpot_ms"] == pytest.approx(3.2 / 2.93)
+    assert one["pipelined_speedup"] == pytest.approx(2.5 / (3.2 / 2.93))
     assert many["speedup"] < 1
     # a reduced draft vocabulary's rows against the same plain step, at the same acceptance
     assert (reduced["draft_vocab"], reduced["speedup"]) == (32, pytest.approx(3.0 / (3.5 / 2.93)))
@@ -60,3 +109,25 @@ def test_the_projection_divides_a_step_by_the_tokens_it_yields():
         {"model": "m", "k": 3, "draft_vocab": 0, "disable_batch": 64},
         {"model": "m", "k": 3, "draft_vocab": 32, "disable_batch": None},
     ]
+
+
+def test_the_timeline_counts_idle_time_between_kernels_once_and_names_the_kernel_before_it():
+    """Two steps back to back (us): overlapping kernels count their union as busy; each gap goes to the kernel
+    that ran before it, averaged per step."""
+    kernels = [
+        ("gemm", 0.0, 100.0),
+        ("norm", 50.0, 100.0),  # overlaps gemm: busy 0-150
+        ("accept", 200.0, 10.0),  # 50 us idle after norm
+        ("gemm", 1210.0, 100.0),  # 1000 us idle after accept (the next step)
+        ("norm", 1310.0, 40.0),  # back to back: no gap
+        ("accept", 1400.0, 10.0),  # 50 us idle after norm
+    ]
+    t = timeline_gaps(kernels, steps=2)
+    assert t["span_ms"] == pytest.approx(1410 / 2 / 1e3)
+    assert t["busy_ms"] == pytest.approx((150 + 10 + 100 + 40 + 10) / 2 / 1e3)
+    assert t["idle_ms"] == pytest.approx((50 + 1000 + 50) / 2 / 1e3)
+    assert t["kernels"] == 3
+    first, second = t["after"]
+    assert (first["kernel"], first["gaps"], first["ms"], first["largest_us"]) == ("accept", 0.5, 0.5, 1000.0)
+    assert (second["kernel"], second["gaps"], second["ms"], second["largest_us"]) == ("norm", 1.0, 0.05, 50.0)
+    assert timeline_gaps([], steps=1)["idle_ms"] == 0.0
