@@ -26,6 +26,9 @@ over the N lowest token ids (--speculative-draft-vocab N, spec/draft_vocab.py): 
 head instead of all of them, and `floor_ms` counts those. The projection keeps the published acceptance for every
 N (a reduced vocabulary accepts less: bench/draft_vocab_acceptance.py measures how much on the default model).
 
+`--small-weight-tokens N` (default triton_gemv.SMALL_WEIGHT_MAX_TOKENS; 0: off): up to N tokens a small weight (the
+MoE router, GDN's b|a gates) runs the GEMV instead of cuBLAS, for an A/B of whole steps.
+
 `--profile-batch B` (default 1, 0: none): the plain step and the largest K's verify step at batch B, as they run
 (graphs replayed), under the torch profiler: GPU time per kernel group and the slowest kernels (`kernels` in the
 row), to show where a verify step's time goes beyond the plain step's, and the timeline of three steps launched back
@@ -54,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, decode_items, ints, print_table, write_result
 from bench.gpu_common import core_for, gpu_ms, hbm_bandwidth, host_list, kernel_breakdown, machine_info, time_ms
+from deltamesh.kernels import triton_gemv
 
 PIPELINED_STEPS = 8  # steps launched back to back for `pipelined_ms`
 
@@ -282,8 +286,15 @@ def main() -> None:
         help="measure each K > 0 drafting over the N lowest token ids, for each N given (0: the whole vocabulary)",
     )
     p.add_argument("--profile-batch", type=int, default=1, help="profile K=0 and the largest K at this batch (0: none)")
+    p.add_argument(
+        "--small-weight-tokens",
+        type=int,
+        default=triton_gemv.SMALL_WEIGHT_MAX_TOKENS,
+        help="triton_gemv.SMALL_WEIGHT_MAX_TOKENS for every engine (0: small weights take cuBLAS past one token)",
+    )
     p.add_argument("--out", default=str(RESULTS / "gpu_spec.json"))
     args = p.parse_args()
+    triton_gemv.SMALL_WEIGHT_MAX_TOKENS = args.small_weight_tokens  # before the engines capture their graphs
     ks = sorted(set(args.ks) | {0})
     if max(ks) > len(args.acceptance):
         p.error(f"--acceptance gives {len(args.acceptance)} positions, K goes to {max(ks)}")
@@ -329,6 +340,7 @@ def write(out: str, rows: list[dict], acceptance: list[float], complete: bool) -
     projected = projections(rows, acceptance)
     backoff = disable_batches(projected)
     payload = {"complete": complete, "acceptance": acceptance, "steps": rows, "projected": projected}
+    payload["small_weight_tokens"] = triton_gemv.SMALL_WEIGHT_MAX_TOKENS
     write_result(out, payload | {"disable_batch": backoff}, machine_info())
     return projected, backoff
 

@@ -60,12 +60,16 @@
 #            and 4 router processes in front of 200 + 200 simulated workers, the simulation spread over 4 worker and
 #            4 load processes (router_sim.py mesh: do tokens/s grow with the processes?); then the gRPC floor per
 #            token, per-request streams against one multiplexed stream (bench/grpc_floor.py), in what time is left
+#   stage S: small weights through the GEMV at a few tokens (#43, #42; triton_gemv.small_weight_gemv): the GPU tests
+#            of the fused projections, FP8 and speculative decoding, then bench/gpu_spec.py on the first shape of
+#            $SHAPES (SPEC_ARGS adds flags, e.g. --quantization fp8 on an H100) at K = 0 and 3, batch 1 and 4, with
+#            --small-weight-tokens 0 (off) and then the default, about 7 minutes in all
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, T, n, P, g, 1, 1m or R}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, T, n, P, g, 1, 1m, R or S}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 # SITE_FIRST: folders of carried wheels installed with --target (scripts/gpu_session.sh sets it), before the staged
@@ -320,5 +324,14 @@ v)
     --out "$OUT/gpu_spec.json"
   ((rows_s > 0)) && TAIL=40 run verify_rows "$rows_s" python bench/gpu_moe.py --skip-steps --moe triton \
     --op-tokens 1,4 --out "$OUT/gpu_moe_verify_rows.json"
+  ;;
+S)
+  TAIL=30 run small_gemv_tests 200 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fused_linear.py \
+    tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_spec.py -rfE
+  shapes=${SHAPES:-qwen3.5-35b-a3b}
+  for tokens in 0 4; do
+    TAIL=25 run "small_gemv_$tokens" 150 python bench/gpu_spec.py --models "bench/configs/${shapes%% *}" --ks 0,3 \
+      --batches 1,4 --draft-vocab 32768 --small-weight-tokens "$tokens" ${SPEC_ARGS:-} --out "$OUT/small_gemv_$tokens.json"
+  done
   ;;
 esac

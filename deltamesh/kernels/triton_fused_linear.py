@@ -6,8 +6,9 @@ the GEMV of triton_gemv.py computes the op as it loads its input (a `Prologue`),
 - `add_rms_norm_linear`: the residual add and the post-attention RMSNorm, then the MLP's or MoE layer's first
   projection (the router and shared-expert gate; the dense MLP's gate|up).
 
-Each runs fused up to FUSED_MAX_TOKENS tokens, where the weight is FP8 (it goes to the GEMV anyway at one token)
-or has at most PLAIN_MAX_ROWS rows (cuBLAS reaches ~95 % of its floor on the wide bf16 projections, where the
+Each runs fused up to FUSED_MAX_TOKENS tokens (and a small weight, triton_gemv.small_weight_gemv, up to a few
+tokens: the MoE router at a verify step's K+1 rows), where the weight is FP8 (it goes to the GEMV anyway at one
+token) or has at most PLAIN_MAX_ROWS rows (cuBLAS reaches ~95 % of its floor on the wide bf16 projections, where the
 GEMV is slower: bench/RESULTS.md, "Dense 9B projections at one token"). Past that, the op's own kernel
 (triton_fused.py) and then the projection (triton_linear.py): what ran before the fusion, kernel for kernel.
 """
@@ -18,7 +19,15 @@ import torch
 
 from deltamesh.kernels import triton_fused, triton_linear
 from deltamesh.kernels.fp8 import Fp8Weight
-from deltamesh.kernels.triton_gemv import ADD_NORM, GATED_NORM, GEMV_TILE, SIGMOID_GATE, Prologue, gemv
+from deltamesh.kernels.triton_gemv import (
+    ADD_NORM,
+    GATED_NORM,
+    GEMV_TILE,
+    SIGMOID_GATE,
+    Prologue,
+    gemv,
+    small_weight_gemv,
+)
 
 # Read at each call (so when CUDA graphs are captured): 0 runs every op unfused (bench/gpu_fusion.py's A/B).
 FUSED_MAX_TOKENS = 1
@@ -27,7 +36,9 @@ PLAIN_MAX_ROWS = 4096
 
 def _fused(x: torch.Tensor, w) -> bool:
     plain_ok = not isinstance(w, Fp8Weight) and w.shape[0] <= PLAIN_MAX_ROWS and x.dtype == w.dtype
-    return 0 < x.shape[0] <= FUSED_MAX_TOKENS and (isinstance(w, Fp8Weight) or plain_ok)
+    tokens = x.shape[0]
+    few = 0 < tokens <= FUSED_MAX_TOKENS or (FUSED_MAX_TOKENS > 0 and small_weight_gemv(tokens, w))
+    return few and (isinstance(w, Fp8Weight) or plain_ok)
 
 
 def _per_head(x: torch.Tensor) -> bool:

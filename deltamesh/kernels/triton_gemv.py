@@ -336,6 +336,24 @@ GEMV_TILE = (16, 512)
 # K is split until a layer has this many programs per SM (or a slice would be under two BLOCK_Ks).
 GEMV_PROGRAMS_PER_SM = 2
 ARRIVAL_COUNTERS = 4096  # blocks of rows times tokens a split call may have
+# A weight this small stays in the L2 cache while a step's few tokens read it one program per token, so up to
+# SMALL_WEIGHT_MAX_TOKENS tokens the GEMV reads it from HBM about once, in one launch where cuBLAS takes one or two
+# (and a fused op's norm or gate one more): the MoE router (257 x 2048 in bf16) at 4 tokens 5.6 us against
+# cuBLAS's 8.5 (bench/RESULTS.md, "Linear layers"). Verify steps (K+1 rows a request) and decode batches of 2-4
+# run these. Read at each call; 0: off.
+SMALL_WEIGHT_BYTES = 4 << 20
+SMALL_WEIGHT_MAX_TOKENS = 4
+
+
+def weight_bytes(w) -> int:
+    weight = w.weight if isinstance(w, Fp8Weight) else w
+    return weight.numel() * weight.element_size()
+
+
+def small_weight_gemv(tokens: int, w) -> bool:
+    """Whether `tokens` tokens of a projection by `w` (an Fp8Weight or a plain weight) run the GEMV because the
+    weight is small enough to be read from the L2 cache by every token after the first."""
+    return 0 < tokens <= SMALL_WEIGHT_MAX_TOKENS and weight_bytes(w) <= SMALL_WEIGHT_BYTES
 
 
 @functools.cache

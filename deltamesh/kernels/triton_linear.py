@@ -9,6 +9,8 @@ computes), and the activation quantization the fused MoE kernels share.
   blocks) runs on the e4m3 tensor cores. It takes 16-aligned token counts (the activations are padded with zero
   rows) and whole sets of 4 scale groups (K a multiple of 512): a layer that has not those runs the GEMV at any
   size, one program per token.
+- A small weight (triton_gemv.SMALL_WEIGHT_BYTES: routers, GDN's b|a gates) at 2 to SMALL_WEIGHT_MAX_TOKENS tokens:
+  the GEMV, plain or FP8, reading it from the L2 cache for every token after the first.
 - A list of weights (the projections of one input): one output each; an FP8 weight and plain rows beside it run
   in one GEMV launch up to GEMV_MAX_TOKENS tokens (GDN's FP8 qkv|z with its bf16 b|a gates).
 None synchronises with the host, so CUDA graphs capture them."""
@@ -22,7 +24,7 @@ import triton.language as tl
 from torch.nn.functional import ScalingType
 
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, reference_linear
-from deltamesh.kernels.triton_gemv import gemv, quantized_rows
+from deltamesh.kernels.triton_gemv import gemv, quantized_rows, small_weight_gemv
 
 # FP8 weights: up to this many tokens `_gemv` runs, past it cuBLAS's FP8 GEMM wins (bench/RESULTS.md, "Linear
 # layers").
@@ -60,15 +62,19 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None) -> tuple[torc
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None):
     """x [T, K] times w^T (+ bias): cuBLAS for a plain weight; for an Fp8Weight, the GEMV up to GEMV_MAX_TOKENS
-    tokens (or at any size where the layer's shape does not suit cuBLAS's FP8 GEMM), `fp8_gemm` past it. For a
-    list of weights, the list of their outputs (torch_ref.linear)."""
+    tokens (or at any size where the layer's shape does not suit cuBLAS's FP8 GEMM), `fp8_gemm` past it; a small
+    weight (triton_gemv.small_weight_gemv) takes the GEMV at a few tokens. For a list of weights, the list of
+    their outputs (torch_ref.linear)."""
     if isinstance(w, list):
         return _linears(x, w, bias)
+    tokens = x.shape[0]
     if not isinstance(w, Fp8Weight):
-        return F.linear(x, w, bias)
+        # a small weight at 2+ tokens (at one token cuBLAS is the faster: "Linear layers" in bench/RESULTS.md)
+        small = tokens > 1 and small_weight_gemv(tokens, w) and x.dtype == w.dtype
+        return gemv(x if x.stride(-1) == 1 else x.contiguous(), w, bias) if small else F.linear(x, w, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if x.shape[0] <= GEMV_MAX_TOKENS or not fits_fp8_gemm(x, w):
+    if tokens <= GEMV_MAX_TOKENS or small_weight_gemv(tokens, w) or not fits_fp8_gemm(x, w):
         return gemv(x, w, bias)
     return fp8_gemm(x, w, bias)
 

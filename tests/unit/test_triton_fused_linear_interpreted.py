@@ -147,3 +147,44 @@ def test_fused_ops_fall_back_past_one_token_and_take_the_model_shapes():
         out = triton_gemv.gemv(x, qkvz, None, tile, tail=ba)
         errors[f"tail {tile}"] = (rel(out, torch.cat([reference_linear(x, qkvz), x @ ba.T], -1)), 1e-5)
     """)
+
+
+def test_a_small_weight_runs_the_gemv_at_a_few_tokens_and_a_large_one_does_not():
+    """triton_gemv.small_weight_gemv: a router-sized weight at 2-4 tokens (a verify step's rows) takes the GEMV, with
+    the fused op's prologue, instead of the op's own kernel then cuBLAS; 5 tokens, a weight over SMALL_WEIGHT_BYTES
+    or the switch at 0 do not. Each result against the torch reference."""
+    check("""
+    fl, tg = triton_fused_linear, triton_gemv
+    calls = []
+    unfused_norm, gemv = triton_fused.add_rms_norm, triton_linear.gemv
+    triton_fused.add_rms_norm = lambda *a: calls.append("norm kernel") or unfused_norm(*a)
+    triton_linear.gemv = lambda *a, **k: calls.append("gemv") or gemv(*a, **k)
+    small = torch.randn(257, 256) / 16
+    large = torch.randn(tg.SMALL_WEIGHT_BYTES // (4 * 1024) + 16, 1024) / 32  # float32 rows of 1024: over the bytes
+    small_fp8 = fp8(256, 512)
+    for tokens, on, w, want in (
+        (3, 4, small, []),  # fused: the prologue in the GEMV, no norm kernel
+        (5, 4, small, ["norm kernel"]),
+        (3, 4, large, ["norm kernel"]),
+        (3, 0, small, ["norm kernel"]),
+    ):
+        tg.SMALL_WEIGHT_MAX_TOKENS, calls[:] = on, []
+        k = w.shape[1]
+        h, res, norm_w = torch.randn(tokens, k), torch.randn(tokens, k), torch.randn(k) * 0.1
+        got = fl.add_rms_norm_linear(h, res, norm_w, 1e-6, w)
+        ref = torch_ref.add_rms_norm_linear(h, res, norm_w, 1e-6, w)
+        assert calls == want, (tokens, on, w.shape, calls)
+        errors[f"add_rms_norm_linear T={tokens} on={on} rows={w.shape[0]}"] = (rel(got[2], ref[2]), 1e-5)
+    for tokens, on, want in ((1, 4, []), (3, 4, ["gemv"]), (5, 4, []), (3, 0, [])):  # plain: cuBLAS at one token
+        tg.SMALL_WEIGHT_MAX_TOKENS, calls[:] = on, []
+        x = torch.randn(tokens, 256)
+        got = triton_linear.linear(x, small)
+        assert calls == want, (tokens, on, calls)
+        errors[f"plain linear T={tokens} on={on}"] = (rel(got, x @ small.T), 1e-5)
+    for tokens, on, want in ((3, 4, ["gemv"]), (5, 4, []), (3, 0, [])):  # FP8: past one token cuBLAS's FP8 GEMM
+        tg.SMALL_WEIGHT_MAX_TOKENS, calls[:] = on, []
+        x = torch.randn(tokens, 512)
+        got = triton_linear.linear(x, small_fp8)
+        assert calls == want, (tokens, on, calls)
+        errors[f"fp8 linear T={tokens} on={on}"] = (rel(got, reference_linear(x, small_fp8)), 1e-5)
+    """)
