@@ -8,12 +8,14 @@ running request that cannot grow its KV preempts the most recently admitted one,
 lasts what the worker's profile says a step of those tokens takes (profile.py); the tokens it samples are out when
 it ends, and the next step starts at once while there is work.
 
-The router sends each request to the least loaded worker (requests it has sent there and not seen end: what
-`--policy cache_aware` does for prompts with nothing in common). Colocated, a worker prefills and decodes its own
-requests. Disaggregated, a prefill worker holds the state after the first token (its slot and pages stay taken);
-the router then hands the request to a decode worker, which reserves a slot and pages for the prompt (waiting, in
-arrival order, while it has no room), pulls the state (the profile's transfer time) and decodes; the prefill
-worker's state is freed when the pull ends.
+The router (sim_router.py) sends each request to the least loaded worker (requests it has sent there and not seen
+end: what `--policy cache_aware` does for prompts with nothing in common). Colocated, a worker prefills and decodes
+its own requests. Disaggregated, the router first admits the request to a decode worker with room for it, as the
+real router does (services/router/admission.py: a slot and the pages of prompt + output held from admission to the
+end, first come first served; the request waits at the router until then), and sends it to a prefill worker; that
+worker holds the state after the first token (its slot and pages stay taken), the router hands the request to its
+decode worker, which takes a slot and pages for the prompt, pulls the state (the profile's transfer time) and
+decodes; the prefill worker's state is freed when the pull ends.
 
 The serving path (the REST gateway, the router, the network: `path_ms`, measured by bench/plan_check.py from the
 client's and the workers' TTFT) takes that long each way: a request reaches its worker `path_ms` after it is sent,
@@ -39,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltamesh.planner.layouts import Layout, Role
+from deltamesh.planner.sim_router import Router
 from deltamesh.planner.traffic import Traffic
 
 MAX_STEPS = 5_000_000  # a guard: a simulation this long is a mistake (a layout far too small for its traffic)
@@ -317,51 +320,6 @@ class Worker:
                 self.take_handoffs()
         self.busy = False
         self.wake()
-
-
-class Router:
-    def __init__(self, sim: Simulation, layout: Layout, workers: dict[str, list[Worker]], path_ms: float = 0.0):
-        self.sim = sim
-        self.path = path_ms / 1e3  # seconds each way between the client and a worker (module docstring)
-        self._way_in_free = 0.0  # when the way in has handled every request sent so far
-        self.front = workers["colocated"] if layout.colocated else workers["prefill"]
-        self.decoders = workers.get("decode", [])
-
-    @staticmethod
-    def _least_loaded(workers: list[Worker]) -> Worker:
-        return min(workers, key=lambda w: w.inflight)
-
-    def send(self, req: SimRequest) -> None:
-        req.sent = self.sim.now
-        worker = self._least_loaded(self.front)
-        worker.inflight += 1
-        if not self.path:
-            worker.submit(req)
-            return
-        # one request at a time on the way in (module docstring)
-        self._way_in_free = max(self.sim.now, self._way_in_free) + self.path
-        self.sim.at(self._way_in_free, worker.submit, req)
-
-    def prefilled(self, req: SimRequest, prefill: Worker) -> None:
-        prefill.inflight -= 1
-        if req.generated >= req.output_len:
-            prefill.release(req)
-            self._end(req)
-            return
-        decode = self._least_loaded(self.decoders)
-        decode.inflight += 1
-        decode.hand_off(req, prefill)
-
-    def finished(self, req: SimRequest, worker: Worker) -> None:
-        worker.inflight -= 1
-        self._end(req)
-
-    def _end(self, req: SimRequest) -> None:
-        req.finished = self.sim.now + self.path
-        if self.path:
-            self.sim.at(req.finished, self.sim.request_ended)
-        else:
-            self.sim.request_ended()
 
 
 @dataclass

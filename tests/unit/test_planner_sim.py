@@ -188,12 +188,14 @@ def test_workers_on_one_gpu_take_turns_on_it():
     assert ms(a.first_token) == 1100 and ms(a.finished) == 1125
 
 
-def test_a_worker_pool_given_in_tokens_bounds_the_batch():
+def test_a_worker_pool_given_in_tokens_bounds_the_batch_and_the_router_admits_what_it_holds():
     # two prompts prefilled in one 200 ms step, both pulled at 205 and decoded together (4 steps of 10 ms); a decode
-    # pool of 112 tokens holds one: the second is pulled when the first ends (245) and ends 45 ms later
+    # pool of 112 tokens (7 pages) holds one request of 100 + 5 tokens: the router admits the second only when the
+    # first ends, before its prefill (as services/router/admission.py does); the first prefills alone (100 ms),
+    # pulled at 105, ends at 145; the second prefills from 145, pulled at 250, ends at 290
     traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("5"), concurrency=2, num_requests=2)
     p = synthetic()
-    for kv_tokens, ends in ((None, [245, 245]), (112, [245, 290])):
+    for kv_tokens, ends in ((None, [245, 245]), (112, [145, 290])):
         layout = Layout(4096, prefill=Role(p, 1, 64, 4096), decode=Role(p, 1, 64, 4096, kv_tokens=kv_tokens))
         assert [ms(r.finished) for r in simulate(layout, traffic).requests] == ends
 
@@ -331,3 +333,15 @@ def test_decode_stretches_run_exactly_as_step_by_step(monkeypatch):
             assert a.first_token == pytest.approx(b.first_token, abs=1e-9)
             assert a.finished == pytest.approx(b.finished, abs=1e-9)
     assert stretched.preemptions > 0  # the last case runs short of KV pages
+
+
+def test_the_router_admits_to_the_least_loaded_decode_worker_with_a_free_slot_first_come_first_served():
+    # 1P2D, decode workers of one slot each, prefill of 10 ms a prompt (100 tokens), 4 steps of 10 ms to decode:
+    # three requests at once: a and b admitted at 0 (one to each decode worker), prefilled together (200 ms), pulled
+    # at 205, end at 245; c waits at the router until then, prefills alone (100 ms), first token 345, ends 390
+    traffic = Traffic(LengthDist.parse("100"), LengthDist.parse("5"), concurrency=3, num_requests=3)
+    p = synthetic()
+    layout = Layout(4096, prefill=Role(p, 1, 64, 4096), decode=Role(p, 2, 1, 4096))
+    a, b, c = simulate(layout, traffic).requests
+    assert [ms(r.first_token) for r in (a, b, c)] == [200, 200, 345]
+    assert [ms(r.finished) for r in (a, b, c)] == [245, 245, 390]
