@@ -63,7 +63,7 @@
 #   stage S: small weights through the GEMV at a few tokens (#43, #42; triton_gemv.small_weight_gemv): the GPU tests
 #            of the fused projections, FP8 and speculative decoding, then bench/gpu_spec.py on the first shape of
 #            $SHAPES (SPEC_ARGS adds flags, e.g. --quantization fp8 on an H100) at K = 0 and 3, batch 1 and 4, with
-#            --small-weight-tokens 0 (off) and then the default, about 7 minutes in all
+#            --small-weight-tokens 0 (off) and then the default, about 10 minutes on a fresh host (the tests compile)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
@@ -326,7 +326,7 @@ v)
     --op-tokens 1,4 --out "$OUT/gpu_moe_verify_rows.json"
   ;;
 S)
-  TAIL=30 run small_gemv_tests 200 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fused_linear.py \
+  TAIL=30 run small_gemv_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fused_linear.py \
     tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_spec.py -rfE
   shapes=${SHAPES:-qwen3.5-35b-a3b}
   for tokens in 0 4; do
