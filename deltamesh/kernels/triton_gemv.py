@@ -200,19 +200,26 @@ def _gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    TOKENS_FIRST: tl.constexpr,
 ):
-    """out[t, rows] = a[t] @ w[rows]^T (+ bias) for a block of BLOCK_N rows and token t = program_id(2), a being x
+    """out[t, rows] = a[t] @ w[rows]^T (+ bias) for a block of BLOCK_N rows (program_id(0)) and token t
+    (program_id(2); with TOKENS_FIRST the grid is (tokens, blocks of rows, slices of K) instead), a being x
     after the PROLOGUE (`_activation`). Output columns N.. come from `tail`, N_TAIL plain rows beside an FP8 weight
     (the blocks of rows past w's); without a tail, N_TAIL is 0 and no block reaches them.
 
-    With SPLIT_K > 1, program_id(1) takes one slice of K (layers with few output rows need the extra programs
+    With SPLIT_K > 1, program_id(1) (TOKENS_FIRST: 2) takes one slice of K (layers with few output rows need the extra programs
     to keep every SM reading). Each slice stores its float32 sums in `partials`; the last slice to arrive at a
     block of rows adds them up in slice order, so the result does not depend on arrival order, and resets the
     block's counter in `arrivals` for the next call.
 
     ADD_NORM: every program first sums the squares of the whole row (an RMSNorm needs them all); the programs of
     the first block of rows store the residual sum and the normed row, each its own slice of K."""
-    pid_n, split, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if TOKENS_FIRST:  # the tokens of one block of rows launch side by side (they share its weight in L2)
+        t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row_blocks, tokens = tl.num_programs(1), tl.num_programs(0)
+    else:
+        pid_n, split, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row_blocks, tokens = tl.num_programs(0), tl.num_programs(2)
     rstd = 0.0
     if PROLOGUE == ADD_NORM:
         kk = tl.arange(0, BLOCK_K)
@@ -304,15 +311,13 @@ def _gemv(
     if SPLIT_K == 1:
         _store_row(y, bias, out + t * stride_om, col, n_ok, HAS_BIAS)
     else:
-        counter = arrivals + t * tl.num_programs(0) + pid_n
-        tl.store(partials + (split * tl.num_programs(2) + t) * width + col, y, mask=n_ok)
+        counter = arrivals + t * row_blocks + pid_n
+        tl.store(partials + (split * tokens + t) * width + col, y, mask=n_ok)
         tl.debug_barrier()  # every thread's sums are stored before the arrival is counted
         if tl.atomic_add(counter, 1) == SPLIT_K - 1:  # acq_rel: the other slices' sums are visible
             y = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
-                y += tl.load(
-                    partials + (s * tl.num_programs(2) + t) * width + col, mask=n_ok, other=0.0, cache_modifier=".cg"
-                )
+                y += tl.load(partials + (s * tokens + t) * width + col, mask=n_ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0)
             _store_row(y, bias, out + t * stride_om, col, n_ok, HAS_BIAS)
 
@@ -329,6 +334,7 @@ class GemvConfig(NamedTuple):
     block_k: int  # a multiple of BLOCK
     split_k: int  # slices of K, each its own program
     num_warps: int
+    tokens_first: bool = False  # launch order: every token of a block of rows, then the next block (under study)
 
 
 # BLOCK_N rows by BLOCK_K columns per program: its float32 sums are 64 registers per thread at 4 warps.
@@ -443,7 +449,8 @@ def gemv(
     split = config.split_k > 1
     partials = torch.empty(config.split_k, m, n + n_tail, dtype=torch.float32, device=x.device) if split else out
     arrivals = _arrivals(x.device) if split else out
-    _gemv[(blocks, config.split_k, m)](
+    grid = (m, blocks, config.split_k) if config.tokens_first else (blocks, config.split_k, m)
+    _gemv[grid](
         x,
         other,
         norm_weight,
@@ -477,6 +484,7 @@ def gemv(
         config.block_n,
         config.block_k,
         config.split_k,
+        config.tokens_first,
         num_warps=config.num_warps,
     )
     return out
