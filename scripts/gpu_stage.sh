@@ -63,7 +63,8 @@
 #   stage S: small weights through the GEMV at a few tokens (#43, #42; triton_gemv.small_weight_gemv): the GPU tests
 #            of the fused projections, FP8 and speculative decoding, then bench/gpu_spec.py on the first shape of
 #            $SHAPES (SPEC_ARGS adds flags, e.g. --quantization fp8 on an H100) at K = 0 and 3, batch 1 and 4, with
-#            --small-weight-tokens 0 (off) and then the default, about 10 minutes on a fresh host (the tests compile)
+#            --small-weight-tokens 0 (off) and then the default; then bench/gpu_linear.py at 1, 2 and 4 tokens (the FP8
+#            GEMV launched tokens first against its default order and cuBLAS), about 12 minutes on a fresh host
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
@@ -333,5 +334,6 @@ S)
     TAIL=25 run "small_gemv_$tokens" 150 python bench/gpu_spec.py --models "bench/configs/${shapes%% *}" --ks 0,3 \
       --batches 1,4 --draft-vocab 32768 --small-weight-tokens "$tokens" ${SPEC_ARGS:-} --out "$OUT/small_gemv_$tokens.json"
   done
+  TAIL=40 run gpu_linear_few 150 python bench/gpu_linear.py --tokens 1,2,4 --out "$OUT/gpu_linear_few.json"
   ;;
 esac
