@@ -207,8 +207,8 @@ def _gemv(
     after the PROLOGUE (`_activation`). Output columns N.. come from `tail`, N_TAIL plain rows beside an FP8 weight
     (the blocks of rows past w's); without a tail, N_TAIL is 0 and no block reaches them.
 
-    With SPLIT_K > 1, program_id(1) (TOKENS_FIRST: 2) takes one slice of K (layers with few output rows need the extra programs
-    to keep every SM reading). Each slice stores its float32 sums in `partials`; the last slice to arrive at a
+    With SPLIT_K > 1, program_id(1) (TOKENS_FIRST: 2) takes one slice of K (layers with few output rows need the
+    extra programs to keep every SM reading). Each slice stores its float32 sums in `partials`; the last slice to arrive at a
     block of rows adds them up in slice order, so the result does not depend on arrival order, and resets the
     block's counter in `arrivals` for the next call.
 
