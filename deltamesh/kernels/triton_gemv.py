@@ -208,9 +208,9 @@ def _gemv(
     (the blocks of rows past w's); without a tail, N_TAIL is 0 and no block reaches them.
 
     With SPLIT_K > 1, program_id(1) (TOKENS_FIRST: 2) takes one slice of K (layers with few output rows need the
-    extra programs to keep every SM reading). Each slice stores its float32 sums in `partials`; the last slice to arrive at a
-    block of rows adds them up in slice order, so the result does not depend on arrival order, and resets the
-    block's counter in `arrivals` for the next call.
+    extra programs to keep every SM reading). Each slice stores its float32 sums in `partials`; the last slice to
+    arrive at a block of rows adds them up in slice order, so the result does not depend on arrival order, and
+    resets the block's counter in `arrivals` for the next call.
 
     ADD_NORM: every program first sums the squares of the whole row (an RMSNorm needs them all); the programs of
     the first block of rows store the residual sum and the normed row, each its own slice of K."""
