@@ -8,11 +8,28 @@ import json
 import re
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from bench import common
+
+
+@contextmanager
+def few_token_fusions(on: bool):
+    """The engine's few-token paths as it runs them (on), or off: every op its own kernel and cuBLAS for every
+    plain projection, as before them (triton_fused_linear.FUSED_MAX_TOKENS and triton_gemv.SMALL_WEIGHT_MAX_TOKENS
+    at 0; both are read at each call, so when CUDA graphs are captured)."""
+    from deltamesh.kernels import triton_fused_linear, triton_gemv
+
+    saved = triton_fused_linear.FUSED_MAX_TOKENS, triton_gemv.SMALL_WEIGHT_MAX_TOKENS
+    if not on:
+        triton_fused_linear.FUSED_MAX_TOKENS = triton_gemv.SMALL_WEIGHT_MAX_TOKENS = 0
+    try:
+        yield
+    finally:
+        triton_fused_linear.FUSED_MAX_TOKENS, triton_gemv.SMALL_WEIGHT_MAX_TOKENS = saved
 
 
 def host_list(t: torch.Tensor) -> list:
@@ -85,6 +102,24 @@ def gpu_ms(fn, iters: int = 20) -> float:
     return common.median(times)
 
 
+def pipelined_ms(fn, steps: int = 8, iters: int = 10) -> float:
+    """Median GPU time per call of fn() launched `steps` times back to back with no read between them, as async
+    scheduling runs a decode loop: timed from the end of one call launched first, so that no call waits for its
+    host preparation on an idle GPU (the host prepares each while the GPU runs the one before)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return common.median(times)
+
+
 def graph_ms(fn) -> float:
     """GPU time of one replay of fn() captured in a CUDA graph (launch overhead as a decode step pays it)."""
     stream = torch.cuda.Stream()
@@ -149,22 +184,23 @@ def timeline_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int 
     """Where a stream of kernels leaves the GPU idle: `kernels` as (name, start us, duration us) of `steps` steps
     launched back to back. Per step: the span from the first kernel's start to the last one's end, the time some
     kernel ran (overlaps counted once) and the rest (idle); and the `top` kernel names after which the GPU idled
-    longest in all (the gap up to the next kernel's start, per step), with their counts and largest gap."""
+    longest in all (the gap from the end of the kernel that ended last up to the next kernel's start, per step),
+    with their counts and largest gap."""
     spans = sorted((start, start + dur, name) for name, start, dur in kernels)
     if not spans:
         return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "kernels": 0, "after": []}
-    busy, end = 0.0, spans[0][0]
+    busy, end, last = 0.0, spans[0][0], spans[0][2]  # last: the kernel that ended last so far
     after: dict[str, dict] = {}
     for i, (start, stop, name) in enumerate(spans):
         busy += max(0.0, stop - max(start, end))
-        if i + 1 < len(spans):
-            gap = spans[i + 1][0] - max(stop, end)
-            if gap > 0:
-                row = after.setdefault(name, {"kernel": name[:90], "gaps": 0, "ms": 0.0, "largest_us": 0.0})
-                row["gaps"] += 1
-                row["ms"] += gap / 1e3
-                row["largest_us"] = max(row["largest_us"], gap)
-        end = max(end, stop)
+        if stop >= end:
+            end, last = stop, name
+        if i + 1 < len(spans) and spans[i + 1][0] > end:
+            gap = spans[i + 1][0] - end
+            row = after.setdefault(last, {"kernel": last[:90], "gaps": 0, "ms": 0.0, "largest_us": 0.0})
+            row["gaps"] += 1
+            row["ms"] += gap / 1e3
+            row["largest_us"] = max(row["largest_us"], gap)
     span = end - spans[0][0]
     rows = sorted(after.values(), key=lambda r: -r["ms"])[:top]
     for r in rows:

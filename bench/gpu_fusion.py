@@ -1,5 +1,6 @@
 """Projections fused with the op before them (kernels/triton_fused_linear.py; issue #43) on one GPU: whole decode
-steps with the fusion off (triton_fused_linear.FUSED_MAX_TOKENS = 0: every op its own kernel, as before it) and
+steps with the fusion off (gpu_common.few_token_fusions(False): every op its own kernel, cuBLAS for every plain
+projection, as before it) and
 on, per model shape, quantization and batch, in one process with the same weights:
 
 - `graph_gpu_ms`: GPU time of the step's CUDA graph replay (CUDA events), host preparation outside it;
@@ -32,13 +33,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, decode_items, ints, print_table, write_result
-from bench.gpu_common import core_for, gpu_ms, hbm_bandwidth, kernel_breakdown, machine_info, step_bytes, time_ms
+from bench.gpu_common import (
+    core_for,
+    few_token_fusions,
+    gpu_ms,
+    hbm_bandwidth,
+    kernel_breakdown,
+    machine_info,
+    step_bytes,
+    time_ms,
+)
 from bench.gpu_linear import Ring
 from bench.gpu_moe import launches_per_step, touched_expert_bytes
 from deltamesh.engine.config import FULL_ATTENTION, ModelConfig
 from deltamesh.kernels import triton_fused_linear
-
-FUSED = triton_fused_linear.FUSED_MAX_TOKENS
 
 
 def op_rows(model: str) -> list[dict]:
@@ -82,12 +90,9 @@ def op_rows(model: str) -> list[dict]:
             if weights == "fp8" and (op.endswith("router") or n % 128):
                 continue  # FP8 checkpoints keep the router in bf16
             row = {"bench": "op", "model": model, "op": op, "weights": weights, "per_pass": per_pass}
-            for fused in (0, FUSED):
-                triton_fused_linear.FUSED_MAX_TOKENS = fused
-                try:
+            for fused in (False, True):
+                with few_token_fusions(fused):
                     row["fused_us" if fused else "unfused_us"] = ring.ms(call, getattr(ring, weights)) * 1e3
-                finally:
-                    triton_fused_linear.FUSED_MAX_TOKENS = FUSED
             row["saved_per_pass_ms"] = (row["unfused_us"] - row["fused_us"]) * per_pass / 1e3
             rows.append(row)
         del ring
@@ -96,9 +101,8 @@ def op_rows(model: str) -> list[dict]:
 
 def step_rows(core, model: str, quantization: str, batches: list[int], context: int, bandwidth: float) -> list[dict]:
     rows = []
-    for fused in (0, FUSED):  # read when the graphs are captured
-        triton_fused_linear.FUSED_MAX_TOKENS = fused
-        try:
+    for fused in (False, True):  # read when the graphs are captured
+        with few_token_fusions(fused):
             core.runner.capture_decode_graphs(max(batches), context + 64)
             for batch in batches:
                 items = decode_items(core, batch, context)
@@ -124,8 +128,6 @@ def step_rows(core, model: str, quantization: str, batches: list[int], context: 
                 )
                 for it in items:
                     core.scheduler.free(it.request)
-        finally:
-            triton_fused_linear.FUSED_MAX_TOKENS = FUSED
     return rows
 
 

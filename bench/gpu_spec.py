@@ -12,7 +12,8 @@ tokens read back, host work included (async scheduling hides the host part behin
 the GPU's time between events around it (the host's preparation of the step included: the GPU waits for it);
 `pipelined_ms`: per step of PIPELINED_STEPS launched back to back without a read between them, as async
 scheduling runs a decode loop, so that the host prepares each step while the GPU runs the one before (when the
-host is the slower, this is the host's time a step).
+host is the slower, this is the host's time a step; timed from the end of a step launched before them:
+gpu_common.pipelined_ms).
 
 The projection: a verify step yields 1 + a_1 + ... + a_K tokens per request on average, where a_j is the
 probability that draft j is accepted (with all before it): `--acceptance`, by default the published per-position
@@ -56,7 +57,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, decode_items, ints, print_table, write_result
-from bench.gpu_common import core_for, gpu_ms, hbm_bandwidth, host_list, kernel_breakdown, machine_info, time_ms
+from bench.gpu_common import (
+    core_for,
+    gpu_ms,
+    hbm_bandwidth,
+    host_list,
+    kernel_breakdown,
+    machine_info,
+    pipelined_ms,
+    time_ms,
+)
 from deltamesh.kernels import triton_gemv
 
 PIPELINED_STEPS = 8  # steps launched back to back for `pipelined_ms`
@@ -194,7 +204,7 @@ def timed_step(
         "context": context,
         "wall_ms": time_ms(read),
         "gpu_ms": gpu_ms(launch),
-        "pipelined_ms": gpu_ms(lambda: [launch() for _ in range(PIPELINED_STEPS)]) / PIPELINED_STEPS,
+        "pipelined_ms": pipelined_ms(launch, PIPELINED_STEPS),
         "graphs": core.runner.graph_steps > graph_steps,
         "floor_ms": floor_ms(core, k, batch, context, bandwidth),
     }

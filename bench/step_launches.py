@@ -1,5 +1,5 @@
 """Kernel launches of one eager decode step with the Triton backend's ops, counted on the CPU (no GPU needed), with
-the fused projections off (triton_fused_linear.FUSED_MAX_TOKENS = 0: every op its own kernel, as before them)
+the fused projections off (gpu_common.few_token_fusions(False): every op its own kernel, as before them)
 and on. The model is the 35B-A3B shape at small widths (a layer's launches do not depend on its widths; fewer
 routed choices per token, which run in the same two kernels), dummy weights, the Triton kernels run by Triton's
 CPU interpreter. Steps of 4 and 8 layers are counted (one and two periods of 3 GDN + 1 attention layers), and
@@ -34,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, RESULTS, decode_items, ints, print_table, write_result
-from deltamesh.kernels import registry, triton_backend, triton_fused_linear
+from bench.gpu_common import few_token_fusions
+from deltamesh.kernels import registry, triton_backend
 from deltamesh.kernels.registry import OPS, Kernels, ModelShapes
 
 # The 35B-A3B shape's layers and kinds of projection at small widths (FP8 needs whole 128-row blocks).
@@ -175,14 +176,11 @@ def counted_model(model: Path, layers: int, batches: list[int], quantization: st
             quantization=quantization,
         )
         core = EngineCore(config)
-    kernels, counts, default = triton_ops(core), {}, triton_fused_linear.FUSED_MAX_TOKENS
+    kernels, counts = triton_ops(core), {}
     for batch in batches:
-        for fused, max_tokens in (("off", 0), ("on", default)):
-            triton_fused_linear.FUSED_MAX_TOKENS = max_tokens
-            try:
+        for fused in ("off", "on"):
+            with few_token_fusions(fused == "on"):
                 counts[batch, fused] = step_counts(core, kernels, batch, context=40)
-            finally:
-                triton_fused_linear.FUSED_MAX_TOKENS = default
     return counts
 
 

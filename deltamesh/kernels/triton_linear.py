@@ -69,8 +69,16 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None):
         return _linears(x, w, bias)
     tokens = x.shape[0]
     if not isinstance(w, Fp8Weight):
-        # a small weight at 2+ tokens (at one token cuBLAS is the faster: "Linear layers" in bench/RESULTS.md)
-        small = tokens > 1 and small_weight_gemv(tokens, w) and x.dtype == w.dtype
+        # a small weight at 2+ tokens (at one token cuBLAS is the faster: "Linear layers" in bench/RESULTS.md), in
+        # the layouts the GEMV takes (F.linear takes any other)
+        small = (
+            tokens > 1
+            and small_weight_gemv(tokens, w)
+            and x.dim() == 2
+            and x.dtype == w.dtype
+            and w.stride(1) == 1
+            and (bias is None or bias.is_contiguous())
+        )
         return gemv(x if x.stride(-1) == 1 else x.contiguous(), w, bias) if small else F.linear(x, w, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()

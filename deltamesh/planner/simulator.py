@@ -201,7 +201,9 @@ class Worker:
         steps = 1
         # (not on a shared GPU: how long a run of steps lasts there depends on what the other workers do meanwhile)
         alone = self.sim.shared_gpu is None
-        if alone and decodes == len(items) == len(self.running) and not self.waiting and not self.handoffs:
+        # (nor on a prefill worker, whose one-token prompts look like decodes but end there after one step)
+        steady = decodes == len(items) == len(self.running) and not self.waiting and not self.handoffs
+        if alone and self.kind != "prefill" and steady:
             steps, seconds = self._stretch(items, context, seconds)
         self.busy = True
         self.busy_seconds += seconds
@@ -366,6 +368,8 @@ class Simulation:
         return [("prefill", prefill), ("decode", decode)]
 
     def _check_fits(self, kind: str, role: Role, kv_tokens: int) -> None:
+        if role.workers < 1 or role.max_num_seqs < 1:
+            raise SimulationError(f"a {kind} role needs a worker and a slot (got {role.workers} x {role.max_num_seqs})")
         page = role.profile.memory.page_size
         longest = max(p + o for _, p, o in ((r.arrival, r.prompt_len, r.output_len) for r in self.requests))
         need = -(-longest // page) * page

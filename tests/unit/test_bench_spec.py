@@ -131,3 +131,6 @@ def test_the_timeline_counts_idle_time_between_kernels_once_and_names_the_kernel
     assert (first["kernel"], first["gaps"], first["ms"], first["largest_us"]) == ("accept", 0.5, 0.5, 1000.0)
     assert (second["kernel"], second["gaps"], second["ms"], second["largest_us"]) == ("norm", 1.0, 0.05, 50.0)
     assert timeline_gaps([], steps=1)["idle_ms"] == 0.0
+    # a gap goes to the kernel that ended last, not to the one that started last
+    t = timeline_gaps([("a", 0.0, 200.0), ("b", 50.0, 50.0), ("c", 300.0, 10.0)], steps=1)
+    assert [(r["kernel"], r["largest_us"]) for r in t["after"]] == [("a", 100.0)]

@@ -345,3 +345,14 @@ def test_the_router_admits_to_the_least_loaded_decode_worker_with_a_free_slot_fi
     a, b, c = simulate(layout, traffic).requests
     assert [ms(r.first_token) for r in (a, b, c)] == [200, 200, 345]
     assert [ms(r.finished) for r in (a, b, c)] == [245, 245, 390]
+
+
+def test_a_one_token_prompt_ends_its_prefill_and_decodes_on_the_decode_worker():
+    # 1P1D: a 1-token prompt is one 1 ms prefill step (like a decode in the step model: 10 ms here), never a run of
+    # decode steps on the prefill worker; pulled in 5 ms, its other 4 tokens on the decode worker
+    traffic = Traffic(LengthDist.parse("1"), LengthDist.parse("5"), concurrency=1, num_requests=1)
+    result = simulate(disaggregated(synthetic()), traffic)
+    (a,) = result.requests
+    assert ms(a.first_token) == 10 and ms(a.finished) == 55
+    with pytest.raises(SimulationError, match="needs a worker and a slot"):
+        simulate(Layout(4096, prefill=Role(synthetic(), 1, 64, 4096), decode=Role(synthetic(), 1, 0, 4096)), traffic)

@@ -183,6 +183,13 @@ def test_a_small_weight_runs_the_gemv_at_a_few_tokens_and_a_large_one_does_not()
         got = triton_linear.linear(x, small)
         assert calls == want, (tokens, on, calls)
         errors[f"plain linear T={tokens} on={on}"] = (rel(got, x @ small.T), 1e-5)
+    # layouts the GEMV does not take stay on F.linear: a transposed weight, 3-D x
+    tg.SMALL_WEIGHT_MAX_TOKENS, calls[:] = 4, []
+    x, transposed = torch.randn(3, 256), (torch.randn(256, 257) / 16).t()
+    errors["plain linear, transposed weight"] = (rel(triton_linear.linear(x, transposed), x @ transposed.T), 1e-5)
+    x3 = torch.randn(3, 2, 256)
+    errors["plain linear, 3-D x"] = (rel(triton_linear.linear(x3, small), x3 @ small.T), 1e-5)
+    assert calls == [], calls
     for tokens, on, want in ((3, 4, ["gemv"]), (5, 4, []), (3, 0, [])):  # FP8: past one token cuBLAS's FP8 GEMM
         tg.SMALL_WEIGHT_MAX_TOKENS, calls[:] = on, []
         x = torch.randn(tokens, 512)
