@@ -72,7 +72,11 @@ class Serve:
         """pid -> (role, gRPC address of a worker or '' for the router), from /proc (no psutil here)."""
         out = {}
         for task in Path(f"/proc/{self.popen.pid}/task").glob("*"):
-            for pid in (task / "children").read_text().split():
+            try:
+                pids = (task / "children").read_text().split()
+            except OSError:  # the thread ended after the listing (it has no children then)
+                continue
+            for pid in pids:
                 try:
                     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
                     env = environ(int(pid))
