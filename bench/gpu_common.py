@@ -88,12 +88,15 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return common.median(times)
 
 
-def gpu_ms(fn, iters: int = 20) -> float:
-    """Median GPU time of fn() between CUDA events, after a warm-up call."""
+def gpu_ms(fn, iters: int = 20, before=None) -> float:
+    """Median GPU time of fn() between CUDA events, after a warm-up call; `before` (a function) is launched ahead
+    of each timed call, outside the events."""
     fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before is not None:
+            before()
         start.record()
         fn()
         end.record()
@@ -106,18 +109,7 @@ def pipelined_ms(fn, steps: int = 8, iters: int = 10) -> float:
     """Median GPU time per call of fn() launched `steps` times back to back with no read between them, as async
     scheduling runs a decode loop: timed from the end of one call launched first, so that no call waits for its
     host preparation on an idle GPU (the host prepares each while the GPU runs the one before)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
-    return common.median(times)
+    return gpu_ms(lambda: [fn() for _ in range(steps)], iters, before=fn) / steps
 
 
 def graph_ms(fn) -> float:

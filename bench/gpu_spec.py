@@ -349,9 +349,15 @@ def write(out: str, rows: list[dict], acceptance: list[float], complete: bool) -
     """The JSON of the rows measured so far (`complete`: every model and K of the command)."""
     projected = projections(rows, acceptance)
     backoff = disable_batches(projected)
-    payload = {"complete": complete, "acceptance": acceptance, "steps": rows, "projected": projected}
-    payload["small_weight_tokens"] = triton_gemv.SMALL_WEIGHT_MAX_TOKENS
-    write_result(out, payload | {"disable_batch": backoff}, machine_info())
+    payload = {
+        "complete": complete,
+        "acceptance": acceptance,
+        "small_weight_tokens": triton_gemv.SMALL_WEIGHT_MAX_TOKENS,
+        "steps": rows,
+        "projected": projected,
+        "disable_batch": backoff,
+    }
+    write_result(out, payload, machine_info())
     return projected, backoff
 
 

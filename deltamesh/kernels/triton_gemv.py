@@ -344,9 +344,9 @@ GEMV_PROGRAMS_PER_SM = 2
 ARRIVAL_COUNTERS = 4096  # blocks of rows times tokens a split call may have
 # A weight this small stays in the L2 cache while a step's few tokens read it one program per token, so up to
 # SMALL_WEIGHT_MAX_TOKENS tokens the GEMV reads it from HBM about once, in one launch where cuBLAS takes one or two
-# (and a fused op's norm or gate one more): the MoE router (257 x 2048 in bf16) at 4 tokens 5.6 us against
-# cuBLAS's 8.5 (bench/RESULTS.md, "Linear layers"). Verify steps (K+1 rows a request) and decode batches of 2-4
-# run these. Read at each call; 0: off.
+# (and a fused op's norm or gate one more): the MoE router, GDN's b|a gates in verify steps (K+1 rows a request)
+# and decode batches of 2-4 (bench/RESULTS.md, "Linear layers" and "Small weights through the GEMV"). Read at each
+# call; 0: off.
 SMALL_WEIGHT_BYTES = 4 << 20
 SMALL_WEIGHT_MAX_TOKENS = 4
 

@@ -30,7 +30,8 @@ class Router:
         self.max_model_len = layout.max_model_len
         self.waiting: deque[SimRequest] = deque()  # disaggregated: not yet admitted to a decode worker
         self.tickets: dict[int, tuple[Worker, int]] = {}  # request index -> (its decode worker, pages held there)
-        self.admitted = {w: [0, 0] for w in self.decoders}  # decode worker -> [slots, pages] held by tickets
+        # decode worker -> pages its tickets hold; its slots held are its `inflight` (a ticket's from admission)
+        self.admitted_pages = {w: 0 for w in self.decoders}
 
     @staticmethod
     def _least_loaded(workers: list[Worker]) -> Worker:
@@ -52,15 +53,14 @@ class Router:
             roomy = [
                 w
                 for w in self.decoders
-                if self.admitted[w][0] < w.max_num_seqs and self.admitted[w][1] + pages <= w.pages_total
+                if w.inflight < w.max_num_seqs and self.admitted_pages[w] + pages <= w.pages_total
             ]
             if not roomy:
                 return
             self.waiting.popleft()
             decode = self._least_loaded(roomy)
-            decode.inflight += 1  # from its admission: the load the next admission balances by
-            self.admitted[decode][0] += 1
-            self.admitted[decode][1] += pages
+            decode.inflight += 1  # from its admission: its slot, and the load the next admission balances by
+            self.admitted_pages[decode] += pages
             self.tickets[req.index] = (decode, pages)
             self._forward(req)
 
@@ -92,8 +92,7 @@ class Router:
         if ticket is not None:
             decode, pages = ticket
             decode.inflight -= 1
-            self.admitted[decode][0] -= 1
-            self.admitted[decode][1] -= pages
+            self.admitted_pages[decode] -= pages
             self._admit()
         req.finished = self.sim.now + self.path
         if self.path:

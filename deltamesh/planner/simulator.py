@@ -11,11 +11,10 @@ it ends, and the next step starts at once while there is work.
 The router (sim_router.py) sends each request to the least loaded worker (requests it has sent there and not seen
 end: what `--policy cache_aware` does for prompts with nothing in common). Colocated, a worker prefills and decodes
 its own requests. Disaggregated, the router first admits the request to a decode worker with room for it, as the
-real router does (services/router/admission.py: a slot and the pages of prompt + output held from admission to the
-end, first come first served; the request waits at the router until then), and sends it to a prefill worker; that
-worker holds the state after the first token (its slot and pages stay taken), the router hands the request to its
-decode worker, which takes a slot and pages for the prompt, pulls the state (the profile's transfer time) and
-decodes; the prefill worker's state is freed when the pull ends.
+real router does (sim_router.py), and sends it to a prefill worker; that worker holds the state after the first
+token (its slot and pages stay taken), the router hands the request to its decode worker, which takes a slot and
+pages for the prompt, pulls the state (the profile's transfer time) and decodes; the prefill worker's state is
+freed when the pull ends.
 
 The serving path (the REST gateway, the router, the network: `path_ms`, measured by bench/plan_check.py from the
 client's and the workers' TTFT) takes that long each way: a request reaches its worker `path_ms` after it is sent,
