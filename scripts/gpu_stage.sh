@@ -64,13 +64,18 @@
 #            of the fused projections, FP8 and speculative decoding, then bench/gpu_spec.py on the first shape of
 #            $SHAPES (SPEC_ARGS adds flags, e.g. --quantization fp8 on an H100) at K = 0 and 3, batch 1 and 4, with
 #            --small-weight-tokens 0 (off) and then the default; then bench/gpu_linear.py at 1, 2 and 4 tokens (the FP8
-#            GEMV launched tokens first against its default order and cuBLAS), about 12 minutes on a fresh host
+#            GEMV launched tokens first against its default order and cuBLAS), about 12 minutes on a fresh host;
+#            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear)
+#   stage V: deltamesh next to vLLM (#43; bench/peers.py, vLLM staged in /tmp/vllm-site as
+#            ../shared/notes/peers-on-h200.md says): the first shape of $SHAPES, PEER_LOADS (default 8192:1024) at
+#            concurrency PEER_CONC (default 1,16,64), deltamesh first, then vLLM once /tmp/vllm-site is installed; about
+#            13 minutes (span device calls with scripts/gpu_session.sh wait)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, T, n, P, g, 1, 1m, R or S}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, T, n, P, g, 1, 1m, R, S or V}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 # SITE_FIRST: folders of carried wheels installed with --target (scripts/gpu_session.sh sets it), before the staged
@@ -327,13 +332,29 @@ v)
     --op-tokens 1,4 --out "$OUT/gpu_moe_verify_rows.json"
   ;;
 S)
-  TAIL=30 run small_gemv_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fused_linear.py \
-    tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_spec.py -rfE
+  if [ "${S_AB:-1}" = 0 ]; then
+    TAIL=30 run small_gemv_tests 200 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fp8.py -rfE
+  else
+    TAIL=30 run small_gemv_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fused_linear.py \
+      tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_spec.py -rfE
+  fi
   shapes=${SHAPES:-qwen3.5-35b-a3b}
-  for tokens in 0 4; do
+  [ "${S_AB:-1}" = 0 ] || for tokens in 0 4; do
     TAIL=25 run "small_gemv_$tokens" 150 python bench/gpu_spec.py --models "bench/configs/${shapes%% *}" --ks 0,3 \
       --batches 1,4 --draft-vocab 32768 --small-weight-tokens "$tokens" ${SPEC_ARGS:-} --out "$OUT/small_gemv_$tokens.json"
   done
   TAIL=40 run gpu_linear_few 150 python bench/gpu_linear.py --tokens 1,2,4 --out "$OUT/gpu_linear_few.json"
+  ;;
+V)
+  shapes=${SHAPES:-qwen3.5-35b-a3b}
+  peers=(python bench/peers.py --shapes "${shapes%% *}" --loads "${PEER_LOADS:-8192:1024}"
+    --concurrency "${PEER_CONC:-1,16,64}" --log-dir "$OUT")
+  TAIL=12 run peers_deltamesh 300 "${peers[@]}" --engines deltamesh --out "$OUT/peers_deltamesh.json"
+  pkill -9 -f "[d]eltamesh[.]services[.]cli"
+  # vLLM's wheel parts may still be arriving (device calls made while the stages run): wait for the last one
+  for _ in $(seq 60); do [ -f /tmp/vllm-site/.installed ] && break; sleep 5; done
+  TAIL=12 run peers_vllm 540 "${peers[@]}" --engines vllm --out "$OUT/peers_vllm.json"
+  pkill -9 -f "[v]llm[.]entrypoints"
+  python bench/peers.py --compare "$OUT/peers_deltamesh.json" "$OUT/peers_vllm.json" | tee "$OUT/peers_table.txt"
   ;;
 esac
