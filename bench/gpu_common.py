@@ -177,10 +177,11 @@ def timeline_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int 
     launched back to back. Per step: the span from the first kernel's start to the last one's end, the time some
     kernel ran (overlaps counted once) and the rest (idle); and the `top` kernel names after which the GPU idled
     longest in all (the gap from the end of the kernel that ended last up to the next kernel's start, per step),
-    with their counts and largest gap."""
+    with their counts and largest gap; and the `top` kernel names launched most often (`frequent`: launches and
+    µs per step, µs a launch), where fusing small kernels would save launches."""
     spans = sorted((start, start + dur, name) for name, start, dur in kernels)
     if not spans:
-        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "kernels": 0, "after": []}
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "kernels": 0, "after": [], "frequent": []}
     busy, end, last = 0.0, spans[0][0], spans[0][2]  # last: the kernel that ended last so far
     after: dict[str, dict] = {}
     for i, (start, stop, name) in enumerate(spans):
@@ -197,12 +198,20 @@ def timeline_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int 
     rows = sorted(after.values(), key=lambda r: -r["ms"])[:top]
     for r in rows:
         r["gaps"], r["ms"] = r["gaps"] / steps, r["ms"] / steps
+    launched: dict[str, list[float]] = {}
+    for start, stop, name in spans:
+        launched.setdefault(name, []).append(stop - start)
+    frequent = [
+        {"kernel": name[:90], "launches": len(d) / steps, "us": sum(d) / steps, "us_each": sum(d) / len(d)}
+        for name, d in sorted(launched.items(), key=lambda kv: -len(kv[1]))[:top]
+    ]
     return {
         "span_ms": span / steps / 1e3,
         "busy_ms": busy / steps / 1e3,
         "idle_ms": (span - busy) / steps / 1e3,
         "kernels": len(spans) / steps,
         "after": rows,
+        "frequent": frequent,
     }
 
 

@@ -227,6 +227,8 @@ def timed_step(
                 "idle after:"
             )
             print_table(timeline["after"], ["kernel", "gaps", "ms", "largest_us"])
+            print("launched most often:")
+            print_table(timeline["frequent"], ["kernel", "launches", "us", "us_each"])
     for it in items:
         core.scheduler.free(it.request)
     return row

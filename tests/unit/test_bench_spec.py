@@ -130,6 +130,9 @@ def test_the_timeline_counts_idle_time_between_kernels_once_and_names_the_kernel
     first, second = t["after"]
     assert (first["kernel"], first["gaps"], first["ms"], first["largest_us"]) == ("accept", 0.5, 0.5, 1000.0)
     assert (second["kernel"], second["gaps"], second["ms"], second["largest_us"]) == ("norm", 1.0, 0.05, 50.0)
+    # every kernel twice in two steps: once a step each, gemm the longest
+    assert [(r["kernel"], r["launches"]) for r in t["frequent"]] == [("gemm", 1.0), ("norm", 1.0), ("accept", 1.0)]
+    assert t["frequent"][1]["us"] == pytest.approx(70.0) and t["frequent"][1]["us_each"] == pytest.approx(70.0)
     assert timeline_gaps([], steps=1)["idle_ms"] == 0.0
     # a gap goes to the kernel that ended last, not to the one that started last
     t = timeline_gaps([("a", 0.0, 200.0), ("b", 50.0, 50.0), ("c", 300.0, 10.0)], steps=1)
