@@ -65,7 +65,8 @@
 #            $SHAPES (SPEC_ARGS adds flags, e.g. --quantization fp8 on an H100) at K = 0 and 3, batch 1 and 4, with
 #            --small-weight-tokens 0 (off) and then the default; then bench/gpu_linear.py at 1, 2 and 4 tokens (the FP8
 #            GEMV launched tokens first against its default order and cuBLAS), about 12 minutes on a fresh host;
-#            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear)
+#            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear); then the
+#            programmatic-dependent-launch probe (bench/gpu_pdl.py: a GEMV + norm chain in one graph, PDL off / on)
 #   stage V: deltamesh next to vLLM (#43; bench/peers.py, vLLM staged in /tmp/vllm-site as
 #            ../shared/notes/peers-on-h200.md says): the first shape of $SHAPES, PEER_LOADS (default 8192:1024) at
 #            concurrency PEER_CONC (default 1,16,64), deltamesh first, then vLLM once /tmp/vllm-site is installed; about
@@ -344,6 +345,7 @@ S)
       --batches 1,4 --draft-vocab 32768 --small-weight-tokens "$tokens" ${SPEC_ARGS:-} --out "$OUT/small_gemv_$tokens.json"
   done
   TAIL=40 run gpu_linear_few 150 python bench/gpu_linear.py --tokens 1,2,4 --out "$OUT/gpu_linear_few.json"
+  TAIL=12 run gpu_pdl 120 python bench/gpu_pdl.py --out "$OUT/gpu_pdl.json"
   ;;
 V)
   shapes=${SHAPES:-qwen3.5-35b-a3b}
