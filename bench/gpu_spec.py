@@ -67,7 +67,7 @@ from bench.gpu_common import (
     pipelined_ms,
     time_ms,
 )
-from deltamesh.kernels import triton_gemv
+from deltamesh.kernels import pdl, triton_gemv
 
 PIPELINED_STEPS = 8  # steps launched back to back for `pipelined_ms`
 
@@ -206,6 +206,7 @@ def timed_step(
         "gpu_ms": gpu_ms(launch),
         "pipelined_ms": pipelined_ms(launch, PIPELINED_STEPS),
         "graphs": core.runner.graph_steps > graph_steps,
+        "pdl": pdl.ENABLED,  # programmatic dependent launch (DELTAMESH_PDL=1: kernels/pdl.py)
         "floor_ms": floor_ms(core, k, batch, context, bandwidth),
     }
     row["of_floor"] = row["floor_ms"] / row["gpu_ms"]

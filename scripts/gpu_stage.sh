@@ -65,8 +65,12 @@
 #            $SHAPES (SPEC_ARGS adds flags, e.g. --quantization fp8 on an H100) at K = 0 and 3, batch 1 and 4, with
 #            --small-weight-tokens 0 (off) and then the default; then bench/gpu_linear.py at 1, 2 and 4 tokens (the FP8
 #            GEMV launched tokens first against its default order and cuBLAS), about 12 minutes on a fresh host;
-#            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear); then the
-#            programmatic-dependent-launch probe (bench/gpu_pdl.py: a GEMV + norm chain in one graph, PDL off / on)
+#            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear)
+#   stage D: programmatic dependent launch (kernels/pdl.py; #43, #42): the probe (bench/gpu_pdl.py: a GEMV + norm
+#            chain in one graph, PDL off / on), the GPU tests of the kernels, fused projections, model and spec with
+#            DELTAMESH_PDL=1, then bench/gpu_spec.py K = 0 and 3 at batch 1 and 4 (reduced draft head) with PDL off
+#            and on, for each shape of $SHAPES (default the 9B; SPEC_ARGS adds flags, e.g. --quantization fp8);
+#            D_TESTS=0 runs the A/B alone
 #   stage V: deltamesh next to vLLM (#43; bench/peers.py, vLLM staged in /tmp/vllm-site as
 #            ../shared/notes/peers-on-h200.md says): the first shape of $SHAPES, PEER_LOADS (default 8192:1024) at
 #            concurrency PEER_CONC (default 1,16,64), deltamesh first, then vLLM once /tmp/vllm-site is installed; about
@@ -76,7 +80,7 @@
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
 # one per folder qN beside copies of p1's install.sh and env.sh, with install.sh's part count set to theirs).
 set -u
-stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, T, n, P, g, 1, 1m, R, S or V}
+stage=${1:?stage a, k, b, c, t, f, q, h, s, p, m, 8, l, d, u, o, r, w, x, v, F, T, n, P, g, 1, 1m, R, S, V or D}
 parts=("${GPU_PARTS:-.gpu-wheels/p}"*)
 . "${parts[0]}/env.sh" || exit 1
 # SITE_FIRST: folders of carried wheels installed with --target (scripts/gpu_session.sh sets it), before the staged
@@ -345,7 +349,21 @@ S)
       --batches 1,4 --draft-vocab 32768 --small-weight-tokens "$tokens" ${SPEC_ARGS:-} --out "$OUT/small_gemv_$tokens.json"
   done
   TAIL=40 run gpu_linear_few 150 python bench/gpu_linear.py --tokens 1,2,4 --out "$OUT/gpu_linear_few.json"
-  TAIL=12 run gpu_pdl 120 python bench/gpu_pdl.py --out "$OUT/gpu_pdl.json"
+  ;;
+D)
+  if [ "${D_TESTS:-1}" = 1 ]; then
+    TAIL=12 run gpu_pdl 120 python bench/gpu_pdl.py --out "$OUT/gpu_pdl.json"
+    TAIL=30 run pdl_tests 300 env DELTAMESH_PDL=1 python -m pytest -q -p no:cacheprovider -m gpu \
+      tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fused_linear.py tests/gpu/test_gpu_spec.py \
+      tests/gpu/test_gpu_model.py -rfE
+  fi
+  for shape in ${SHAPES:-qwen3.5-9b}; do
+    for on in 0 1; do
+      TAIL=45 run "pdl_steps_${shape}_$on" 240 env DELTAMESH_PDL=$on python bench/gpu_spec.py \
+        --models "bench/configs/$shape" --ks 0,3 --batches 1,4 --draft-vocab 32768 ${SPEC_ARGS:-} \
+        --out "$OUT/pdl_steps_${shape}_$on.json"
+    done
+  done
   ;;
 V)
   shapes=${SHAPES:-qwen3.5-35b-a3b}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deltamesh.kernels import pdl
 from deltamesh.kernels.batch import StepBatch
 
 
@@ -73,7 +74,10 @@ def _kernels():
         PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
         n_blocks = tl.cdiv(seq_len, BLOCK_N)
@@ -124,7 +128,10 @@ def _kernels():
         stride_h,
         HEAD_DIM: tl.constexpr,
         SPLITS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         b, h = tl.program_id(0), tl.program_id(1)
         sp = tl.arange(0, SPLITS)
         d = tl.arange(0, HEAD_DIM)
@@ -190,6 +197,7 @@ def paged_decode(
         SPLITS=splits,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        **pdl.kwargs(q.device),
     )
     out = torch.empty_like(q)
     merge_splits[(batch, heads)](
@@ -205,6 +213,7 @@ def paged_decode(
         out.stride(1),
         HEAD_DIM=dim,
         SPLITS=splits,
+        **pdl.kwargs(q.device),
     )
     return out
 

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
+from deltamesh.kernels import pdl
+
 _KERNELS = None
 
 
@@ -26,7 +28,21 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rms_norm(x_ptr, w_ptr, out_ptr, heads, stride_t, stride_h, stride_d, dim, eps, BLOCK: tl.constexpr):
+    def rms_norm(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        heads,
+        stride_t,
+        stride_h,
+        stride_d,
+        dim,
+        eps,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         # Rows are (t, h) pairs of a [T, H, dim] view; a 2-D input arrives as T = 1.
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
@@ -50,7 +66,10 @@ def _kernels():
         dim,
         eps,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         mask = d < dim
@@ -79,7 +98,10 @@ def _kernels():
         eps,
         ROUND_PRODUCT: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         # Rows are (t, h) pairs of [T, H, dim] views (last dim contiguous); a 2-D input arrives as H = 1.
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
@@ -96,7 +118,9 @@ def _kernels():
         tl.store(out_ptr + row * dim + d, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def silu_mul(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+    def silu_mul(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = i < inter
@@ -119,7 +143,10 @@ def _kernels():
         WIDTH: tl.constexpr,
         SILU: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < channels
@@ -156,7 +183,10 @@ def _kernels():
         SILU: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         # One program per (sequence, tile of tokens, block of channels): a long prompt spreads over the whole GPU.
         # Only a sequence's first tile reaches back into the pooled state (BLOCK_T >= WIDTH - 1), so that program
         # alone writes the new state, after its own reads.
@@ -216,7 +246,10 @@ def _kernels():
         HEAD_DIM: tl.constexpr,
         ROT: tl.constexpr,
         PAGE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         # One program per (token, head): query heads 0..heads-1, then the KV heads.
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
@@ -252,7 +285,11 @@ def _kernels():
             tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
 
     @triton.jit
-    def sigmoid_gate(x_ptr, gate_ptr, out_ptr, heads, stride_gt, stride_gh, HEAD_DIM: tl.constexpr):
+    def sigmoid_gate(
+        x_ptr, gate_ptr, out_ptr, heads, stride_gt, stride_gh, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False
+    ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
         d = tl.arange(0, HEAD_DIM)
@@ -287,7 +324,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block, warps = _row_block(x.shape[-1])
     rows = x3.shape[0] * x3.shape[1]
-    kernel[(rows,)](x3, weight, out, x3.shape[1], *x3.stride(), x.shape[-1], eps, BLOCK=block, num_warps=warps)
+    kernel[(rows,)](
+        x3,
+        weight,
+        out,
+        x3.shape[1],
+        *x3.stride(),
+        x.shape[-1],
+        eps,
+        BLOCK=block,
+        num_warps=warps,
+        **pdl.kwargs(x.device),
+    )
     return out
 
 
@@ -311,6 +359,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         eps,
         BLOCK=block,
         num_warps=warps,
+        **pdl.kwargs(x.device),
     )
     return out, new_residual
 
@@ -338,6 +387,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         ROUND_PRODUCT=weight.dtype == x.dtype,
         BLOCK=block,
         num_warps=warps,
+        **pdl.kwargs(x.device),
     )
     return out
 
@@ -348,7 +398,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    kernel[(gate_up.shape[0], -(-inter // block))](gate_up, out, gate_up.stride(0), inter, BLOCK=block)
+    kernel[(gate_up.shape[0], -(-inter // block))](
+        gate_up, out, gate_up.stride(0), inter, BLOCK=block, **pdl.kwargs(gate_up.device)
+    )
     return out
 
 
@@ -379,6 +431,7 @@ def conv1d_update(
         WIDTH=weight.shape[-1],
         SILU=activation in ("silu", "swish"),
         BLOCK=block,
+        **pdl.kwargs(x.device),
     )
     return out
 
@@ -418,6 +471,7 @@ def conv1d_prefill(
         SILU=activation in ("silu", "swish"),
         BLOCK_T=block_t,
         BLOCK_C=block_c,
+        **pdl.kwargs(x.device),
     )
     return out
 
@@ -452,6 +506,7 @@ def attention_inputs(qkv, heads, q_weight, k_weight, eps, cos, sin, k_cache, v_c
         ROT=cos.shape[-1],
         PAGE=k_cache.shape[1],
         num_warps=2,
+        **pdl.kwargs(qkv.device),
     )
     return q
 
@@ -462,5 +517,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     kernel = _kernels().sigmoid_gate
     t, heads, dim = x.shape
     out = torch.empty((t, heads * dim), dtype=x.dtype, device=x.device)
-    kernel[(t * heads,)](x, gate, out, heads, gate.stride(0), gate.stride(1), HEAD_DIM=dim, num_warps=2)
+    kernel[(t * heads,)](
+        x, gate, out, heads, gate.stride(0), gate.stride(1), HEAD_DIM=dim, num_warps=2, **pdl.kwargs(x.device)
+    )
     return out

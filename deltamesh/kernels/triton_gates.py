@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from deltamesh.kernels import pdl
+
 _KERNEL = None
 
 
@@ -13,7 +15,20 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, alpha_ptr, beta_ptr, n, heads: tl.constexpr, BLOCK: tl.constexpr):
+    def gates(
+        a_ptr,
+        b_ptr,
+        a_log_ptr,
+        dt_bias_ptr,
+        alpha_ptr,
+        beta_ptr,
+        n,
+        heads: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         h = offs % heads
@@ -36,5 +51,7 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     alpha = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(alpha)
     n, block = a.numel(), 1024
-    _KERNEL[(-(-n // block),)](a, b, A_log, dt_bias, alpha, beta, n, heads=a.shape[-1], BLOCK=block)
+    _KERNEL[(-(-n // block),)](
+        a, b, A_log, dt_bias, alpha, beta, n, heads=a.shape[-1], BLOCK=block, **pdl.kwargs(a.device)
+    )
     return alpha, beta

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltamesh.kernels import pdl
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight
 
 
@@ -201,6 +202,7 @@ def _gemv(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     TOKENS_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[t, rows] = a[t] @ w[rows]^T (+ bias) for a block of BLOCK_N rows (program_id(0)) and token t
     (program_id(2); with TOKENS_FIRST the grid is (tokens, blocks of rows, slices of K) instead), a being x
@@ -214,6 +216,8 @@ def _gemv(
 
     ADD_NORM: every program first sums the squares of the whole row (an RMSNorm needs them all); the programs of
     the first block of rows store the residual sum and the normed row, each its own slice of K."""
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     if TOKENS_FIRST:  # the tokens of one block of rows launch side by side (they share its weight in L2)
         t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         row_blocks, tokens = tl.num_programs(1), tl.num_programs(0)
@@ -486,5 +490,6 @@ def gemv(
         config.split_k,
         config.tokens_first,
         num_warps=config.num_warps,
+        **pdl.kwargs(x.device),
     )
     return out

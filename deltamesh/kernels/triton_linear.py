@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch.nn.functional import ScalingType
 
+from deltamesh.kernels import pdl
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, reference_linear
 from deltamesh.kernels.triton_gemv import gemv, quantized_rows, small_weight_gemv
 
@@ -32,9 +33,13 @@ GEMV_MAX_TOKENS = 1
 
 
 @triton.jit
-def _quantize_groups(x, q, scales, M, K, stride_xm, stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+def _quantize_groups(
+    x, q, scales, M, K, stride_xm, stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = False
+):
     """Token t's GROUPS groups from group program_id(1) * GROUPS: e4m3 values and one scale each (tokens past
     M, the padding, are zeros)."""
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -55,7 +60,7 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None) -> tuple[torc
     scales = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
     per_program = 4
     _quantize_groups[(rows, triton.cdiv(groups, per_program))](
-        x, q, scales, m, k, x.stride(0), scales.stride(1), BLOCK, per_program
+        x, q, scales, m, k, x.stride(0), scales.stride(1), BLOCK, per_program, **pdl.kwargs(x.device)
     )
     return q, scales
 

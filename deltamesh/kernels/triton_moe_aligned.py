@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltamesh.kernels import triton_linear
+from deltamesh.kernels import pdl, triton_linear
 from deltamesh.kernels.fp8 import BLOCK, kernel_operands
 from deltamesh.kernels.triton_gemv import quantized_rows
 
@@ -50,8 +50,11 @@ def _route(
     BLOCK_E: tl.constexpr,
     TOP_K: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """ids: the choice's expert among this rank's [first, first + local), -1 for another rank's."""
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
@@ -83,7 +86,10 @@ def _align(
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     offs = tl.arange(0, BLOCK_E)
     c = tl.load(counts + offs, mask=offs < E, other=0)
     padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -99,7 +105,9 @@ def _align(
 
 
 @triton.jit
-def _scatter(ids, ranks, starts, sorted_pairs, P, BLOCK: tl.constexpr):
+def _scatter(ids, ranks, starts, sorted_pairs, P, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = p < P
     e = tl.load(ids + p, mask=mask, other=-1)
@@ -149,9 +157,12 @@ def _gate_up_silu(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """FP8: x holds e4m3 activations with their scales in x_s [tokens, groups]; BLOCK_K and BLOCK_N are the scale
     group, so each program writes one group of its rows' SwiGLU output, quantized (inter_s: its scales)."""
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
@@ -214,8 +225,11 @@ def _down(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """FP8: inter holds the e4m3 SwiGLU outputs, inter_s their scales per group of BLOCK_K."""
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
@@ -246,8 +260,22 @@ def _down(
 
 
 @triton.jit
-def _combine(pairs_out, ids, shared, gate, out, H, stride_s, stride_g, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine(
+    pairs_out,
+    ids,
+    shared,
+    gate,
+    out,
+    H,
+    stride_s,
+    stride_g,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """out[t] = sum of the token's TOP_K pair rows (this rank's experts') + sigmoid(gate[t]) * shared[t]."""
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = h < H
@@ -329,9 +357,10 @@ def moe_aligned(
         triton.next_power_of_2(E_all),
         top_k,
         norm_topk,
+        **pdl.kwargs(dev),
     )
-    _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64)
-    _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256)
+    _align[(1,)](counts, starts, block_expert, max_blocks, E, BLOCK_E, BLOCK_M, 64, **pdl.kwargs(dev))
+    _scatter[(triton.cdiv(P, 256),)](ids, ranks, starts, sorted_pairs, P, 256, **pdl.kwargs(dev))
     _gate_up_silu[(max_blocks, triton.cdiv(I, BLOCK_N))](
         xq,
         xs,
@@ -360,6 +389,7 @@ def moe_aligned(
         BLOCK_N,
         BLOCK_K,
         **tuning,
+        **pdl.kwargs(dev),
     )
     _down[(max_blocks, triton.cdiv(H, BLOCK_N))](
         inter,
@@ -384,8 +414,19 @@ def moe_aligned(
         BLOCK_N,
         BLOCK_K,
         **tuning,
+        **pdl.kwargs(dev),
     )
     _combine[(T, triton.cdiv(H, 1024))](
-        pairs_out, ids, shared, shared_gate, out, H, shared.stride(0), shared_gate.stride(0), top_k, 1024
+        pairs_out,
+        ids,
+        shared,
+        shared_gate,
+        out,
+        H,
+        shared.stride(0),
+        shared_gate.stride(0),
+        top_k,
+        1024,
+        **pdl.kwargs(dev),
     )
     return out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltamesh.kernels import pdl
 from deltamesh.kernels.fp8 import BLOCK, kernel_operands
 from deltamesh.kernels.triton_gemv import quantized_vector
 
@@ -78,7 +79,10 @@ def _gate_up_silu_pairs(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)  # token * (TOP_K + 1) + choice; choice TOP_K is the shared expert
     t, j = pair // (TOP_K + 1), pair % (TOP_K + 1)
     if j < TOP_K:  # ids: the expert among this rank's [first, first + local), -2 for another rank's
@@ -145,7 +149,10 @@ def _down_combine(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -256,6 +263,7 @@ def moe_pairs(
         gate_up.block_n,
         gate_up.block_k,
         num_warps=gate_up.num_warps,
+        **pdl.kwargs(dev),
     )
     _down_combine[(T, triton.cdiv(H, down.block_n))](
         inter,
@@ -281,5 +289,6 @@ def moe_pairs(
         down.block_n,
         down.block_k,
         num_warps=down.num_warps,
+        **pdl.kwargs(dev),
     )
     return out

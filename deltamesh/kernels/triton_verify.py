@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from deltamesh.kernels import pdl
+
 _KERNELS = None
 
 
@@ -54,7 +56,10 @@ def _kernels():
         KEY_DIM: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         n, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // GROUP
         kk = tl.arange(0, BLOCK_K)
@@ -108,7 +113,10 @@ def _kernels():
         W: tl.constexpr,
         SILU: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # wait for the kernel before (pdl.py)
+            tl.extra.cuda.gdc_wait()
         n = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < channels
@@ -187,6 +195,7 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_idx, draft_pool,
         KEY_DIM=key_dim,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
+        **pdl.kwargs(v.device),
     )
     return out
 
@@ -218,5 +227,6 @@ def conv1d_verify(x, conv_pool, state_idx, draft_pool, draft_idx, weight, activa
         W=w,
         SILU=activation in ("silu", "swish"),
         BLOCK=block,
+        **pdl.kwargs(x.device),
     )
     return out

@@ -15,11 +15,17 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 
 def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4):
+    """As a launch with programmatic dependent launch on (kernels/pdl.py) compiles it: its wait included (the
+    launch without it compiles the same kernel less that branch)."""
+    constexprs = {"PDL": True} | constexprs if "PDL" in kernel.arg_names else constexprs
     signature = signature | {name: "constexpr" for name in constexprs}
     signature = {name: signature[name] for name in kernel.arg_names}  # in the kernel's own order
-    return triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=SM90, options={"num_warps": num_warps}
+    options = {"num_warps": num_warps, "launch_pdl": "PDL" in constexprs}
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=SM90, options=options
     )
+    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == options["launch_pdl"]
+    return compiled
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -1,0 +1,38 @@
+"""Programmatic dependent launch (PDL; Hopper and later) for the Triton kernels of this package.
+
+A kernel launched with it may be scheduled while the kernel before it in the stream is still draining; it waits
+(griddepcontrol.wait, `tl.extra.cuda.gdc_wait`) before it reads or writes any memory, which returns once the
+kernel before has completed and its writes are visible. So each kernel's launch latency and start-up overlap the
+tail of the one before, and the order of memory accesses is the stream's, as without PDL. A decode step at batch 1
+is a chain of 350-700 short kernels, each separated by ~1 µs of idle GPU (bench/RESULTS.md, "Steps back to back").
+
+Every kernel here takes a `PDL` constexpr (default False) and starts with `if PDL: gdc_wait()`; a launch passes
+`**pdl.kwargs(device)`, which sets it and the launch attribute together, so that a kernel is never launched early
+without waiting. Kernels of other libraries (cuBLAS, FlashInfer, torch) launch as before; the attribute only lets a
+kernel start early after one that did.
+
+Off unless DELTAMESH_PDL=1 in the environment or `ENABLED` is set before the kernels are launched (and CUDA graphs
+captured): bench/gpu_pdl.py and bench/gpu_spec.py --pdl measure it first.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("DELTAMESH_PDL", "0") == "1"
+
+_OFF: dict = {}
+_ON = {"PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def kwargs(device: torch.device) -> dict:
+    """The launch keywords of a kernel on `device`: the PDL constexpr and the launch attribute, or nothing."""
+    return _ON if ENABLED and _supported(device) else _OFF
