@@ -206,7 +206,7 @@ def timed_step(
         "gpu_ms": gpu_ms(launch),
         "pipelined_ms": pipelined_ms(launch, PIPELINED_STEPS),
         "graphs": core.runner.graph_steps > graph_steps,
-        "pdl": pdl.ENABLED,  # programmatic dependent launch (DELTAMESH_PDL=1: kernels/pdl.py)
+        "pdl": pdl.MODE,  # programmatic dependent launch (DELTAMESH_PDL: kernels/pdl.py)
         "floor_ms": floor_ms(core, k, batch, context, bandwidth),
     }
     row["of_floor"] = row["floor_ms"] / row["gpu_ms"]

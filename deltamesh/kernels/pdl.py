@@ -8,11 +8,13 @@ is a chain of 350-700 short kernels, each separated by ~1 µs of idle GPU (bench
 
 Every kernel here takes a `PDL` constexpr (default False) and starts with `if PDL: gdc_wait()`; a launch passes
 `**pdl.kwargs(device)`, which sets it and the launch attribute together, so that a kernel is never launched early
-without waiting. Kernels of other libraries (cuBLAS, FlashInfer, torch) launch as before; the attribute only lets a
-kernel start early after one that did.
+without waiting. Kernels of other libraries (cuBLAS, FlashInfer, torch) launch as before; one of ours after them may
+start as their last blocks exit, before their completion is flushed, and waits as after any kernel.
 
-Off unless DELTAMESH_PDL=1 in the environment or `ENABLED` is set before the kernels are launched (and CUDA graphs
-captured): bench/gpu_pdl.py and bench/gpu_spec.py --pdl measure it first.
+Modes (`MODE`, from DELTAMESH_PDL in the environment, or set before the kernels are launched and CUDA graphs
+captured): 0 off (the default, until bench/gpu_pdl.py and stage D of scripts/gpu_stage.sh have measured it); 1 every
+kernel waits first; 2 as 1, and the GEMV (triton_gemv.py) loads its first weight tile before it waits (weights are
+never written by a step's kernels), so that its reads from HBM start while the kernel before drains.
 """
 
 from __future__ import annotations
@@ -22,10 +24,7 @@ import os
 
 import torch
 
-ENABLED = os.environ.get("DELTAMESH_PDL", "0") == "1"
-
-_OFF: dict = {}
-_ON = {"PDL": True, "launch_pdl": True}
+MODE = int(os.environ.get("DELTAMESH_PDL", "0"))
 
 
 @functools.cache
@@ -34,5 +33,6 @@ def _supported(device: torch.device) -> bool:
 
 
 def kwargs(device: torch.device) -> dict:
-    """The launch keywords of a kernel on `device`: the PDL constexpr and the launch attribute, or nothing."""
-    return _ON if ENABLED and _supported(device) else _OFF
+    """The launch keywords of a kernel on `device`: the PDL constexpr (the mode) and the launch attribute, or
+    nothing."""
+    return {"PDL": MODE, "launch_pdl": True} if MODE and _supported(device) else {}

@@ -127,43 +127,96 @@ def _row_sums(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    first,
+    HAS_FIRST: tl.constexpr,
 ):
     """Token t's sums over K in [k_start, k_stop) for the weight rows n, float32 [BLOCK_N]. FP8: the rows share
     the weight scales of row `scale_row`. store_inputs (ADD_NORM): also store the residual sum and the normed
-    row there."""
-    kk = tl.arange(0, BLOCK_K)
+    row there. HAS_FIRST: `first` holds the weight tile at k_start, loaded already (`_weight_tile`)."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        a, s = _activation(
-            x,
-            other,
-            norm_w,
-            t,
-            k,
-            k_ok,
-            rstd,
-            stride_xt,
-            stride_xh,
-            stride_ot,
-            stride_oh,
-            eps,
-            PROLOGUE,
-            HEAD,
-            ROUND_PRODUCT,
-            BLOCK_K,
-        )
-        if PROLOGUE == ADD_NORM:  # noqa: SIM102 - a compile-time test, then a run-time one
-            if store_inputs:
-                tl.store(residual_out + t * K + k, s.to(residual_out.dtype.element_ty), mask=k_ok)
-                tl.store(normed_out + t * K + k, a.to(normed_out.dtype.element_ty), mask=k_ok)
-        if FP8:  # BLOCK_N divides GROUP: the program's rows share one row of weight scales
-            a = quantized_vector(a, BLOCK_K, GROUP)
-            a *= tl.load(w_scale + scale_row * stride_sn + k // GROUP, mask=k_ok, other=0.0)
-        b = tl.load(w + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    k_loop = k_start
+    if HAS_FIRST:
+        a = _tile_input(x, other, norm_w, normed_out, residual_out, w_scale, scale_row, t, k_start, K, rstd,
+                        store_inputs, stride_xt, stride_xh, stride_ot, stride_oh, stride_sn, eps, FP8, PROLOGUE,
+                        HEAD, ROUND_PRODUCT, GROUP, BLOCK_K)  # fmt: skip
+        acc += first.to(tl.float32) * a[None, :]
+        k_loop += BLOCK_K
+    for k0 in range(k_loop, k_stop, BLOCK_K):
+        a = _tile_input(x, other, norm_w, normed_out, residual_out, w_scale, scale_row, t, k0, K, rstd,
+                        store_inputs, stride_xt, stride_xh, stride_ot, stride_oh, stride_sn, eps, FP8, PROLOGUE,
+                        HEAD, ROUND_PRODUCT, GROUP, BLOCK_K)  # fmt: skip
+        b = _weight_tile(w, n, n_ok, k0, K, stride_wn, BLOCK_K)
         acc += b.to(tl.float32) * a[None, :]
     return tl.sum(acc, 1)
+
+
+@triton.jit
+def _weight_tile(w, n, n_ok, k0, K, stride_wn, BLOCK_K: tl.constexpr):
+    """The weight rows n at columns k0 .. k0 + BLOCK_K (zeros past K and for rows not n_ok)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(
+        w + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0
+    )
+
+
+@triton.jit
+def _tile_input(
+    x,
+    other,
+    norm_w,
+    normed_out,
+    residual_out,
+    w_scale,
+    scale_row,
+    t,
+    k0,
+    K,
+    rstd,
+    store_inputs,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_sn,
+    eps,
+    FP8: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HEAD: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Token t's input at columns k0 .. k0 + BLOCK_K as the product takes it, float32: after the PROLOGUE (storing
+    the residual sum and the normed row where ADD_NORM's store_inputs says), FP8: quantized per group, the weight
+    scales folded in."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    a, s = _activation(
+        x,
+        other,
+        norm_w,
+        t,
+        k,
+        k_ok,
+        rstd,
+        stride_xt,
+        stride_xh,
+        stride_ot,
+        stride_oh,
+        eps,
+        PROLOGUE,
+        HEAD,
+        ROUND_PRODUCT,
+        BLOCK_K,
+    )
+    if PROLOGUE == ADD_NORM:  # noqa: SIM102 - a compile-time test, then a run-time one
+        if store_inputs:
+            tl.store(residual_out + t * K + k, s.to(residual_out.dtype.element_ty), mask=k_ok)
+            tl.store(normed_out + t * K + k, a.to(normed_out.dtype.element_ty), mask=k_ok)
+    if FP8:  # BLOCK_N divides GROUP: the program's rows share one row of weight scales
+        a = quantized_vector(a, BLOCK_K, GROUP)
+        a *= tl.load(w_scale + scale_row * stride_sn + k // GROUP, mask=k_ok, other=0.0)
+    return a
 
 
 @triton.jit
@@ -202,7 +255,7 @@ def _gemv(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     TOKENS_FIRST: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """out[t, rows] = a[t] @ w[rows]^T (+ bias) for a block of BLOCK_N rows (program_id(0)) and token t
     (program_id(2); with TOKENS_FIRST the grid is (tokens, blocks of rows, slices of K) instead), a being x
@@ -216,14 +269,22 @@ def _gemv(
 
     ADD_NORM: every program first sums the squares of the whole row (an RMSNorm needs them all); the programs of
     the first block of rows store the residual sum and the normed row, each its own slice of K."""
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
     if TOKENS_FIRST:  # the tokens of one block of rows launch side by side (they share its weight in L2)
         t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         row_blocks, tokens = tl.num_programs(1), tl.num_programs(0)
     else:
         pid_n, split, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         row_blocks, tokens = tl.num_programs(0), tl.num_programs(2)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole BLOCK_Ks, so FP8 groups stay whole
+    k_start = split * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    main_blocks = tl.cdiv(N, BLOCK_N)
+    n_main = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # PDL 2: the first weight tile is loaded before the wait (no kernel writes weights), so that this program's
+    # reads from HBM start while the kernel before drains; rows past N (the tail's programs) load nothing
+    first = _weight_tile(w, n_main, n_main < N, k_start, K, stride_wn, BLOCK_K) if PDL == 2 else 0.0
+    if PDL:  # wait for the kernel before (pdl.py)
+        tl.extra.cuda.gdc_wait()
     rstd = 0.0
     if PROLOGUE == ADD_NORM:
         kk = tl.arange(0, BLOCK_K)
@@ -235,10 +296,6 @@ def _gemv(
             s = s.to(x.dtype.element_ty).to(tl.float32)
             squares += s * s
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole BLOCK_Ks, so FP8 groups stay whole
-    k_start = split * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
-    main_blocks = tl.cdiv(N, BLOCK_N)
     if pid_n >= main_blocks:  # the plain tail's rows
         n = (pid_n - main_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N_TAIL
@@ -273,10 +330,12 @@ def _gemv(
             GROUP,
             BLOCK_N,
             BLOCK_K,
+            0.0,
+            False,
         )
         col = N + n
     else:
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = n_main
         n_ok = n < N
         y = _row_sums(
             x,
@@ -309,6 +368,8 @@ def _gemv(
             GROUP,
             BLOCK_N,
             BLOCK_K,
+            first,
+            PDL == 2,
         )
         col = n
     width = N + N_TAIL
