@@ -25,7 +25,8 @@ from torch.nn.functional import ScalingType
 
 from deltamesh.kernels import pdl
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, reference_linear
-from deltamesh.kernels.triton_gemv import gemv, quantized_rows, small_weight_gemv
+from deltamesh.kernels.triton_gemv import gemv, small_weight_gemv
+from deltamesh.kernels.triton_gemv_kernels import quantized_rows
 
 # FP8 weights: up to this many tokens `_gemv` runs, past it cuBLAS's FP8 GEMM wins (bench/RESULTS.md, "Linear
 # layers").

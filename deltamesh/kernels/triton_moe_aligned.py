@@ -31,7 +31,7 @@ import triton.language as tl
 
 from deltamesh.kernels import pdl, triton_linear
 from deltamesh.kernels.fp8 import BLOCK, kernel_operands
-from deltamesh.kernels.triton_gemv import quantized_rows
+from deltamesh.kernels.triton_gemv_kernels import quantized_rows
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

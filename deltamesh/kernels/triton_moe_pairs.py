@@ -20,7 +20,7 @@ import triton.language as tl
 
 from deltamesh.kernels import pdl
 from deltamesh.kernels.fp8 import BLOCK, kernel_operands
-from deltamesh.kernels.triton_gemv import quantized_vector
+from deltamesh.kernels.triton_gemv_kernels import quantized_vector
 
 
 @triton.jit

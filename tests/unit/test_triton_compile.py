@@ -9,7 +9,13 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deltamesh.kernels import triton_gemv, triton_linear, triton_moe_aligned, triton_moe_pairs  # noqa: E402
+from deltamesh.kernels import (  # noqa: E402
+    triton_gemv,
+    triton_gemv_kernels,
+    triton_linear,
+    triton_moe_aligned,
+    triton_moe_pairs,
+)
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -139,7 +145,7 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
         ),
         *[
             compile_for_sm90(
-                triton_gemv._gemv,
+                triton_gemv_kernels._gemv,
                 {
                     "x": "*bf16",
                     "other": "*bf16",

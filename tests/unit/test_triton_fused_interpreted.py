@@ -16,7 +16,7 @@ PRELUDE = """
     import torch.nn.functional as F
     import triton.language as tl
     from triton.runtime import interpreter
-    from deltamesh.kernels import torch_ref, triton_fused
+    from deltamesh.kernels import torch_ref, triton_conv1d, triton_fused
     torch.manual_seed(0)
     errors = {}
 
@@ -103,7 +103,7 @@ def test_silu_mul_and_conv1d_update_match_reference():
             idx = torch.tensor([4, 0, 2], dtype=idx_dtype)
             before, ref_pool = pool.clone(), pool.clone()
             ref = torch_ref.conv1d_update(x, ref_pool, idx, weight, activation)
-            got = triton_fused.conv1d_update(x, pool, idx, weight, activation)
+            got = triton_conv1d.conv1d_update(x, pool, idx, weight, activation)
             case = f"conv1d_update x {x_dtype} pool {pool_dtype} {idx_dtype} {activation}"
             errors[case] = err(got, ref)
             # The indexed rows shift in place exactly as the reference's; the other rows stay untouched.
@@ -126,7 +126,7 @@ def test_conv1d_prefill_matches_reference():
         idx = torch.tensor([5, 0, 3, 6], dtype=torch.int32)
         before, ref_pool = pool.clone(), pool.clone()
         ref = torch_ref.conv1d_prefill(x, lens, None, ref_pool, idx, weight, "silu")
-        got = triton_fused.conv1d_prefill(x, lens, cu, pool, idx, weight, "silu")
+        got = triton_conv1d.conv1d_prefill(x, lens, cu, pool, idx, weight, "silu")
         case = f"conv1d_prefill x {x_dtype} pool {pool_dtype}"
         errors[case] = err(got, ref)
         errors[case + " state"] = err(pool, ref_pool)
