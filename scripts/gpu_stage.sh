@@ -68,9 +68,9 @@
 #            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear)
 #   stage D: programmatic dependent launch (kernels/pdl.py; #43, #42): the probe (bench/gpu_pdl.py: a GEMV + norm
 #            chain in one graph, PDL off / on), the GPU tests of the kernels, fused projections, FP8, spec and model
-#            with DELTAMESH_PDL=2, then bench/gpu_spec.py K = 0 and 3 at batch 1 and 4 (reduced draft head) with
-#            DELTAMESH_PDL in D_MODES (default 0 1 2) for each shape of $SHAPES (default the 9B; SPEC_ARGS adds
-#            flags, e.g. --quantization fp8); D_TESTS=0 runs the A/B alone
+#            with DELTAMESH_PDL=3 (D_TEST_MODE), then bench/gpu_spec.py K = 0 and 3 at batch 1 and 4 (reduced
+#            draft head) with DELTAMESH_PDL in D_MODES (default 0 1 2 3) for each shape of $SHAPES (default the
+#            9B; SPEC_ARGS adds flags, e.g. --quantization fp8); D_TESTS=0 runs the A/B alone
 #   stage V: deltamesh next to vLLM (#43; bench/peers.py, vLLM staged in /tmp/vllm-site as
 #            ../shared/notes/peers-on-h200.md says): the first shape of $SHAPES, PEER_LOADS (default 8192:1024) at
 #            concurrency PEER_CONC (default 1,16,64), deltamesh first, then vLLM once /tmp/vllm-site is installed; about
@@ -353,12 +353,12 @@ S)
 D)
   if [ "${D_TESTS:-1}" = 1 ]; then
     TAIL=12 run gpu_pdl 120 python bench/gpu_pdl.py --out "$OUT/gpu_pdl.json"
-    TAIL=30 run pdl_tests 300 env DELTAMESH_PDL=2 python -m pytest -q -p no:cacheprovider -m gpu \
+    TAIL=30 run pdl_tests 300 env DELTAMESH_PDL=${D_TEST_MODE:-3} python -m pytest -q -p no:cacheprovider -m gpu \
       tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fused_linear.py tests/gpu/test_gpu_fp8.py \
       tests/gpu/test_gpu_spec.py tests/gpu/test_gpu_model.py -rfE
   fi
   for shape in ${SHAPES:-qwen3.5-9b}; do
-    for on in ${D_MODES:-0 1 2}; do
+    for on in ${D_MODES:-0 1 2 3}; do
       TAIL=45 run "pdl_steps_${shape}_$on" 240 env DELTAMESH_PDL=$on python bench/gpu_spec.py \
         --models "bench/configs/$shape" --ks 0,3 --batches 1,4 --draft-vocab 32768 ${SPEC_ARGS:-} \
         --out "$OUT/pdl_steps_${shape}_$on.json"

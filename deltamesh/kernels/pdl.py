@@ -14,7 +14,9 @@ start as their last blocks exit, before their completion is flushed, and waits a
 Modes (`MODE`, from DELTAMESH_PDL in the environment, or set before the kernels are launched and CUDA graphs
 captured): 0 off (the default, until bench/gpu_pdl.py and stage D of scripts/gpu_stage.sh have measured it); 1 every
 kernel waits first; 2 as 1, and the GEMV (triton_gemv.py) loads its first weight tile before it waits (weights are
-never written by a step's kernels), so that its reads from HBM start while the kernel before drains.
+never written by a step's kernels), so that its reads from HBM start while the kernel before drains; 3 as 2, and
+every kernel, once its wait returns, lets the kernel after it be scheduled (griddepcontrol.launch_dependents), so
+that kernel's programs take free SMs, and the GEMV's its first weight tiles, while this one runs.
 """
 
 from __future__ import annotations

@@ -78,6 +78,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
         n_blocks = tl.cdiv(seq_len, BLOCK_N)
@@ -132,6 +134,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         b, h = tl.program_id(0), tl.program_id(1)
         sp = tl.arange(0, SPLITS)
         d = tl.arange(0, HEAD_DIM)

@@ -42,6 +42,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < channels
@@ -82,6 +84,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         # One program per (sequence, tile of tokens, block of channels): a long prompt spreads over the whole GPU.
         # Only a sequence's first tile reaches back into the pooled state (BLOCK_T >= WIDTH - 1), so that program
         # alone writes the new state, after its own reads.

@@ -43,6 +43,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         # Rows are (t, h) pairs of a [T, H, dim] view; a 2-D input arrives as T = 1.
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
@@ -70,6 +72,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         mask = d < dim
@@ -102,6 +106,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         # Rows are (t, h) pairs of [T, H, dim] views (last dim contiguous); a 2-D input arrives as H = 1.
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
@@ -121,6 +127,8 @@ def _kernels():
     def silu_mul(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = i < inter
@@ -155,6 +163,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         # One program per (token, head): query heads 0..heads-1, then the KV heads.
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
@@ -195,6 +205,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
         d = tl.arange(0, HEAD_DIM)

@@ -29,6 +29,8 @@ def _kernel():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         h = offs % heads

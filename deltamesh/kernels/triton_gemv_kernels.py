@@ -266,11 +266,13 @@ def _gemv(
     k_stop = tl.minimum(k_start + k_per_split, K)
     main_blocks = tl.cdiv(N, BLOCK_N)
     n_main = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # PDL 2: the first weight tile is loaded before the wait (no kernel writes weights), so that this program's
+    # PDL 2 and 3: the first weight tile is loaded before the wait (no kernel writes weights), so that this program's
     # reads from HBM start while the kernel before drains; rows past N (the tail's programs) load nothing
-    first = _weight_tile(w, n_main, n_main < N, k_start, K, stride_wn, BLOCK_K) if PDL == 2 else 0.0
+    first = _weight_tile(w, n_main, n_main < N, k_start, K, stride_wn, BLOCK_K) if PDL >= 2 else 0.0
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
     if PROLOGUE == ADD_NORM:
         kk = tl.arange(0, BLOCK_K)
@@ -355,7 +357,7 @@ def _gemv(
             BLOCK_N,
             BLOCK_K,
             first,
-            PDL == 2,
+            PDL >= 2,
         )
         col = n
     width = N + N_TAIL

@@ -41,6 +41,8 @@ def _quantize_groups(
     M, the padding, are zeros)."""
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]

@@ -55,6 +55,8 @@ def _route(
     """ids: the choice's expert among this rank's [first, first + local), -1 for another rank's."""
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
@@ -90,6 +92,8 @@ def _align(
 ):
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     offs = tl.arange(0, BLOCK_E)
     c = tl.load(counts + offs, mask=offs < E, other=0)
     padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -108,6 +112,8 @@ def _align(
 def _scatter(ids, ranks, starts, sorted_pairs, P, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = p < P
     e = tl.load(ids + p, mask=mask, other=-1)
@@ -163,6 +169,8 @@ def _gate_up_silu(
     group, so each program writes one group of its rows' SwiGLU output, quantized (inter_s: its scales)."""
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
@@ -230,6 +238,8 @@ def _down(
     """FP8: inter holds the e4m3 SwiGLU outputs, inter_s their scales per group of BLOCK_K."""
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
@@ -276,6 +286,8 @@ def _combine(
     """out[t] = sum of the token's TOP_K pair rows (this rank's experts') + sigmoid(gate[t]) * shared[t]."""
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = h < H

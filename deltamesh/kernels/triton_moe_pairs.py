@@ -83,6 +83,8 @@ def _gate_up_silu_pairs(
 ):
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)  # token * (TOP_K + 1) + choice; choice TOP_K is the shared expert
     t, j = pair // (TOP_K + 1), pair % (TOP_K + 1)
     if j < TOP_K:  # ids: the expert among this rank's [first, first + local), -2 for another rank's
@@ -153,6 +155,8 @@ def _down_combine(
 ):
     if PDL:  # wait for the kernel before (pdl.py)
         tl.extra.cuda.gdc_wait()
+        if PDL == 3:  # and let the kernel after be scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)

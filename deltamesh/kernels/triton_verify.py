@@ -60,6 +60,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         n, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // GROUP
         kk = tl.arange(0, BLOCK_K)
@@ -117,6 +119,8 @@ def _kernels():
     ):
         if PDL:  # wait for the kernel before (pdl.py)
             tl.extra.cuda.gdc_wait()
+            if PDL == 3:  # and let the kernel after be scheduled now
+                tl.extra.cuda.gdc_launch_dependents()
         n = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < channels

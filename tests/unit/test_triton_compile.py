@@ -21,16 +21,17 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 
 def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4):
-    """As a launch with programmatic dependent launch on (kernels/pdl.py, mode 2: the GEMV's weight prefetch too)
-    compiles it: its wait included (the launch without it compiles the same kernel less those branches)."""
-    constexprs = {"PDL": 2} | constexprs if "PDL" in kernel.arg_names else constexprs
+    """As a launch with programmatic dependent launch on (kernels/pdl.py, mode 3: the wait, the GEMV's weight
+    prefetch and the early trigger) compiles it (without it, the same kernel less those branches)."""
+    constexprs = {"PDL": 3} | constexprs if "PDL" in kernel.arg_names else constexprs
     signature = signature | {name: "constexpr" for name in constexprs}
     signature = {name: signature[name] for name in kernel.arg_names}  # in the kernel's own order
     options = {"num_warps": num_warps, "launch_pdl": "PDL" in constexprs}
     compiled = triton.compile(
         ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=SM90, options=options
     )
-    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == options["launch_pdl"]
+    for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert (instruction in compiled.asm["ptx"]) == options["launch_pdl"]
     return compiled
 
 
