@@ -6,8 +6,7 @@ forward pass has of it (at least enough to exceed the L2 cache), as a decode ste
 replayed alone would read its weight from L2 and pay a graph launch of its own.
 
 - `op` rows: per projection and token count: bf16 cuBLAS, the bf16 GEMV, the FP8 layer past the GEMV (cuBLAS's
-  block-scaled FP8 GEMM), the FP8 GEMV, up to 4 tokens also launched tokens first (GemvConfig.tokens_first: the
-  tokens of a block of rows side by side); the bf16 and FP8 floors (bytes at the measured HBM copy rate).
+  block-scaled FP8 GEMM), the FP8 GEMV; the bf16 and FP8 floors (bytes at the measured HBM copy rate).
 - `pass` rows: the sum over one forward pass's projections (LM head excluded) at each token count.
 - `sweep` rows (`--sweep`): the pass sum per GEMV tile and split target at one token (triton_gemv.GEMV_TILE,
   GEMV_PROGRAMS_PER_SM), which set those defaults.
@@ -109,9 +108,6 @@ def op_rows(cfg: ModelConfig, rings: dict, tokens: list[int], bandwidth: float) 
             if t <= 4:
                 row["bf16_gemv_ms"] = ring.ms(lambda w: triton_gemv.gemv(x, w), ring.bf16)
                 row["fp8_gemv_ms"] = ring.ms(lambda w: triton_gemv.gemv(x, w), ring.fp8)
-                # the same launch with the tokens of a block of rows side by side (they share its weight in L2)
-                first = triton_gemv.gemv_config(t, n, k, x.device)._replace(tokens_first=True)
-                row["fp8_gemv_tokens_first_ms"] = ring.ms(lambda w: triton_gemv.gemv(x, w, None, first), ring.fp8)
             if triton_linear.fits_fp8_gemm(x, ring.fp8[0]):
                 row["fp8_cublas_ms"] = ring.ms(lambda w: triton_linear.fp8_gemm(x, w), ring.fp8)
             rows.append(row)
@@ -184,7 +180,6 @@ def main() -> None:
             "bf16_floor_ms",
             "fp8_cublas_ms",
             "fp8_gemv_ms",
-            "fp8_gemv_tokens_first_ms",
             "fp8_floor_ms",
         ],
     )

@@ -28,7 +28,6 @@ class GemvConfig(NamedTuple):
     block_k: int  # a multiple of BLOCK
     split_k: int  # slices of K, each its own program
     num_warps: int
-    tokens_first: bool = False  # launch order: every token of a block of rows, then the next block (under study)
 
 
 # BLOCK_N rows by BLOCK_K columns per program: its float32 sums are 64 registers per thread at 4 warps.
@@ -143,8 +142,7 @@ def gemv(
     split = config.split_k > 1
     partials = torch.empty(config.split_k, m, n + n_tail, dtype=torch.float32, device=x.device) if split else out
     arrivals = _arrivals(x.device) if split else out
-    grid = (m, blocks, config.split_k) if config.tokens_first else (blocks, config.split_k, m)
-    _gemv[grid](
+    _gemv[(blocks, config.split_k, m)](
         x,
         other,
         norm_weight,
@@ -178,7 +176,6 @@ def gemv(
         config.block_n,
         config.block_k,
         config.split_k,
-        config.tokens_first,
         num_warps=config.num_warps,
         **pdl.kwargs(x.device),
     )

@@ -240,27 +240,21 @@ def _gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    TOKENS_FIRST: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
     """out[t, rows] = a[t] @ w[rows]^T (+ bias) for a block of BLOCK_N rows (program_id(0)) and token t
-    (program_id(2); with TOKENS_FIRST the grid is (tokens, blocks of rows, slices of K) instead), a being x
-    after the PROLOGUE (`_activation`). Output columns N.. come from `tail`, N_TAIL plain rows beside an FP8 weight
+    (program_id(2)), a being x after the PROLOGUE (`_activation`). Output columns N.. come from `tail`, N_TAIL plain rows beside an FP8 weight
     (the blocks of rows past w's); without a tail, N_TAIL is 0 and no block reaches them.
 
-    With SPLIT_K > 1, program_id(1) (TOKENS_FIRST: 2) takes one slice of K (layers with few output rows need the
+    With SPLIT_K > 1, program_id(1) takes one slice of K (layers with few output rows need the
     extra programs to keep every SM reading). Each slice stores its float32 sums in `partials`; the last slice to
     arrive at a block of rows adds them up in slice order, so the result does not depend on arrival order, and
     resets the block's counter in `arrivals` for the next call.
 
     ADD_NORM: every program first sums the squares of the whole row (an RMSNorm needs them all); the programs of
     the first block of rows store the residual sum and the normed row, each its own slice of K."""
-    if TOKENS_FIRST:  # the tokens of one block of rows launch side by side (they share its weight in L2)
-        t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        row_blocks, tokens = tl.num_programs(1), tl.num_programs(0)
-    else:
-        pid_n, split, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        row_blocks, tokens = tl.num_programs(0), tl.num_programs(2)
+    pid_n, split, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row_blocks, tokens = tl.num_programs(0), tl.num_programs(2)
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole BLOCK_Ks, so FP8 groups stay whole
     k_start = split * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)

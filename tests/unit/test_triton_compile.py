@@ -177,15 +177,14 @@ def test_fp8_aligned_moe_and_linear_kernels_compile_for_sm90():
                     "BLOCK_N": 16,
                     "BLOCK_K": 512,
                     "SPLIT_K": split,
-                    "TOKENS_FIRST": tokens_first,
                 },
             )
-            for w, prologue, split, tokens_first in (
-                ("*bf16", triton_gemv.PLAIN, 1, False),
-                ("*bf16", triton_gemv.ADD_NORM, 2, False),
-                ("*fp8e4nv", triton_gemv.GATED_NORM, 4, False),
-                ("*fp8e4nv", triton_gemv.SIGMOID_GATE, 1, False),
-                ("*fp8e4nv", triton_gemv.PLAIN, 4, True),
+            for w, prologue, split in (
+                ("*bf16", triton_gemv.PLAIN, 1),
+                ("*bf16", triton_gemv.ADD_NORM, 2),
+                ("*fp8e4nv", triton_gemv.GATED_NORM, 4),
+                ("*fp8e4nv", triton_gemv.SIGMOID_GATE, 1),
+                ("*fp8e4nv", triton_gemv.PLAIN, 4),
             )
         ],
         compile_for_sm90(

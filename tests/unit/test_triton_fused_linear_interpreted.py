@@ -49,9 +49,7 @@ PRELUDE = """
         return Fp8Weight(*quantize_blocks(torch.randn(*shape) / shape[-1] ** 0.5))
 
     # K (512) in one slice, in two, and in four of 256 (two of them empty): the last slice to arrive adds them up
-    # (and the tokens of a block of rows launched side by side, K split or not)
-    TILES = [None, triton_gemv.GemvConfig(8, 256, 2, 4), triton_gemv.GemvConfig(16, 256, 4, 4),
-             triton_gemv.GemvConfig(16, 512, 1, 4, tokens_first=True), triton_gemv.GemvConfig(8, 256, 2, 4, True)]
+    TILES = [None, triton_gemv.GemvConfig(8, 256, 2, 4), triton_gemv.GemvConfig(16, 256, 4, 4)]
 
     def heads(t, h, d, dtype):
         # x contiguous [T, H, D]; the second operand a strided view into a wider projection, as the model passes
