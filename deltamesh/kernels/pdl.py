@@ -6,7 +6,7 @@ kernel before has completed and its writes are visible. So each kernel's launch 
 tail of the one before, and the order of memory accesses is the stream's, as without PDL. A decode step at batch 1
 is a chain of 350-700 short kernels, each separated by ~1 µs of idle GPU (bench/RESULTS.md, "Steps back to back").
 
-Every kernel here takes a `PDL` constexpr (default False) and starts with `if PDL: gdc_wait()`; a launch passes
+Every kernel here takes a `PDL` constexpr (default 0) and starts with `pdl_wait(PDL)` (triton_pdl.py); a launch passes
 `**pdl.kwargs(device)`, which sets it and the launch attribute together, so that a kernel is never launched early
 without waiting. Kernels of other libraries (cuBLAS, FlashInfer, torch) launch as before; one of ours after them may
 start as their last blocks exit, before their completion is flushed, and waits as after any kernel.

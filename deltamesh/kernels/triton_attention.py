@@ -47,6 +47,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global pdl_wait  # a module global: Triton's interpreter resolves a kernel's callees there
+    from deltamesh.kernels.triton_pdl import pdl_wait
+
     @triton.jit
     def decode_split(
         q_ptr,
@@ -74,12 +77,9 @@ def _kernels():
         PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
         n_blocks = tl.cdiv(seq_len, BLOCK_N)
@@ -130,12 +130,9 @@ def _kernels():
         stride_h,
         HEAD_DIM: tl.constexpr,
         SPLITS: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         b, h = tl.program_id(0), tl.program_id(1)
         sp = tl.arange(0, SPLITS)
         d = tl.arange(0, HEAD_DIM)

@@ -23,6 +23,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global pdl_wait  # a module global: Triton's interpreter resolves a kernel's callees there
+    from deltamesh.kernels.triton_pdl import pdl_wait
+
     @triton.jit
     def conv1d_update(
         x_ptr,
@@ -38,12 +41,9 @@ def _kernels():
         WIDTH: tl.constexpr,
         SILU: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         b = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < channels
@@ -80,12 +80,9 @@ def _kernels():
         SILU: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_C: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         # One program per (sequence, tile of tokens, block of channels): a long prompt spreads over the whole GPU.
         # Only a sequence's first tile reaches back into the pooled state (BLOCK_T >= WIDTH - 1), so that program
         # alone writes the new state, after its own reads.

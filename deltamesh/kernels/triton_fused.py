@@ -27,6 +27,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global pdl_wait  # a module global: Triton's interpreter resolves a kernel's callees there
+    from deltamesh.kernels.triton_pdl import pdl_wait
+
     @triton.jit
     def rms_norm(
         x_ptr,
@@ -39,12 +42,9 @@ def _kernels():
         dim,
         eps,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         # Rows are (t, h) pairs of a [T, H, dim] view; a 2-D input arrives as T = 1.
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
@@ -68,12 +68,9 @@ def _kernels():
         dim,
         eps,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         mask = d < dim
@@ -102,12 +99,9 @@ def _kernels():
         eps,
         ROUND_PRODUCT: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         # Rows are (t, h) pairs of [T, H, dim] views (last dim contiguous); a 2-D input arrives as H = 1.
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
@@ -124,11 +118,8 @@ def _kernels():
         tl.store(out_ptr + row * dim + d, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def silu_mul(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+    def silu_mul(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         row = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = i < inter
@@ -159,12 +150,9 @@ def _kernels():
         HEAD_DIM: tl.constexpr,
         ROT: tl.constexpr,
         PAGE: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         # One program per (token, head): query heads 0..heads-1, then the KV heads.
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
@@ -201,12 +189,9 @@ def _kernels():
 
     @triton.jit
     def sigmoid_gate(
-        x_ptr, gate_ptr, out_ptr, heads, stride_gt, stride_gh, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False
+        x_ptr, gate_ptr, out_ptr, heads, stride_gt, stride_gh, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = 0
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
         d = tl.arange(0, HEAD_DIM)

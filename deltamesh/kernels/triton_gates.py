@@ -14,6 +14,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    global pdl_wait  # a module global: Triton's interpreter resolves a kernel's callees there
+    from deltamesh.kernels.triton_pdl import pdl_wait
+
     @triton.jit
     def gates(
         a_ptr,
@@ -25,12 +28,9 @@ def _kernel():
         n,
         heads: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         h = offs % heads

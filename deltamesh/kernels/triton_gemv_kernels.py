@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltamesh.kernels.triton_pdl import pdl_wait
+
 
 @triton.jit
 def quantized_rows(a):
@@ -263,10 +265,7 @@ def _gemv(
     # PDL 2 and 3: the first weight tile is loaded before the wait (no kernel writes weights), so that this program's
     # reads from HBM start while the kernel before drains; rows past N (the tail's programs) load nothing
     first = _weight_tile(w, n_main, n_main < N, k_start, K, stride_wn, BLOCK_K) if PDL >= 2 else 0.0
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     rstd = 0.0
     if PROLOGUE == ADD_NORM:
         kk = tl.arange(0, BLOCK_K)

@@ -27,6 +27,7 @@ from deltamesh.kernels import pdl
 from deltamesh.kernels.fp8 import BLOCK, Fp8Weight, reference_linear
 from deltamesh.kernels.triton_gemv import gemv, small_weight_gemv
 from deltamesh.kernels.triton_gemv_kernels import quantized_rows
+from deltamesh.kernels.triton_pdl import pdl_wait
 
 # FP8 weights: up to this many tokens `_gemv` runs, past it cuBLAS's FP8 GEMM wins (bench/RESULTS.md, "Linear
 # layers").
@@ -35,14 +36,11 @@ GEMV_MAX_TOKENS = 1
 
 @triton.jit
 def _quantize_groups(
-    x, q, scales, M, K, stride_xm, stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = False
+    x, q, scales, M, K, stride_xm, stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = 0
 ):
     """Token t's GROUPS groups from group program_id(1) * GROUPS: e4m3 values and one scale each (tokens past
     M, the padding, are zeros)."""
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     t = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]

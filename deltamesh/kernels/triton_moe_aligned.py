@@ -32,6 +32,7 @@ import triton.language as tl
 from deltamesh.kernels import pdl, triton_linear
 from deltamesh.kernels.fp8 import BLOCK, kernel_operands
 from deltamesh.kernels.triton_gemv_kernels import quantized_rows
+from deltamesh.kernels.triton_pdl import pdl_wait
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -50,13 +51,10 @@ def _route(
     BLOCK_E: tl.constexpr,
     TOP_K: tl.constexpr,
     NORM: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """ids: the choice's expert among this rank's [first, first + local), -1 for another rank's."""
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
@@ -88,12 +86,9 @@ def _align(
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     offs = tl.arange(0, BLOCK_E)
     c = tl.load(counts + offs, mask=offs < E, other=0)
     padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -109,11 +104,8 @@ def _align(
 
 
 @triton.jit
-def _scatter(ids, ranks, starts, sorted_pairs, P, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+def _scatter(ids, ranks, starts, sorted_pairs, P, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = p < P
     e = tl.load(ids + p, mask=mask, other=-1)
@@ -163,14 +155,11 @@ def _gate_up_silu(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """FP8: x holds e4m3 activations with their scales in x_s [tokens, groups]; BLOCK_K and BLOCK_N are the scale
     group, so each program writes one group of its rows' SwiGLU output, quantized (inter_s: its scales)."""
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
@@ -233,13 +222,10 @@ def _down(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """FP8: inter holds the e4m3 SwiGLU outputs, inter_s their scales per group of BLOCK_K."""
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     e, rows, valid, pairs = _block_rows(block_expert, starts, counts, sorted_pairs, BLOCK_M)
     if e < 0:
         return
@@ -281,13 +267,10 @@ def _combine(
     stride_g,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """out[t] = sum of the token's TOP_K pair rows (this rank's experts') + sigmoid(gate[t]) * shared[t]."""
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = h < H

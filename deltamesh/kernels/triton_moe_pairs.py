@@ -21,6 +21,7 @@ import triton.language as tl
 from deltamesh.kernels import pdl
 from deltamesh.kernels.fp8 import BLOCK, kernel_operands
 from deltamesh.kernels.triton_gemv_kernels import quantized_vector
+from deltamesh.kernels.triton_pdl import pdl_wait
 
 
 @triton.jit
@@ -79,12 +80,9 @@ def _gate_up_silu_pairs(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     pair = tl.program_id(0)  # token * (TOP_K + 1) + choice; choice TOP_K is the shared expert
     t, j = pair // (TOP_K + 1), pair % (TOP_K + 1)
     if j < TOP_K:  # ids: the expert among this rank's [first, first + local), -2 for another rank's
@@ -151,12 +149,9 @@ def _down_combine(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    if PDL:  # wait for the kernel before (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        if PDL == 3:  # and let the kernel after be scheduled now
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # after the kernel before (pdl.py)
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)

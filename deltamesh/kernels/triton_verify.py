@@ -24,6 +24,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global pdl_wait  # a module global: Triton's interpreter resolves a kernel's callees there
+    from deltamesh.kernels.triton_pdl import pdl_wait
+
     @triton.jit
     def gdn_verify(
         q_ptr,
@@ -56,12 +59,9 @@ def _kernels():
         KEY_DIM: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         n, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // GROUP
         kk = tl.arange(0, BLOCK_K)
@@ -115,12 +115,9 @@ def _kernels():
         W: tl.constexpr,
         SILU: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
-        if PDL:  # wait for the kernel before (pdl.py)
-            tl.extra.cuda.gdc_wait()
-            if PDL == 3:  # and let the kernel after be scheduled now
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)  # after the kernel before (pdl.py)
         n = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < channels
