@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (PDL), probed before any engine kernel takes it: does letting a kernel launch
+"""Programmatic dependent launch (PDL; deltamesh/kernels/pdl.py), probed on its own: does letting a kernel launch
 while the one before it drains save the ~1-2 µs a batch-1 step loses at each of its ~350-700 kernel boundaries
-(bench/RESULTS.md, "Steps back to back")?
+(bench/RESULTS.md, "Steps back to back" and "Programmatic dependent launch")? Its variants are the engine's modes.
 
 A chain as a batch-1 decode step has it, captured in one CUDA graph: `--pairs` times a one-token GEMV over a
 2048 x 4096 bf16 weight (each its own weight, from a ring larger than the L2 cache, as a step reads them) followed
