@@ -1,5 +1,5 @@
 """Programmatic dependent launch (PDL; deltamesh/kernels/pdl.py), probed on its own: does letting a kernel launch
-while the one before it drains save the ~1-2 µs a batch-1 step loses at each of its ~350-700 kernel boundaries
+while the one before it drains save the idle time a batch-1 step loses at each of its kernel boundaries
 (bench/RESULTS.md, "Steps back to back" and "Programmatic dependent launch")? Its variants are the engine's modes.
 
 A chain as a batch-1 decode step has it, captured in one CUDA graph: `--pairs` times a one-token GEMV over a

@@ -63,8 +63,8 @@
 #   stage S: small weights through the GEMV at a few tokens (#43, #42; triton_gemv.small_weight_gemv): the GPU tests
 #            of the fused projections, FP8 and speculative decoding, then bench/gpu_spec.py on the first shape of
 #            $SHAPES (SPEC_ARGS adds flags, e.g. --quantization fp8 on an H100) at K = 0 and 3, batch 1 and 4, with
-#            --small-weight-tokens 0 (off) and then the default; then bench/gpu_linear.py at 1, 2 and 4 tokens (the FP8
-#            GEMV launched tokens first against its default order and cuBLAS), about 12 minutes on a fresh host;
+#            --small-weight-tokens 0 (off) and then the default; then bench/gpu_linear.py at 1, 2 and 4 tokens (the
+#            GEMV against cuBLAS, bf16 and FP8), about 12 minutes on a fresh host;
 #            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear)
 #   stage D: programmatic dependent launch (kernels/pdl.py; #43, #42): the probe (bench/gpu_pdl.py: a GEMV + norm
 #            chain in one graph, PDL off / on), the GPU tests of the kernels, fused projections, FP8, spec and model

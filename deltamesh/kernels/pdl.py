@@ -3,8 +3,8 @@
 A kernel launched with it may be scheduled while the kernel before it in the stream is still draining; it waits
 (griddepcontrol.wait, `tl.extra.cuda.gdc_wait`) before it reads or writes any memory, which returns once the
 kernel before has completed and its writes are visible. So each kernel's launch latency and start-up overlap the
-tail of the one before, and the order of memory accesses is the stream's, as without PDL. A decode step at batch 1
-is a chain of 350-700 short kernels, each separated by ~1 µs of idle GPU (bench/RESULTS.md, "Steps back to back").
+tail of the one before, and the order of memory accesses is the stream's, as without PDL: a decode step at batch 1
+is a long chain of short kernels with idle GPU between them (bench/RESULTS.md, "Steps back to back").
 
 Every kernel here takes a `PDL` constexpr (default 0) and starts with `pdl_wait(PDL)` (triton_pdl.py); a launch passes
 `**pdl.kwargs(device)`, which sets it and the launch attribute together, so that a kernel is never launched early
@@ -16,9 +16,7 @@ captured): 0 off; 1 every kernel waits first; 2 as 1, and the GEMV (triton_gemv_
 tile before it waits (weights are never written by a step's kernels), so that its reads from HBM start while the
 kernel before drains; 3 (the default) as 2, and every kernel, once its wait returns, lets the kernel after it be
 scheduled (griddepcontrol.launch_dependents), so that kernel's programs take free SMs, and the GEMV's its first
-weight tiles, while this one runs. Measured (bench/RESULTS.md, "Programmatic dependent launch"): mode 3 takes about
-4 % off the 35B-A3B FP8 decode step at batch 1 and 4 and 2 % off its verify steps, under 1 % on the 9B shape (its
-projections are cuBLAS's), never slower; the GPU tests pass with it.
+weight tiles, while this one runs. What each mode saves: bench/RESULTS.md, "Programmatic dependent launch".
 """
 
 from __future__ import annotations
@@ -41,5 +39,10 @@ def _supported(device: torch.device) -> bool:
 
 def kwargs(device: torch.device) -> dict:
     """The launch keywords of a kernel on `device`: the PDL constexpr (the mode) and the launch attribute, or
-    nothing."""
-    return {"PDL": MODE, "launch_pdl": True} if MODE and _supported(device) else {}
+    nothing (one dict per mode: this runs at every launch; callers only unpack it)."""
+    return _keywords(MODE) if MODE and _supported(device) else _keywords(0)
+
+
+@functools.cache
+def _keywords(mode: int) -> dict:
+    return {"PDL": mode, "launch_pdl": True} if mode else {}
