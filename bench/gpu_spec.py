@@ -28,7 +28,8 @@ head instead of all of them, and `floor_ms` counts those. The projection keeps t
 N (a reduced vocabulary accepts less: bench/draft_vocab_acceptance.py measures how much on the default model).
 
 `--small-weight-tokens N` (default triton_gemv.SMALL_WEIGHT_MAX_TOKENS; 0: off): up to N tokens a small weight (the
-MoE router, GDN's b|a gates) runs the GEMV instead of cuBLAS, for an A/B of whole steps.
+MoE router, GDN's b|a gates) runs the GEMV instead of cuBLAS, for an A/B of whole steps. `--small-weight-mib M`
+(default triton_gemv.SMALL_WEIGHT_BYTES in MiB): what counts as small, for the same A/B.
 
 `--profile-batch B` (default 1, 0: none): the plain step and the largest K's verify step at batch B, as they run
 (graphs replayed), under the torch profiler: GPU time per kernel group and the slowest kernels (`kernels` in the
@@ -305,9 +306,17 @@ def main() -> None:
         default=triton_gemv.SMALL_WEIGHT_MAX_TOKENS,
         help="triton_gemv.SMALL_WEIGHT_MAX_TOKENS for every engine (0: small weights take cuBLAS past one token)",
     )
+    p.add_argument(
+        "--small-weight-mib",
+        type=float,
+        default=triton_gemv.SMALL_WEIGHT_BYTES / (1 << 20),
+        help="triton_gemv.SMALL_WEIGHT_BYTES in MiB for every engine (weights up to it take the GEMV at a few tokens)",
+    )
     p.add_argument("--out", default=str(RESULTS / "gpu_spec.json"))
     args = p.parse_args()
-    triton_gemv.SMALL_WEIGHT_MAX_TOKENS = args.small_weight_tokens  # before the engines capture their graphs
+    # before the engines capture their graphs
+    triton_gemv.SMALL_WEIGHT_MAX_TOKENS = args.small_weight_tokens
+    triton_gemv.SMALL_WEIGHT_BYTES = int(args.small_weight_mib * (1 << 20))
     ks = sorted(set(args.ks) | {0})
     if max(ks) > len(args.acceptance):
         p.error(f"--acceptance gives {len(args.acceptance)} positions, K goes to {max(ks)}")
@@ -356,6 +365,7 @@ def write(out: str, rows: list[dict], acceptance: list[float], complete: bool) -
         "complete": complete,
         "acceptance": acceptance,
         "small_weight_tokens": triton_gemv.SMALL_WEIGHT_MAX_TOKENS,
+        "small_weight_bytes": triton_gemv.SMALL_WEIGHT_BYTES,
         "steps": rows,
         "projected": projected,
         "disable_batch": backoff,

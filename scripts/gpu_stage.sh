@@ -66,6 +66,10 @@
 #            --small-weight-tokens 0 (off) and then the default; then bench/gpu_linear.py at 1, 2 and 4 tokens (the
 #            GEMV against cuBLAS, bf16 and FP8), about 12 minutes on a fresh host;
 #            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear)
+#   stage W: what counts as a small weight (triton_gemv.SMALL_WEIGHT_BYTES; #43, #42): bench/gpu_spec.py on the
+#            first shape of $SHAPES (SPEC_ARGS adds flags: --quantization fp8 on an H100, where FP8 2048-row layers
+#            of 8 MiB beat cuBLAS's FP8 GEMM through the GEMV at 2-4 tokens) at K = 0, 1, 3 (W_KS), batch 1, 2, 4
+#            (W_BATCHES), once for each size in W_MIB (default "4 8"), about 4 minutes each
 #   stage D: programmatic dependent launch (kernels/pdl.py; #43, #42): the probe (bench/gpu_pdl.py: a GEMV + norm
 #            chain in one graph, PDL off / on), the GPU tests of the kernels, fused projections, FP8, spec and model
 #            with DELTAMESH_PDL=3 (D_TEST_MODE), then bench/gpu_spec.py K = 0 and 3 at batch 1 and 4 (reduced
@@ -349,6 +353,14 @@ S)
       --batches 1,4 --draft-vocab 32768 --small-weight-tokens "$tokens" ${SPEC_ARGS:-} --out "$OUT/small_gemv_$tokens.json"
   done
   TAIL=40 run gpu_linear_few 150 python bench/gpu_linear.py --tokens 1,2,4 --out "$OUT/gpu_linear_few.json"
+  ;;
+W)
+  shapes=${SHAPES:-qwen3.5-35b-a3b}
+  for mib in ${W_MIB:-4 8}; do
+    TAIL=30 run "small_weight_${mib}mib" 280 python bench/gpu_spec.py --models "bench/configs/${shapes%% *}" \
+      --ks "${W_KS:-0,1,3}" --batches "${W_BATCHES:-1,2,4}" --draft-vocab 32768 --small-weight-mib "$mib" \
+      --profile-batch 0 ${SPEC_ARGS:-} --out "$OUT/small_weight_${mib}mib.json"
+  done
   ;;
 D)
   if [ "${D_TESTS:-1}" = 1 ]; then
