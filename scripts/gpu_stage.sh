@@ -78,7 +78,7 @@
 #   stage V: deltamesh next to vLLM (#43; bench/peers.py, vLLM staged in /tmp/vllm-site as
 #            ../shared/notes/peers-on-h200.md says): the first shape of $SHAPES, PEER_LOADS (default 8192:1024) at
 #            concurrency PEER_CONC (default 1,16,64), deltamesh first, then vLLM once /tmp/vllm-site is installed; about
-#            13 minutes (span device calls with scripts/gpu_session.sh wait)
+#            13 minutes (span device calls with scripts/gpu_session.sh wait); V_VLLM=0: deltamesh alone (5 minutes)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
 # split a build's chunks into 45 MB pieces: `cat p*/chunk.* | split -b 45M -d -a 2 --numeric-suffixes=1 - chunk.`,
@@ -383,6 +383,7 @@ V)
     --concurrency "${PEER_CONC:-1,16,64}" --log-dir "$OUT")
   TAIL=12 run peers_deltamesh 300 "${peers[@]}" --engines deltamesh --out "$OUT/peers_deltamesh.json"
   pkill -9 -f "[d]eltamesh[.]services[.]cli"
+  [ "${V_VLLM:-1}" = 0 ] && exit 0  # deltamesh alone (its per-request times are in $OUT/peers-*.json)
   # vLLM's wheel parts may still be arriving (device calls made while the stages run): wait for the last one
   for _ in $(seq 60); do [ -f /tmp/vllm-site/.installed ] && break; sleep 5; done
   TAIL=12 run peers_vllm 540 "${peers[@]}" --engines vllm --out "$OUT/peers_vllm.json"
