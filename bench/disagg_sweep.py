@@ -39,6 +39,7 @@ from bench.common import (
     stop_group,
     write_result,
 )
+from bench.serve_metrics import wave_ttfts
 from bench.server_side import PointObserver, metrics_urls
 
 
@@ -212,8 +213,8 @@ def run_point(
     server = observer.finish() if observer is not None else {}
     if done.returncode != 0 or not result_file.is_file():
         return {"concurrency": concurrency, "error": (done.stderr or done.stdout)[-800:]}
-    m = json.loads(result_file.read_text())
-    m = m.get("metrics", m)
+    raw = json.loads(result_file.read_text())
+    m = raw.get("metrics", raw)
     return {
         "concurrency": concurrency,
         "completed": m["completed"],
@@ -225,6 +226,7 @@ def run_point(
         "tpot_median_ms": m["median_tpot_ms"],
         "tpot_p99_ms": m["p99_tpot_ms"],
         "ttft_mean_ms": m["mean_ttft_ms"],
+        **wave_ttfts(raw.get("start_times", []), raw.get("ttfts", []), concurrency),
         **server,
     }
 

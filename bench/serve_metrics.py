@@ -120,3 +120,18 @@ def _peaks(ok: list[RequestOutput]) -> dict[str, float]:
         cur += step
         peak = max(peak, cur)
     return {"max_output_tokens_per_s": float(buckets.max()), "max_concurrent_requests": peak}
+
+
+def wave_ttfts(start_times: list, ttfts: list, concurrency: int) -> dict[str, float | None]:
+    """A closed-loop point's first tokens split into its first wave (the first `concurrency` sends, all at once) and
+    the requests sent as earlier ones ended: the median TTFT of each (ms), and over how many seconds the later ones
+    were sent (a staggered second wave is served as it arrives; one sent all at once waits as the first wave did).
+    Failed requests (start time None or TTFT 0) are left out."""
+    sent = sorted((s, t) for s, t in zip(start_times, ttfts) if s is not None and t)
+    first, later = sent[:concurrency], sent[concurrency:]
+    median = lambda xs: float(np.median(xs)) * 1000 if xs else None  # noqa: E731
+    return {
+        "ttft_wave1_median_ms": median([t for _, t in first]),
+        "ttft_later_median_ms": median([t for _, t in later]),
+        "later_sends_span_s": later[-1][0] - later[0][0] if later else None,
+    }
