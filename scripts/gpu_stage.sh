@@ -66,6 +66,8 @@
 #            --small-weight-tokens 0 (off) and then the default; then bench/gpu_linear.py at 1, 2 and 4 tokens (the
 #            GEMV against cuBLAS, bf16 and FP8), about 12 minutes on a fresh host;
 #            S_AB=0 skips the whole-step A/B (the tests of test_gpu_fp8.py alone, then gpu_linear)
+#   stage L: kernels compiled after the warm-up (tests/gpu/test_gpu_late_compiles.py: a burst of many prompt lengths
+#            compiles nothing; the log names any kernel that does), under 2 minutes
 #   stage W: what counts as a small weight (triton_gemv.SMALL_WEIGHT_BYTES; #43, #42): bench/gpu_spec.py on the
 #            first shape of $SHAPES (SPEC_ARGS adds flags: --quantization fp8 on an H100, where FP8 2048-row layers
 #            of 8 MiB beat cuBLAS's FP8 GEMM through the GEMV at 2-4 tokens) at K = 0, 1, 3 (W_KS), batch 1, 2, 4
@@ -353,6 +355,10 @@ S)
       --batches 1,4 --draft-vocab 32768 --small-weight-tokens "$tokens" ${SPEC_ARGS:-} --out "$OUT/small_gemv_$tokens.json"
   done
   TAIL=40 run gpu_linear_few 150 python bench/gpu_linear.py --tokens 1,2,4 --out "$OUT/gpu_linear_few.json"
+  ;;
+L)
+  TAIL=30 run late_compiles 150 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_late_compiles.py \
+    -rfE -o log_cli=true --log-cli-level=WARNING
   ;;
 W)
   shapes=${SHAPES:-qwen3.5-35b-a3b}

@@ -30,6 +30,7 @@ from deltamesh.engine.stats import EngineStats
 from deltamesh.engine.tokenizer import Tokenizer
 from deltamesh.engine.tp_handoff import AreaSize, Handoff, TensorParallelHandoff
 from deltamesh.engine.tp_workers import Followers, RankMemory, exports_rank_memory
+from deltamesh.kernels import late_compiles
 from deltamesh.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -107,12 +108,31 @@ def leader_scheduling(config: EngineConfig, followers: Followers | None, rank: R
     return DataParallelScheduler(schedulers, pools), DataParallelHandoff(followers, rank.kv_pool, rank.state_pool, area)
 
 
+# Devices whose engines warm up before serving (warm_up): kernel compilation and autotuning happen there, not
+# inside a client's request. CPU engines skip it: nothing compiles, and tests build hundreds of engines.
+WARM_UP_DEVICES = ("cuda",)
+
+
+def get_ready(core: EngineCore, config: EngineConfig, parts: EngineParts) -> None:
+    """The last of building an engine: its prefix cache; on a GPU, then the warm-up (after the cache: without it no
+    chunk takes a checkpoint in passing, and those steps' kernels would compile inside the first requests that
+    do), the CUDA graphs and the watch for kernels compiled later (kernels/late_compiles.py); the ready line."""
+    core.prefix_cache = core.launcher.prefix_cache = make_prefix_cache(config, parts, core.stats)
+    if core.device.type in WARM_UP_DEVICES:
+        warm_up(core)
+        if config.cuda_graphs:
+            capture_graphs(config, parts)
+        late_compiles.WATCH.start()  # from here on a compile is one the warm-up missed
+    log_ready(config, parts)
+
+
 def warm_up(core: EngineCore) -> None:
     """Run each kind of step once: a prefill, then a mixed step (that request's decode next to four prefills,
     one a 2-token tail, two taking their checkpoints in passing: the scratch slot's and a free slot's, their
     tails in a pass of their own), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning
     happen before the worker serves, not inside a client's request (a first use of a step shape can cost
-    seconds; a colocated worker meets the mixed shape with its first concurrent requests). Counts nothing."""
+    seconds; a colocated worker meets the mixed shape with its first concurrent requests). Chunks take checkpoints
+    only with the prefix cache made, so EngineCore makes it first; this clears it after. Counts nothing."""
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     longest = core.max_model_len - params.max_tokens  # a tiny max_model_len only shortens the prompts
     n = 2 * core.config.page_size + 1

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import structlog
 import torch
 
-from deltamesh.engine.assembly import assemble, capture_graphs, log_ready, make_prefix_cache, warm_up
+from deltamesh.engine.assembly import assemble, get_ready
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.grammar import Grammars
 from deltamesh.engine.interfaces import PrefixCacheInterface
@@ -80,13 +80,8 @@ class EngineCore:
         # the next turn at once, and that turn should find this one in the prefix cache
         self._deferred: list[tuple[Request, FinishReason]] | None = None
         self._ended_early: list[RequestOutput] = []
-        self.prefix_cache: PrefixCacheInterface | None = None
-        if self.device.type == "cuda":
-            warm_up(self)
-            if config.cuda_graphs:
-                capture_graphs(config, parts)
-        self.prefix_cache = self.launcher.prefix_cache = make_prefix_cache(config, parts, self.stats)
-        log_ready(config, parts)
+        self.prefix_cache: PrefixCacheInterface | None = None  # made by get_ready, before the warm-up
+        get_ready(self, config, parts)
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, hold_state: bool = False

@@ -9,13 +9,16 @@ generated tokens per second; running and waiting requests; KV pages in use by re
 hits; preemptions; with speculative decoding, the acceptance rate of each draft position (accepted there per
 verifying request: a draft counts only after those before it were accepted) and the tokens a verifying request
 gained per step; where steps sampled under a grammar (structured outputs), how many and the host's mean time on
-their bitmasks."""
+their bitmasks; Triton kernels compiled in the window (kernels/late_compiles.py: specializations the warm-up did
+not run), where there were any."""
 
 from __future__ import annotations
 
 import time
 
 import structlog
+
+from deltamesh.kernels import late_compiles
 
 log = structlog.get_logger("deltamesh.engine")
 
@@ -45,6 +48,7 @@ class StepReport:
             "accepted_at": list(s.spec_accepted_at),
             "grammar_steps": s.grammar_mask_steps,
             "grammar_s": s.grammar_mask_seconds,
+            "compiles": late_compiles.WATCH.count,
         }
 
     def maybe_log(self) -> dict | None:
@@ -84,6 +88,8 @@ class StepReport:
         if delta["grammar_steps"]:
             line["grammar_steps"] = delta["grammar_steps"]
             line["grammar_mask_ms"] = round(1e3 * delta["grammar_s"] / delta["grammar_steps"], 3)
+        if delta["compiles"]:
+            line["late_compiles"] = delta["compiles"]
         if self.core.launcher.gpu_timed:
             line["gpu_busy_pct"] = round(delta["gpu_ms"] / (10 * seconds), 1)  # ms over s x 1000, in percent
         log.info("engine steps", **line)

@@ -8,10 +8,11 @@ import torch
 from hf_checkpoints import VOCAB
 from idle_pools import assert_idle
 
-from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams
-from deltamesh.engine.assembly import warm_up
+from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, FinishReason, RequestError, SamplingParams, assembly
 from deltamesh.engine.cache import StatePool
 from deltamesh.engine.core import EngineCore
+from deltamesh.engine.runner import ModelRunner
+from deltamesh.kernels import late_compiles
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -175,15 +176,16 @@ def copy_state(src: EngineCore, dst: EngineCore, rid: str, res, n_tokens: int):
     dst.state_pool.recurrent[res.slot] = src.state_pool.recurrent[held.slot]
 
 
-def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
+def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir, monkeypatch):
     """GPU workers warm up before serving so that kernel compilation and autotuning stay out of requests; that
     must cover a step mixing decodes and prefills (a colocated worker's normal step), among them chunks that take
-    checkpoints in passing from the scratch slot and from a free one, and leave nothing behind."""
-    core = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_seqs=6))  # a slot to lend
+    checkpoints in passing from the scratch slot and from a free one, and leave nothing behind. Built as a GPU
+    engine builds itself (CPU engines skip the warm-up): chunks take checkpoints only once the prefix cache is
+    made, so the warm-up must come after it."""
     steps, passing = [], []
-    execute = core.runner.execute
+    execute = ModelRunner.execute
 
-    def watched(items, *a, **kw):
+    def watched(runner, items, *a, **kw):
         steps.append(sorted(it.num_tokens for it in items))
         passing.append(
             {
@@ -194,14 +196,17 @@ def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir):
                 and it.request.num_computed + it.num_tokens > it.snapshot_at
             }
         )
-        return execute(items, *a, **kw)
+        return execute(runner, items, *a, **kw)
 
-    core.runner.execute = watched
-    warm_up(core)
+    monkeypatch.setattr(ModelRunner, "execute", watched)
+    monkeypatch.setattr(assembly, "WARM_UP_DEVICES", ("cpu",))
+    core = EngineCore(EngineConfig(model=model_dir, page_size=4, max_num_seqs=6))  # a slot to lend
+    late_compiles.WATCH.stop()  # the GPU engine's compile watch, started after its warm-up: not this process's
     # a decode beside four prefills, one of them a short tail: the shape whose first use cost seconds on a GPU
     assert any(s[0] == 1 and sum(n > 1 for n in s) == 4 and 1 < s[1] <= 2 for s in steps), steps
     assert any(StatePool.SCRATCH in slots and len(slots) == 2 for slots in passing), passing
     assert core.kv_pool.num_used == 0 and core.state_pool.num_used == 0
+    assert core.prefix_cache is not None and core.prefix_cache.num_checkpoints == 0 and core.prefix_cache.num_pages == 0
     assert not core.requests and not core.scheduler.has_work and core.stats.steps == 0
 
 
