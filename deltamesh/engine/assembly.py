@@ -132,7 +132,7 @@ def warm_up(core: EngineCore) -> None:
     tails in a pass of their own), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning
     happen before the worker serves, not inside a client's request (a first use of a step shape can cost
     seconds; a colocated worker meets the mixed shape with its first concurrent requests). Chunks take checkpoints
-    only with the prefix cache made, so EngineCore makes it first; this clears it after. Counts nothing."""
+    only with the prefix cache made, so get_ready makes it first; this clears it after. Counts nothing."""
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     longest = core.max_model_len - params.max_tokens  # a tiny max_model_len only shortens the prompts
     n = 2 * core.config.page_size + 1

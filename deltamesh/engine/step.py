@@ -81,7 +81,7 @@ class StepLauncher:
         self.max_model_len = 0  # the context limit, set by its engine: speculative acceptance cuts a run there
         self.gpu_timed = device.type == "cuda"  # each step's GPU time (EngineStats.gpu_step_ms)
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.prefix_cache: PrefixCacheInterface | None = None  # set by EngineCore (before its warm-up)
+        self.prefix_cache: PrefixCacheInterface | None = None  # set by assembly.get_ready (before the warm-up)
         self.adjustments = LogitAdjustments(runner.model.cfg.vocab_size, device)
         self.masks = GrammarMasks()
 

@@ -5,8 +5,9 @@ whether each is 1 or a multiple of 16. `engine.assembly.warm_up` runs each kind 
 happen before the worker serves; one it missed happens inside a client's step and costs that step up to a second
 on a host whose on-disk Triton cache is empty. `LateCompiles` watches for them once the worker is ready, through
 Triton's compile hooks (as vLLM's compile monitor does): each is logged with the kernel, its specialization and its
-milliseconds, and counted, so that a serving run names what the warm-up must also run. Triton's hooks are the
-process's, so there is one watch a process (`WATCH`), started by each engine once it is ready.
+milliseconds, and counted, so that a serving run names what the warm-up must also run (a kernel found in Triton's
+on-disk cache passes the same hooks: it counts too, in a few ms). Triton's hooks are the process's, so there is
+one watch a process (`WATCH`), started by each engine once it is ready.
 """
 
 from __future__ import annotations
