@@ -11,6 +11,7 @@ CUDA graph.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,9 @@ def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+@functools.cache
 def _kernels():
+    # defined on first use, so that importing this module (on CPU, in CI) never imports triton
     import triton
     import triton.language as tl
 
@@ -147,9 +150,6 @@ def _kernels():
     return decode_split, merge_splits
 
 
-_KERNELS = None
-
-
 def paged_decode(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [P, page_size, Hkv, D] (strided on P)
@@ -159,10 +159,7 @@ def paged_decode(
     scale: float,
     launch: DecodeLaunch = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    decode_split, merge_splits = _KERNELS
+    decode_split, merge_splits = _kernels()
     batch, heads, dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads

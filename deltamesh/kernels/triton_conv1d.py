@@ -6,20 +6,17 @@ in CUDA graphs. (Speculative verification's conv steps: triton_verify.py.)
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
 
 from deltamesh.kernels import pdl
 
-_KERNELS = None
 
-
+@functools.cache
 def _kernels():
     # defined on first use, so that importing this module (on CPU, in CI) never imports triton
-    global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS
     import triton
     import triton.language as tl
 
@@ -119,8 +116,7 @@ def _kernels():
                 tl.debug_barrier()  # every lane has read the old state before any lane overwrites it
                 tl.store(state + j, new.to(pool_ptr.dtype.element_ty), mask=keep)
 
-    _KERNELS = SimpleNamespace(conv1d_update=conv1d_update, conv1d_prefill=conv1d_prefill)
-    return _KERNELS
+    return SimpleNamespace(conv1d_update=conv1d_update, conv1d_prefill=conv1d_prefill)
 
 
 def conv1d_update(

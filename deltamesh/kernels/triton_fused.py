@@ -9,21 +9,18 @@ and grids fixed by the shapes, so all of them can be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
 
 from deltamesh.kernels import pdl
 
-_KERNELS = None
 
-
+@functools.cache
 def _kernels():
     # One long function on purpose: the kernels are defined here, on first use, so that importing this module
     # (on CPU, in CI) never imports triton; each kernel inside is short.
-    global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS
     import triton
     import triton.language as tl
 
@@ -199,7 +196,7 @@ def _kernels():
         g = tl.load(gate_ptr + t * stride_gt + h * stride_gh + d).to(tl.float32)
         tl.store(out_ptr + row * HEAD_DIM + d, (x * tl.sigmoid(g)).to(out_ptr.dtype.element_ty))
 
-    _KERNELS = SimpleNamespace(
+    return SimpleNamespace(
         rms_norm=rms_norm,
         add_rms_norm=add_rms_norm,
         gated_rms_norm=gated_rms_norm,
@@ -207,7 +204,6 @@ def _kernels():
         attention_inputs=attention_inputs,
         sigmoid_gate=sigmoid_gate,
     )
-    return _KERNELS
 
 
 def _row_block(dim: int) -> tuple[int, int]:

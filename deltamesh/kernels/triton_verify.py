@@ -13,14 +13,16 @@ pool's. `conv1d_verify`: one program per (sequence, block of channels) walks the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from deltamesh.kernels import pdl
 
-_KERNELS = None
 
-
+@functools.cache
 def _kernels():
+    # defined on first use, so that importing this module (on CPU, in CI) never imports triton
     import triton
     import triton.language as tl
 
@@ -146,17 +148,10 @@ def _kernels():
     return gdn_verify, conv1d_verify
 
 
-def _get():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    return _KERNELS
-
-
 def gdn_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_idx, draft_pool, draft_idx) -> torch.Tensor:
     """torch_ref.gdn_verify's contract: q, k [N*W, HK, K], v [N*W, HV, V] (last dims contiguous), a, b [N*W, HV],
     pools [P, HV, V, K] (inner dims contiguous), state_idx [N], draft_idx [N, W]."""
-    kernel = _get()[0]
+    kernel = _kernels()[0]
     n, w = draft_idx.shape
     hk, key_dim = q.shape[1], q.shape[2]
     hv, value_dim = v.shape[1], v.shape[2]
@@ -205,7 +200,7 @@ def conv1d_verify(x, conv_pool, state_idx, draft_pool, draft_idx, weight, activa
     """torch_ref.conv1d_verify's contract, for a kernel of width 4 (the models'): x [N*W, C] (last dim
     contiguous), pools [P, C, 3] (last dim contiguous)."""
     assert weight.shape[-1] == 4, "the verify kernel's window is 4 wide"
-    kernel = _get()[1]
+    kernel = _kernels()[1]
     n, w = draft_idx.shape
     channels = x.shape[1]
     out = torch.empty((n * w, channels), dtype=x.dtype, device=x.device)
