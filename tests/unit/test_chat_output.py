@@ -127,7 +127,7 @@ def test_streamed_calls_send_the_header_first_then_argument_fragments():
         "<tool_call>\n<function=rm_rf>\n<parameter=path>\n/\n</parameter>\n</function>\n</tool_call>",  # no such tool
         "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>",  # no <tool_call>
         "<tool_call>\n<function=get_weather oops\n",
-        "a < b and <tool_call",
+        "a < b and <tool_call nope",
     ],
 )
 def test_text_that_is_not_a_call_of_the_tools_stays_content(text):
@@ -225,3 +225,107 @@ def test_any_text_parses_the_same_in_any_chunking_and_arguments_are_json(pieces,
     for _, arguments in whole[2]:
         if fmt is QWEN35 and choice == "auto":  # Qwen3.5's form is rebuilt as JSON; the JSON forms are the model's
             assert isinstance(json.loads(arguments), dict)
+
+
+MARKUP = (
+    "<tool_call>",
+    "</tool_call>",
+    "<function=",
+    "</function>",
+    "<parameter=",
+    "</parameter>",
+    "<think>",
+    "</think>",
+)
+
+
+def leaks_markup(text: str) -> bool:
+    """Whether `text` holds a markup tag, whole or cut off (a '<' followed by a prefix of a tag, to the end)."""
+    return any(tag.startswith(text[i : i + len(tag)]) for i in range(len(text)) if text[i] == "<" for tag in MARKUP)
+
+
+def streamed(text: str, **kw):
+    """(reasoning, content, [(name, arguments)]) joined from the deltas of `take`, one character at a time."""
+    ids = itertools.count()
+    out = chat_output(kw.pop("fmt", QWEN35), kw.pop("prefix", THINKING), TOOLS, new_id=lambda: f"call_{next(ids)}")
+    pieces = list(text) or [""]
+    deltas = [out.take(piece, last=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    calls: dict[int, list[str]] = {}
+    for call_delta in (c for d in deltas for c in d.calls):
+        entry = calls.setdefault(call_delta.index, ["", ""])
+        entry[0] += call_delta.name or ""
+        entry[1] += call_delta.arguments
+    reasoning, content = "".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)
+    return reasoning, content, [tuple(entry) for _, entry in sorted(calls.items())]
+
+
+def assert_cut_replies_leak_no_markup(text: str, reasoning: str, content: str, calls: list, **kw):
+    """Each prefix of `text` (a reply cut by max_tokens) parses, whole and streamed alike, to a prefix of the full
+    reply's `reasoning`, `content` and `calls` ((name, {parameter: value as written}, arguments)), without markup;
+    the whole text parses to them."""
+    for cut in range(len(text) + 1):
+        whole = parse([text[:cut]], **kw)[:3]
+        assert streamed(text[:cut], **kw) == whole, cut
+        got_reasoning, got_content, got_calls = whole
+        assert reasoning.startswith(got_reasoning) and content.startswith(got_content), (cut, whole)
+        assert not leaks_markup(got_reasoning) and not leaks_markup(got_content), (cut, whole)
+        assert len(got_calls) <= len(calls), (cut, whole)
+        for (name, got_arguments), (full_name, full_values, _) in zip(got_calls, calls):
+            assert name == full_name and not leaks_markup(got_arguments), (cut, whole)
+            values = json.loads(got_arguments)
+            assert all(full_values[k].startswith(str(v)) for k, v in values.items()), (cut, whole)
+    assert parse([text], **kw)[:3] == (reasoning, content.rstrip(), [(name, a) for name, _, a in calls])
+
+
+def test_a_reply_cut_anywhere_in_its_xml_calls_leaks_no_markup():
+    reasoning, content = "I should check.", "Let me check.\n\n"
+    text = (
+        f"{reasoning}\n</think>\n\n{content}"
+        + call("get_weather", city="Paris", days="3")
+        + "\n"
+        + call("get_time", zone="UTC")
+    )
+    calls = [
+        ("get_weather", {"city": "Paris", "days": "3"}, '{"city": "Paris", "days": 3}'),
+        ("get_time", {"zone": "UTC"}, '{"zone": "UTC"}'),  # a tool without a schema: its values stay text
+    ]
+    assert_cut_replies_leak_no_markup(text, reasoning, content, calls)
+
+
+def test_a_reply_cut_anywhere_in_its_json_calls_leaks_no_markup():
+    content = "Let me check.\n\n"
+    text = (
+        f"<think>\nI should check.\n</think>\n\n{content}"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    )
+    for cut in range(len(text) + 1):
+        whole = parse([text[:cut]], fmt=QWEN3, prefix=QWEN3_PROMPT)[:3]
+        assert streamed(text[:cut], fmt=QWEN3, prefix=QWEN3_PROMPT) == whole, cut
+        assert "I should check.".startswith(whole[0]) and content.startswith(whole[1]), (cut, whole)
+        assert not any(leaks_markup(s) for s in (whole[0], whole[1], *(a for _, a in whole[2]))), (cut, whole)
+
+
+PARIS = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("Look: <tool_c", "Look:", []),  # cut inside the tag that opens a call
+        ("Look:\n<tool_call>\n<function=get_wea", "Look:", []),  # before the call's header is whole
+        (call("get_time") + "\n<tool_call>", "", [("get_time", "{}")]),  # right after the next call's first tag
+        (call("get_time")[:-3], "", [("get_time", "{}")]),  # inside its closing </tool_call>
+        (PARIS + "\n</paramet", "", [("get_weather", '{"city": "Paris"}')]),  # inside the value's closing tag
+        (PARIS + "\n</parameter>\n</funct", "", [("get_weather", '{"city": "Paris"}')]),  # inside the next one
+        (PARIS + "\n</function>\n</tool", "", [("get_weather", '{"city": "Paris"}')]),  # </parameter> missing
+    ],
+)
+def test_markup_the_output_cuts_off_is_neither_content_nor_value(text, content, calls):
+    assert parsed(text, prefix=NOT_THINKING) == ("", content, calls)
+
+
+def test_reasoning_cut_inside_its_tags_leaks_no_markup():
+    assert parsed("I should check.\n</thi", prefix=THINKING) == ("I should check.", "", [])
+    assert parsed("<thi", prefix=QWEN3_PROMPT, fmt=QWEN3) == ("", "", [])
+    assert parsed("<think>\nhmm\n</", prefix=QWEN3_PROMPT, fmt=QWEN3) == ("hmm", "", [])

@@ -68,7 +68,7 @@ class RequiredToolCalls(JsonCallStream):
                     self._spacing.call_starts()
                     self.calls += 1
                 out += events
-                if call.mode == "rejected":
+                if call.mode in ("rejected", "cut"):
                     self._buf, self._mode = call.raw, "rest"
                 elif call.mode == "done":
                     self._spacing.call_ends()

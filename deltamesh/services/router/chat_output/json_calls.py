@@ -4,7 +4,9 @@ that `tool_choice: "required"` makes the model write (forced.py).
 
 A call's header goes out once its name (one of the request's tools) and the opening brace of its arguments are
 written; the arguments then stream as the model writes them, up to the brace that closes them. An object in
-another key order is read whole when it closes. Text that turns out not to be a call is content."""
+another key order is read whole when it closes. Text that turns out not to be a call is content. Of an output cut
+short (max_tokens) inside a `<tool_call>` block before its call could be read, or inside the tag itself, nothing is
+content (a call cut short once its header is out stays, its arguments as written)."""
 
 from __future__ import annotations
 
@@ -27,12 +29,12 @@ TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
 
 class JsonCallObject:
     """One call object, fed from just before its opening brace; `mode` ends "done" (`rest` is the text after the
-    object) or "rejected" (`raw`, all it was fed, is no call)."""
+    object), "rejected" (`raw`, all it was fed, is no call) or "cut" (the output ended before it could be read)."""
 
     def __init__(self, key: str, tools: dict[str, dict], index: int, new_id: Callable[[], str]):
         self._shape = (WS, "{", WS, '"name"', WS, ":", WS, STRING, WS, ",", WS, json.dumps(key), WS, ":", WS, "{")
         self._key, self._tools, self._index, self._new_id = key, tools, index, new_id
-        self.raw, self.rest, self.mode = "", "", "header"  # header | arguments | whole | done | rejected
+        self.raw, self.rest, self.mode = "", "", "header"  # header | arguments | whole | done | rejected | cut
         self._object, self._arguments = ValueEnd(), ValueEnd()
         self._object_at = self._object_fed = self._arguments_fed = self._sent = 0
         self._arguments_closed = False
@@ -55,6 +57,9 @@ class JsonCallObject:
         """False while the header may still come (or once the text is known to be no call)."""
         shape = match_shape(self.raw, self._shape)
         if shape == PARTIAL and not final:
+            return False
+        if not self.raw.strip():  # (final) the output ended before the object
+            self.mode = "cut"
             return False
         if not self.raw.lstrip().startswith("{"):
             self.mode = "rejected"
@@ -99,7 +104,7 @@ class JsonCallObject:
             out.append(CallArguments(self._index, json.dumps(arguments, ensure_ascii=False)))
             self.mode = "done"
         else:
-            self.mode = "rejected"
+            self.mode = "rejected" if complete else "cut"
 
 
 class JsonCallStream(ABC):
@@ -139,9 +144,12 @@ class HermesToolCalls(JsonCallStream):
             if self._mode == "text":
                 at = self._buf.find(TOOL_CALL)
                 if at < 0:
-                    ready = len(self._buf) - (0 if final else held_prefix(self._buf, (TOOL_CALL,)))
+                    # what may begin <tool_call> waits for more text; at the end, a tag the output cut off
+                    ready = len(self._buf) - held_prefix(self._buf, (TOOL_CALL,))
                     out += self._spacing.text(self._buf[:ready])
                     self._buf = self._buf[ready:]
+                    if final and self._buf:
+                        self._drop_cut_call()
                     return
                 out += self._spacing.text(self._buf[:at])
                 self._buf, self._mode = self._buf[at + len(TOOL_CALL) :], "call"
@@ -158,14 +166,23 @@ class HermesToolCalls(JsonCallStream):
                 if call.mode == "rejected":
                     out += self._spacing.text(TOOL_CALL)
                     self._buf, self._mode = call.raw, "text"
+                elif call.mode == "cut":
+                    self._drop_cut_call()
+                    return
                 elif call.mode == "done":
                     self._spacing.call_ends()
                     self._buf, self._mode = call.rest, "after"
                 else:
                     return
-            else:  # after a call object: its </tool_call> (a missing one is tolerated)
+            else:  # after a call object: its </tool_call> (a missing one is tolerated; one cut off, dropped)
                 head = self._buf.lstrip()
-                if not final and END_TOOL_CALL.startswith(head):
-                    self._buf = head
+                if END_TOOL_CALL.startswith(head):
+                    self._buf = "" if final else head
                     return
                 self._buf, self._mode = head.removeprefix(END_TOOL_CALL), "text"
+
+    def _drop_cut_call(self) -> None:
+        """The output ended inside a call's block before the call could be read: that text, and the space before
+        it, is dropped."""
+        self._spacing.call_starts()
+        self._buf, self._mode = "", "text"

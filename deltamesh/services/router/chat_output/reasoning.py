@@ -3,7 +3,8 @@ Qwen3.5's template opens the block in the generation prompt (`<think>\\n`), so i
 only closes it; Qwen3's model writes the opening tag itself; with thinking off the prompt holds an empty, closed
 block and the whole output is the answer. Which of these applies is read off the prompt's assistant prefix.
 The reasoning and the answer come out trimmed, as the template writes them back (`<think>\\nREASONING\\n</think>
-\\n\\nANSWER`). A tool call written inside the reasoning is reasoning."""
+\\n\\nANSWER`). A tool call written inside the reasoning is reasoning. Of an output cut short (max_tokens) inside
+`<think>` or `</think>`, what it wrote of the tag is neither reasoning nor answer."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ class ReasoningSplitter:
             if head.startswith(THINK):
                 self._buf, self._mode, self._trim_start = head[len(THINK) :], "reasoning", True
                 return True
-            if not final and THINK.startswith(head):
+            if THINK.startswith(head):  # waits for the rest of the tag; at the end, the output cut it off
+                if final:
+                    self._buf = ""
                 return False
             self._mode = "answer"
         if self._mode == "answer":
@@ -69,8 +72,9 @@ class ReasoningSplitter:
             self._emit_reasoning(out, self._buf[:end].rstrip())
             self._buf, self._mode, self._trim_start = self._buf[end + len(END_THINK) :], "answer", True
             return True
-        # hold back what may start </think>, and trailing whitespace (the reasoning is trimmed at its end)
-        keep = len(self._buf) if final else len(self._buf) - held_prefix(self._buf, (END_THINK,))
+        # hold back what may start </think> (at the end, a tag the output cut off: dropped), and trailing whitespace
+        # (the reasoning is trimmed at its end)
+        keep = len(self._buf) - held_prefix(self._buf, (END_THINK,))
         ready = self._buf[:keep].rstrip()
         self._emit_reasoning(out, ready)
         self._buf = "" if final else self._buf[len(ready) :]

@@ -14,7 +14,12 @@ goes out as a fragment of the JSON arguments when its value ends, read as the ty
 (arguments.py), so the fragments join to `json.dumps` of the parameters. A value ends at a `</parameter>` that is
 followed by the next parameter, `</function>` or `</tool_call>` (a `</parameter>` inside a value, in code say, is
 text), or at the end of the output. Past the header the call is committed: stray text inside it is skipped, a
-missing closing tag is tolerated, and a call the output leaves open is closed with what it has."""
+missing closing tag is tolerated, and a call the output leaves open is closed with what it has.
+
+An output cut short (max_tokens) may end inside the markup. What it cut off is no content and no value: a
+`<tool_call>` or a header cut before it names a tool is dropped (with the blank lines before it, as before a call),
+so is a closing tag cut short after a value or a call, and a value loses the start of its closing tags. A header
+already out cannot be taken back, so a call cut short past it stays, closed with what it has, streamed or not."""
 
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
 BODY_MARKERS = (PARAMETER, END_FUNCTION, END_TOOL_CALL)
 # what must follow each closing tag (after whitespace) for it to close the value rather than be part of it
 _CLOSES_VALUE_BEFORE = {END_PARAMETER: BODY_MARKERS, END_FUNCTION: (END_TOOL_CALL,), END_TOOL_CALL: (TOOL_CALL,)}
+_VALUE_CLOSERS = tuple(_CLOSES_VALUE_BEFORE)
 MAX_NAME_CHARS = 256
 
 
@@ -82,9 +88,12 @@ class XmlToolCalls:
     def _text(self, out: list[Event], final: bool) -> bool:
         at = self._buf.find(TOOL_CALL)
         if at < 0:
-            ready = len(self._buf) - (0 if final else held_prefix(self._buf, (TOOL_CALL,)))
+            # what may begin <tool_call> waits for more text; at the end it is a call the output cut off in its tag
+            ready = len(self._buf) - held_prefix(self._buf, (TOOL_CALL,))
             out += self._spacing.text(self._buf[:ready])
             self._buf = self._buf[ready:]
+            if final and self._buf:
+                self._drop_cut_call()
             return False
         out += self._spacing.text(self._buf[:at])
         self._buf, self._mode = self._buf[at + len(TOOL_CALL) :], "header"
@@ -92,8 +101,6 @@ class XmlToolCalls:
 
     def _header(self, out: list[Event], final: bool) -> bool:
         head = self._buf.lstrip()
-        if not final and FUNCTION.startswith(head):
-            return False
         if head.startswith(FUNCTION):
             close = head.find(">", len(FUNCTION))
             name = head[len(FUNCTION) : close if close >= 0 else None]
@@ -101,11 +108,21 @@ class XmlToolCalls:
                 self._start(out, name)
                 self._buf = head[close + 1 :]
                 return True
-            if close < 0 and not final and len(name) <= MAX_NAME_CHARS and any(t.startswith(name) for t in self._tools):
-                return False
+            cut = close < 0 and len(name) <= MAX_NAME_CHARS and any(t.startswith(name) for t in self._tools)
+        else:
+            cut = FUNCTION.startswith(head)
+        if cut:  # may still name one of the tools: waits for more text, or at the end was cut off
+            if final:
+                self._drop_cut_call()
+            return False
         out += self._spacing.text(TOOL_CALL)  # not a call of one of the tools: the tag is text
         self._mode = "text"
         return True
+
+    def _drop_cut_call(self) -> None:
+        """The output ended inside the markup that opens a call: that markup, and the space before it, is dropped."""
+        self._spacing.call_starts()
+        self._buf, self._mode = "", "text"
 
     def _start(self, out: list[Event], name: str) -> None:
         self._spacing.call_starts()
@@ -167,17 +184,18 @@ class XmlToolCalls:
         while True:
             hits = [(i, tag) for tag in _CLOSES_VALUE_BEFORE if (i := buf.find(tag, pos)) >= 0]
             if not hits:
-                if final:
-                    return len(buf), len(buf)
+                if final:  # the value ends with the output, less what starts a closing tag the output cut off
+                    return len(buf) - held_prefix(buf, _VALUE_CLOSERS), len(buf)
                 self._search_from = max(pos, len(buf) - len(END_PARAMETER))
                 return None
             at, tag = min(hits)
             after = buf[at + len(tag) :].lstrip()
             follows = _CLOSES_VALUE_BEFORE[tag]
-            if (final and not after) or after.startswith(follows):
-                # </parameter> is consumed; a </function> or </tool_call> standing for a missing one is left to the body
+            if after.startswith(follows) or (final and any(f.startswith(after) for f in follows)):
+                # (at the end, a tag the output cut off may follow.) </parameter> is consumed; a </function> or
+                # </tool_call> standing for a missing one is left to the body
                 return at, at + len(tag) if tag == END_PARAMETER else at
-            if not final and any(f.startswith(after) for f in follows):
+            if any(f.startswith(after) for f in follows):
                 self._search_from = at
                 return None
             pos = at + 1  # a closing tag inside the value: text
@@ -200,8 +218,8 @@ class XmlToolCalls:
 
     def _after(self, out: list[Event], final: bool) -> bool:
         head = self._buf.lstrip()
-        if not final and END_TOOL_CALL.startswith(head):
-            self._buf = head
+        if END_TOOL_CALL.startswith(head):  # waits for the rest of </tool_call>; at the end, the output cut it off
+            self._buf = "" if final else head
             return False
         self._buf, self._mode = head.removeprefix(END_TOOL_CALL), "text"  # a missing </tool_call> is tolerated
         return True
