@@ -34,16 +34,6 @@ def mesh(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_url(mesh):
-    return f"http://127.0.0.1:{mesh.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def eos(reference_engine):
     return min(reference_engine.core.request_builder.eos_token_ids)
 
@@ -210,7 +200,7 @@ def test_vllm_extensions_keep_their_meaning_and_unknown_ones_are_refused(client,
         extra_body={"top_k": -1, "min_p": 0.1, "ignore_eos": True, "spaces_between_special_tokens": False},
     )
     assert chat.usage.completion_tokens == 5
-    for unknown in ("use_beam_search", "truncate_prompt_tokens"):
+    for unknown in ("use_beam_search", "prompt_logprobs"):  # served here at their defaults only
         r = httpx.post(f"{base_url}/v1/completions", json={**greedy, unknown: 1}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == unknown, r.text
 

@@ -81,7 +81,7 @@ REFUSED = [
     ("/v1/completions", completion(seed=2**64)),
     ("/v1/completions", completion(seed=10**400)),
     ("/v1/completions", completion(seed=-1)),
-    ("/v1/completions", completion(logprobs=6)),
+    ("/v1/completions", completion(logprobs=21)),  # vLLM's limit, 20
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21)),
     ("/v1/completions", completion(n=17)),
     ("/v1/completions", completion(n=True)),

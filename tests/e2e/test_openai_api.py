@@ -47,16 +47,6 @@ def mesh(tmp_path_factory):
     m.stop()
 
 
-@pytest.fixture(scope="module")
-def base_url(mesh):
-    return f"http://127.0.0.1:{mesh.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-
-
 def test_models_and_completions(client, reference_engine):
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
     res = client.completions.create(model=MODEL_ID, prompt="The Python language", max_tokens=16, temperature=0)

@@ -145,12 +145,13 @@ class Frontend:
             raise RequestError("this model has no tokenizer; send token ids")
         return self.tokenizer
 
-    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+    def encode_texts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """All of a request's prompts in one batch (the tokenizer releases the GIL while it works)."""
-        return self._need_tokenizer().encode_batch(texts)
+        return self._need_tokenizer().encode_batch(texts, add_special_tokens)
 
-    def encode_chat(self, chat: ChatRequest, with_prefix: bool = False) -> ChatPrompt:
-        """The chat templated and tokenised (its tools' schemas checked first); with its assistant prefix if asked."""
+    def encode_chat(self, chat: ChatRequest, with_prefix: bool = False, add_special_tokens: bool = False) -> ChatPrompt:
+        """The chat templated and tokenised (its tools' schemas checked first); with its assistant prefix if asked.
+        The template writes the special tokens itself, hence vLLM's default add_special_tokens false."""
         tokenizer = self._need_tokenizer()
         messages, tools = chat.prepare()
         options = dict(tools=tools, variables=chat.template_kwargs)
@@ -170,7 +171,7 @@ class Frontend:
             except TemplateError:
                 before = None
             prefix = text[len(before) :] if before is not None and text.startswith(before) else ""
-        return ChatPrompt(tokenizer.encode(text, add_special_tokens=False), prefix)
+        return ChatPrompt(tokenizer.encode(text, add_special_tokens=add_special_tokens), prefix)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The prompt against the model (check_sampling has passed): its length with max_tokens, its token ids."""

@@ -11,25 +11,17 @@ from __future__ import annotations
 import json
 from contextvars import ContextVar
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictInt,
-    ValidationInfo,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
-from deltamesh.protocol.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
+from deltamesh.protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from deltamesh.protocol.structured import StructuredOutputs
+from deltamesh.services.common.logs import MAX_REQUEST_ID_CHARS
 from deltamesh.services.common.settings import RequestLimits
+from deltamesh.services.router import unsupported_params
 from deltamesh.services.router.chat_request import MAX_TOOLS
-from deltamesh.services.router.limits import InvalidParam, check_count, check_logit_bias_count
+from deltamesh.services.router.limits import InvalidParam, check_count, check_logit_bias_count, check_request_id
 from deltamesh.services.router.openai_chat_messages import (  # noqa: F401 (oa.ChatMessage and the rest, as before)
     ChatMessage,
     ChatTool,
@@ -40,13 +32,38 @@ from deltamesh.services.router.openai_chat_messages import (  # noqa: F401 (oa.C
     NamedFunction,
     NamedToolChoice,
 )
+from deltamesh.services.router.openai_responses import (  # noqa: F401 (oa.Completion and the rest, as before)
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatDelta,
+    ChatFinish,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChatToolCall,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaFunction,
+    DeltaToolCall,
+    Logprob,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    StopReason,
+    ToolCallFunction,
+    TopLogprob,
+    Usage,
+)
 
 MAX_N = 16
+# a REST request_id becomes the mesh's "chatcmpl-<id>-<choice>", which must keep to MAX_REQUEST_ID_CHARS
+MAX_REST_REQUEST_ID = MAX_REQUEST_ID_CHARS - len("chatcmpl--9999")
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # integer bounds of the wire types (common.proto)
 # Token ids must be JSON integers: strict, so that true/false and 2.0 are refused rather than read as 1 and 2.
 TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
-# A token a grammar masks has logprob -inf, which JSON cannot carry: floored at vLLM's -9999.0, as vLLM reports it.
-Logprob = Annotated[float, AfterValidator(lambda v: max(v, -9999.0))]
 
 # The serving router's limits, set for each request by the gateway's middleware. They are checked on the raw
 # JSON before pydantic validates it: validating a huge list would itself hold the event loop.
@@ -84,7 +101,12 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: with include_usage, every chunk carries its choice's usage so far"
+    )
 
 
 class JsonSchemaFormat(BaseModel):
@@ -221,6 +243,22 @@ class _Sampling(BaseModel):
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None,
+        ge=-1,
+        le=UINT32_MAX,
+        description="Keep only the prompt's last k tokens (-1: as many as the context holds)",
+    )
+    add_special_tokens: bool | None = Field(
+        None, description="The tokenizer's special tokens around a text prompt (default: true; chat: false)"
+    )
+    return_token_ids: bool = Field(
+        False, description="The prompt's and each choice's token ids in the answer (a stream: each chunk's new ones)"
+    )
+    request_id: str | None = Field(
+        None,
+        description=f"The answer's id: cmpl-/chatcmpl- and this (as vLLM's); at most {MAX_REST_REQUEST_ID} characters",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -233,6 +271,25 @@ class _Sampling(BaseModel):
         return data
 
     _stream_options_need_stream = _only_with("stream_options", "stream")
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id_as_grpc_takes_it(cls, value: str | None) -> str | None:
+        """The gRPC edge's rule, with room for the answer's prefix and a choice's index (the mesh's ids)."""
+        if value is not None:
+            if len(value) > MAX_REST_REQUEST_ID:
+                raise InvalidParam(
+                    "request_id", f"request_id has {len(value)} characters; at most {MAX_REST_REQUEST_ID}"
+                )
+            check_request_id(value)
+        return value
+
+    _unsupported: ClassVar[dict[str, tuple[Any, str]]] = unsupported_params.BOTH
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_at_defaults_only(cls, data):
+        return unsupported_params.at_defaults_only(data, cls._unsupported)
 
     @model_validator(mode="before")
     @classmethod
@@ -267,10 +324,13 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX, description=f"default {SamplingParams.max_tokens}")
-    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    logprobs: StrictInt | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="The sampled token's logprob and the k most likely (vLLM's limit)"
+    )
     echo: bool = Field(False, description="Not supported (must be false)")
     suffix: str | None = Field(None, description="Not supported")
     best_of: int | None = Field(None, description="Only best_of == n is supported")
+    _unsupported = unsupported_params.COMPLETIONS
 
     @model_validator(mode="before")
     @classmethod
@@ -302,11 +362,17 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = Field(
         False, description="Leave the final message open and continue it (with add_generation_prompt false)"
     )
-    include_reasoning: bool = Field(True, description="False: leave reasoning_content out of the reply")
+    include_reasoning: bool = Field(True, description="False: leave the reasoning out of the reply")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="A chat template variable, as vLLM passes it (Qwen3.5's template: enable_thinking instead)"
+    )
     # OpenAI parameters about the service, not the output: accepted and not used
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = Field(None, description="Accepted; the prefix cache needs no key")
+    safety_identifier: str | None = None
+    _unsupported = unsupported_params.CHAT
 
     @model_validator(mode="before")
     @classmethod
@@ -322,150 +388,3 @@ class ChatCompletionRequest(_Sampling):
         if self.tool_choice is None:
             return "auto" if self.tools else "none"
         return self.tool_choice if isinstance(self.tool_choice, str) else {"name": self.tool_choice.function.name}
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # of prompt_tokens, those a worker's prefix cache served
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[Logprob]
-    top_logprobs: list[dict[str, Logprob]] | None
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: Logprob
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None
-
-
-ChatFinish = Literal["stop", "length", "abort", "tool_calls"]
-
-
-class ToolCallFunction(BaseModel):
-    name: str
-    arguments: str
-
-
-class ChatToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatCompletionMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[ChatToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatCompletionMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: ChatFinish | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class _WithoutNulls(BaseModel):
-    """Serialised without its unset (None) fields, as OpenAI's deltas are."""
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler) -> dict:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaFunction(_WithoutNulls):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_WithoutNulls):
-    """A tool call's first delta carries its id, type and name; the next ones fragments of its arguments."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunction
-
-
-class ChatDelta(_WithoutNulls):
-    """What a chunk adds: the first carries the role, the others leave it out (as OpenAI sends them)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: ChatFinish | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "deltamesh"
-    root: str  # the checkpoint it serves, as vLLM's model card has it (vllm bench serve reads it)
-    parent: str | None = None
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -1,11 +1,11 @@
-"""The gateway's FastAPI app: its routers, error handlers and /v1 middleware, all served from one `Gateway`
-(frontend, mesh, API key) that the routes read from `app.state`."""
+"""The gateway's FastAPI app: its routers, error handlers and the middleware that guards /v1 and the token routes,
+all served from one `Gateway` (frontend, mesh, API key) that the routes read from `app.state`."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from deltamesh.services.router.gateway import chat, completions, health
+from deltamesh.services.router.gateway import chat, completions, health, tokens
 from deltamesh.services.router.gateway.dependencies import Gateway
 from deltamesh.services.router.gateway.errors import ERROR_RESPONSES, add_error_handlers
 from deltamesh.services.router.gateway.middleware import LimitsAndAuth
@@ -14,7 +14,7 @@ from deltamesh.services.router.gateway.middleware import LimitsAndAuth
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(
         title="deltamesh",
-        version="0.1.0",
+        version=tokens.PACKAGE_VERSION,
         summary="OpenAI-compatible API of a deltamesh router",
         responses=ERROR_RESPONSES,
     )
@@ -23,6 +23,6 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.add_middleware(
         LimitsAndAuth, api_key=gateway.api_key, limits=gateway.frontend.limits, body_timeout_s=gateway.body_timeout_s
     )
-    for module in (health, completions, chat):
+    for module in (health, completions, chat, tokens):
         app.include_router(module.router)
     return app

@@ -4,7 +4,6 @@ model family's parsers (chat_output/), under the rules the gRPC edge applies too
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +22,7 @@ from deltamesh.services.router.gateway.choices import (
     check_model,
     check_sampling,
     check_sizes,
+    reply_id,
 )
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import as_api_error
@@ -49,7 +49,7 @@ class ChatReply(Reply):
     "/v1/chat/completions", response_model=oa.ChatCompletion, responses=sse_responses("Chat completion or SSE stream")
 )
 async def chat_completions(request: Request, body: oa.ChatCompletionRequest, gateway: GatewayDep) -> Response:
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = reply_id("chatcmpl", body)
     choices, new_output = await chat_choices(gateway.frontend, rid, body, gateway.output_format)
     return await respond(request, ChatReply(gateway, body, rid, choices, new_output=new_output), _chunks, _whole)
 
@@ -62,8 +62,13 @@ def chat_request(body: oa.ChatCompletionRequest) -> ChatRequest:
         parallel_tool_calls=body.parallel_tool_calls,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
-        template_kwargs=body.chat_template_kwargs or {},
+        # vLLM gives reasoning_effort to the template as a variable; chat_template_kwargs may set it too, and win
+        template_kwargs=_effort(body) | (body.chat_template_kwargs or {}),
     )
+
+
+def _effort(body: oa.ChatCompletionRequest) -> dict:
+    return {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort is not None else {}
 
 
 async def chat_choices(
@@ -91,7 +96,7 @@ def _prepare(
     max_tokens: int | None,
     logprobs: int | None,
 ) -> tuple[ChatPrompt, list[Choice]]:
-    prompt = frontend.encode_chat(chat, plan.parsed)
+    prompt = frontend.encode_chat(chat, plan.parsed, bool(body.add_special_tokens))
     return prompt, build_choices(frontend, rid, [prompt.ids], body, max_tokens, logprobs, structured=plan.forced)
 
 
@@ -124,33 +129,54 @@ def _delta(reply: ChatReply, part: OutputDelta) -> oa.ChatDelta:
         )
         for c in part.calls
     ]
+    reasoning = (part.reasoning or None) if reply.body.include_reasoning else None
     return oa.ChatDelta(
-        content=part.content or None,
-        reasoning_content=(part.reasoning or None) if reply.body.include_reasoning else None,
-        tool_calls=calls or None,
+        content=part.content or None, reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls or None
     )
 
 
-def _chunk(reply: Reply, choices: list[oa.ChatChunkChoice], usage: oa.Usage | None = None) -> str:
-    return sse(
-        oa.ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.body.model, choices=choices, usage=usage)
+def _chunk(
+    reply: Reply,
+    choices: list[oa.ChatChunkChoice],
+    usage: oa.Usage | None = None,
+    prompt_token_ids: list[int] | None = None,
+) -> str:
+    r = reply
+    chunk = oa.ChatCompletionChunk(
+        id=r.id, created=r.created, model=r.body.model, choices=choices, usage=usage, prompt_token_ids=prompt_token_ids
     )
+    return sse(chunk)
 
 
 async def _chunks(reply: ChatReply, deltas: Deltas):
     acc = Accumulator(reply.choices)
     outputs = {c.index: reply.output() for c in reply.choices}
+    token_ids = reply.body.return_token_ids
+    prompt_ids = reply.choices[0].prompt_ids if token_ids else None  # in the first chunk (every choice's prompt)
+
+    def usage(index: int) -> oa.Usage | None:
+        return acc.choice_usage(index) if reply.continuous_usage else None
+
     for c in reply.choices:  # the role comes first, as OpenAI sends it
-        yield _chunk(reply, [oa.ChatChunkChoice(index=c.index, delta=oa.ChatDelta(role="assistant", content=""))])
+        role = oa.ChatChunkChoice(index=c.index, delta=oa.ChatDelta(role="assistant", content=""))
+        yield _chunk(reply, [role], usage(c.index), prompt_ids)
+        prompt_ids = None
     async for index, d in deltas:
         acc.add(index, d)
         output = outputs[index]
         part = output.take(d.text, d.finished)
         delta, logprobs = _delta(reply, part), _logprobs(reply, list(d.logprobs))
         finish = output.finish_reason(acc.finish[index])
-        if delta.model_dump() or logprobs is not None or finish is not None:
-            choice = oa.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
-            yield _chunk(reply, [choice])
+        if delta.model_dump() or logprobs is not None or finish is not None or (token_ids and d.token_ids):
+            choice = oa.ChatChunkChoice(
+                index=index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=finish,
+                stop_reason=acc.stop_reason[index],
+                token_ids=list(d.token_ids) if token_ids else None,
+            )
+            yield _chunk(reply, [choice], usage(index))
     if reply.include_usage:
         yield _chunk(reply, [], usage=acc.usage())
 
@@ -162,10 +188,13 @@ def _message(reply: ChatReply, output: ChatOutput) -> oa.ChatCompletionMessage:
     ]
     reasoning = (output.reasoning or None) if reply.body.include_reasoning else None
     content = output.content or (None if calls or output.reasoning else "")
-    return oa.ChatCompletionMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
+    return oa.ChatCompletionMessage(
+        content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls or None
+    )
 
 
 def _whole(reply: ChatReply, acc: Accumulator) -> oa.ChatCompletion:
+    token_ids = reply.body.return_token_ids
     choices = []
     for c in reply.choices:
         output = reply.output()
@@ -176,9 +205,16 @@ def _whole(reply: ChatReply, acc: Accumulator) -> oa.ChatCompletion:
                 index=c.index,
                 message=_message(reply, output),
                 finish_reason=output.finish_reason(acc.finish[c.index]),
+                stop_reason=acc.stop_reason[c.index],
                 logprobs=_logprobs(reply, acc.logprobs[c.index]),
+                token_ids=acc.token_ids[c.index] if token_ids else None,
             )
         )
     return oa.ChatCompletion(
-        id=reply.id, created=reply.created, model=reply.body.model, usage=acc.usage(), choices=choices
+        id=reply.id,
+        created=reply.created,
+        model=reply.body.model,
+        usage=acc.usage(),
+        choices=choices,
+        prompt_token_ids=reply.choices[0].prompt_ids if token_ids else None,
     )

@@ -7,6 +7,7 @@ thread pool, so that no request can stall the other streams."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from deltamesh.protocol.sampling import UINT32, SamplingParams
@@ -26,6 +27,12 @@ class Choice:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+
+
+def reply_id(prefix: str, body: oa._Sampling) -> str:
+    """The answer's id: the prefix and the client's request_id (as vLLM's), else a random one. Its choices' ids in
+    the mesh add their index; one already running there refuses the request (as the gRPC edge's ids do)."""
+    return f"{prefix}-{body.request_id or uuid.uuid4().hex}"
 
 
 def unknown_model(frontend: Frontend, model: str) -> ApiError:
@@ -56,6 +63,22 @@ def check_sampling(frontend: Frontend, body: oa._Sampling, max_tokens: int | Non
     parameter. Without max_tokens (a chat's is what the context leaves), min_tokens is checked once it is known."""
     with as_api_error(None):
         frontend.check_sampling(_params(body, max_tokens or UINT32 - 1, logprobs, 0))
+    keep = body.truncate_prompt_tokens
+    if keep is not None and not (keep == -1 or 0 < keep <= frontend.max_model_len):
+        raise ApiError(
+            400,
+            f"truncate_prompt_tokens must be -1 or 1 to the maximum context length ({frontend.max_model_len}), "
+            f"got {keep}",
+            param="truncate_prompt_tokens",
+        )
+
+
+def truncated(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: as many as the context holds)."""
+    if keep is None:
+        return prompt_ids
+    keep = max_model_len if keep == -1 else keep
+    return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
 
 # request fields that are SamplingParams fields of the same name and meaning (None: the dataclass's default)
@@ -106,6 +129,7 @@ def build_choices(
     prompt scans its token ids."""
     choices = []
     for p, prompt_ids in enumerate(prompts):
+        prompt_ids = truncated(prompt_ids, body.truncate_prompt_tokens, frontend.max_model_len)
         mt = max_tokens if max_tokens is not None else frontend.max_model_len - len(prompt_ids)
         for j in range(body.n):
             params = _params(body, max(mt, 1), logprobs, j, structured)

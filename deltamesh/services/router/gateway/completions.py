@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import cast
 
@@ -19,6 +18,7 @@ from deltamesh.services.router.gateway.choices import (
     check_model,
     check_sampling,
     check_sizes,
+    reply_id,
 )
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
@@ -37,7 +37,7 @@ class CompletionReply(Reply):
 
 @router.post("/v1/completions", response_model=oa.Completion, responses=sse_responses("Completion or SSE stream"))
 async def completions(request: Request, body: oa.CompletionRequest, gateway: GatewayDep) -> Response:
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = reply_id("cmpl", body)
     choices = await completion_choices(gateway.frontend, rid, body)
     return await respond(request, CompletionReply(gateway, body, rid, choices), _chunks, _completion)
 
@@ -69,7 +69,8 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
         for text in texts or ():
             frontend.check_text(text)
         for ids in id_lists or ():
-            frontend.check_token_count(len(ids))
+            if body.truncate_prompt_tokens is None:  # else truncated first (build_choices)
+                frontend.check_token_count(len(ids))
         return await frontend.off_loop(_prepare, frontend, rid, body, texts, id_lists, max_tokens)
 
 
@@ -81,7 +82,8 @@ def _prepare(
     id_lists: list[list[int]] | None,
     max_tokens: int,
 ) -> list[Choice]:
-    prompts = frontend.encode_texts(texts) if texts is not None else id_lists
+    special = body.add_special_tokens is not False  # vLLM's default for a completion: true
+    prompts = frontend.encode_texts(texts, special) if texts is not None else id_lists
     assert prompts is not None, "a prompt is texts or token id lists"
     return build_choices(frontend, rid, prompts, body, max_tokens, body.logprobs)
 
@@ -101,8 +103,17 @@ def _logprobs(
         tokens=tokens,
         token_logprobs=[lp.logprob for lp in items],
         text_offset=offsets,
-        top_logprobs=[{token_text(t.token_id): t.logprob for t in lp.top} for lp in items],
+        top_logprobs=[_top(token, lp, token_text) for token, lp in zip(tokens, items)],
     )
+
+
+def _top(token: str, lp: common_pb2.TokenLogprob, token_text) -> dict[str, float]:
+    """As vLLM's: the sampled token first, then the k most likely (it may be one of them); a token whose text
+    another's repeats keeps the first's logprob."""
+    top = {token: lp.logprob}
+    for t in lp.top:
+        top.setdefault(token_text(t.token_id), t.logprob)
+    return top
 
 
 class _TextChunks:
@@ -131,27 +142,42 @@ class _TextChunks:
 
 async def _chunks(reply: CompletionReply, deltas: Deltas):
     acc = Accumulator(reply.choices)
-    text_only = _TextChunks(reply)
+    text_only = _TextChunks(reply) if _text_only(reply) else None
+    token_ids = reply.body.return_token_ids
+    prompts = {c.index: c.prompt_ids for c in reply.choices} if token_ids else {}  # each choice's first chunk's
     async for index, d in deltas:
         offset = len(acc.text[index])
         acc.add(index, d)
-        if not d.finished and reply.body.logprobs is None:
+        if not d.finished and text_only is not None:
             yield text_only.event(index, d.text)
             continue
         choice = oa.CompletionChoice(
             index=index,
             text=d.text,
             finish_reason=acc.finish[index],
+            stop_reason=acc.stop_reason[index],
             logprobs=_logprobs(reply, list(d.logprobs), offset),
+            prompt_token_ids=prompts.pop(index, None),
+            token_ids=list(d.token_ids) if token_ids else None,
         )
-        yield sse(oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, choices=[choice]))
+        usage = acc.choice_usage(index) if reply.continuous_usage else None
+        yield sse(
+            oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, choices=[choice], usage=usage)
+        )
     if reply.include_usage:
         yield sse(
             oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, choices=[], usage=acc.usage())
         )
 
 
+def _text_only(reply: CompletionReply) -> bool:
+    """Whether a chunk before a choice's last carries its text alone (the fast path of _TextChunks)."""
+    body = reply.body
+    return body.logprobs is None and not body.return_token_ids and not reply.continuous_usage
+
+
 def _completion(reply: CompletionReply, acc: Accumulator) -> oa.Completion:
+    token_ids = reply.body.return_token_ids
     return oa.Completion(
         id=reply.id,
         created=reply.created,
@@ -162,7 +188,10 @@ def _completion(reply: CompletionReply, acc: Accumulator) -> oa.Completion:
                 index=c.index,
                 text=acc.text[c.index],
                 finish_reason=acc.finish[c.index],
+                stop_reason=acc.stop_reason[c.index],
                 logprobs=_logprobs(reply, acc.logprobs[c.index], 0),
+                prompt_token_ids=c.prompt_ids if token_ids else None,
+                token_ids=acc.token_ids[c.index] if token_ids else None,
             )
             for c in reply.choices
         ],

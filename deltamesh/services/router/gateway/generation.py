@@ -148,12 +148,26 @@ async def _run_one(
         raise ApiError(502, "a worker stream ended before the request finished", "server_error")
 
 
+def stop_reason(delta: common_pb2.TokenDelta, stop_token_ids: list[int]) -> oa.StopReason:
+    """vLLM's stop_reason of a choice's last delta: the stop string, or the token of stop_token_ids, that ended it;
+    None for the end-of-sequence token (which the engine reports as its stop token too) and the length."""
+    which = delta.WhichOneof("stop_reason")
+    if which == "stop_string":
+        return delta.stop_string
+    if which == "stop_token_id" and delta.stop_token_id in stop_token_ids:
+        return delta.stop_token_id
+    return None
+
+
 class Accumulator:
-    """Per choice: text, finish reason, logprobs, token counts."""
+    """Per choice: text, token ids, finish and stop reasons, logprobs, token counts."""
 
     def __init__(self, choices: list[Choice]):
         self.text = {c.index: "" for c in choices}
+        self.token_ids: dict[int, list[int]] = {c.index: [] for c in choices}
         self.finish: dict[int, str | None] = {c.index: None for c in choices}
+        self.stop_reason: dict[int, oa.StopReason] = {c.index: None for c in choices}
+        self._stop_token_ids = {c.index: c.params.stop_token_ids for c in choices}
         self.logprobs: dict[int, list[common_pb2.TokenLogprob]] = {c.index: [] for c in choices}
         self.prompt_tokens = {c.prompt_index: len(c.prompt_ids) for c in choices}  # once per prompt, as OpenAI
         self.completion_tokens = {c.index: 0 for c in choices}
@@ -163,17 +177,34 @@ class Accumulator:
 
     def add(self, index: int, delta: common_pb2.TokenDelta) -> None:
         self.text[index] += delta.text
+        self.token_ids[index] += delta.token_ids
         self.logprobs[index] += list(delta.logprobs)
         self.completion_tokens[index] = delta.usage.completion_tokens or self.completion_tokens[index]
         prompt = self.prompt_of[index]
         self.cached_tokens[prompt] = max(self.cached_tokens[prompt], delta.usage.cached_tokens)
         if delta.finished:
             self.finish[index] = _FINISH.get(delta.finish_reason)
+            self.stop_reason[index] = stop_reason(delta, self._stop_token_ids[index])
 
     def usage(self) -> oa.Usage:
+        """The request's: every prompt once, every choice's completion."""
         p, c = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
-        details = oa.PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()))
-        return oa.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details)
+        return _usage(p, c, sum(self.cached_tokens.values()))
+
+    def choice_usage(self, index: int) -> oa.Usage:
+        """One choice's so far (its prompt's tokens and its own completion), as vLLM's continuous usage stats."""
+        prompt = self.prompt_of[index]
+        return _usage(self.prompt_tokens[prompt], self.completion_tokens[index], self.cached_tokens[prompt])
+
+
+def _usage(prompt: int, completion: int, cached: int) -> oa.Usage:
+    details = oa.PromptTokensDetails(cached_tokens=cached)
+    return oa.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=details,
+    )
 
 
 async def collect(request: Request, mesh: Mesh, choices: list[Choice], fanout: Fanout) -> Accumulator:

@@ -35,6 +35,11 @@ class Reply:
         """A stream ends with a usage chunk only when asked to, as OpenAI's does."""
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries its choice's usage so far (vLLM's continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.body.stream_options and self.body.stream_options.continuous_usage_stats)
+
 
 ReplyT = TypeVar("ReplyT", bound=Reply)
 
