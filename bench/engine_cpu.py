@@ -192,6 +192,7 @@ class Bench:
             seed=args.seed,
             torch_threads=args.threads,
             prefix_cache=False,
+            async_scheduling=False,  # each timed step's tokens read back before the next (a step's own time)
         )
         t0 = time.perf_counter()
         self.core = EngineCore(self.config)

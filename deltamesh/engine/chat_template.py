@@ -1,12 +1,14 @@
-"""A checkpoint's chat template (jinja2), rendered as Hugging Face transformers renders it: the same sandboxed
-environment and helpers (`raise_exception`, `strftime_now`, a `tojson` that does not escape HTML, loop controls),
-so that a template written for transformers gives the same text here, and the same meaning of
-`add_generation_prompt`, `continue_final_message`, `tools` and extra template variables (`enable_thinking`...)."""
+"""A chat template (jinja2: the checkpoint's, or the router's --chat-template), rendered as Hugging Face
+transformers renders it: the same sandboxed environment and helpers (`raise_exception`, `strftime_now`, a `tojson`
+that does not escape HTML, loop controls), so that a template written for transformers gives the same text here, and
+the same meaning of `add_generation_prompt`, `continue_final_message`, `tools` and extra template variables
+(`enable_thinking`...)."""
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -37,6 +39,26 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def load_chat_template(value: str) -> str:
+    """The template a --chat-template value gives, read as vLLM reads it: the file at that path, else the value
+    itself, its backslash escapes (\\n) read as the characters they stand for so that a template fits on a command
+    line. Compiled here, so that a template that does not parse stops the server at start, not at its first chat."""
+    try:
+        text = Path(value).read_text()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):  # nothing of a template: a file that is not there
+            raise ValueError(f"cannot read the chat template file: {e.strerror}") from None
+        try:  # non-Latin-1 characters kept as they are, through their own escapes
+            text = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"the chat template has a broken escape: {e.reason}") from None
+    try:
+        _environment().from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
+    return text
 
 
 def _final_text(message: dict) -> str:

@@ -1,9 +1,9 @@
 """Engine settings, and how the engine turns them into concrete devices, dtypes and pool sizes.
 
 Each field is also a command-line option of the commands that run an engine (deltamesh/services/common/options.py):
-its metadata holds the option's help, and "flag" where the option's name is not the field's, or "cli": False for a
-field with no option. torch is imported where a method needs it, so that commands reading the fields (`--help`)
-start without it."""
+its metadata holds the option's help, and "flag" where the option's name is not the field's, "decls" where the
+option also takes other names (vLLM's), or "cli": False for a field with no option. torch is imported where a method
+needs it, so that commands reading the fields (`--help`) start without it."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _setting(default, help: str = "", **cli):
-    """A field with its command-line option's help (and "flag" or "cli", see the module's docstring)."""
+    """A field with its command-line option's help (and "flag", "decls" or "cli", see the module's docstring)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -46,7 +46,8 @@ class EngineConfig:
         "auto (an FP8 checkpoint's weights stay FP8 on the GPU) | fp8 (FP8 "
         "weights; a bf16 checkpoint quantized on load) | none (dequantize)",
     )
-    page_size: int = _setting(16, "KV page size in tokens")
+    # --block-size: vLLM's name for it (a KV cache block's tokens)
+    page_size: int = _setting(16, "KV page size in tokens", decls=("--page-size", "--block-size"))
     # None: sized from memory (memory_budget.py says how)
     num_kv_pages: int | None = _setting(None, "KV pages per worker (default: sized from memory)")
     kv_cache_memory_gb: float | None = _setting(
@@ -103,7 +104,12 @@ class EngineConfig:
     rank_exporter: str | None = _setting(None, cli=False)
     seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
-    cuda_graphs: bool = _setting(True, "CUDA only: replay decode steps from captured CUDA graphs")
+    # off: every step eager (decode and piecewise graphs alike), as vLLM's --enforce-eager asks
+    cuda_graphs: bool = _setting(
+        True,
+        "CUDA only: replay steps from captured CUDA graphs (off, or vLLM's --enforce-eager: every step runs eagerly)",
+        decls=("--cuda-graphs/--no-cuda-graphs", " /--enforce-eager"),
+    )
     # steps with prompt tokens: cuda_graphs.PiecewiseGraphs. Past 4096 tokens a step's GPU time covers its eager
     # launches (which async scheduling overlaps with the step before), so the default stops there.
     piecewise_cuda_graph_max_tokens: int | None = _setting(
@@ -119,11 +125,13 @@ class EngineConfig:
         "Schedule and launch each engine step before the previous step's tokens "
         "reach the host (off: finish every step first)",
     )
-    # Prefix caching (prefix_cache.py). On, as in the peers; its cost where nothing is reused (a new prompt's
-    # prefill stops where its state is checkpointed, and checkpoints take state slots) against its gain on chats
-    # is in bench/RESULTS.md.
+    # Prefix caching (prefix_cache.py), also under vLLM's flag names. On, as in the peers; its cost where nothing is
+    # reused (a new prompt's prefill stops where its state is checkpointed, and checkpoints take state slots) against
+    # its gain on chats is in bench/RESULTS.md.
     prefix_cache: bool = _setting(
-        True, "Reuse the KV pages and GDN state of prompt prefixes computed before (exact: same tokens as without it)"
+        True,
+        "Reuse the KV pages and GDN state of prompt prefixes computed before (exact: same tokens as without it)",
+        decls=("--prefix-cache/--no-prefix-cache", "--enable-prefix-caching/--no-enable-prefix-caching"),
     )
     prefix_cache_pages: int | None = _setting(None, "Most KV pages the prefix cache keeps (default: every free page)")
     prefix_cache_checkpoints: int | None = _setting(
@@ -266,7 +274,7 @@ class EngineConfig:
         if self.state_checkpoint_interval is not None and self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be >= 1 pages")
         self.resolve_speculative()
-        self.check_device()
+        _check_device(self.device)
         self.torch_dtype()
 
     def resolve_speculative(self) -> None:
@@ -316,23 +324,24 @@ class EngineConfig:
             return self.speculative_disable_batch_size
         return DEFAULT_DISABLE_BATCH_SIZE
 
-    def check_device(self) -> None:
-        """The device exists on this machine: a clear error now rather than torch's, deep in model loading."""
-        import torch
 
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as e:
-            raise ValueError(f"device {self.device!r}: {e}") from None
-        if device.type != "cuda":
-            return
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {self.device!r}: torch {torch.__version__} finds no CUDA GPU on this machine "
-                "(--device cpu runs on the CPU)"
-            )
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {self.device!r}: this machine shows torch {torch.cuda.device_count()} GPU(s)")
+def _check_device(device: str) -> None:
+    """`device` exists on this machine: a clear error now rather than torch's, deep in model loading."""
+    import torch
+
+    try:
+        found = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r}: {e}") from None
+    if found.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r}: torch {torch.__version__} finds no CUDA GPU on this machine "
+            "(--device cpu runs on the CPU)"
+        )
+    if found.index is not None and found.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine shows torch {torch.cuda.device_count()} GPU(s)")
 
 
 def _dtype(name: str) -> torch.dtype:

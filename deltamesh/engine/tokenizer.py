@@ -19,7 +19,9 @@ __all__ = ["IncrementalDetokenizer", "TemplateError", "Tokenizer"]
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None):
+        """`chat_template`: a template that renders chats instead of the checkpoint's (the router's
+        --chat-template)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -27,7 +29,7 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         cfg = _read_json(model_dir / "tokenizer_config.json")
         template_file = model_dir / "chat_template.jinja"
-        self.chat_template: str | None = (
+        self.chat_template: str | None = chat_template or (
             template_file.read_text() if template_file.is_file() else cfg.get("chat_template")
         )
         self.special_tokens = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
@@ -72,8 +74,8 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **options) -> str:
-        """The chat as the checkpoint's template writes it; `options` are ChatTemplate.render's
-        (continue_final_message, tools, variables)."""
+        """The chat as the chat template (the checkpoint's, or the one given) writes it; `options` are
+        ChatTemplate.render's (continue_final_message, tools, variables)."""
         if not self.chat_template:
             raise TemplateError("this model has no chat template; use the completions API")
         if self._template is None:

@@ -30,6 +30,7 @@ from deltamesh.services.common.options import (
 from deltamesh.services.common.ports import ListenProblem, check_listeners, free_port
 from deltamesh.services.common.settings import RouterSettings, ServeSettings, WorkerSettings
 from deltamesh.services.common.tls import TlsSettings
+from deltamesh.services.common.vllm_flags import MODEL_ARGUMENT_HELP, VllmFlags, one_flag_per_value, served_model
 from deltamesh.services.ready_notice import announce_when_ready
 from deltamesh.services.supervisor import CONFIG_ERROR, ChildSpec, Supervisor, die_with_parent, exit_without_teardown
 from deltamesh.services.token_map_command import token_map
@@ -78,6 +79,7 @@ ROUTER_ONLY = (
 )
 SERVE_ROUTER = options(RouterSettings, exclude=ROUTER_ONLY)
 SERVE_WORKER = options(WorkerSettings, exclude=PER_WORKER)
+VLLM_FLAGS = options(VllmFlags)
 
 
 def _check_tls(tls: TlsSettings) -> None:
@@ -320,12 +322,18 @@ def load_line(load) -> str:
 
 
 @app.command()
-@with_options(options(ServeSettings), SERVE_WORKER, SERVE_ROUTER, [SECRET_FILE, API_KEY_FILE])
-def serve(ctx: typer.Context, **values) -> None:
+@with_options(options(ServeSettings), SERVE_WORKER, SERVE_ROUTER, VLLM_FLAGS, [SECRET_FILE, API_KEY_FILE])
+def serve(
+    ctx: typer.Context,
+    model_argument: Annotated[str | None, typer.Argument(metavar="MODEL", help=MODEL_ARGUMENT_HELP)] = None,
+    **values,
+) -> None:
     """Start the mesh on one box: router + N prefill + M decode worker processes, each restarted if it exits.
     Ctrl-C stops them all."""
     from deltamesh.services.router.processes import control_ports
 
+    values["model"] = served_model(ctx, model_argument, values["model"])
+    _settings("serve", VllmFlags, VLLM_FLAGS, values)  # a vLLM flag's value deltamesh cannot honour, refused
     values["api_key"] = _api_key(ctx, values)  # its router gets it in its environment
     # one secret per mesh, made here unless given (a --mesh-secret-file that does not exist yet is made, as the
     # router makes it); children get it in their environment (never on a command line)
@@ -474,20 +482,6 @@ def _worker_gpus(gpu_ids: list[str], worker: int, ranks: int) -> str:
             param_hint="--gpus / CUDA_VISIBLE_DEVICES",
         )
     return ",".join(gpu_ids[(worker * ranks + r) % len(gpu_ids)] for r in range(ranks))
-
-
-def one_flag_per_value(argv: list[str], flag: str) -> list[str]:
-    """`flag a b c` as `flag a flag b flag c`: vLLM takes several values after one flag (nargs="+"), click takes
-    a repeated flag."""
-    out: list[str] = []
-    after_flag = False
-    for arg in argv:
-        if after_flag and not arg.startswith("-"):
-            out += [arg] if out[-1] == flag else [flag, arg]
-            continue
-        after_flag = arg == flag
-        out.append(arg)
-    return out
 
 
 def main() -> None:

@@ -19,15 +19,29 @@ FINISH_TO_PROTO = {
 }
 
 
-# SamplingParams fields on the wire (common.proto): optional ones take the dataclass's default when unset, plain
-# ones are sent always, their zero value being the default (tests/unit/test_protocol.py checks that it is)
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "logprobs", "skip_special_tokens", "repetition_penalty")
-_PLAIN = ("top_k", "min_p", "ignore_eos", "presence_penalty", "frequency_penalty", "min_tokens")
+# SamplingParams fields on the wire (common.proto): optional ones take a default when unset, plain ones are sent
+# always, their zero value being the default (tests/unit/test_protocol.py checks that it is)
+_OPTIONAL = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "logprobs",
+    "skip_special_tokens",
+    "repetition_penalty",
+)
+_PLAIN = ("ignore_eos", "presence_penalty", "frequency_penalty", "min_tokens")
 
 
-def sampling_from_proto(sp: common_pb2.SamplingParams, stop: common_pb2.StopConditions) -> SamplingParams:
-    """The parameters as sent (the caller validates them); unset fields take SamplingParams' defaults."""
+def sampling_from_proto(
+    sp: common_pb2.SamplingParams, stop: common_pb2.StopConditions, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
+    """The parameters as sent (the caller validates them); unset fields take `defaults` (the router's: the model's
+    recommended sampling, generation_defaults.py), else SamplingParams' own."""
     values = {name: getattr(sp, name) for name in _PLAIN}
+    values.update({name: value for name, value in (defaults or {}).items() if not sp.HasField(name)})
     values.update({name: getattr(sp, name) for name in _OPTIONAL if sp.HasField(name)})
     return SamplingParams(
         **values,
@@ -68,11 +82,10 @@ def structured_to_proto(s: StructuredOutputs) -> common_pb2.StructuredOutputs:
 
 
 def sampling_to_proto(p: SamplingParams) -> tuple[common_pb2.SamplingParams, common_pb2.StopConditions]:
-    plain = {name: getattr(p, name) for name in _PLAIN} | {"top_k": max(p.top_k, 0)}  # vLLM's -1 (off) is 0 here
-    sp = common_pb2.SamplingParams(**plain, logit_bias=p.logit_bias)
+    sp = common_pb2.SamplingParams(**{name: getattr(p, name) for name in _PLAIN}, logit_bias=p.logit_bias)
     for name in _OPTIONAL:
         if (value := getattr(p, name)) is not None:
-            setattr(sp, name, value)
+            setattr(sp, name, max(value, 0) if name == "top_k" else value)  # vLLM's -1 (off) is 0 here
     stop = common_pb2.StopConditions(
         stop=p.stop, stop_token_ids=p.stop_token_ids, include_stop_str_in_output=p.include_stop_str_in_output
     )

@@ -4,7 +4,8 @@ name, type, default, help, flag and DELTAMESH_* variable is written once, on the
 A field's option is --<name> (underscores as dashes) with the variable DELTAMESH_<NAME>, its help the field's
 description (pydantic) or metadata["help"] (dataclass). The field's metadata (pydantic: json_schema_extra) may say
   flag: the option's name where it is not the field's (lease_ttl for lease_ttl_s)
-  decls: typer's flag declarations where its own are not wanted (a bool flag without a --no- form)
+  decls: typer's flag declarations, the option's own name included, where typer's are not wanted (a bool flag
+    without a --no- form; vLLM's names beside deltamesh's: --page-size, --block-size)
   cli: False for a field that has no option
   prefix: on a field holding a nested model, put before the names of that model's options (tls_ for TlsSettings)
 A nested model (pydantic model or dataclass) adds its fields' options; a list field is a repeatable option.

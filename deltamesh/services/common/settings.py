@@ -9,12 +9,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
+from deltamesh.engine.chat_template import load_chat_template
+from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
+from deltamesh.protocol.generation_defaults import GenerationConfigSource, sampling_defaults
+from deltamesh.protocol.sampling import SamplingParams
 from deltamesh.services.common.tls import TlsSettings
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -29,9 +34,11 @@ def _flag(name: str) -> JsonDict:
 
 
 def _engine_setting(name: str) -> Any:
-    """The engine's setting `name` (default and help) on a service that takes it without running an engine."""
+    """The engine's setting `name` (default, help and flag names) on a service that takes it without running an
+    engine."""
     (f,) = [f for f in dataclasses.fields(EngineConfig) if f.name == name]
-    return Field(f.default, description=f.metadata["help"])
+    names: JsonDict | None = {"decls": list(f.metadata["decls"])} if "decls" in f.metadata else None
+    return Field(f.default, description=f.metadata["help"], json_schema_extra=names)
 
 
 class WorkerSettings(BaseModel):
@@ -133,8 +140,15 @@ class RouterSettings(BaseModel):
         description="Router gRPC port of the control plane (workers register here; mesh secret required)",
     )
     mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
-    # OpenAI-compatible REST gateway (None: off)
-    http_port: int | None = Field(8000, ge=0, le=65535, description="OpenAI-compatible REST port (0: off)")
+    # OpenAI-compatible REST gateway (None: off); --port is vLLM's name for it (a worker's --port is its gRPC port,
+    # but no command takes both)
+    http_port: int | None = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible REST port (0: off)",
+        json_schema_extra={"decls": ["--http-port", "--port"]},
+    )
     # several router processes (deltamesh/services/router/processes.py)
     api_server_count: int = Field(
         1,
@@ -147,6 +161,18 @@ class RouterSettings(BaseModel):
     # that parent's memory shared by its router processes (admission counts): a file descriptor this process inherited
     shared_counts_fd: int | None = Field(None, json_schema_extra=_NO_OPTION)
     model: str = _engine_setting("model")  # checkpoint directory: tokenizer, chat template, model id
+    # vLLM's --chat-template, read as vLLM reads it (chat_template.load_chat_template): kept as given (a path, or a
+    # template with its escapes), so that the router `serve` hands it to reads it the same way
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file, or the template itself, that renders chats instead of the "
+        "checkpoint's (one line: \\n for a new line)",
+    )
+    generation_config: GenerationConfigSource = Field(
+        "auto",
+        description="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
+        "take the checkpoint's generation_config.json values (as vLLM's default); vllm: deltamesh's own defaults",
+    )
     served_model_name: list[str] | None = Field(
         None,
         description="The model's names in the API (repeatable, or several after one flag, as vLLM takes them): "
@@ -228,6 +254,29 @@ class RouterSettings(BaseModel):
     @classmethod
     def _zero_is_off(cls, port: int | None) -> int | None:
         return port or None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_parses(cls, template: str | None) -> str | None:
+        if template is not None:
+            load_chat_template(template)  # a template that does not parse stops the router at start, not at a chat
+        return template
+
+    @model_validator(mode="after")
+    def _recommended_sampling_passes(self) -> RouterSettings:
+        """The checkpoint's recommended sampling (--generation-config auto) by the requests' rule, at start: a bad
+        value stops the router there rather than failing every request that leaves it unset."""
+        model = Path(self.model)
+        defaults = sampling_defaults(model, self.generation_config) if model.is_dir() else {}
+        if defaults:
+            try:
+                SamplingParams(**defaults).validate(ModelConfig.from_dir(model).vocab_size)
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"the checkpoint's generation_config.json recommends what a request may not set: {e} "
+                    "(--generation-config vllm leaves its recommendations out)"
+                ) from None
+        return self
 
 
 class ServeSettings(BaseModel):

@@ -13,9 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import structlog
+
+from deltamesh.engine.chat_template import load_chat_template
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.tokenizer import TemplateError, Tokenizer
+from deltamesh.protocol.generation_defaults import GenerationConfigSource, sampling_defaults
 from deltamesh.protocol.requests import RequestError, validate_request
 from deltamesh.protocol.sampling import SamplingParams, check_text
 from deltamesh.services.common.settings import RequestLimits
@@ -23,6 +27,7 @@ from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.limits import InvalidParam, check_count, check_roles, check_stop
 
 T = TypeVar("T")
+log = structlog.get_logger("deltamesh.frontend")
 # SamplingParams fields checked one by one, so that an error names its parameter: each with the fields its rule
 # reads besides its own (stop strings have a check of their own below)
 _CHECKED_ALONE = {
@@ -61,10 +66,15 @@ class Frontend:
         max_model_len: int | None = None,
         limits: RequestLimits | None = None,
         served_model_names: list[str] | None = None,
+        chat_template: str | None = None,
+        generation_config: GenerationConfigSource = "auto",
     ):
+        """`chat_template`: the router's --chat-template (a file, or the template), rendering chats instead of the
+        checkpoint's template; `generation_config`: where a request's unset sampling parameters come from."""
         path = Path(model_dir)
         self.model_config = ModelConfig.from_dir(path)
-        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        template = load_chat_template(chat_template) if chat_template else None
+        self.tokenizer = Tokenizer(path, template) if (path / "tokenizer.json").is_file() else None
         self.checkpoint_name = path.name  # what the workers register as serving
         # the names a request may give (the first is the model's id in the model list); its checkpoint path too, as
         # vLLM takes it (as given and resolved)
@@ -76,6 +86,10 @@ class Frontend:
             self.model_config.max_position_embeddings
         )
         self.limits = limits or RequestLimits()
+        # what a request leaves unset takes (checked when the router's settings were made: RouterSettings)
+        self.sampling_defaults = sampling_defaults(path, generation_config)
+        if self.sampling_defaults:
+            log.info("sampling defaults from the checkpoint's generation_config.json", **self.sampling_defaults)
         # Each token covers at most this many characters, so a longer text cannot fit the context whatever
         # it holds: refuse it without tokenising it.
         self.max_text_chars = self.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer else 1)

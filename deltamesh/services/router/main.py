@@ -32,7 +32,14 @@ log = structlog.get_logger("deltamesh.router")
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     """One router process: with --api-server-count N, one of N sharing the client ports (router/processes.py)."""
-    frontend = Frontend(settings.model, settings.max_model_len, settings.limits, settings.served_model_name)
+    frontend = Frontend(
+        settings.model,
+        settings.max_model_len,
+        settings.limits,
+        settings.served_model_name,
+        settings.chat_template,
+        settings.generation_config,
+    )
     secret = settings.mesh_secret.get_secret_value()
     shared = settings.api_server_count > 1
     registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, secret, settings.tls)

@@ -111,7 +111,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
             check_stop(request.stop.stop)  # before the strings are copied out of the message
             check_logit_bias_count(len(request.sampling.logit_bias))
-            params = sampling_from_proto(request.sampling, request.stop)
+            params = sampling_from_proto(request.sampling, request.stop, self.frontend.sampling_defaults)
             self.frontend.check_sampling(params)
             prompt_ids, output = await self._prompt(request, params)
             self.frontend.check(prompt_ids, params)

@@ -28,7 +28,11 @@ COMPLETIONS: dict[str, tuple[Any, str]] = {**BOTH, "prompt_embeds": (None, "")}
 CHAT: dict[str, tuple[Any, str]] = {
     **BOTH,
     "echo": (False, ""),
-    "chat_template": (None, "the checkpoint's own template is used (as vLLM without --trust-request-chat-template)"),
+    "chat_template": (
+        None,
+        "the server's template is used: the checkpoint's, or the router's --chat-template (as vLLM without "
+        "--trust-request-chat-template)",
+    ),
     "documents": (None, ""),
     "mm_processor_kwargs": (None, "the models served here take text only"),
     "media_io_kwargs": (None, "the models served here take text only"),

@@ -62,7 +62,7 @@ def check_sampling(frontend: Frontend, body: oa._Sampling, max_tokens: int | Non
     against the vocabulary: what the schema cannot bound), before anything is tokenised; each error names its
     parameter. Without max_tokens (a chat's is what the context leaves), min_tokens is checked once it is known."""
     with as_api_error(None):
-        frontend.check_sampling(_params(body, max_tokens or UINT32 - 1, logprobs, 0))
+        frontend.check_sampling(_params(body, max_tokens or UINT32 - 1, logprobs, 0, frontend.sampling_defaults))
     keep = body.truncate_prompt_tokens
     if keep is not None and not (keep == -1 or 0 < keep <= frontend.max_model_len):
         raise ApiError(
@@ -100,11 +100,18 @@ _SAME = (
 
 
 def _params(
-    body: oa._Sampling, max_tokens: int, logprobs: int | None, choice: int, structured: StructuredOutputs | None = None
+    body: oa._Sampling,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+    defaults: dict,
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
-    """`structured`: the output's structure when the caller sets it (a chat's forced tool calls), else the
-    request's response_format / structured_outputs."""
-    given = {name: value for name in _SAME if (value := getattr(body, name)) is not None}
+    """`defaults`: the model's recommended sampling (generation_defaults.py), for what the request leaves unset;
+    `structured`: the output's structure when the caller sets it (a chat's forced tool calls), else the request's
+    response_format / structured_outputs."""
+    given = {k: v for k, v in defaults.items() if k != "max_tokens"}
+    given |= {name: value for name in _SAME if (value := getattr(body, name)) is not None}
     if body.seed is not None:
         given["seed"] = (body.seed + choice) % 2**64  # n choices must differ
     return SamplingParams(
@@ -114,6 +121,17 @@ def _params(
         logprobs=logprobs,
         structured_outputs=structured if structured is not None else body.structured,  # one for all choices
     )
+
+
+def default_max_tokens(frontend: Frontend) -> int:
+    """A completion's max_tokens when the request sets none: the model's recommended, else vLLM's 16."""
+    return frontend.sampling_defaults.get("max_tokens", SamplingParams.max_tokens)
+
+
+def _left(frontend: Frontend, prompt_tokens: int) -> int:
+    """A chat's max_tokens when the request sets none: what the context leaves, at most the model's recommended."""
+    left = frontend.max_model_len - prompt_tokens
+    return min(left, frontend.sampling_defaults.get("max_tokens", left))
 
 
 def build_choices(
@@ -130,9 +148,9 @@ def build_choices(
     choices = []
     for p, prompt_ids in enumerate(prompts):
         prompt_ids = truncated(prompt_ids, body.truncate_prompt_tokens, frontend.max_model_len)
-        mt = max_tokens if max_tokens is not None else frontend.max_model_len - len(prompt_ids)
+        mt = max_tokens if max_tokens is not None else _left(frontend, len(prompt_ids))
         for j in range(body.n):
-            params = _params(body, max(mt, 1), logprobs, j, structured)
+            params = _params(body, max(mt, 1), logprobs, j, frontend.sampling_defaults, structured)
             if j == 0:
                 frontend.check(prompt_ids, params)
             index = p * body.n + j

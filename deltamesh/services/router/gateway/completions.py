@@ -9,7 +9,6 @@ from typing import cast
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from deltamesh.protocol.sampling import SamplingParams
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway.choices import (
@@ -18,6 +17,7 @@ from deltamesh.services.router.gateway.choices import (
     check_model,
     check_sampling,
     check_sizes,
+    default_max_tokens,
     reply_id,
 )
 from deltamesh.services.router.gateway.dependencies import GatewayDep
@@ -62,7 +62,7 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
         id_lists = [p]
     else:
         id_lists = cast(list[list[int]], p) or [[]]
-    max_tokens = body.max_tokens if body.max_tokens is not None else SamplingParams.max_tokens
+    max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens(frontend)
     check_sampling(frontend, body, max_tokens, body.logprobs)
     with as_api_error("prompt"):
         check_sizes(frontend, len(texts) if texts is not None else len(id_lists or ()), body)

@@ -59,7 +59,10 @@ class TokenizeChatRequest(BaseModel):
         False, description="The tokenizer's special tokens around the templated chat too (its template writes its own)"
     )
     return_token_strs: bool | None = Field(False, description="Also answer each token as the vocabulary spells it")
-    chat_template: str | None = Field(None, description="Not supported: the checkpoint's template renders the chat")
+    chat_template: str | None = Field(
+        None,
+        description="Not supported: the server's template (the checkpoint's or --chat-template's) renders the chat",
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra chat template variables, e.g. {'enable_thinking': false}"
     )

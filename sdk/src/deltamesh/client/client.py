@@ -63,8 +63,8 @@ def build_request(
     function tools), `tool_choice` ("none", "auto", "required" or {"type": "function", "function": {"name": ...}};
     left None: auto with tools, none without), `parallel_tool_calls` (False: one call at most),
     `chat_template_kwargs` (e.g. {"enable_thinking": False}), `add_generation_prompt` and `continue_final_message`
-    (chat.py); its reply comes back read into reasoning, content and tool calls (Result, Delta.chat). A sampling keyword left None takes the server's default (the router's
-    SamplingParams). Values the protocol cannot carry (negative counts, ids over 32 bits) raise InvalidRequest
+    (chat.py); its reply comes back read into reasoning, content and tool calls (Result, Delta.chat). A sampling keyword left None takes the server's default (the checkpoint's
+    recommended value, from its generation_config.json, else the router's SamplingParams). Values the protocol cannot carry (negative counts, ids over 32 bits) raise InvalidRequest
     before anything is sent.
 
     Structured outputs, as the REST API takes them: `response_format` in OpenAI's shape ({"type": "json_object"},

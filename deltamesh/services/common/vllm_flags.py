@@ -1,0 +1,98 @@
+"""`vllm serve`'s command line as `deltamesh serve` reads it, so that a model card's vLLM command runs with
+`vllm serve` replaced: the model as a positional argument, several names after one --served-model-name, and the flags
+deltamesh honours by design (VllmFlags), each accepted with help saying why it changes nothing here and refused in
+one line where its value asks for what deltamesh does not do. vLLM's names for settings deltamesh has under names of
+its own (--port, --block-size, --enable-prefix-caching, --enforce-eager) are those settings' flags too (their
+`decls`, options.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic.json_schema import JsonDict
+
+MODEL_ARGUMENT_HELP = "Hugging Face checkpoint directory, as `vllm serve MODEL` takes it (or --model)"
+
+
+def _switch(flag: str) -> JsonDict:
+    """A flag with no --no- form, as vLLM spells it."""
+    return {"decls": [flag]}
+
+
+class VllmFlags(BaseModel):
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="Accepted, as vLLM needs it for tool calls: deltamesh reads tool calls out of the reply to every "
+        "request with tools (unless its tool_choice is none), as --tool-call-parser says",
+        json_schema_extra=_switch("--enable-auto-tool-choice"),
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Accepted: the model families served here are implemented in deltamesh itself, so no code from "
+        "the checkpoint runs",
+        json_schema_extra=_switch("--trust-remote-code"),
+    )
+    language_model_only: bool = Field(
+        False,
+        description="Accepted: only the language model is served (a checkpoint's vision weights are never loaded)",
+        json_schema_extra=_switch("--language-model-only"),
+    )
+    disable_custom_all_reduce: bool = Field(
+        False,
+        description="Accepted: tensor-parallel ranks all-reduce through torch.distributed (NCCL); there is no custom "
+        "all-reduce to turn off",
+        json_schema_extra=_switch("--disable-custom-all-reduce"),
+    )
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="Always on: a prompt longer than --max-num-batched-tokens is prefilled in chunks of that many "
+        "tokens (--no-enable-chunked-prefill is refused)",
+    )
+    kv_cache_dtype: str = Field("auto", description="auto only: the KV cache is kept in the model's dtype (--dtype)")
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _model_dtype(cls, dtype: str) -> str:
+        if dtype != "auto":
+            raise ValueError("the KV cache is kept in the model's dtype (--dtype); only auto is accepted")
+        return dtype
+
+    @model_validator(mode="after")
+    def _chunked_prefill(self) -> VllmFlags:
+        # refused here, naming the flag the user gave (a field's error would read --enable-chunked-prefill False)
+        if not self.enable_chunked_prefill:
+            raise ValueError(
+                "--no-enable-chunked-prefill: deltamesh always prefills a long prompt in chunks of "
+                "--max-num-batched-tokens tokens; leave the flag out"
+            )
+        return self
+
+
+def served_model(ctx: typer.Context, argument: str | None, option: str) -> str:
+    """The checkpoint `serve` serves: vLLM's positional MODEL, else --model. MODEL overrides $DELTAMESH_MODEL, as a
+    command line overrides the environment; MODEL and a --model naming another checkpoint are a usage error rather
+    than one of them silently winning."""
+    if argument is None:
+        return option
+    source = ctx.get_parameter_source("model")  # typer's own click's enum: known by its name
+    if source is not None and source.name == "COMMANDLINE" and Path(option).resolve() != Path(argument).resolve():
+        raise typer.BadParameter(
+            f"{argument} and --model {option} name two checkpoints: give one", param_hint="MODEL / --model"
+        )
+    return argument
+
+
+def one_flag_per_value(argv: list[str], flag: str) -> list[str]:
+    """`flag a b c` as `flag a flag b flag c`: vLLM takes several values after one flag (nargs="+"), click takes
+    a repeated flag."""
+    out: list[str] = []
+    after_flag = False
+    for arg in argv:
+        if after_flag and not arg.startswith("-"):
+            out += [arg] if out[-1] == flag else [flag, arg]
+            continue
+        after_flag = arg == flag
+        out.append(arg)
+    return out
