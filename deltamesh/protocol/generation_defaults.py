@@ -1,7 +1,8 @@
 """The model's own sampling defaults: what a request leaves unset takes the values its checkpoint's
 generation_config.json recommends (Qwen3.5's: temperature, top_p, top_k), as vLLM (`--generation-config auto`, its
-default) and SGLang serve it; `vllm` leaves them out, as vLLM's `--generation-config vllm` does. Torch-free: the
-router reads it."""
+default) and SGLang serve it; `vllm` leaves them out, as vLLM's `--generation-config vllm` does; the server's own
+overrides (vLLM's `--override-generation-config`, in the file's names) go over either. Torch-free: the router reads
+it."""
 
 from __future__ import annotations
 
@@ -24,14 +25,23 @@ _RECOMMENDED = {
 }
 
 
-def sampling_defaults(model_dir: str | Path, source: GenerationConfigSource = "auto") -> dict[str, Any]:
-    """The SamplingParams fields the checkpoint recommends, by field name ({} under `vllm`, or without a file)."""
-    if source == "vllm":
-        return {}
+def sampling_defaults(
+    model_dir: str | Path, source: GenerationConfigSource = "auto", overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The SamplingParams fields the checkpoint recommends, by field name ({} under `vllm`, or without a file), with
+    `overrides` (generation_config.json's names: check_overrides) over them, each taken as given."""
     path = Path(model_dir) / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    return {
+    config = json.loads(path.read_text()) if source == "auto" and path.is_file() else {}
+    recommended = {
         field: config[key]
         for key, (field, transformers_default) in _RECOMMENDED.items()
         if config.get(key) is not None and config[key] != transformers_default
     }
+    return recommended | {_RECOMMENDED[key][0]: value for key, value in (overrides or {}).items()}
+
+
+def check_overrides(overrides: dict[str, Any]) -> None:
+    """ValueError naming a key that sets nothing a request can leave unset (vLLM would drop it without a word)."""
+    unknown = sorted(set(overrides) - set(_RECOMMENDED))
+    if unknown:
+        raise ValueError(f"cannot override {', '.join(unknown)}: the keys are {', '.join(_RECOMMENDED)}")

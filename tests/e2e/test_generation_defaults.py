@@ -66,17 +66,23 @@ def test_unset_parameters_take_the_checkpoints_recommendation(mesh, base_url):
         assert len(client.generate(PROMPT, ignore_eos=True, max_tokens=2).token_ids) == 2
 
 
-def test_vllm_leaves_the_recommendation_out(tmp_path):
+@pytest.mark.parametrize(
+    "router_args,max_tokens",
+    [
+        (["--generation-config", "vllm"], 16),  # deltamesh's (and vLLM's) own default
+        (["--generation-config", "vllm", "--override-generation-config", '{"max_new_tokens": 5}'], 5),
+        (["--override-generation-config", '{"max_new_tokens": 4}'], 4),  # over the file's 7
+    ],
+)
+def test_vllm_leaves_the_recommendation_out_and_overrides_go_over_either(tmp_path, router_args, max_tokens):
     model = recommending_model(tmp_path)
-    m = start_mesh(
-        str(model), tmp_path, colocated=1, prefill=0, decode=0, http=True, router_args=["--generation-config", "vllm"]
-    )
+    m = start_mesh(str(model), tmp_path, colocated=1, prefill=0, decode=0, http=True, router_args=router_args)
     try:
         r = httpx.post(
             f"http://127.0.0.1:{m.http_port}/v1/completions",
             json={"prompt": PROMPT, "ignore_eos": True},
             timeout=60,
         )
-        assert r.json()["usage"]["completion_tokens"] == 16, r.text  # deltamesh's (and vLLM's) own default
+        assert r.json()["usage"]["completion_tokens"] == max_tokens, r.text
     finally:
         m.stop()

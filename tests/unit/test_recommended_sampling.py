@@ -29,14 +29,32 @@ def test_only_values_that_differ_from_transformers_defaults_are_recommendations(
     spelled_out = with_config(tmp_path / "b", {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "max_new_tokens": 64})
     assert sampling_defaults(spelled_out) == {"max_tokens": 64}
     assert sampling_defaults(tmp_path / "no-such-dir") == {}
+    # the server's overrides go over either source, taken as given (top_k 50 included)
+    assert sampling_defaults(model, "auto", {"top_k": 50, "max_new_tokens": 9}) == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 50,
+        "max_tokens": 9,
+    }
+    assert sampling_defaults(model, "vllm", {"temperature": 0.2}) == {"temperature": 0.2}
 
 
 def test_a_bad_recommendation_stops_the_router_at_start(tmp_path):
     model = with_config(tmp_path, {"top_p": 2.0})
-    with pytest.raises(ValidationError, match="generation_config.json recommends .*top_p"):
+    with pytest.raises(ValidationError, match=r"sampling defaults \(generation_config.json.*top_p"):
         RouterSettings(model=str(model), mesh_secret="s")
     assert RouterSettings(model=str(model), mesh_secret="s", generation_config="vllm").generation_config == "vllm"
     assert Frontend(str(model), generation_config="vllm").sampling_defaults == {}
+    for overrides, says in (
+        ('{"temprature": 0.5}', "cannot override temprature"),
+        ("[1]", "must be a JSON object"),
+        ("{", "is not JSON"),
+        ('{"temperature": 9}', "temperature must be in"),
+    ):
+        with pytest.raises(ValidationError, match=says):
+            RouterSettings(
+                model=str(model), mesh_secret="s", generation_config="vllm", override_generation_config=overrides
+            )
 
 
 def test_grpc_fields_left_unset_take_the_recommendation_and_set_ones_win():

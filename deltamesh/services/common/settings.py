@@ -18,7 +18,7 @@ from pydantic.json_schema import JsonDict
 from deltamesh.engine.chat_template import load_chat_template
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
-from deltamesh.protocol.generation_defaults import GenerationConfigSource, sampling_defaults
+from deltamesh.protocol.generation_defaults import GenerationConfigSource, check_overrides, sampling_defaults
 from deltamesh.protocol.sampling import SamplingParams
 from deltamesh.services.common.tls import TlsSettings
 
@@ -173,6 +173,11 @@ class RouterSettings(BaseModel):
         description="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
         "take the checkpoint's generation_config.json values (as vLLM's default); vllm: deltamesh's own defaults",
     )
+    override_generation_config: str | None = Field(
+        None,
+        description="JSON object over the checkpoint's recommendation (vLLM's), in generation_config.json's names, "
+        'e.g. \'{"temperature": 0.7, "max_new_tokens": 512}\'',
+    )
     served_model_name: list[str] | None = Field(
         None,
         description="The model's names in the API (repeatable, or several after one flag, as vLLM takes them): "
@@ -266,17 +271,31 @@ class RouterSettings(BaseModel):
     def _recommended_sampling_passes(self) -> RouterSettings:
         """The checkpoint's recommended sampling (--generation-config auto) by the requests' rule, at start: a bad
         value stops the router there rather than failing every request that leaves it unset."""
+        overrides = self.generation_overrides()
+        check_overrides(overrides)
         model = Path(self.model)
-        defaults = sampling_defaults(model, self.generation_config) if model.is_dir() else {}
+        defaults = sampling_defaults(model, self.generation_config, overrides) if model.is_dir() else {}
         if defaults:
             try:
                 SamplingParams(**defaults).validate(ModelConfig.from_dir(model).vocab_size)
             except (TypeError, ValueError) as e:
                 raise ValueError(
-                    f"the checkpoint's generation_config.json recommends what a request may not set: {e} "
-                    "(--generation-config vllm leaves its recommendations out)"
+                    f"the sampling defaults (generation_config.json, --override-generation-config) hold what a "
+                    f"request may not set: {e} (--generation-config vllm leaves the file's out)"
                 ) from None
         return self
+
+    def generation_overrides(self) -> dict[str, Any]:
+        """--override-generation-config as a dict (ValueError when it is not a JSON object)."""
+        if self.override_generation_config is None:
+            return {}
+        try:
+            overrides = json.loads(self.override_generation_config)
+        except ValueError as e:
+            raise ValueError(f"--override-generation-config is not JSON: {e}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError("--override-generation-config must be a JSON object")
+        return overrides
 
 
 class ServeSettings(BaseModel):

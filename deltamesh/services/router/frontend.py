@@ -68,9 +68,11 @@ class Frontend:
         served_model_names: list[str] | None = None,
         chat_template: str | None = None,
         generation_config: GenerationConfigSource = "auto",
+        generation_overrides: dict | None = None,
     ):
         """`chat_template`: the router's --chat-template (a file, or the template), rendering chats instead of the
-        checkpoint's template; `generation_config`: where a request's unset sampling parameters come from."""
+        checkpoint's template; `generation_config`, `generation_overrides`: where a request's unset sampling parameters
+        come from (generation_defaults.py)."""
         path = Path(model_dir)
         self.model_config = ModelConfig.from_dir(path)
         template = load_chat_template(chat_template) if chat_template else None
@@ -87,9 +89,9 @@ class Frontend:
         )
         self.limits = limits or RequestLimits()
         # what a request leaves unset takes (checked when the router's settings were made: RouterSettings)
-        self.sampling_defaults = sampling_defaults(path, generation_config)
+        self.sampling_defaults = sampling_defaults(path, generation_config, generation_overrides)
         if self.sampling_defaults:
-            log.info("sampling defaults from the checkpoint's generation_config.json", **self.sampling_defaults)
+            log.info("sampling defaults (generation_config.json, overrides)", **self.sampling_defaults)
         # Each token covers at most this many characters, so a longer text cannot fit the context whatever
         # it holds: refuse it without tokenising it.
         self.max_text_chars = self.max_model_len * (self.tokenizer.max_token_chars if self.tokenizer else 1)

@@ -39,6 +39,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         settings.served_model_name,
         settings.chat_template,
         settings.generation_config,
+        settings.generation_overrides(),
     )
     secret = settings.mesh_secret.get_secret_value()
     shared = settings.api_server_count > 1
