@@ -83,7 +83,7 @@ REFUSED = [
     ("/v1/completions", completion(seed=-1)),
     ("/v1/completions", completion(logprobs=21)),  # vLLM's limit, 20
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21)),
-    ("/v1/completions", completion(n=17)),
+    ("/v1/completions", completion(n=1025)),  # over --max-choices
     ("/v1/completions", completion(n=True)),
     ("/v1/completions", completion(prompt=[True, False])),
     ("/v1/completions", completion(prompt=[1.0, 2.0])),

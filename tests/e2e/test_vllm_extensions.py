@@ -223,3 +223,11 @@ def test_vllm_and_openai_parameters_pass_at_their_defaults_and_are_refused_other
     ):
         r = post(base_url, path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_n_is_bounded_by_the_routers_max_choices_only(base_url):
+    """As vLLM: n has no bound of its own (RL rollouts ask for dozens); prompts x n stays under --max-choices."""
+    r = post(base_url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 24, "seed": 1})
+    assert r.status_code == 200 and sorted(c["index"] for c in r.json()["choices"]) == list(range(24)), r.text
+    r = post(base_url, "/v1/completions", {"prompt": ["x", "y"], "max_tokens": 2, "n": 513})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -58,7 +58,6 @@ from deltamesh.services.router.openai_responses import (  # noqa: F401 (oa.Compl
     Usage,
 )
 
-MAX_N = 16
 # a REST request_id becomes the mesh's "chatcmpl-<id>-<choice>", which must keep to MAX_REQUEST_ID_CHARS
 MAX_REST_REQUEST_ID = MAX_REQUEST_ID_CHARS - len("chatcmpl--9999")
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # integer bounds of the wire types (common.proto)
@@ -212,7 +211,8 @@ class _Sampling(BaseModel):
     model: str | None = Field(None, description="One of the served model names; omitted: the first (as vLLM)")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    # as vLLM, no bound of its own: the router's --max-choices bounds prompts x n (RL rollouts ask for dozens)
+    n: StrictInt = Field(1, ge=1, le=UINT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
