@@ -62,3 +62,16 @@ def test_request_id_takes_the_grpc_rule_with_room_for_the_prefix():
         with pytest.raises(ValidationError) as e:
             oa.CompletionRequest.model_validate({"prompt": "x", "request_id": bad})
         assert refused_param(e.value) == "request_id"
+
+
+def test_version_of_a_source_tree_that_is_not_installed(monkeypatch):
+    """The GPU hosts run the tree without installing it: /version must not stop the router there (it did)."""
+    import importlib.metadata
+
+    from deltamesh.services.router.gateway import tokens
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert tokens._package_version().startswith("unknown")

@@ -30,7 +30,16 @@ from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
 from deltamesh.services.router.limits import InvalidParam
 
-PACKAGE_VERSION = importlib.metadata.version("deltamesh")
+
+def _package_version() -> str:
+    """The installed package's version; a source tree run without installing it (the GPU hosts) has none."""
+    try:
+        return importlib.metadata.version("deltamesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (run from a source tree)"
+
+
+PACKAGE_VERSION = _package_version()
 
 router = APIRouter()
 
