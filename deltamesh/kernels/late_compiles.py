@@ -68,6 +68,9 @@ class LateCompiles:
             "kernel compiled while serving: the warm-up did not run this specialization",
             kernel=name,
             specialization=str(kwargs.get("repr", ""))[:400],
+            # the compile cache key: every argument's type and specialization (Triton's repr stops short of them,
+            # as stage L's first run showed)
+            key=str(kwargs.get("key", ""))[:2000],
             ms=round(1e3 * seconds, 1),
         )
 
