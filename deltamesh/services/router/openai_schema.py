@@ -76,6 +76,13 @@ def _check_count(data, field: str, limit: int, what: str) -> None:
         check_count(len(items), limit, what, field)
 
 
+def check_chat_counts(data):
+    """A chat's messages and tools counted in the raw JSON (a schema validator's, for every route that takes a chat)."""
+    _check_count(data, "messages", LIMITS.get().max_messages, "chat messages")
+    _check_count(data, "tools", MAX_TOOLS, "tools")
+    return data
+
+
 def _only_with(name: str, needed: str):
     """A field validator: parameter `name` may be set only when parameter `needed` (declared before it) is true,
     as OpenAI's API requires."""
@@ -377,9 +384,7 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="before")
     @classmethod
     def _few_enough_messages(cls, data):
-        _check_count(data, "messages", LIMITS.get().max_messages, "chat messages")
-        _check_count(data, "tools", MAX_TOOLS, "tools")
-        return data
+        return check_chat_counts(data)
 
     _top_logprobs_need_logprobs = _only_with("top_logprobs", "logprobs")
 

@@ -141,11 +141,16 @@ def _chunk(
     usage: oa.Usage | None = None,
     prompt_token_ids: list[int] | None = None,
 ) -> str:
-    r = reply
-    chunk = oa.ChatCompletionChunk(
-        id=r.id, created=r.created, model=r.body.model, choices=choices, usage=usage, prompt_token_ids=prompt_token_ids
+    return sse(
+        oa.ChatCompletionChunk(
+            id=reply.id,
+            created=reply.created,
+            model=reply.body.model,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_token_ids,
+        )
     )
-    return sse(chunk)
 
 
 async def _chunks(reply: ChatReply, deltas: Deltas):

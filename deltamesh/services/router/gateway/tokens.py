@@ -23,7 +23,7 @@ from pydantic_core import InitErrorDetails
 
 from deltamesh.engine.tokenizer import Tokenizer
 from deltamesh.services.router import openai_schema as oa
-from deltamesh.services.router.chat_request import MAX_TOOLS, ChatRequest
+from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.frontend import Frontend
 from deltamesh.services.router.gateway.choices import unknown_model
 from deltamesh.services.router.gateway.dependencies import GatewayDep
@@ -80,9 +80,7 @@ class TokenizeChatRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _few_enough_messages(cls, data):
-        oa._check_count(data, "messages", oa.LIMITS.get().max_messages, "chat messages")
-        oa._check_count(data, "tools", MAX_TOOLS, "tools")
-        return data
+        return oa.check_chat_counts(data)
 
     def chat(self) -> ChatRequest:
         """The chat as /v1/chat/completions builds it from the same fields (tool_choice and parallel_tool_calls
