@@ -129,15 +129,21 @@ def get_ready(core: EngineCore, config: EngineConfig, parts: EngineParts) -> Non
 def warm_up(core: EngineCore) -> None:
     """Run each kind of step once: a prefill, then a mixed step (that request's decode next to four prefills,
     one a 2-token tail, two taking their checkpoints in passing: the scratch slot's and a free slot's, their
-    tails in a pass of their own), then decodes, so that kernel compilation (CuTe DSL, Triton) and autotuning
-    happen before the worker serves, not inside a client's request (a first use of a step shape can cost
-    seconds; a colocated worker meets the mixed shape with its first concurrent requests). Chunks take checkpoints
-    only with the prefix cache made, so get_ready makes it first; this clears it after. Counts nothing."""
+    tails in a pass of their own), a mixed step whose prompt has 32 tokens, then decodes, so that kernel
+    compilation (CuTe DSL, Triton) and autotuning happen before the worker serves, not inside a client's request
+    (a first use of a step shape can cost seconds; a colocated worker meets the mixed shape with its first
+    concurrent requests). Chunks take checkpoints only with the prefix cache made, so get_ready makes it first;
+    this clears it after. Counts nothing."""
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     longest = core.max_model_len - params.max_tokens  # a tiny max_model_len only shortens the prompts
     n = 2 * core.config.page_size + 1
-    for wave, lengths in enumerate(([n], [n - 1, n + 3, 2, n + 5])):
-        for token, k in enumerate(lengths, start=1):  # no two share a prefix: none starts from the cache
+    # The last wave's prompt has a multiple of 16 tokens, the others not: Triton specializes integer arguments by
+    # it, and some kernels take the step's token count (FLA's gate kernel: tokens x heads).
+    waves = ([n], [n - 1, n + 3, 2, n + 5], [32])
+    token = 0
+    for wave, lengths in enumerate(waves):
+        for k in lengths:
+            token += 1  # no two prompts share a prefix: none starts from the cache
             prompt = [token] * max(1, min(k, longest))
             core.submit(core.make_request(prompt, params, f"warm-up-{wave}-{token}"), lambda out: None)
         core.process_commands()

@@ -213,7 +213,9 @@ class ModelRunner:
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
-            total += -(-a.nbytes // 8) * 8  # 8-byte aligned, so every slice can be viewed as its dtype
+            # 16-byte aligned: Triton specializes a pointer argument by whether it is, so with less each kernel
+            # reading these arrays would compile again for each alignment the step's earlier arrays' sizes give
+            total += -(-a.nbytes // 16) * 16
         if self._staging is None or self._staging.numel() < total:
             self._staging = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
         elif self._staged is not None:

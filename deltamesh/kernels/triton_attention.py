@@ -53,7 +53,9 @@ def _kernels():
     global pdl_wait  # a module global: Triton's interpreter resolves a kernel's callees there
     from deltamesh.kernels.triton_pdl import pdl_wait
 
-    @triton.jit
+    # The block table's width is the step's longest sequence in pages: any integer, which Triton would specialize
+    # (1, a multiple of 16, other) into three compiles met while serving.
+    @triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["stride_tb"])
     def decode_split(
         q_ptr,
         k_ptr,

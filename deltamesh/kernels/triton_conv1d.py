@@ -23,7 +23,9 @@ def _kernels():
     global pdl_wait  # a module global: Triton's interpreter resolves a kernel's callees there
     from deltamesh.kernels.triton_pdl import pdl_wait
 
-    @triton.jit
+    # idx_ptr is a slice of the step's state rows, starting after its decode (or verify) rows: 16-byte aligned or
+    # not with their count, which Triton would specialize into a compile per class, met while serving.
+    @triton.jit(do_not_specialize_on_alignment=["idx_ptr"])
     def conv1d_update(
         x_ptr,
         pool_ptr,
@@ -59,7 +61,7 @@ def _kernels():
             acc = acc * tl.sigmoid(acc)
         tl.store(out_ptr + b.to(tl.int64) * channels + c, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["idx_ptr"])  # as conv1d_update's
     def conv1d_prefill(
         x_ptr,
         pool_ptr,

@@ -205,6 +205,9 @@ def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_empty(model_dir, monkey
     # a decode beside four prefills, one of them a short tail: the shape whose first use cost seconds on a GPU
     assert any(s[0] == 1 and sum(n > 1 for n in s) == 4 and 1 < s[1] <= 2 for s in steps), steps
     assert any(StatePool.SCRATCH in slots and len(slots) == 2 for slots in passing), passing
+    # prompt chunks of a multiple of 16 tokens and of others: Triton specializes integer arguments by it
+    chunks = [n for s in steps for n in s if n > 1]
+    assert any(n % 16 == 0 for n in chunks) and any(n % 16 for n in chunks), steps
     assert core.kv_pool.num_used == 0 and core.state_pool.num_used == 0
     assert core.prefix_cache is not None and core.prefix_cache.num_checkpoints == 0 and core.prefix_cache.num_pages == 0
     assert not core.requests and not core.scheduler.has_work and core.stats.steps == 0
