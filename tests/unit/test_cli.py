@@ -182,6 +182,8 @@ def test_serve_hands_each_child_its_settings_in_the_environment_and_never_a_secr
             "k" * 20,
             "--max-model-len",
             "512",
+            "--served-model-name",
+            "tiny",
         ]
     )
     specs, _ = cli._children(values, "s" * 32, *cli._plan(values, "s" * 32))
@@ -196,13 +198,14 @@ def test_serve_hands_each_child_its_settings_in_the_environment_and_never_a_secr
     monkeypatch.setattr(os, "environ", router_spec.env)  # the child's environment
     router = settings_from(RouterSettings, cli.ROUTER, params(["router"]), handed_settings(), mesh_secret="s" * 32)
     assert (router.grpc_port, router.http_port, router.max_model_len, router.policy) == (6000, None, 512, "round_robin")
-    assert router.api_key == "k" * 20
+    assert router.api_key == "k" * 20 and router.served_model_name == ["tiny"]
     monkeypatch.setattr(os, "environ", prefill_spec.env)
     worker = settings_from(
         WorkerSettings, cli.WORKER, params(["prefill"]), handed_settings(), role="prefill", mesh_secret="s" * 32
     )
     assert (worker.engine.page_size, worker.engine.cuda_graphs, worker.transfer_timeout_s) == (32, False, 5.0)
     assert worker.router == "127.0.0.1:50052" and worker.port and worker.metrics_port and worker.engine.torch_threads
+    assert worker.served_model_name == ["tiny"]  # what its vLLM-named metrics label the model by
 
 
 def test_a_model_or_device_this_machine_cannot_serve_is_named_at_once(tmp_path):

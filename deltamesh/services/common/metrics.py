@@ -10,6 +10,8 @@ import time
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
+from deltamesh.services.common.vllm_metrics import worker_families
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BYTES = tuple(2**i for i in range(10, 36, 2))
 
@@ -150,6 +152,11 @@ class EngineCollector:
         for reason, n in stats.finished.items():
             finished.add_metric([role, reason], n)
         yield finished
+        # vLLM's names for the same engine read (common/vllm_metrics.py): what an endpoint picker reads from a pod
+        settings = self.worker.settings.engine
+        yield from worker_families(
+            self.worker.served_name, loads, engine.num_preemptions, settings.page_size, engine.has_prefix_cache
+        )
         if self.leases is not None:
             active = GaugeMetricFamily("deltamesh_prefill_leases_active", "Leases held or being pulled")
             active.add_metric([], len(self.leases))

@@ -54,6 +54,11 @@ class WorkerSettings(BaseModel):
     # shared by the router and every worker of the mesh (deltamesh/services/common/auth.py); --mesh-secret-file
     mesh_secret: SecretStr = Field(json_schema_extra=_NO_OPTION)
     advertise_host: str | None = Field(None, description="Host the router should dial (default: --host)")
+    served_model_name: list[str] | None = Field(
+        None,
+        description="The model's names in the API, as the router's (`serve` passes its own): the first labels "
+        "vLLM's metric names (model_name; default: the checkpoint directory's name)",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     # how held state moves between workers (deltamesh/transfer/registry.py)
     transport: str = Field("ucx", description="How held state moves between workers: ucx")

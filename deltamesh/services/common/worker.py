@@ -81,6 +81,7 @@ class Worker:
         self.engine = Engine(settings.engine)
         self.compat_hash = self.engine.compat_hash
         self.model_id = Path(settings.engine.model).name
+        self.served_name = (settings.served_model_name or [self.model_id])[0]  # what vLLM's metric names label
         self.address = ""  # host:port once the gRPC server is bound
         self.reservations = 0
         self.failure: str | None = None  # why the engine stopped serving, once it did

@@ -168,7 +168,9 @@ class Admission:
 
     def _granted(self, waiter: _Waiter) -> Ticket | None:
         ticket = waiter.granted.result()
-        metrics.QUEUE_TIME.observe(time.monotonic() - waiter.since)
+        waited = time.monotonic() - waiter.since
+        metrics.QUEUE_TIME.observe(waited)
+        metrics.VLLM.queue.observe(waited)  # vLLM's name for it (common/vllm_metrics.py)
         return ticket
 
     def _leave(self, waiter: _Waiter) -> None:

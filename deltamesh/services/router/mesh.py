@@ -107,7 +107,7 @@ class Mesh:
             # closed explicitly: a client gone mid-stream releases what its request holds at once, not at GC
             async with contextlib.aclosing(self._generate(request_id, prompt_ids, params, owner)) as deltas:
                 async for delta in deltas:
-                    timer.delta(len(delta.token_ids), delta.usage)
+                    timer.delta(len(delta.token_ids), delta.usage, delta.finish_reason)
                     if delta.finished:
                         outcome = "aborted" if delta.finish_reason == common_pb2.FINISH_REASON_ABORT else "completed"
                     yield delta

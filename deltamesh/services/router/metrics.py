@@ -7,6 +7,9 @@ import time
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from deltamesh.services.common.vllm_metrics import RouterRequests
+from deltamesh.v1 import common_pb2
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 REQUESTS = Counter("deltamesh_router_requests", "Requests by outcome", ["outcome"])
@@ -66,27 +69,58 @@ ADMISSION_REJECTED = Counter(
 )
 
 
+def _counted(counter: Counter) -> float:
+    """A counter's value, as a scrape reads it."""
+    return next(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+
+
+# vLLM's names for the same requests (common/vllm_metrics.py), labelled with the served model's name when the
+# gateway's /metrics is scraped (gateway/health.py names it); its generated tokens are GENERATION_TOKENS
+VLLM = RouterRequests(lambda: _counted(GENERATION_TOKENS))
+REGISTRY.register(VLLM)
+# how vLLM names a request's finish reason (vllm:request_success_total{finished_reason}); a reply that stopped after
+# tool calls stopped, to vLLM's engine
+_VLLM_FINISHED: dict[int, str] = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
 class RequestTimer:
     """Observes one request's latency figures as its deltas pass by."""
 
     def __init__(self):
         self.start = time.monotonic()
         self.first: float | None = None
+        self.last = 0.0  # when its last token came
         self.tokens = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.finish: int = common_pb2.FINISH_REASON_UNSPECIFIED  # its last delta's (common_pb2.FinishReason)
         RUNNING.inc()
 
-    def delta(self, n_tokens: int, usage) -> None:
-        """A delta of `n_tokens` tokens with its `usage` (common_pb2.Usage: running totals, 0 where unknown)."""
+    def delta(self, n_tokens: int, usage, finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED) -> None:
+        """A delta of `n_tokens` tokens with its `usage` (common_pb2.Usage: running totals, 0 where unknown) and
+        its `finish_reason` (common_pb2.FinishReason)."""
         now = time.monotonic()
-        if self.first is None and n_tokens:
+        first = self.first is None and n_tokens > 0
+        if first:
             self.first = now
             TTFT.observe(now - self.start)
+        elif n_tokens:  # vLLM's inter-token latency: the time since the request's last tokens came
+            VLLM.itl.observe(now - self.last)
+        if n_tokens:
+            self.last = now
         self.tokens += n_tokens
         self.prompt_tokens = usage.prompt_tokens or self.prompt_tokens
         self.cached_tokens = usage.cached_tokens or self.cached_tokens
+        self.finish = finish_reason
         GENERATION_TOKENS.inc(n_tokens)
+        if first:
+            VLLM.first_token(now - self.start, self.prompt_tokens, self.cached_tokens)
 
     def end(self, outcome: str) -> None:
         now = time.monotonic()
@@ -99,6 +133,12 @@ class RequestTimer:
             PREFIX_CACHE_HIT_REQUESTS.inc(self.cached_tokens > 0)
             if self.first is not None and self.tokens > 1:
                 TPOT.observe((now - self.first) / (self.tokens - 1))
+        # vLLM counts the requests its engine finished, by reason, a client's abort included; not the ones refused
+        # or failed by the router (outcome "error": no room, no worker, a worker lost), which never had one
+        reason = "abort" if outcome == "aborted" else _VLLM_FINISHED.get(self.finish)
+        if outcome != "error" and reason is not None:
+            decode = self.last - self.first if self.first is not None else 0.0
+            VLLM.finished(reason, now - self.start, self.prompt_tokens, self.tokens, decode)
 
 
 class WorkerCollector:
