@@ -73,6 +73,8 @@ def assemble(config: EngineConfig, device: torch.device) -> EngineParts:
     builder = RequestBuilder(tokenizer, eos_token_ids, mc.vocab_size, max_model_len, rank.kv_pool, spare)
     reservations = Reservations(scheduler, handoff, rank.kv_pool, rank.state_pool, device, mc)
     data_parallel = config.data_parallel_size > 1
+    if data_parallel:  # each rank's prompt rows would need gathering to the leader, as its logits are
+        builder.refuses_prompt_logprobs = "not served by data-parallel workers (--data-parallel-size > 1)"
     held = HeldStates(scheduler, handoff, rank.kv_pool, rank.state_pool, rank_memory, data_parallel)
     return EngineParts(
         mc, tokenizer, max_model_len, followers, rank, rank_memory, scheduler, handoff, builder, reservations, held

@@ -42,11 +42,14 @@ class Completion:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # SamplingParams.prompt_logprobs: prompt tokens 1..n-1's
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
         self.text += out.new_text
         self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
 

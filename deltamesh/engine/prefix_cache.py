@@ -128,8 +128,10 @@ class PrefixCache(PrefixCacheInterface):
         """The pages of the longest cached prefix of the prompt that ends at a checkpoint (a checkpointed
         block, or a tail after the blocks), with a reference taken on each page and on the tail's page (the
         caller frees the pages like any of its own, and hands the tail to `restore` or `release`). Nothing else
-        changes until `restore`."""
+        changes until `restore`. None for a request that asks for its prompt's logprobs."""
         req.turn_end = self.positions.turn_end(req)
+        if req.params.prompt_logprobs is not None:  # a cached prefix's positions have no logits to give
+            return [], None
         with self._lock:
             best, tail = self._longest(req)
             pages = [self.entries.blocks[k].page for k in req.block_keys[:best]]

@@ -25,6 +25,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None  # prompt logprobs: the token's rank in the vocabulary (1: the likeliest)
 
 
 class Status(enum.Enum):
@@ -55,6 +56,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     num_cached_tokens: int = 0  # of its prompt, the tokens its first admission took from the prefix cache
+    # SamplingParams.prompt_logprobs: with its first token, one per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as one (what a consumer that fell behind takes at once)."""
@@ -70,6 +73,7 @@ class RequestOutput:
             later.num_output_tokens,
             later.error,
             later.num_cached_tokens,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )
 
 
@@ -117,6 +121,10 @@ class Request:
     arrival_time: float | None = None
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    # SamplingParams.prompt_logprobs: those read so far (entry i: prompt token i + 1's), and how many positions
+    # launched steps compute (a recomputed prompt, after a preemption, asks for the rest only)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_asked: int = 0
 
     def __post_init__(self) -> None:
         self.adjusts_logits = self.params.adjusts_logits
@@ -177,6 +185,9 @@ class Request:
             num_prompt_tokens=len(self.prompt_ids),
             num_output_tokens=len(self.output_ids),
             num_cached_tokens=self.num_cached_tokens or 0,
+            prompt_logprobs=self.prompt_logprobs
+            if len(self.output_ids) == 1 and self.params.prompt_logprobs is not None
+            else None,
         )
 
     def _stops_on(self, token_id: int) -> bool:
@@ -223,6 +234,7 @@ class RequestBuilder:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.vocab_size, self.max_model_len, self.kv_pool = vocab_size, max_model_len, kv_pool
         self.spare_tokens = spare_tokens
+        self.refuses_prompt_logprobs: str | None = None  # why this engine cannot serve them, where it cannot
         self._ids = itertools.count()
 
     def build(
@@ -248,6 +260,8 @@ class RequestBuilder:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        if params.prompt_logprobs is not None and self.refuses_prompt_logprobs:
+            raise RequestError(f"prompt_logprobs: {self.refuses_prompt_logprobs}")
         pages = self.kv_pool.pages_for(len(prompt_ids) + params.max_tokens + self.spare_tokens)
         if pages > self.kv_pool.num_pages:
             raise RequestError(

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from deltamesh.engine import prompt_logprobs
 from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.models import HybridLM
+from deltamesh.engine.prompt_logprobs import PromptLogprobs, PromptRows
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.spec import host as spec_host
 from deltamesh.engine.spec.host import SpecHost
@@ -39,6 +41,7 @@ class HostStep:
     sample_rows: list[int]  # the tokens whose logits are sampled
     snapshots: int = 0  # the last sequences are this many tails of chunks that keep a state snapshot (host_step)
     spec: SpecHost | None = None  # a speculative engine's step (its arrays follow the others in `arrays`)
+    prompt: PromptRows | None = None  # rows whose prompt logprobs requests ask for (prompt_logprobs.py)
 
 
 class ModelRunner:
@@ -62,6 +65,10 @@ class ModelRunner:
         self.spec: SpecRunner | None = None  # a speculative engine's (rank.py)
         self._staging: torch.Tensor | None = None  # pinned host buffer of the step's index arrays (CUDA)
         self._staged: torch.cuda.Event | None = None  # recorded after its last copy to the device
+        # prompt logprobs: the running step's rows and targets on the device, which `forward` turns into the
+        # logprobs the step launcher takes (`take_prompt_logprobs`)
+        self._prompt_inputs: tuple[torch.Tensor, torch.Tensor, PromptRows] | None = None
+        self._prompt_out: PromptLogprobs | None = None
 
     def capture_decode_graphs(self, max_batch: int, max_context: int) -> None:
         from deltamesh.engine.cuda_graphs import DecodeGraphs
@@ -145,6 +152,7 @@ class ModelRunner:
         spec = None
         if self.spec is not None:
             spec = spec_host.build(items, reqs, starts, q_lens, last_seq, nv, w, draft)
+        prompt = prompt_logprobs.host_rows(items, nv, w, starts, q_lens, last_seq)
         return HostStep(
             arrays=[
                 np.asarray(ids, dtype=np.int64),
@@ -166,6 +174,7 @@ class ModelRunner:
             sample_rows=sample_rows,
             snapshots=len(snaps),
             spec=spec,
+            prompt=prompt,
         )
 
     def device_inputs(self, step: HostStep, pending_tokens: torch.Tensor | None) -> tuple[torch.Tensor, StepBatch]:
@@ -231,6 +240,11 @@ class ModelRunner:
             device[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)
         ]
 
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """Queued on the stream without waiting for it (a pinned copy), as `_upload`'s arrays."""
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
     def _page_row(self, req) -> tuple[list[int], np.ndarray]:
         """(the request's page list, its pages as an array), extended from the last step's array when the
         list only grew in place since (see Request.pages), rebuilt when the list was replaced."""
@@ -264,14 +278,28 @@ class ModelRunner:
         self, input_ids: torch.Tensor, batch: StepBatch, between_layers: Callable[[], None] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states, logits of every row or None): a decode-only step replayed from a CUDA graph (which gives
-        its logits too), a step with prompt tokens from piecewise graphs, or the model run eagerly."""
+        its logits too), a step with prompt tokens from piecewise graphs, or the model run eagerly. Then the step's
+        prompt logprobs, if its requests ask for some."""
+        logits = None
         if self.graphs is not None and self.graphs.fits(batch):
             self.graph_steps += 1
-            return self.graphs.run(input_ids, batch)  # decode-only: every item samples
-        if self.pieces is not None and self.pieces.fits(batch):
+            hidden, logits = self.graphs.run(input_ids, batch)  # decode-only: every item samples
+        elif self.pieces is not None and self.pieces.fits(batch):
             self.piecewise_steps += 1
-            return self.pieces.run(input_ids, batch, between_layers), None
-        return self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels, between_layers), None
+            hidden = self.pieces.run(input_ids, batch, between_layers)
+        else:
+            hidden = self.model(input_ids, batch, self.kv_pool, self.state_pool, self.kernels, between_layers)
+        if self._prompt_inputs is not None:
+            rows, targets, host = self._prompt_inputs
+            self._prompt_inputs = None
+            vocab = self.model.cfg.vocab_size
+            self._prompt_out = PromptLogprobs(self.model.logits, vocab, hidden, rows, targets, host)
+        return hidden, logits
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The last forward pass's prompt logprobs (once)."""
+        out, self._prompt_out = self._prompt_out, None
+        return out
 
     @torch.inference_mode()
     def idle(self) -> torch.Tensor:
@@ -289,6 +317,9 @@ class ModelRunner:
     ):
         """`execute` from the host inputs: what every tensor-parallel rank runs for the leader's step."""
         input_ids, batch = self.device_inputs(step, pending_tokens)
+        self._prompt_out, self._prompt_inputs = None, None  # (a follower never takes its own)
+        if (p := step.prompt) is not None:
+            self._prompt_inputs = (self._to_device(p.rows), self._to_device(p.targets), p)
         if step.spec is not None:
             assert self.spec is not None, "a step with drafts comes from a speculative engine"
             return self.spec.run(step.spec, input_ids, batch, sampling, between_layers)

@@ -29,6 +29,7 @@ from deltamesh.engine import data_parallel
 from deltamesh.engine.grammar import GrammarMasks
 from deltamesh.engine.interfaces import PrefixCacheInterface, SchedulerInterface
 from deltamesh.engine.penalties import LogitAdjustments
+from deltamesh.engine.prompt_logprobs import StepPromptLogprobs
 from deltamesh.engine.request import Request, TokenLogprobs
 from deltamesh.engine.runner import ModelRunner
 from deltamesh.engine.sampling import SampledTokens, sample_async
@@ -49,10 +50,14 @@ class LaunchedStep:
     sampled: SampledTokens | SpecTokens
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     taken: bool = False  # its tokens went into their requests during the next step's launch (EngineCore._take_early)
+    prompt: StepPromptLogprobs | None = None  # the prompt logprobs its prompt chunks give (prompt_logprobs.py)
 
     def read(self, stats: EngineStats) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
         """The step's new tokens (and logprobs) on the host, per request in row order; waits for the device. A
-        speculative step's requests have their accepted drafts counted as computed first (spec/tokens.settle)."""
+        speculative step's requests have their accepted drafts counted as computed first (spec/tokens.settle), and
+        its prompt logprobs go to their requests before (a request's first output carries them)."""
+        if self.prompt is not None:
+            self.prompt.deliver()
         if isinstance(self.sampled, SpecTokens):
             tokens, logprobs, advanced, drafts = self.sampled.result()
             spec_tokens.settle(self.requests, tokens, advanced, drafts, self.sampled.num_verify, stats)
@@ -107,6 +112,7 @@ class StepLauncher:
         spec_runner = self.runner.spec
         spec = self._spec_sampling(items, sampling, before_masks) if spec_runner is not None else None
         out = self._forward(items, previous, between_layers, spec)
+        prompt = StepPromptLogprobs.of(self.runner.take_prompt_logprobs(), items)
         if span:
             span[1].record()
         self._advance(items, started)
@@ -122,7 +128,7 @@ class StepLauncher:
                 self.stats.grammar_mask_steps += 1
             sampled = self._sample(out, sampling)
         self.stats.steps += 1
-        return LaunchedStep(sampling, sampled, span)
+        return LaunchedStep(sampling, sampled, span, prompt=prompt)
 
     def _spec_sampling(
         self, items: list[ScheduledItem], sampling: list[Request], before_masks: Callable[[list[Request]], None] | None

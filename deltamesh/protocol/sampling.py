@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: chosen + top k
+    # the prompt's tokens' logprobs (each from the model's raw logits given the tokens before it), as `logprobs`;
+    # a request that asks computes its whole prompt (no prefix-cache hit: those positions have no logits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text, included
     repetition_penalty: float = 1.0  # 1 = off
@@ -81,6 +84,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab_size}) (the vocabulary), got {bad[:8]}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS + 1)
         self._validate_adjustments(vocab_size)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()

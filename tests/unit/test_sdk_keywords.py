@@ -120,3 +120,12 @@ def test_both_clients_raise_the_same_errors_without_a_router():
     errors = sync_errors()
     assert [kind for kind, _ in errors] == [Unavailable] * 4 + [InvalidRequest]
     assert asyncio.run(async_errors()) == errors
+
+
+def test_stop_reason_is_rests_the_stop_string_or_a_requested_stop_token():
+    """The wire names the end-of-sequence token that ended a request too; the SDK reads it as REST does (None)."""
+    eos = common_pb2.TokenDelta(finished=True, finish_reason=common_pb2.FINISH_REASON_STOP, stop_token_id=2)
+    assert Delta.from_proto("r", eos).stop_reason is None
+    assert Delta.from_proto("r", eos, stop_token_ids=frozenset({2, 9})).stop_reason == 2
+    text = common_pb2.TokenDelta(finished=True, finish_reason=common_pb2.FINISH_REASON_STOP, stop_string="##")
+    assert Delta.from_proto("r", text).stop_reason == "##"

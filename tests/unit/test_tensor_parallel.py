@@ -38,8 +38,13 @@ def prompts():
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 37, 61)]
 
 
-def run(path, tp: int, **kw):
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+# this file's own runs also compare prompt logprobs (their rows cross the ranks' vocabulary gather too); data
+# parallel refuses them, so the callers that import `run` keep PARAMS
+WITH_PROMPT = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+
+
+def run(path, tp: int, params: SamplingParams = PARAMS, **kw):
     with engine(path, tp, **kw) as e:
         return e.generate(prompts(), params)
 
@@ -47,15 +52,16 @@ def run(path, tp: int, **kw):
 def assert_same(got, want, tol: float = 1e-4):
     for g, w in zip(got, want):
         assert g.error is None and g.token_ids == w.token_ids
-        for a, b in zip(g.logprobs, w.logprobs):
-            assert abs(a.logprob - b.logprob) <= tol
+        assert len(g.prompt_logprobs or []) == len(w.prompt_logprobs or [])
+        for a, b in zip(g.logprobs + (g.prompt_logprobs or []), w.logprobs + (w.prompt_logprobs or [])):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= tol and a.rank == b.rank
             assert all(abs(x[1] - y[1]) <= tol for x, y in zip(a.top, b.top))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_match_one(hf_checkpoints, family):
     path = hf_checkpoints[family]
-    assert_same(run(path, 2), run(path, 1))
+    assert_same(run(path, 2, WITH_PROMPT), run(path, 1, WITH_PROMPT))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
@@ -64,8 +70,8 @@ def test_expert_parallel_ranks_match_one(hf_checkpoints, family):
     path = hf_checkpoints[family]
     with engine(path, 2, enable_expert_parallel=True) as e:
         assert e.core.model.layers[1].mlp.w13.shape[0] == 3  # of 6 experts
-        got = e.generate(prompts(), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3))
-    assert_same(got, run(path, 1))
+        got = e.generate(prompts(), WITH_PROMPT)
+    assert_same(got, run(path, 1, WITH_PROMPT))
 
 
 def _checkpoint_for_four_ranks(tmp_path, family):
@@ -103,9 +109,9 @@ def _checkpoint_for_four_ranks(tmp_path, family):
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_four_ranks_with_replicated_kv_heads_match_one(tmp_path, family):
     path = _checkpoint_for_four_ranks(tmp_path, family)
-    want = run(path, 1)
-    assert_same(run(path, 4), want)
-    assert_same(run(path, 2, enable_expert_parallel=True), want)  # 3 of 6 experts per rank
+    want = run(path, 1, WITH_PROMPT)
+    assert_same(run(path, 4, WITH_PROMPT), want)
+    assert_same(run(path, 2, WITH_PROMPT, enable_expert_parallel=True), want)  # 3 of 6 experts per rank
 
 
 def test_prefix_cache_state_copies_reach_every_rank(hf_checkpoints):

@@ -29,6 +29,7 @@ _OPTIONAL = (
     "min_p",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
     "repetition_penalty",
 )
@@ -111,6 +112,13 @@ def delta_from_output(out: RequestOutput, delta: common_pb2.TokenDelta | None = 
             token_id=lp.token_id,
             logprob=lp.logprob,
             top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+    for lp in out.prompt_logprobs or ():
+        delta.prompt_logprobs.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            rank=lp.rank or 0,
         )
     if isinstance(out.stop_reason, str):
         delta.stop_string = out.stop_reason

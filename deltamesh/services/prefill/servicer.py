@@ -74,8 +74,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     async def _pulled_prefix(self, request: prefill_pb2.PrefillRequest, prompt_ids: list[int]):
         """How to submit the request: from the prefix a decode worker offered, once pulled here; None (the
         usual submit, computing what this worker's own cache lacks) without an offer or when the pull fails."""
-        if not request.HasField("prefix"):
-            return None
+        if not request.HasField("prefix") or request.sampling.HasField("prompt_logprobs"):
+            return None  # (a prompt's logprobs need every position computed here)
         pulled = await self.reverse.pull(request.prefix, prompt_ids)
         if pulled is None:
             return None

@@ -142,7 +142,8 @@ class Mesh:
                 async for delta in self.legs.decode(req, "colocated", inflight):
                     yield delta
                 return
-            pd = self.pd
+            # a prompt's logprobs need its every position computed: no decode worker's cached conversation
+            pd = self.pd if params.prompt_logprobs is None else None
             direct = pd.direct(self.registry.pool("decode"), prompt_ids) if pd else None
             # room on a decode worker, held from before the prefill to the end (None: the holder went away)
             ticket = await self.admission.admit(len(prompt_ids), params.max_tokens, direct)
@@ -187,7 +188,8 @@ class Mesh:
             stop=stop,
             lease_token=secrets.token_bytes(16),
         )
-        offer = await self.legs.offer_prefix(prompt_ids) if self.pd is not None else None
+        wants_all = sampling.HasField("prompt_logprobs")  # every position computed: no cached prefix to pull
+        offer = await self.legs.offer_prefix(prompt_ids) if self.pd is not None and not wants_all else None
         if offer is not None:
             prefill_req.prefix.CopyFrom(offer[1])
         try:

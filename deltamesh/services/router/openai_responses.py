@@ -34,9 +34,22 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[Logprob]
-    top_logprobs: list[dict[str, Logprob]] | None
+    token_logprobs: list[Logprob | None]  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, Logprob] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of prompt_logprobs: a token's logprob at one prompt position, its rank there, its text."""
+
+    logprob: Logprob
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt token, {token id: its entry} for the token and the k most likely (the first
+# token's is null: nothing comes before it)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 # vLLM's stop_reason: the stop string or the stop_token_ids entry that ended a choice; null for the end-of-sequence
@@ -52,6 +65,7 @@ class CompletionChoice(BaseModel):
     stop_reason: StopReason = None
     prompt_token_ids: list[int] | None = _omitted_while_none()  # a stream's first chunk of the choice
     token_ids: list[int] | None = _omitted_while_none()  # a stream chunk's new tokens
+    prompt_logprobs: PromptLogprobs | None = _omitted_while_none()
 
 
 class Completion(BaseModel):
@@ -118,6 +132,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = _omitted_while_none()
+    prompt_logprobs: PromptLogprobs | None = _omitted_while_none()  # the prompt's (vLLM's place for them)
 
 
 class DeltaFunction(BaseModel):

@@ -51,6 +51,8 @@ from deltamesh.services.router.openai_responses import (  # noqa: F401 (oa.Compl
     Logprob,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     StopReason,
     ToolCallFunction,
@@ -262,6 +264,13 @@ class _Sampling(BaseModel):
     return_token_ids: bool = Field(
         False, description="The prompt's and each choice's token ids in the answer (a stream: each chunk's new ones)"
     )
+    prompt_logprobs: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Each prompt token's logprob and rank, and the k most likely there (not with stream; the "
+        "prompt is then computed whole, not taken from the prefix cache)",
+    )
     request_id: str | None = Field(
         None,
         description=f"The answer's id: cmpl-/chatcmpl- and this (as vLLM's); at most {MAX_REST_REQUEST_ID} characters",
@@ -278,6 +287,13 @@ class _Sampling(BaseModel):
         return data
 
     _stream_options_need_stream = _only_with("stream_options", "stream")
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and info.data.get("stream"):  # as vLLM: a stream has no place for them
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
 
     @field_validator("request_id")
     @classmethod
@@ -330,11 +346,18 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: StrictInt | None = Field(None, ge=1, le=UINT32_MAX, description=f"default {SamplingParams.max_tokens}")
+    max_tokens: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=UINT32_MAX,
+        description=f"default {SamplingParams.max_tokens}; 0 only with echo (the prompt only)",
+    )
     logprobs: StrictInt | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="The sampled token's logprob and the k most likely (vLLM's limit)"
     )
-    echo: bool = Field(False, description="Not supported (must be false)")
+    echo: bool = Field(
+        False, description="The prompt before the completion; with logprobs, the prompt tokens' too (the first null)"
+    )
     suffix: str | None = Field(None, description="Not supported")
     best_of: int | None = Field(None, description="Only best_of == n is supported")
     _unsupported = unsupported_params.COMPLETIONS

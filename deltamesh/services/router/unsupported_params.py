@@ -12,7 +12,6 @@ from deltamesh.services.router.limits import InvalidParam
 BOTH: dict[str, tuple[Any, str]] = {
     "use_beam_search": (False, ""),
     "length_penalty": (1.0, "it applies to beam search, which is not served here"),
-    "prompt_logprobs": (None, ""),
     "priority": (0, "priority scheduling is not enabled (as vLLM without --scheduling-policy priority)"),
     "bad_words": ([], "logit_bias can ban single tokens"),
     "allowed_token_ids": (None, "structured_outputs can restrict the output"),

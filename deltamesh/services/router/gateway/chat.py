@@ -27,6 +27,7 @@ from deltamesh.services.router.gateway.choices import (
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
+from deltamesh.services.router.gateway.prompt_logprobs import vllm_prompt_logprobs
 from deltamesh.services.router.gateway.reply import Reply, respond
 from deltamesh.services.router.gateway.streaming import Deltas, sse, sse_responses
 from deltamesh.v1 import common_pb2
@@ -222,4 +223,7 @@ def _whole(reply: ChatReply, acc: Accumulator) -> oa.ChatCompletion:
         usage=acc.usage(),
         choices=choices,
         prompt_token_ids=reply.choices[0].prompt_ids if token_ids else None,
+        prompt_logprobs=vllm_prompt_logprobs(acc.prompt_logprobs[reply.choices[0].index], reply.gateway.token_text)
+        if reply.body.prompt_logprobs is not None
+        else None,
     )

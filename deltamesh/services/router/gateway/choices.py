@@ -27,6 +27,8 @@ class Choice:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    echo: str | None = None  # completions' echo: the prompt's text, which the answer starts with
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is generated and left out)
 
 
 def reply_id(prefix: str, body: oa._Sampling) -> str:
@@ -119,6 +121,7 @@ def _params(
         max_tokens=max_tokens,
         stop=body.stop_list(),
         logprobs=logprobs,
+        prompt_logprobs=body.prompt_logprobs,
         structured_outputs=structured if structured is not None else body.structured,  # one for all choices
     )
 

@@ -23,9 +23,15 @@ from deltamesh.services.router.gateway.choices import (
 from deltamesh.services.router.gateway.dependencies import GatewayDep
 from deltamesh.services.router.gateway.errors import ApiError, as_api_error
 from deltamesh.services.router.gateway.generation import Accumulator
+from deltamesh.services.router.gateway.prompt_logprobs import (
+    Row,
+    legacy_logprobs,
+    output_rows,
+    prompt_rows,
+    vllm_prompt_logprobs,
+)
 from deltamesh.services.router.gateway.reply import Reply, respond
 from deltamesh.services.router.gateway.streaming import Deltas, one_line, sse, sse_responses
-from deltamesh.v1 import common_pb2
 
 router = APIRouter()
 
@@ -44,8 +50,10 @@ async def completions(request: Request, body: oa.CompletionRequest, gateway: Gat
 
 async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRequest) -> list[Choice]:
     check_model(frontend, body)
-    if body.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens")
+    if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
+        body.prompt_logprobs = body.logprobs  # the echoed prompt's rows (as vLLM)
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
@@ -63,7 +71,7 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
     else:
         id_lists = cast(list[list[int]], p) or [[]]
     max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens(frontend)
-    check_sampling(frontend, body, max_tokens, body.logprobs)
+    check_sampling(frontend, body, max(max_tokens, 1), body.logprobs)
     with as_api_error("prompt"):
         check_sizes(frontend, len(texts) if texts is not None else len(id_lists or ()), body)
         for text in texts or ():
@@ -85,35 +93,38 @@ def _prepare(
     special = body.add_special_tokens is not False  # vLLM's default for a completion: true
     prompts = frontend.encode_texts(texts, special) if texts is not None else id_lists
     assert prompts is not None, "a prompt is texts or token id lists"
-    return build_choices(frontend, rid, prompts, body, max_tokens, body.logprobs)
+    choices = build_choices(frontend, rid, prompts, body, max(max_tokens, 1), body.logprobs)
+    if body.echo:
+        tokenizer = frontend.tokenizer
+        for c in choices:
+            whole = texts is not None and len(c.prompt_ids) == len(prompts[c.prompt_index])  # (not truncated)
+            if whole and texts is not None:
+                c.echo = texts[c.prompt_index]
+            else:
+                c.echo = tokenizer.decode(c.prompt_ids, skip_special_tokens=False) if tokenizer else ""
+            c.echo_only = max_tokens == 0
+    return choices
 
 
-def _logprobs(
-    reply: CompletionReply, items: list[common_pb2.TokenLogprob], offset: int
-) -> oa.CompletionLogprobs | None:
-    if reply.body.logprobs is None:
+def _rows(reply: CompletionReply, c: Choice, text: str, items, prompt_items) -> tuple[str, list[Row]]:
+    """A choice's text and logprob rows: the generated ones, after the echoed prompt's where it echoes (its first
+    answer only: `prompt_items` is None after it)."""
+    rows = output_rows(items)
+    if c.echo is None or prompt_items is None:
+        return text, rows
+    k = reply.body.logprobs
+    prompt = prompt_rows(c.prompt_ids, prompt_items, k) if k is not None else []
+    return (c.echo, prompt) if c.echo_only else (c.echo + text, prompt + rows)
+
+
+def _legacy(reply: CompletionReply, rows: list[Row], offset: int) -> oa.CompletionLogprobs | None:
+    return legacy_logprobs(rows, offset, reply.gateway.token_text) if reply.body.logprobs is not None else None
+
+
+def _prompt_logprobs(reply: CompletionReply, items) -> oa.PromptLogprobs | None:
+    if reply.body.prompt_logprobs is None:
         return None
-    token_text = reply.gateway.token_text
-    tokens = [token_text(lp.token_id) for lp in items]
-    offsets, pos = [], offset
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return oa.CompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=[lp.logprob for lp in items],
-        text_offset=offsets,
-        top_logprobs=[_top(token, lp, token_text) for token, lp in zip(tokens, items)],
-    )
-
-
-def _top(token: str, lp: common_pb2.TokenLogprob, token_text) -> dict[str, float]:
-    """As vLLM's: the sampled token first, then the k most likely (it may be one of them); a token whose text
-    another's repeats keeps the first's logprob."""
-    top = {token: lp.logprob}
-    for t in lp.top:
-        top.setdefault(token_text(t.token_id), t.logprob)
-    return top
+    return vllm_prompt_logprobs(items, reply.gateway.token_text)
 
 
 class _TextChunks:
@@ -145,18 +156,22 @@ async def _chunks(reply: CompletionReply, deltas: Deltas):
     text_only = _TextChunks(reply) if _text_only(reply) else None
     token_ids = reply.body.return_token_ids
     prompts = {c.index: c.prompt_ids for c in reply.choices} if token_ids else {}  # each choice's first chunk's
+    first = {c.index: c for c in reply.choices}  # until each choice's first chunk
+    sent = dict.fromkeys(first, 0)  # characters of each choice's text sent
     async for index, d in deltas:
-        offset = len(acc.text[index])
         acc.add(index, d)
+        c = first.pop(index, None)
+        text, rows = _rows(reply, c, d.text, d.logprobs, d.prompt_logprobs) if c else (d.text, output_rows(d.logprobs))
+        offset, sent[index] = sent[index], sent[index] + len(text)
         if not d.finished and text_only is not None:
-            yield text_only.event(index, d.text)
+            yield text_only.event(index, text)
             continue
         choice = oa.CompletionChoice(
             index=index,
-            text=d.text,
+            text=text,
             finish_reason=acc.finish[index],
             stop_reason=acc.stop_reason[index],
-            logprobs=_logprobs(reply, list(d.logprobs), offset),
+            logprobs=_legacy(reply, rows, offset),
             prompt_token_ids=prompts.pop(index, None),
             token_ids=list(d.token_ids) if token_ids else None,
         )
@@ -178,21 +193,20 @@ def _text_only(reply: CompletionReply) -> bool:
 
 def _completion(reply: CompletionReply, acc: Accumulator) -> oa.Completion:
     token_ids = reply.body.return_token_ids
-    return oa.Completion(
-        id=reply.id,
-        created=reply.created,
-        model=reply.body.model,
-        usage=acc.usage(),
-        choices=[
+    choices = []
+    for c in reply.choices:
+        prompt_items = acc.prompt_logprobs[c.index]
+        text, rows = _rows(reply, c, acc.text[c.index], acc.logprobs[c.index], prompt_items)
+        choices.append(
             oa.CompletionChoice(
                 index=c.index,
-                text=acc.text[c.index],
+                text=text,
                 finish_reason=acc.finish[c.index],
                 stop_reason=acc.stop_reason[c.index],
-                logprobs=_logprobs(reply, acc.logprobs[c.index], 0),
+                logprobs=_legacy(reply, rows, 0),
                 prompt_token_ids=c.prompt_ids if token_ids else None,
                 token_ids=acc.token_ids[c.index] if token_ids else None,
+                prompt_logprobs=_prompt_logprobs(reply, prompt_items),
             )
-            for c in reply.choices
-        ],
-    )
+        )
+    return oa.Completion(id=reply.id, created=reply.created, model=reply.body.model, usage=acc.usage(), choices=choices)

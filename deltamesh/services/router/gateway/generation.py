@@ -169,6 +169,7 @@ class Accumulator:
         self.stop_reason: dict[int, oa.StopReason] = {c.index: None for c in choices}
         self._stop_token_ids = {c.index: c.params.stop_token_ids for c in choices}
         self.logprobs: dict[int, list[common_pb2.TokenLogprob]] = {c.index: [] for c in choices}
+        self.prompt_logprobs: dict[int, list[common_pb2.TokenLogprob]] = {c.index: [] for c in choices}
         self.prompt_tokens = {c.prompt_index: len(c.prompt_ids) for c in choices}  # once per prompt, as OpenAI
         self.completion_tokens = {c.index: 0 for c in choices}
         # per prompt, as prompt_tokens: the most any of its choices (each a request of its own) found cached
@@ -179,6 +180,7 @@ class Accumulator:
         self.text[index] += delta.text
         self.token_ids[index] += delta.token_ids
         self.logprobs[index] += list(delta.logprobs)
+        self.prompt_logprobs[index] += list(delta.prompt_logprobs)  # (the first delta's)
         self.completion_tokens[index] = delta.usage.completion_tokens or self.completion_tokens[index]
         prompt = self.prompt_of[index]
         self.cached_tokens[prompt] = max(self.cached_tokens[prompt], delta.usage.cached_tokens)

@@ -39,6 +39,7 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     ignore_eos: bool | None = None,
     repetition_penalty: float | None = None,
     presence_penalty: float | None = None,
@@ -79,6 +80,7 @@ def build_request(
         min_p=min_p,
         seed=seed,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         ignore_eos=ignore_eos,
         repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty,
@@ -142,13 +144,15 @@ class _StreamBase:
 
     def __init__(self, client: _ClientBase, request: router_pb2.GenerateRequest, timeout: float | None):
         self.client, self.request_id = client, request.request_id
+        self._stop_token_ids = frozenset(request.stop.stop_token_ids)
         self._call = client._stub.Generate(request, timeout=timeout, metadata=client._metadata)
         self._done = False
         self.abort_token = b""
 
     def _delta(self, msg: router_pb2.GenerateResponse) -> Delta:
         self.abort_token = msg.abort_token or self.abort_token
-        delta = Delta.from_proto(self.request_id, msg.delta, msg.chat if msg.HasField("chat") else None)
+        chat = msg.chat if msg.HasField("chat") else None
+        delta = Delta.from_proto(self.request_id, msg.delta, chat, self._stop_token_ids)
         self._done = delta.finished
         return delta
 
@@ -264,9 +268,9 @@ class Client(_ClientBase):
 
     def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs) -> Result:
         """The whole result. `kwargs`: build_request's keywords (max_tokens, temperature, top_p, top_k, min_p, seed,
-        stop, stop_token_ids, logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
-        logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model, request_id, response_format,
-        structured_outputs; for a chat, tools, tool_choice, parallel_tool_calls, chat_template_kwargs,
+        stop, stop_token_ids, logprobs, prompt_logprobs, ignore_eos, repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, model, request_id,
+        response_format, structured_outputs; for a chat, tools, tool_choice, parallel_tool_calls, chat_template_kwargs,
         add_generation_prompt, continue_final_message)."""
         request = _request(prompt, kwargs)
         attempt = 0

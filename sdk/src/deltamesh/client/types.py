@@ -45,6 +45,11 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0  # prompt logprobs: the token's rank in the vocabulary (1: the likeliest); else 0
+
+    @classmethod
+    def from_proto(cls, lp: common_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], lp.rank)
 
 
 @dataclass(frozen=True)
@@ -94,22 +99,33 @@ class Delta:
     stop_reason: str | int | None
     usage: Usage
     chat: ChatDelta | None = None  # chat prompts only
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt_logprobs: the first delta's
 
     @classmethod
-    def from_proto(cls, request_id: str, d: common_pb2.TokenDelta, chat: router_pb2.ChatDelta | None = None) -> Delta:
+    def from_proto(
+        cls,
+        request_id: str,
+        d: common_pb2.TokenDelta,
+        chat: router_pb2.ChatDelta | None = None,
+        stop_token_ids: frozenset[int] = frozenset(),
+    ) -> Delta:
+        """`stop_token_ids`: the request's. stop_reason is REST's (vLLM's): the stop string or the stop_token_ids
+        entry that ended it; None for the end-of-sequence token, which the wire names too, and the length."""
         kind = d.WhichOneof("stop_reason")
+        stop_reason = getattr(d, kind) if kind else None
+        if kind == "stop_token_id" and stop_reason not in stop_token_ids:
+            stop_reason = None
         return cls(
             request_id=request_id,
             token_ids=list(d.token_ids),
             text=d.text,
-            logprobs=[
-                TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in d.logprobs
-            ],
+            logprobs=[TokenLogprob.from_proto(lp) for lp in d.logprobs],
             finished=d.finished,
             finish_reason=_FINISH.get(d.finish_reason),
-            stop_reason=getattr(d, kind) if kind else None,
+            stop_reason=stop_reason,
             usage=Usage(d.usage.prompt_tokens, d.usage.completion_tokens, d.usage.cached_tokens),
             chat=ChatDelta.from_proto(chat) if chat is not None else None,
+            prompt_logprobs=[TokenLogprob.from_proto(lp) for lp in d.prompt_logprobs],
         )
 
 
@@ -129,11 +145,14 @@ class Result:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     usage: Usage = field(default_factory=Usage)
+    # prompt_logprobs: each prompt token's after the first (its logprob given the tokens before it, rank, top k)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.prompt_logprobs += delta.prompt_logprobs
         self.usage = delta.usage
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
