@@ -168,7 +168,10 @@ def main() -> None:
     p.add_argument("--waves", type=int, default=2, help="requests per point = waves x concurrency ...")
     p.add_argument("--min-prompts", type=int, default=4, help="... and at least this many")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="deltamesh's step budget")
+    # 8192, vLLM's own budget here: at 16,384 a mixed step gives two 8k prompts their first tokens per ~440 ms
+    # instead of one per ~220 ms, and the later arrivals' TTFT rose 2x (bench/RESULTS.md, "First tokens under load
+    # on one H100"); the earlier tables ran at 16,384
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="deltamesh's step budget")
     p.add_argument("--vllm-site", default="/tmp/vllm-site", help="vLLM's own package folder, first on its PYTHONPATH")
     p.add_argument("--ready-timeout", type=float, default=420)
     p.add_argument("--point-timeout", type=float, default=300)

@@ -79,7 +79,8 @@
 #            9B; SPEC_ARGS adds flags, e.g. --quantization fp8); D_TESTS=0 runs the A/B alone
 #   stage V: deltamesh next to vLLM (#43; bench/peers.py, vLLM staged in /tmp/vllm-site as
 #            ../shared/notes/peers-on-h200.md says): the first shape of $SHAPES, PEER_LOADS (default 8192:1024) at
-#            concurrency PEER_CONC (default 1,16,64), deltamesh first, then vLLM once /tmp/vllm-site is installed; about
+#            concurrency PEER_CONC (default 1,16,64), PEER_ARGS added to both engines' runs (e.g.
+#            --max-num-batched-tokens 8192, deltamesh's step budget), deltamesh first, then vLLM once /tmp/vllm-site is installed; about
 #            13 minutes (span device calls with scripts/gpu_session.sh wait); V_VLLM=0: deltamesh alone (5 minutes)
 # GPU_PARTS: the prefix of the staged wheel parts (default .gpu-wheels/p; .gpu-wheels/q for the smaller parts).
 # A device call carries at most 64 MiB, the repository's ~11 MB included: build the parts with PART_MB=45 (or
@@ -386,7 +387,7 @@ D)
 V)
   shapes=${SHAPES:-qwen3.5-35b-a3b}
   peers=(python bench/peers.py --shapes "${shapes%% *}" --loads "${PEER_LOADS:-8192:1024}"
-    --concurrency "${PEER_CONC:-1,16,64}" --log-dir "$OUT")
+    --concurrency "${PEER_CONC:-1,16,64}" --log-dir "$OUT" ${PEER_ARGS:-})
   TAIL=12 run peers_deltamesh 300 "${peers[@]}" --engines deltamesh --out "$OUT/peers_deltamesh.json"
   pkill -9 -f "[d]eltamesh[.]services[.]cli"
   [ "${V_VLLM:-1}" = 0 ] && exit 0  # deltamesh alone (its per-request times are in $OUT/peers-*.json)

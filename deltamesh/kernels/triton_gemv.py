@@ -38,9 +38,10 @@ ARRIVAL_COUNTERS = 4096  # blocks of rows times tokens a split call may have
 # A weight this small stays in the L2 cache while a step's few tokens read it one program per token, so up to
 # SMALL_WEIGHT_MAX_TOKENS tokens the GEMV reads it from HBM about once, in one launch where cuBLAS takes one or two
 # (and a fused op's norm or gate one more): the MoE router, GDN's b|a gates in verify steps (K+1 rows a request)
-# and decode batches of 2-4 (bench/RESULTS.md, "Linear layers" and "Small weights through the GEMV"). Read at each
-# call; 0: off.
-SMALL_WEIGHT_BYTES = 4 << 20
+# and decode batches of 2-4 (bench/RESULTS.md, "Linear layers" and "Small weights through the GEMV"). 8 MiB takes
+# in the FP8 2048-row projections (o_proj, out_proj) too: about 5 % off 4-row steps (RESULTS, "Small weights up to 8 MiB"). Read at
+# each call; 0: off.
+SMALL_WEIGHT_BYTES = 8 << 20
 SMALL_WEIGHT_MAX_TOKENS = 4
 
 

@@ -9,7 +9,7 @@ computes), and the activation quantization the fused MoE kernels share.
   blocks) runs on the e4m3 tensor cores. It takes 16-aligned token counts (the activations are padded with zero
   rows) and whole sets of 4 scale groups (K a multiple of 512): a layer that has not those runs the GEMV at any
   size, one program per token.
-- A small weight (triton_gemv.SMALL_WEIGHT_BYTES: routers, GDN's b|a gates) at 2 to SMALL_WEIGHT_MAX_TOKENS tokens:
+- A small weight (triton_gemv.SMALL_WEIGHT_BYTES: routers, GDN's b|a gates, FP8 o_proj and out_proj) at 2 to SMALL_WEIGHT_MAX_TOKENS tokens:
   the GEMV, plain or FP8, reading it from the L2 cache for every token after the first.
 - A list of weights (the projections of one input): one output each; an FP8 weight and plain rows beside it run
   in one GEMV launch up to GEMV_MAX_TOKENS tokens (GDN's FP8 qkv|z with its bf16 b|a gates).
