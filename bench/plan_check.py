@@ -216,7 +216,8 @@ def check_gpu(args) -> list[dict]:
                 "label": f"{row['shape']} {layout.label} {row['input']}/{row['output']} c={c} ({row['setup']})",
                 **row,
                 "measured": {k: row[k] for k in ("ttft_ms", "tpot_ms", "tok_s_per_gpu")},
-                "predicted": predict(layout, row["input"], row["output"], c, n),
+                # the serving path each way, where the setup's rows measured it (client TTFT less the worker's)
+                "predicted": predict(layout, row["input"], row["output"], c, n, setup.get("path_ms", 0.0)),
                 "profile": prof.name,
                 "prefix_cache": {"profile": prof.engine.get("prefix_cache"), "measured": setup["prefix_cache"]},
             }
