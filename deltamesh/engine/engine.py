@@ -99,6 +99,7 @@ class Engine:
     def _loop(self) -> None:
         core = self.core
         report = StepReport(core)
+        log_stats = core.config.log_stats
         while not self._stop.is_set():
             core.dispatch(core.process_commands())
             if core.has_work:
@@ -111,7 +112,8 @@ class Engine:
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
-            report.maybe_log()
+            if log_stats:
+                report.maybe_log()
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -119,6 +119,12 @@ class EngineConfig:
         "piece (0: run them eagerly; default: 4096 or the "
         "step's token budget if smaller)",
     )
+    # the engine's periodic "engine steps" line (step_report.py); the Prometheus series do not depend on it
+    log_stats: bool = _setting(
+        True,
+        "Log the engine's steps, throughput and pools every 10 s (vLLM's --disable-log-stats turns it off)",
+        decls=("--log-stats/--disable-log-stats",),
+    )
     # schedule and launch step N+1 before reading step N's tokens on the host
     async_scheduling: bool = _setting(
         True,

@@ -106,6 +106,11 @@ def test_vllms_names_fill_deltameshs_settings():
         ["--generation-config", "vllm"],
         ["--enable-chunked-prefill"],
         ["--disable-custom-all-reduce"],
+        ["--disable-uvicorn-access-log", "--uvicorn-log-level", "debug"],
+        ["--pipeline-parallel-size", "1", "--distributed-executor-backend", "mp"],
+        ["--mm-encoder-tp-mode", "data", "--limit-mm-per-prompt", '{"image": 0, "video": {"count": 0}}'],
+        ["--disable-log-requests", "--disable-log-stats", "--max-logprobs", "5"],
+        ["--enable-log-requests", "--default-chat-template-kwargs", '{"enable_thinking": false}'],
     ],
 )
 def test_values_deltamesh_honours_are_accepted(flags, missing_model):
@@ -129,6 +134,15 @@ def test_values_deltamesh_honours_are_accepted(flags, missing_model):
         (
             ["--generation-config", "/some/folder"],
             "--generation-config /some/folder: input should be 'auto' or 'vllm'",
+        ),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: deltamesh splits a model by tensor"),
+        (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: each tensor-parallel rank"),
+        (["--limit-mm-per-prompt", '{"image": 1}'], '--limit-mm-per-prompt {"image": 1}: deltamesh serves text only'),
+        (["--max-logprobs", "-1"], "--max-logprobs -1: 0 to 20: deltamesh returns at most 20"),
+        (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs [1]: must be a JSON object"),
+        (
+            ["--default-chat-template-kwargs", '{"tools": []}'],
+            '--default-chat-template-kwargs {"tools": []}: cannot set tools',
         ),
     ],
 )

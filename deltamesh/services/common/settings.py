@@ -15,11 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
-from deltamesh.engine.chat_template import load_chat_template
+from deltamesh.engine.chat_template import RESERVED_VARIABLES, load_chat_template
 from deltamesh.engine.config import ModelConfig
 from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.protocol.generation_defaults import GenerationConfigSource, check_overrides, sampling_defaults
-from deltamesh.protocol.sampling import SamplingParams
+from deltamesh.protocol.sampling import MAX_LOGPROBS, SamplingParams
 from deltamesh.services.common.tls import TlsSettings
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -127,6 +127,22 @@ class RequestLimits(BaseModel):
     max_running_choices: int = Field(
         32, ge=1, description="Most choices of one request in the mesh at once (the rest start as they end)"
     )
+
+
+def chat_template_defaults(variables: str | None) -> dict[str, Any]:
+    """--default-chat-template-kwargs as a dict: a JSON object of template variables (ValueError otherwise)."""
+    if variables is None:
+        return {}
+    try:
+        value = json.loads(variables)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object of template variables")
+    reserved = RESERVED_VARIABLES.intersection(value)
+    if reserved:
+        raise ValueError(f"cannot set {', '.join(sorted(reserved))}: a request's own fields set them")
+    return value
 
 
 def _worker_field(name: str) -> Any:
@@ -239,6 +255,26 @@ class RouterSettings(BaseModel):
         description="REST: qwen3 returns <think>...</think> as reasoning_content; auto: on when the chat "
         "template thinks",
     )
+    # vLLM's: template variables a chat request leaves unset take these (Qwen3.5: '{"enable_thinking": false}')
+    default_chat_template_kwargs: str | None = Field(
+        None,
+        description="Chat template variables (a JSON object) for every chat; a request's chat_template_kwargs "
+        "override them, e.g. '{\"enable_thinking\": false}'",
+    )
+    max_logprobs: int = Field(
+        MAX_LOGPROBS,
+        description=f"Most logprobs, top_logprobs or prompt_logprobs a request may ask for (0-{MAX_LOGPROBS}; vLLM's "
+        "-1, the whole vocabulary, is not served)",
+    )
+    log_requests: bool = Field(
+        True,
+        description="Log one line per request at its end (outcome, tokens, TTFT, seconds); vLLM's names for the "
+        "switch: --enable-log-requests / --disable-log-requests",
+        json_schema_extra={"decls": ["--enable-log-requests/--disable-log-requests"]},
+    )
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "warning", description="The REST server's (uvicorn's) own log lines from this level up"
+    )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     # Seconds a client has to send a request's line and headers once it connects or starts a request (idle
     # keep-alive connections are closed by uvicorn's own keep-alive timeout).
@@ -264,6 +300,20 @@ class RouterSettings(BaseModel):
     @classmethod
     def _zero_is_off(cls, port: int | None) -> int | None:
         return port or None
+
+    @field_validator("max_logprobs")
+    @classmethod
+    def _logprobs_served(cls, n: int) -> int:
+        if not 0 <= n <= MAX_LOGPROBS:
+            raise ValueError(f"0 to {MAX_LOGPROBS}: deltamesh returns at most {MAX_LOGPROBS} (no whole-vocabulary -1)")
+        return n
+
+    @field_validator("default_chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, variables: str | None) -> str | None:
+        if variables is not None:
+            chat_template_defaults(variables)  # refused at start, not at every chat
+        return variables
 
     @field_validator("chat_template")
     @classmethod

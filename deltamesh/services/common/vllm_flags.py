@@ -7,6 +7,7 @@ its own (--port, --block-size, --enable-prefix-caching, --enforce-eager) are tho
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -51,6 +52,64 @@ class VllmFlags(BaseModel):
         "tokens (--no-enable-chunked-prefill is refused)",
     )
     kv_cache_dtype: str = Field("auto", description="auto only: the KV cache is kept in the model's dtype (--dtype)")
+    disable_uvicorn_access_log: bool = Field(
+        False,
+        description="Accepted: the REST gateway keeps no access log (each request's line is the router's "
+        "`request` log line: --disable-log-requests)",
+        json_schema_extra=_switch("--disable-uvicorn-access-log"),
+    )
+    pipeline_parallel_size: int = Field(
+        1, description="1 only: a worker splits its model by tensor (and expert) parallelism, not by pipeline stages"
+    )
+    distributed_executor_backend: str | None = Field(
+        None, description="mp (or uni, or unset): each tensor-parallel rank is a process of its own; ray is refused"
+    )
+    mm_encoder_tp_mode: str | None = Field(
+        None, description="Accepted: only the language model is served, so there is no vision encoder to split"
+    )
+    limit_mm_per_prompt: str | None = Field(
+        None,
+        description='Accepted with 0 of every modality (JSON, e.g. \'{"image": 0, "video": 0}\'): only text is served',
+    )
+
+    @field_validator("pipeline_parallel_size")
+    @classmethod
+    def _one_stage(cls, size: int) -> int:
+        if size != 1:
+            raise ValueError(
+                "deltamesh splits a model by tensor and expert parallelism (--tensor-parallel-size, "
+                "--enable-expert-parallel), not by pipeline stages: only 1 is accepted"
+            )
+        return size
+
+    @field_validator("distributed_executor_backend")
+    @classmethod
+    def _processes(cls, backend: str | None) -> str | None:
+        if backend not in (None, "mp", "uni"):
+            raise ValueError(
+                "each tensor-parallel rank runs as a process that `deltamesh serve` starts on this host "
+                "(torch.distributed): mp or uni only"
+            )
+        return backend
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _text_only(cls, limits: str | None) -> str | None:
+        if limits is None:
+            return limits
+        try:
+            counts = json.loads(limits)
+        except ValueError as e:
+            raise ValueError(f"not JSON: {e}") from None
+        # a modality's limit: a count, or (vLLM's newer form) an object with its count
+        limits_of = (
+            [n.get("count") if isinstance(n, dict) else n for n in counts.values()] if isinstance(counts, dict) else [1]
+        )
+        if any(n != 0 for n in limits_of):
+            raise ValueError(
+                "deltamesh serves text only (no images, videos or audio are read): each modality's limit must be 0"
+            )
+        return limits
 
     @field_validator("kv_cache_dtype")
     @classmethod

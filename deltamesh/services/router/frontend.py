@@ -21,7 +21,7 @@ from deltamesh.engine.engine_config import EngineConfig
 from deltamesh.engine.tokenizer import TemplateError, Tokenizer
 from deltamesh.protocol.generation_defaults import GenerationConfigSource, sampling_defaults
 from deltamesh.protocol.requests import RequestError, validate_request
-from deltamesh.protocol.sampling import SamplingParams, check_text
+from deltamesh.protocol.sampling import MAX_LOGPROBS, SamplingParams, check_text
 from deltamesh.services.common.settings import RequestLimits
 from deltamesh.services.router.chat_request import ChatRequest
 from deltamesh.services.router.limits import InvalidParam, check_count, check_roles, check_stop
@@ -69,10 +69,13 @@ class Frontend:
         chat_template: str | None = None,
         generation_config: GenerationConfigSource = "auto",
         generation_overrides: dict | None = None,
+        template_defaults: dict | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ):
         """`chat_template`: the router's --chat-template (a file, or the template), rendering chats instead of the
         checkpoint's template; `generation_config`, `generation_overrides`: where a request's unset sampling parameters
-        come from (generation_defaults.py)."""
+        come from (generation_defaults.py); `template_defaults`: the template variables a chat leaves unset take
+        (--default-chat-template-kwargs); `max_logprobs`: the most (prompt) logprobs a request may ask for."""
         path = Path(model_dir)
         self.model_config = ModelConfig.from_dir(path)
         template = load_chat_template(chat_template) if chat_template else None
@@ -88,6 +91,8 @@ class Frontend:
             self.model_config.max_position_embeddings
         )
         self.limits = limits or RequestLimits()
+        self.template_defaults = dict(template_defaults or {})
+        self.max_logprobs = max_logprobs
         # what a request leaves unset takes (checked when the router's settings were made: RouterSettings)
         self.sampling_defaults = sampling_defaults(path, generation_config, generation_overrides)
         if self.sampling_defaults:
@@ -149,6 +154,12 @@ class Frontend:
     def check_sampling(self, params: SamplingParams) -> None:
         """The sampling parameters, each refused under its own name; on the loop (bounded work)."""
         check_stop(params.stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise InvalidParam(
+                    name, f"{name} {asked} is more than this server's --max-logprobs {self.max_logprobs}"
+                )
         for name, also in _CHECKED_ALONE.items():
             try:  # the engine's own rule for the field, on its own
                 SamplingParams(**{f: getattr(params, f) for f in (name, *also)}).validate(self.vocab_size)
@@ -170,7 +181,7 @@ class Frontend:
         The template writes the special tokens itself, hence vLLM's default add_special_tokens false."""
         tokenizer = self._need_tokenizer()
         messages, tools = chat.prepare()
-        options = dict(tools=tools, variables=chat.template_kwargs)
+        options = dict(tools=tools, variables=self.template_defaults | chat.template_kwargs)
         try:
             text = tokenizer.render_chat(
                 messages, chat.add_generation_prompt, continue_final_message=chat.continue_final_message, **options

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 
 import structlog
@@ -10,7 +11,7 @@ import structlog
 from deltamesh.services.common.auth import api_key_interceptor, mesh_interceptor
 from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.server import GrpcServer
-from deltamesh.services.common.settings import RouterSettings
+from deltamesh.services.common.settings import RouterSettings, chat_template_defaults
 from deltamesh.services.router.admission import AdmissionLimits
 from deltamesh.services.router.chat_output import OutputFormat
 from deltamesh.services.router.control import ControlServicer
@@ -28,6 +29,8 @@ from deltamesh.services.router.shared_counts import SharedCounts
 from deltamesh.v1 import control_pb2, control_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger("deltamesh.router")
+# --uvicorn-log-level's names (uvicorn's own trace level is 5)
+UVICORN_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10, "trace": 5}
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
@@ -40,7 +43,11 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         settings.chat_template,
         settings.generation_config,
         settings.generation_overrides(),
+        chat_template_defaults(settings.default_chat_template_kwargs),
+        settings.max_logprobs,
     )
+    # uvicorn logs through the standard library, whose root logger passes warnings up (logs.configure_logging)
+    logging.getLogger("uvicorn").setLevel(UVICORN_LEVELS[settings.uvicorn_log_level])
     secret = settings.mesh_secret.get_secret_value()
     shared = settings.api_server_count > 1
     registry = WorkerRegistry(settings.health_interval_s, settings.heartbeat_interval_s, secret, settings.tls)
@@ -59,7 +66,14 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         counts = SharedCounts(settings.shared_counts_fd, settings.api_server_count, settings.process_index or 0)
     admission = AdmissionLimits(settings.max_queued_requests, settings.page_size, frontend.max_model_len, counts)
     mesh = Mesh(
-        registry, policy, settings.prefill_retries, settings.request_timeout_s, settings.ready_timeout_s, pd, admission
+        registry,
+        policy,
+        settings.prefill_retries,
+        settings.request_timeout_s,
+        settings.ready_timeout_s,
+        pd,
+        admission,
+        log_requests=settings.log_requests,
     )
     template = frontend.tokenizer.chat_template if frontend.tokenizer else None
     output_format = OutputFormat.resolve(template, settings.reasoning_parser, settings.tool_call_parser)

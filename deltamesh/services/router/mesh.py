@@ -43,12 +43,14 @@ class Mesh:
         ready_timeout_s: float = 10.0,
         pd: PdDecider | None = None,
         admission: AdmissionLimits | None = None,
+        log_requests: bool = True,
     ):
         """`ready_timeout_s`: how long a request waits for the mesh to have workers (just started, or all
         restarting) before it fails as UNAVAILABLE. `pd`: which requests skip the prefill worker (None: none).
         `admission`: the router's admission queue (default: AdmissionLimits()); a request waits in it at most
-        `timeout_s`, the deadline of a worker call."""
+        `timeout_s`, the deadline of a worker call. `log_requests`: a line per request at its end."""
         self.registry, self.pd = registry, pd
+        self.log_requests = log_requests
         self.ready_timeout_s = ready_timeout_s
         self.legs = Legs(registry, policy, pd, prefill_retries, timeout_s)
         limits = admission or AdmissionLimits()
@@ -116,16 +118,17 @@ class Mesh:
             raise
         finally:
             timer.end(outcome)
-            ttft = None if timer.first is None else round(timer.first - timer.start, 4)
-            log.info(
-                "request",
-                request_id=request_id,
-                outcome=outcome,
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=timer.tokens,
-                ttft_s=ttft,
-                seconds=round(time.monotonic() - timer.start, 4),
-            )
+            if self.log_requests:
+                ttft = None if timer.first is None else round(timer.first - timer.start, 4)
+                log.info(
+                    "request",
+                    request_id=request_id,
+                    outcome=outcome,
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=timer.tokens,
+                    ttft_s=ttft,
+                    seconds=round(time.monotonic() - timer.start, 4),
+                )
 
     async def _generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, owner: bytes):
         if request_id in self._inflight:
