@@ -102,7 +102,9 @@ class EngineConfig:
     # its transport. None (an engine without one, as in-process tests build): held states leave a parallel
     # engine through its hand-off area on rank 0
     rank_exporter: str | None = _setting(None, cli=False)
-    seed: int = _setting(0, cli=False)  # dummy weights and unseeded sampling
+    # vLLM's --seed: the random state of requests without a seed of their own (reproducible across restarts), and
+    # of dummy weights (so workers of one mesh must share it: handoff.compat_hash counts it for them)
+    seed: int = _setting(0, "Seed of the sampling of requests that give none (and of dummy weights)")
     torch_threads: int | None = _setting(None, "torch CPU threads per worker")  # None: torch's default
     # off: every step eager (decode and piecewise graphs alike), as vLLM's --enforce-eager asks
     cuda_graphs: bool = _setting(

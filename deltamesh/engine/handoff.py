@@ -36,6 +36,8 @@ def compat_hash(cfg: EngineConfig, model: ModelConfig) -> str:
             # speculative decoding keeps the MTP module's KV in the pages after the model's layers: a prefill and a
             # decode worker must both draft (with any number of tokens) or neither
             "mtp_kv_layers": model.mtp_layers if cfg.speculative_tokens else 0,
+            # random weights are the seed's: workers with other seeds hold other models
+            "dummy_seed": cfg.seed if cfg.load_format == "dummy" else None,
         },
         sort_keys=True,
     )

@@ -109,7 +109,7 @@ def test_vllms_names_fill_deltameshs_settings():
         ["--disable-uvicorn-access-log", "--uvicorn-log-level", "debug"],
         ["--pipeline-parallel-size", "1", "--distributed-executor-backend", "mp"],
         ["--mm-encoder-tp-mode", "data", "--limit-mm-per-prompt", '{"image": 0, "video": {"count": 0}}'],
-        ["--disable-log-requests", "--disable-log-stats", "--max-logprobs", "5"],
+        ["--disable-log-requests", "--disable-log-stats", "--max-logprobs", "5", "--seed", "42"],
         ["--enable-log-requests", "--default-chat-template-kwargs", '{"enable_thinking": false}'],
     ],
 )
