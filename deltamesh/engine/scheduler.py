@@ -9,7 +9,9 @@ shortage never corrupts another request's state.
 
 With a prefix cache (prefix_cache.py), admission starts a request from the longest cached prefix of its prompt
 that ends at a GDN checkpoint, prefill chunks end exactly where a checkpoint is to be taken, and allocation
-evicts pages only the cache holds before it gives up (so the cache never causes a refusal or a preemption).
+evicts pages only the cache holds before it gives up (so the cache never causes a refusal or a preemption). A
+waiting request whose prompt shares a prefix with one still prefilling waits for that one's checkpoint instead of
+computing the prefix beside it (shared_prefill.py: n > 1 choices, a burst of one system prompt).
 
 With async scheduling a step is scheduled while the previous one still runs: a request's token sampled there is
 "pending" (counted, not yet known on the host) and its decode is scheduled all the same, unless that token
@@ -31,6 +33,7 @@ from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
 from deltamesh.engine.interfaces import PoolUsage, SchedulerInterface
 from deltamesh.engine.prefix_cache import PrefixCache
 from deltamesh.engine.request import Request, Status
+from deltamesh.engine.shared_prefill import waits_for_a_prefill
 
 log = structlog.get_logger("deltamesh.scheduler")
 
@@ -175,11 +178,17 @@ class Scheduler(SchedulerInterface):
                 continue  # req itself was preempted; running[i] is now the next request
             add(req, n, at, verifies)
             i += 1
-        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
-            req = self._waiting[0]
-            if req.num_pending or not self._admit(req):  # a preempted request waits for its last token first
+        held = 0  # waiting requests left for a running prefill of their prefix (shared_prefill.py), in order
+        while len(self._waiting) > held and budget > 0 and len(self._running) < self.max_num_seqs:
+            req = self._waiting[held]
+            if req.num_pending:  # a preempted request waits for its last token first
                 break
-            self._waiting.popleft()
+            if self.prefix_cache is not None and waits_for_a_prefill(req, self._running, self.prefix_cache):
+                held += 1
+                continue
+            if not self._admit(req):
+                break
+            del self._waiting[held]
             self._running.append(req)
             n, at = self._chunk(req, budget, self.snapshots)
             if n:

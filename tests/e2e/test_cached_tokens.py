@@ -123,3 +123,17 @@ def test_list_models_and_loads_answer_in_plain_types(mesh):
     assert sorted(load["role"] for load in loads) == ["decode", "prefill"]
     for load in loads:
         assert type(load["prefix_cache_hit_tokens"]) is int and type(load["running"]) is int
+
+
+def test_n_choices_of_a_prompt_compute_it_once(mesh, client):
+    """engine/shared_prefill.py through the mesh: n choices of one prompt reach the prefill worker together; the
+    first computes the prompt, the others wait for its checkpoint and compute only its last page."""
+    prompt = "Name four uses of a Python tuple, one per line. " * 5
+    url = f"http://127.0.0.1:{mesh.http_port}"
+    prompt_len = httpx.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=30).json()["count"]
+    before = prefill_hits(mesh)
+    answer = client.completions.create(
+        model=MODEL_ID, prompt=prompt, n=4, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert prefill_hits(mesh) - before == 3 * ((prompt_len - 1) // 16 * 16)  # each choice after the first
+    assert len({c.text for c in answer.choices}) == 1  # greedy: a cached prefill gives the same tokens

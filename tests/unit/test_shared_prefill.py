@@ -1,0 +1,55 @@
+"""One prefill for prompts that arrive together (engine/shared_prefill.py): a waiting request whose prompt shares a
+prefix with a running prefill, up to a checkpoint it has yet to reach, waits for it and then starts from the cache,
+token for token as without the cache; prompts with nothing to share, or asking for their prompt's logprobs, are
+not held."""
+
+import pytest
+from test_prefix_cache import GREEDY, SEEDED, compare, core, tokens
+
+from deltamesh.engine import SamplingParams, shared_prefill
+from deltamesh.engine import scheduler as scheduler_module
+
+PROMPT = tokens(101, 11)  # its checkpoint: 100, the last page boundary before its last token (pages of 4)
+BUDGET = dict(max_num_batched_tokens=512, max_num_seqs=8, num_kv_pages=256)  # four such prompts fit one step
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_n_copies_of_a_prompt_compute_it_once(hf_checkpoints, params):
+    engine = compare(hf_checkpoints["qwen3_5"], [[PROMPT] * 4], params, expect_hit_tokens=3 * 100, **BUDGET)
+    assert engine.stats.prefix_cache_hits == 3
+
+
+def test_without_the_wait_they_share_one_step_and_compute_it_four_times(hf_checkpoints, monkeypatch):
+    monkeypatch.setattr(shared_prefill, "MIN_SHARED_TOKENS", 10**9)
+    compare(hf_checkpoints["qwen3_5"], [[PROMPT] * 4], GREEDY, expect_hit_tokens=0, **BUDGET)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_a_shared_system_prefix_is_computed_once_where_a_checkpoint_falls_in_it(hf_checkpoints, family):
+    system = tokens(82, 12)
+    prompts = [system + tokens(20, 20 + i) for i in range(3)]
+    # checkpoints every 20 pages (80 tokens): the first prompt's at 80 lies in the shared 82 tokens
+    engine = compare(hf_checkpoints[family], [prompts], GREEDY, state_checkpoint_interval=20, **BUDGET)
+    assert engine.stats.prefix_cache_hit_tokens == 2 * 80
+
+
+def test_unrelated_prompts_and_prompt_logprobs_are_not_held(hf_checkpoints, monkeypatch):
+    model = hf_checkpoints["qwen3_5"]
+    compare(model, [[tokens(101, 30 + i) for i in range(3)]], GREEDY, expect_hit_tokens=0, **BUDGET)
+    engine = core(model, True, **BUDGET)
+    verdicts = []
+
+    def spy(req, running, cache):
+        verdicts.append((req.request_id, shared_prefill.waits_for_a_prefill(req, running, cache)))
+        return verdicts[-1][1]
+
+    monkeypatch.setattr(scheduler_module, "waits_for_a_prefill", spy)
+    with_logprobs = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    for rid, params in (("first", GREEDY), ("logprobs", with_logprobs), ("copy", GREEDY)):
+        engine.submit(engine.make_request(PROMPT, params, rid), lambda o: None)
+    engine.dispatch(engine.process_commands())
+    while engine.has_work or engine.requests:
+        engine.dispatch(engine.step())
+        engine.dispatch(engine.process_commands())
+    assert ("copy", True) in verdicts and ("logprobs", True) not in verdicts, verdicts
+    assert engine.stats.prefix_cache_hit_tokens == 100  # the copy's; the logprobs request computed its prompt
