@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from deltamesh.engine import shared_prefill
 from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
 from deltamesh.engine.interfaces import PoolUsage, SchedulerInterface
 from deltamesh.engine.prefix_cache import PrefixCache
@@ -185,6 +186,8 @@ class Scheduler(SchedulerInterface):
                 break
             if self.prefix_cache is not None and waits_for_a_prefill(req, self._running, self.prefix_cache):
                 held += 1
+                if held == shared_prefill.MAX_HELD:
+                    break
                 continue
             if not self._admit(req):
                 break

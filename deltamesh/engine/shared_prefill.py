@@ -16,6 +16,9 @@ from deltamesh.engine.request import Request
 # A wait costs the waiting request about one step before its first token; a prefix shorter than this is computed
 # again instead (four pages of 16 tokens: where a step's time starts to grow with its tokens on a GPU).
 MIN_SHARED_TOKENS = 64
+# Waiting requests held at once: past these the queue's order holds the rest (a burst of one long prompt would
+# otherwise cost a look at every one of them, each step, while the first prefills).
+MAX_HELD = 16
 
 
 def _common_tokens(a: Request, b: Request, page_size: int) -> int:

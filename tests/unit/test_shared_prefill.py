@@ -53,3 +53,11 @@ def test_unrelated_prompts_and_prompt_logprobs_are_not_held(hf_checkpoints, monk
         engine.dispatch(engine.process_commands())
     assert ("copy", True) in verdicts and ("logprobs", True) not in verdicts, verdicts
     assert engine.stats.prefix_cache_hit_tokens == 100  # the copy's; the logprobs request computed its prompt
+
+
+def test_a_burst_of_one_prompt_holds_at_most_max_held_and_keeps_its_order(hf_checkpoints):
+    """Twenty copies: the first computes the prompt, sixteen wait for it, the rest wait behind them in the queue;
+    all nineteen then start from the cache."""
+    budget = dict(BUDGET, max_num_seqs=24, num_kv_pages=1024)
+    assert shared_prefill.MAX_HELD == 16
+    compare(hf_checkpoints["qwen3_5"], [[PROMPT] * 20], GREEDY, expect_hit_tokens=19 * 100, **budget)
