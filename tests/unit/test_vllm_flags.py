@@ -167,3 +167,13 @@ def test_a_chat_template_that_does_not_parse_stops_the_start(command, missing_mo
     missing = tmp_path / "template.jinja"
     line = refusal([command, "--model", missing_model, "--chat-template", str(missing)])
     assert line.endswith(f"--chat-template {missing}: cannot read the chat template file: No such file or directory")
+
+
+def test_tokenizer_may_name_the_checkpoint_only(missing_model):
+    # the served checkpoint, spelled either way: past the flag, to the model check
+    for spelled in (missing_model, f"{missing_model}/../no-such-model"):
+        line = refusal(["serve", missing_model, "--tokenizer", spelled, *FREE_PORTS])
+        assert line.startswith(f"deltamesh serve: {missing_model}: no config.json")
+    result = run(["serve", "--model", missing_model, "--tokenizer", "/elsewhere", *FREE_PORTS])
+    assert result.exit_code == 2
+    assert "Invalid value for --tokenizer: /elsewhere: the tokenizer and chat template are read from" in result.stderr

@@ -58,6 +58,9 @@ class VllmFlags(BaseModel):
         "`request` log line: --disable-log-requests)",
         json_schema_extra=_switch("--disable-uvicorn-access-log"),
     )
+    tokenizer: str | None = Field(
+        None, description="The checkpoint directory only: the tokenizer is read from the served checkpoint"
+    )
     pipeline_parallel_size: int = Field(
         1, description="1 only: a worker splits its model by tensor (and expert) parallelism, not by pipeline stages"
     )
@@ -132,15 +135,24 @@ class VllmFlags(BaseModel):
 def served_model(ctx: typer.Context, argument: str | None, option: str) -> str:
     """The checkpoint `serve` serves: vLLM's positional MODEL, else --model. MODEL overrides $DELTAMESH_MODEL, as a
     command line overrides the environment; MODEL and a --model naming another checkpoint are a usage error rather
-    than one of them silently winning."""
-    if argument is None:
-        return option
-    source = ctx.get_parameter_source("model")  # typer's own click's enum: known by its name
-    if source is not None and source.name == "COMMANDLINE" and Path(option).resolve() != Path(argument).resolve():
+    than one of them silently winning. So is vLLM's --tokenizer naming another directory: the tokenizer and chat
+    template are the checkpoint's."""
+    model = option
+    if argument is not None:
+        source = ctx.get_parameter_source("model")  # typer's own click's enum: known by its name
+        if source is not None and source.name == "COMMANDLINE" and Path(option).resolve() != Path(argument).resolve():
+            raise typer.BadParameter(
+                f"{argument} and --model {option} name two checkpoints: give one", param_hint="MODEL / --model"
+            )
+        model = argument
+    tokenizer = ctx.params.get("tokenizer")
+    if tokenizer is not None and Path(tokenizer).resolve() != Path(model).resolve():
         raise typer.BadParameter(
-            f"{argument} and --model {option} name two checkpoints: give one", param_hint="MODEL / --model"
+            f"{tokenizer}: the tokenizer and chat template are read from the checkpoint directory ({model}); leave "
+            "the flag out, or serve a checkpoint directory that holds the tokenizer to use",
+            param_hint="--tokenizer",
         )
-    return argument
+    return model
 
 
 def one_flag_per_value(argv: list[str], flag: str) -> list[str]:
