@@ -40,8 +40,10 @@ class CheckpointPositions:
     def _prompt_end(self, req: Request) -> int:
         """The prompt's own checkpoint position (its last page boundary), or 0 for a chat prompt this worker
         finishes: its next turn starts from the whole finished sequence (a tail), so stopping the prefill there
-        would cost a step for nothing. A held prompt (prefill worker) never finishes here: it keeps the stop."""
-        return 0 if req.turn_end and not req.hold_state else self._last_boundary(req)
+        would cost a step for nothing. A held prompt (prefill worker) never finishes here: it keeps the stop; so does
+        one whose copies wait for it (n > 1 choices of a chat: shared_prefill.py)."""
+        keeps = req.hold_state or req.keeps_prompt_checkpoint
+        return 0 if req.turn_end and not keeps else self._last_boundary(req)
 
     def next_stop(self, req: Request, after: int | None = None) -> int | None:
         """The next token position (past `after`, default the request's computed tokens) at which the request's

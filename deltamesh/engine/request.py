@@ -109,6 +109,9 @@ class Request:
     block_keys: list[int] = field(default_factory=list)
     num_registered_pages: int = 0
     turn_end: int = 0  # where the prompt's first chat message ends (a checkpoint position there), 0: nowhere
+    # a chat prompt that finishes here checkpoints its last page boundary all the same: copies of it wait to start
+    # there (shared_prefill.keep_prompt_checkpoint)
+    keeps_prompt_checkpoint: bool = False
     # prompt tokens its first admission did not compute: a prefix-cache hit, or a prefix pulled from another
     # worker's cache (usage's cached_tokens, as vLLM counts them: a preempted request's re-admission adds none)
     num_cached_tokens: int | None = None

@@ -24,6 +24,7 @@ then waits in the running list, scheduled nothing, until the grammar is ready (R
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -193,6 +194,9 @@ class Scheduler(SchedulerInterface):
                 break
             del self._waiting[held]
             self._running.append(req)
+            if self.prefix_cache is not None:
+                ahead = itertools.islice(self._waiting, held + shared_prefill.MAX_HELD)
+                shared_prefill.keep_prompt_checkpoint(req, ahead, self.prefix_cache)
             n, at = self._chunk(req, budget, self.snapshots)
             if n:
                 add(req, n, at)

@@ -66,3 +66,21 @@ def waits_for_a_prefill(req: Request, running: Iterable[Request], cache: PrefixC
         if shared >= MIN_SHARED_TOKENS:
             gain = max(gain, _next_checkpoint(cache, other, min(shared, limit)))
     return gain >= MIN_SHARED_TOKENS and gain - cache.hit_tokens(req) >= MIN_SHARED_TOKENS
+
+
+def keep_prompt_checkpoint(req: Request, waiting: Iterable[Request], cache: PrefixCache) -> None:
+    """`req` was just admitted. A chat prompt that finishes on this worker keeps no checkpoint at its end (its
+    finished sequence serves its next turn, checkpoint_positions.py); when a waiting request has the same prompt up
+    to there (n > 1 choices of a chat), `req` keeps one all the same, for that request to start from."""
+    page_size = cache.kv_pool.page_size
+    end = (len(req.prompt_ids) - 1) // page_size * page_size
+    if not req.turn_end or req.hold_state or end < MIN_SHARED_TOKENS or req.num_computed >= end:
+        return
+    for other in waiting:
+        if other.prompt_ids[0] != req.prompt_ids[0] or other.params.prompt_logprobs is not None or other.num_computed:
+            continue
+        if not other.block_keys:
+            cache.hit_tokens(other)  # computes and keeps its block keys
+        if _common_tokens(req, other, page_size) >= end:
+            req.keeps_prompt_checkpoint = True
+            return

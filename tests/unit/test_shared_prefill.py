@@ -4,7 +4,7 @@ token for token as without the cache; prompts with nothing to share, or asking f
 not held."""
 
 import pytest
-from test_prefix_cache import GREEDY, SEEDED, compare, core, tokens
+from test_prefix_cache import GREEDY, SEEDED, compare, core, run_waves, tokens
 
 from deltamesh.engine import SamplingParams, shared_prefill
 from deltamesh.engine import scheduler as scheduler_module
@@ -61,3 +61,22 @@ def test_a_burst_of_one_prompt_holds_at_most_max_held_and_keeps_its_order(hf_che
     budget = dict(BUDGET, max_num_seqs=24, num_kv_pages=1024)
     assert shared_prefill.MAX_HELD == 16
     compare(hf_checkpoints["qwen3_5"], [[PROMPT] * 20], GREEDY, expect_hit_tokens=19 * 100, **budget)
+
+
+def test_n_choices_of_a_chat_start_from_its_last_page():
+    """A chat prompt that finishes here keeps no checkpoint at its end (its finished sequence serves the next turn);
+    with copies of it waiting (n > 1 choices of a chat) the first keeps one, and the copies start there."""
+    from deltamesh.engine import DEFAULT_MODEL, EngineConfig
+    from deltamesh.engine.core import EngineCore
+    from deltamesh.engine.tokenizer import Tokenizer
+
+    chat = [
+        {"role": "system", "content": "You are a careful assistant who answers in short sentences. " * 2},
+        {"role": "user", "content": "Name three uses of a tuple, and say why each one helps. " * 8},
+    ]
+    prompt = Tokenizer(DEFAULT_MODEL).encode_chat(chat)
+    kw = dict(page_size=16, max_num_seqs=8, num_kv_pages=128)
+    plain = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), prefix_cache=False, **kw))
+    engine = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), prefix_cache=True, **kw))
+    assert run_waves(engine, [[prompt] * 4], GREEDY) == run_waves(plain, [[prompt] * 4], GREEDY)
+    assert engine.stats.prefix_cache_hit_tokens == 3 * ((len(prompt) - 1) // 16 * 16)
