@@ -13,6 +13,7 @@ from deltamesh.engine import prompt_logprobs
 from deltamesh.engine.cache import KVPagePool, StatePool
 from deltamesh.engine.models import HybridLM
 from deltamesh.engine.prompt_logprobs import PromptLogprobs, PromptRows
+from deltamesh.engine.sampling import on_device
 from deltamesh.engine.scheduler import ScheduledItem
 from deltamesh.engine.spec import host as spec_host
 from deltamesh.engine.spec.host import SpecHost
@@ -240,11 +241,6 @@ class ModelRunner:
             device[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)
         ]
 
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        """Queued on the stream without waiting for it (a pinned copy), as `_upload`'s arrays."""
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-
     def _page_row(self, req) -> tuple[list[int], np.ndarray]:
         """(the request's page list, its pages as an array), extended from the last step's array when the
         list only grew in place since (see Request.pages), rebuilt when the list was replaced."""
@@ -319,7 +315,11 @@ class ModelRunner:
         input_ids, batch = self.device_inputs(step, pending_tokens)
         self._prompt_out, self._prompt_inputs = None, None  # (a follower never takes its own)
         if (p := step.prompt) is not None:
-            self._prompt_inputs = (self._to_device(p.rows), self._to_device(p.targets), p)
+            self._prompt_inputs = (
+                on_device(p.rows, torch.int64, self.device),
+                on_device(p.targets, torch.int64, self.device),
+                p,
+            )
         if step.spec is not None:
             assert self.spec is not None, "a step with drafts comes from a speculative engine"
             return self.spec.run(step.spec, input_ids, batch, sampling, between_layers)

@@ -7,6 +7,7 @@ decode worker, and whether or not it was preempted and recomputed.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from deltamesh.engine.request import TokenLogprobs
@@ -21,7 +22,7 @@ def _mix(seed: int, index: int) -> int:
     return (x ^ (x >> 29)) & 0x7FFFFFFFFFFFFFFF
 
 
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def on_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` as a tensor on `device`, queued on the stream without waiting for it: `torch.tensor(values,
     device=cuda)` copies from pageable memory and synchronises the stream, so the host could not run ahead."""
     t = torch.tensor(values, dtype=dtype)

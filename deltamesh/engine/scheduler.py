@@ -35,7 +35,6 @@ from deltamesh.engine.cache import KVPagePool, PoolExhausted, StatePool
 from deltamesh.engine.interfaces import PoolUsage, SchedulerInterface
 from deltamesh.engine.prefix_cache import PrefixCache
 from deltamesh.engine.request import Request, Status
-from deltamesh.engine.shared_prefill import waits_for_a_prefill
 
 log = structlog.get_logger("deltamesh.scheduler")
 
@@ -185,7 +184,9 @@ class Scheduler(SchedulerInterface):
             req = self._waiting[held]
             if req.num_pending:  # a preempted request waits for its last token first
                 break
-            if self.prefix_cache is not None and waits_for_a_prefill(req, self._running, self.prefix_cache):
+            if self.prefix_cache is not None and shared_prefill.waits_for_a_prefill(
+                req, self._running, self.prefix_cache
+            ):
                 held += 1
                 if held == shared_prefill.MAX_HELD:
                     break

@@ -7,7 +7,6 @@ import pytest
 from test_prefix_cache import GREEDY, SEEDED, compare, core, run_waves, tokens
 
 from deltamesh.engine import SamplingParams, shared_prefill
-from deltamesh.engine import scheduler as scheduler_module
 
 PROMPT = tokens(101, 11)  # its checkpoint: 100, the last page boundary before its last token (pages of 4)
 BUDGET = dict(max_num_batched_tokens=512, max_num_seqs=8, num_kv_pages=256)  # four such prompts fit one step
@@ -39,11 +38,13 @@ def test_unrelated_prompts_and_prompt_logprobs_are_not_held(hf_checkpoints, monk
     engine = core(model, True, **BUDGET)
     verdicts = []
 
+    rule = shared_prefill.waits_for_a_prefill
+
     def spy(req, running, cache):
-        verdicts.append((req.request_id, shared_prefill.waits_for_a_prefill(req, running, cache)))
+        verdicts.append((req.request_id, rule(req, running, cache)))
         return verdicts[-1][1]
 
-    monkeypatch.setattr(scheduler_module, "waits_for_a_prefill", spy)
+    monkeypatch.setattr(shared_prefill, "waits_for_a_prefill", spy)
     with_logprobs = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
     for rid, params in (("first", GREEDY), ("logprobs", with_logprobs), ("copy", GREEDY)):
         engine.submit(engine.make_request(PROMPT, params, rid), lambda o: None)

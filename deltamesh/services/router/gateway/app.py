@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from deltamesh.services.router import metrics as router_metrics
 from deltamesh.services.router.gateway import chat, completions, health, tokens
 from deltamesh.services.router.gateway.dependencies import Gateway
 from deltamesh.services.router.gateway.errors import ERROR_RESPONSES, add_error_handlers
@@ -19,6 +20,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         responses=ERROR_RESPONSES,
     )
     app.state.gateway = gateway
+    # vLLM's series carry the served model's name and count tokens up to its context length
+    router_metrics.VLLM.name(gateway.frontend.model_id, gateway.frontend.max_model_len)
     add_error_handlers(app)
     app.add_middleware(
         LimitsAndAuth, api_key=gateway.api_key, limits=gateway.frontend.limits, body_timeout_s=gateway.body_timeout_s

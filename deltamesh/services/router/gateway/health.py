@@ -7,7 +7,6 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from deltamesh.services.router import metrics as router_metrics
 from deltamesh.services.router import openai_schema as oa
 from deltamesh.services.router.gateway.choices import unknown_model
 from deltamesh.services.router.gateway.dependencies import GatewayDep
@@ -38,9 +37,7 @@ async def ready(gateway: GatewayDep):
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-async def metrics(gateway: GatewayDep) -> Response:
-    f = gateway.frontend
-    router_metrics.VLLM.name(f.model_id, f.max_model_len)  # vLLM's series carry the served model's name
+async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
