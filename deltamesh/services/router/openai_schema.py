@@ -345,7 +345,9 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # token ids first: pydantic's smart union then validates an 8k-id prompt in 0.3 ms instead of 2 (str first),
+    # CPU the gateway spends on every request before it reaches a worker (bench/RESULTS.md, "A burst's arrivals")
+    prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
     max_tokens: StrictInt | None = Field(
         None,
         ge=0,

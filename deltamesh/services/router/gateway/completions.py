@@ -79,6 +79,11 @@ async def completion_choices(frontend: Frontend, rid: str, body: oa.CompletionRe
         for ids in id_lists or ():
             if body.truncate_prompt_tokens is None:  # else truncated first (build_choices)
                 frontend.check_token_count(len(ids))
+        if texts is None and not body.echo:
+            # token ids only: checking them is a few C passes over what the loop has just parsed, done here so
+            # that a burst's requests reach their workers in arrival order, not all after the whole burst's
+            # parsing (bench/RESULTS.md, "A burst's arrivals"); tokenising and echo's decoding go off the loop
+            return _prepare(frontend, rid, body, texts, id_lists, max_tokens)
         return await frontend.off_loop(_prepare, frontend, rid, body, texts, id_lists, max_tokens)
 
 

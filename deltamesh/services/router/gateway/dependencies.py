@@ -27,7 +27,9 @@ class Gateway:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False) if self.frontend.tokenizer else ""
 
 
-def _gateway(request: Request) -> Gateway:
+async def _gateway(request: Request) -> Gateway:
+    # async: FastAPI runs a plain def dependency in its thread pool, a thread hop (and a yield of the loop) on
+    # every request before its body is looked at
     return request.app.state.gateway
 
 
