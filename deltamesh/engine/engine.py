@@ -114,6 +114,7 @@ class Engine:
                 self._wake.clear()
             if log_stats:
                 report.maybe_log()
+        report.close()
 
     def shutdown(self) -> None:
         self._stop.set()

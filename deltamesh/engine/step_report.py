@@ -10,7 +10,8 @@ hits; preemptions; with speculative decoding, the acceptance rate of each draft 
 verifying request: a draft counts only after those before it were accepted) and the tokens a verifying request
 gained per step; where steps sampled under a grammar (structured outputs), how many and the host's mean time on
 their bitmasks; Triton kernels compiled in the window (kernels/late_compiles.py: specializations the warm-up did
-not run), where there were any."""
+not run), where there were any; the garbage collector's pauses in the window (total, longest, full
+collections: engine/gc_pauses.py), where there were any."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 
 import structlog
 
+from deltamesh.engine.gc_pauses import GcPauses
 from deltamesh.kernels import late_compiles
 
 log = structlog.get_logger("deltamesh.engine")
@@ -31,6 +33,7 @@ class StepReport:
         self.step_seconds = 0.0  # wall time of the steps since the last line, added by the stepping thread
         self._last = self._counters()
         self._since = time.monotonic()
+        self.gc = GcPauses()
 
     def _counters(self) -> dict:
         s = self.core.stats
@@ -90,7 +93,15 @@ class StepReport:
             line["grammar_mask_ms"] = round(1e3 * delta["grammar_s"] / delta["grammar_steps"], 3)
         if delta["compiles"]:
             line["late_compiles"] = delta["compiles"]
+        gc_s, gc_longest_s, gc_full = self.gc.take()
+        if gc_s:  # the collector stopped every thread this long (a long step's usual cause before the freeze)
+            line["gc_ms"] = round(1e3 * gc_s, 1)
+            line["gc_longest_ms"] = round(1e3 * gc_longest_s, 1)
+            line["gc_full"] = gc_full
         if self.core.launcher.gpu_timed:
             line["gpu_busy_pct"] = round(delta["gpu_ms"] / (10 * seconds), 1)  # ms over s x 1000, in percent
         log.info("engine steps", **line)
         return line
+
+    def close(self) -> None:
+        self.gc.close()

@@ -225,6 +225,7 @@ def follow(config: EngineConfig, rank: int, store_port: int) -> None:
 
     from deltamesh.engine.cache import pool_views
     from deltamesh.engine.data_parallel import DataParallelGroup, follow_point_to_point, run_rank
+    from deltamesh.engine.gc_pauses import freeze_startup_heap
     from deltamesh.engine.rank import build_rank
     from deltamesh.engine.tp_handoff import gather_parts, rank_state, scatter_parts, store_rank_state
 
@@ -246,8 +247,9 @@ def follow(config: EngineConfig, rank: int, store_port: int) -> None:
         kind, *args = message[0]
         if kind == "stop":
             break
-        if kind == "capture":
+        if kind == "capture":  # the last of the leader's start-up: what is alive now lives as long as the rank
             me.runner.capture_decode_graphs(*args)
+            freeze_startup_heap()
             continue
         if kind in ("gather", "scatter"):
             pages, slot = args

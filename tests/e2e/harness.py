@@ -176,7 +176,8 @@ class Mesh:
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until the router sees every live worker healthy. A worker that lost its port to another test is
-        started again on another; one that exits with an error fails the wait at once, with its log."""
+        started again on another (the same Proc, now there); one that exits with an error fails the wait at once,
+        with its log."""
         waiting = self.workers()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -184,9 +185,10 @@ class Mesh:
                 if not p.alive() and p.role == "router":
                     raise RuntimeError(f"router exited:\n{p.log.read_text()[-3000:]}")
             for p in list(waiting):
-                if p.lost_its_port():
-                    self.procs.remove(p)
-                    waiting[waiting.index(p)] = self.start_worker(p.role, list(p.extra))
+                if p.lost_its_port():  # started again on another port, in place: a test's reference follows it
+                    again = self.start_worker(p.role, list(p.extra))
+                    self.procs.remove(again)
+                    vars(p).update(vars(again))
                 elif not p.alive() and p.popen.returncode > 0:  # not a test's kill (a signal)
                     raise RuntimeError(f"{p.role} worker exited while starting:\n{p.log.read_text()[-3000:]}")
             want = {p.address for p in waiting}

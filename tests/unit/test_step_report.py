@@ -1,5 +1,8 @@
 """The engine's periodic line: its counts are the steps' own (mixed steps carry prompt tokens; a CPU engine
-replays no CUDA graph), and a window without steps logs nothing."""
+replays no CUDA graph), a window without steps logs nothing, and the garbage collector's pauses show in the window
+they stopped."""
+
+import gc
 
 from structlog.testing import capture_logs
 
@@ -26,3 +29,28 @@ def test_a_window_reports_its_own_steps_and_tokens():
     assert line["prompt_tok_s"] > 0 and line["generated_tok_s"] > 0 and line["running"] == 0
     assert "gpu_busy_pct" not in line and core.stats.gpu_step_ms == 0  # GPU time is measured on CUDA only
     assert report.maybe_log() is None  # nothing ran since
+
+
+def test_the_collectors_pauses_show_in_the_window_they_stopped():
+    core = EngineCore(EngineConfig(num_kv_pages=64, max_num_seqs=4, max_num_batched_tokens=8))
+    report = StepReport(core, interval_s=0.0)
+    try:
+        core.submit(core.make_request(list(range(10, 20)), SamplingParams(max_tokens=2), "r0"), lambda out: None)
+        while core.has_work or not core._commands.empty():
+            core.dispatch(core.process_commands())
+            core.dispatch(core.step())
+        gc.collect()  # a full collection in the window
+        line = report.maybe_log()
+        assert line["gc_full"] >= 1 and line["gc_ms"] >= line["gc_longest_ms"] > 0
+        core.submit(core.make_request(list(range(10, 20)), SamplingParams(max_tokens=2), "r1"), lambda out: None)
+        gc.disable()  # a window without a collection says nothing of them
+        try:
+            while core.has_work or not core._commands.empty():
+                core.dispatch(core.process_commands())
+                core.dispatch(core.step())
+            assert "gc_ms" not in report.maybe_log()
+        finally:
+            gc.enable()
+    finally:
+        report.close()
+    assert report.gc._on_phase not in gc.callbacks

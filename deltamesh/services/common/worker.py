@@ -16,6 +16,7 @@ import grpc
 import structlog
 
 from deltamesh.engine import Engine, RequestError
+from deltamesh.engine.gc_pauses import freeze_startup_heap
 from deltamesh.services.common.auth import mesh_interceptor
 from deltamesh.services.common.convert import sampling_from_proto
 from deltamesh.services.common.logs import bind_request, request_id_from, write_line
@@ -196,6 +197,7 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
         address=server.address,
         model=worker.model_id,
         compat_hash=worker.compat_hash,
+        gc_frozen_objects=freeze_startup_heap(),  # the model and its kernels built and warmed up
     )
     tasks = [
         asyncio.create_task(c)

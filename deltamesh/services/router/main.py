@@ -8,6 +8,7 @@ import sys
 
 import structlog
 
+from deltamesh.engine.gc_pauses import freeze_startup_heap
 from deltamesh.services.common.auth import api_key_interceptor, mesh_interceptor
 from deltamesh.services.common.logs import write_line
 from deltamesh.services.common.server import GrpcServer
@@ -130,6 +131,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         process=f"{settings.process_index} of {settings.api_server_count}" if shared else None,
         reasoning_parser=output_format.reasoning,
         tool_call_parser=output_format.tool_calls,
+        gc_frozen_objects=freeze_startup_heap(),
     )
     write_line(sys.stdout, f"DELTAMESH_READY router {server.address}")
     await stop.wait()

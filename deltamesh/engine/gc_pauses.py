@@ -1,0 +1,51 @@
+"""Python's cyclic garbage collector, kept off the serving path. A full (oldest-generation) collection walks every
+tracked object of the process: in a worker that is torch's, Triton's and the model's millions of startup objects,
+and the collection stops every thread for as long as the walk takes (308 ms for the CPU worker's 199k objects on
+the development machine; bench/RESULTS.md, "Garbage collection pauses"). So a service process collects once when it
+is ready and freezes what is alive then (`gc.freeze`: later collections skip it, as vLLM does after its engine
+starts), and the engine's periodic log line reports the collector's pauses (`GcPauses`)."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+
+def freeze_startup_heap() -> int:
+    """Collect, then move every object alive now into the collector's permanent generation; the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class GcPauses:
+    """The collector's pauses in this process since the last `take`: their total and the longest, and how many
+    full collections ran. Process-wide: a pause stops every thread, whichever one set the collection off."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+        self.total_s = self.longest_s = 0.0
+        self.full = 0
+        gc.callbacks.append(self._on_phase)
+
+    def _on_phase(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:
+            return
+        pause, self._started = time.perf_counter() - self._started, None
+        self.total_s += pause
+        self.longest_s = max(self.longest_s, pause)
+        self.full += info.get("generation") == 2
+
+    def take(self) -> tuple[float, float, int]:
+        """(total seconds, longest seconds, full collections) since the last take; starts counting anew."""
+        out = (self.total_s, self.longest_s, self.full)
+        self.total_s = self.longest_s = 0.0
+        self.full = 0
+        return out
+
+    def close(self) -> None:
+        if self._on_phase in gc.callbacks:
+            gc.callbacks.remove(self._on_phase)
