@@ -20,15 +20,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS, median, print_table, write_result
 
+CHAT_TEMPLATE_TOKENS = 256
 
-def router_requests(log: Path, prompt_tokens: set[int]) -> list[tuple[float, float, float]]:
-    """(end time, seconds, ttft) of each of the router's request lines whose prompt length is among the client's."""
+
+def router_requests(log: Path, lens: list[int]) -> list[tuple[float, float, float]]:
+    """(end time, seconds, ttft) of each of the router's request lines whose prompt length is the client's: within
+    the client's lengths, or up to CHAT_TEMPLATE_TOKENS more (a chat's template adds its own tokens)."""
     out = []
     for line in log.read_text(errors="replace").splitlines():
         if '"event": "request"' not in line or '"router"' not in line:
             continue
         row = json.loads(line)
-        if row.get("prompt_tokens") in prompt_tokens and row.get("ttft_s") is not None:
+        n = row.get("prompt_tokens", -1)
+        if min(lens) <= n <= max(lens) + CHAT_TEMPLATE_TOKENS and row.get("ttft_s") is not None:
             end = dt.datetime.fromisoformat(row["timestamp"].replace("Z", "+00:00")).timestamp()
             out.append((end, row["seconds"], row["ttft_s"]))
     return sorted(out)
@@ -86,7 +90,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "arrival_gap.json"))
     args = ap.parse_args()
     client = json.loads(args.client_json.read_text())
-    rows = pair(client, router_requests(args.router_log, set(client["input_lens"])))
+    rows = pair(client, router_requests(args.router_log, client["input_lens"]))
     if args.rows:
         print_table(rows, list(rows[0]))
     summary = waves(rows)
