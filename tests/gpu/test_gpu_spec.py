@@ -1,12 +1,15 @@
 """Speculative decoding on the GPU: the Triton verify kernels against the torch reference at the real head shapes,
 greedy output with MTP equal to greedy output without it (float32: the exact kernels), and the verify steps'
-CUDA graphs (spec/graphs.py) against the same steps run eagerly (bfloat16)."""
+CUDA graphs (spec/graphs.py) against the same steps run eagerly (bfloat16); the same with penalties, logit_bias,
+min_tokens and grammars on the verified positions."""
 
 import pytest
 import torch
 from hf_checkpoints import VOCAB
 
-from deltamesh.engine import Engine, EngineConfig, SamplingParams
+from deltamesh.engine import DEFAULT_MODEL, Engine, EngineConfig, SamplingParams
+from deltamesh.engine.core import EngineCore
+from deltamesh.protocol.structured import StructuredOutputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.spec]
 
@@ -84,4 +87,61 @@ def test_a_reduced_draft_vocabulary_in_the_verify_graphs_keeps_the_output_and_ma
     eager, eager_graphs, _ = generate(path, dtype="bfloat16", cuda_graphs=False, **spec)
     graphed, graph_steps, drafts = generate(path, dtype="bfloat16", **spec)
     assert eager_graphs == 0 and graph_steps > 0 and drafts > 0
+    assert graphed == eager
+
+
+# Penalties, logit_bias, min_tokens and grammars over the verified positions (CPU: tests/unit/test_spec_penalties.py
+# and test_spec_structured.py): on CUDA the counts are updated on the device, xgrammar fills the K+1 positions'
+# masks with its CUDA kernel, and a verify graph's output is adjusted in place
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "pet": {"enum": ["cat", "dog", "none"]}},
+    "required": ["name", "pet"],
+    "additionalProperties": False,
+}
+ADJUSTED = [
+    SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs(json=SCHEMA)),
+    SamplingParams(
+        max_tokens=40, temperature=0, presence_penalty=1.5, structured_outputs=StructuredOutputs(json=SCHEMA)
+    ),
+    SamplingParams(max_tokens=30, temperature=0, structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2,5}")),
+    SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5),
+    SamplingParams(max_tokens=30, temperature=0, logit_bias={42: 3.0}, min_tokens=8),
+    SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),  # nothing adjusted, in the same steps
+]
+ADJUSTED_PROMPTS = ["A person:", "Another person:", "Code:", "The Python language", "A list is", "In this tutorial"]
+
+
+def adjusted_outputs(**kw):
+    """The default model (a tokenizer and a trained MTP module): ADJUSTED's requests together, to the end."""
+    core = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), device="cuda", page_size=16, **kw))
+    out: dict[str, list[int]] = {}
+    done: set[str] = set()
+
+    def sink(o):
+        out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert o.error is None, o.error
+        if o.finished:
+            done.add(o.request_id)
+
+    for i, (prompt, params) in enumerate(zip(ADJUSTED_PROMPTS, ADJUSTED, strict=True)):
+        core.submit(core.make_request(prompt, params, f"r{i}"), sink)
+    while len(done) < len(ADJUSTED):
+        core.dispatch(core.process_commands())
+        core.dispatch(core.step())
+    core.close()
+    return out, core.stats, core.runner.graph_steps
+
+
+def test_float32_greedy_output_with_penalties_and_grammars_with_mtp_equals_without():
+    plain, _, _ = adjusted_outputs(dtype="float32")
+    spec, stats, _ = adjusted_outputs(dtype="float32", speculative_tokens=3)
+    assert spec == plain
+    assert 0 < stats.spec_accepted < stats.spec_drafts and stats.grammar_mask_steps > 0
+
+
+def test_verify_graphs_with_penalties_and_grammars_match_their_steps_run_eagerly():
+    eager, _, eager_graphs = adjusted_outputs(dtype="bfloat16", speculative_tokens=2, cuda_graphs=False)
+    graphed, stats, graph_steps = adjusted_outputs(dtype="bfloat16", speculative_tokens=2)
+    assert eager_graphs == 0 and graph_steps > 0 and stats.spec_drafts > 0
     assert graphed == eager
