@@ -46,7 +46,7 @@ def pair(client: dict, router: list[tuple[float, float, float]]) -> list[dict]:
     done = dt.datetime.fromisoformat(client["date"]).timestamp()
     router = [r for r in router if done - client["duration"] - 2 <= r[0] <= done + 1][-len(ends) :]
     if len(router) != len(ends):
-        raise SystemExit(f"{len(ends)} client requests but {len(router)} router lines of their prompt length")
+        raise ValueError(f"{len(ends)} client requests but {len(router)} router lines of their prompt length")
     # the two clocks differ by a constant: the median of (router end - client end) over the pairs
     offset = median([r[0] - (sent[i] + client["latencies"][i]) for i, r in zip(ends, router, strict=True)])
     rows = []
@@ -74,12 +74,22 @@ def waves(rows: list[dict]) -> list[dict]:
             first_sent_s=w["first_sent_s"],
             requests=len(w["rows"]),
             arrival_first_ms=w["rows"][0]["arrival_ms"],
-            arrival_median_ms=median([r["arrival_ms"] for r in w["rows"]]),
+            arrival_median_ms=round(median([r["arrival_ms"] for r in w["rows"]]), 1),
             arrival_max_ms=max(r["arrival_ms"] for r in w["rows"]),
-            gap_median_ms=median([r["gap_ms"] for r in w["rows"]]),
+            gap_median_ms=round(median([r["gap_ms"] for r in w["rows"]]), 1),
         )
         for w in out
     ]
+
+
+def first_wave(client_json: Path, router_log: Path) -> dict | None:
+    """The first wave's arrivals (first, median, last ms after sending), or None where the log does not pair."""
+    client = json.loads(client_json.read_text())
+    try:
+        wave = waves(pair(client, router_requests(router_log, client["input_lens"])))[0]
+    except (ValueError, KeyError, IndexError):
+        return None
+    return {f"arrival_wave1_{k}_ms": wave[f"arrival_{k}_ms"] for k in ("first", "median", "max")}
 
 
 def main() -> None:
@@ -90,7 +100,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "arrival_gap.json"))
     args = ap.parse_args()
     client = json.loads(args.client_json.read_text())
-    rows = pair(client, router_requests(args.router_log, client["input_lens"]))
+    try:
+        rows = pair(client, router_requests(args.router_log, client["input_lens"]))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if args.rows:
         print_table(rows, list(rows[0]))
     summary = waves(rows)

@@ -19,10 +19,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.arrival_gap import first_wave
 from bench.common import (
     CONFIGS,
     RESULTS,
@@ -116,6 +118,9 @@ def measure(engine: str, shape: Path, args) -> list[dict]:
                     observer=observer,
                     serve_args=args.serve_args.split(),
                 )
+                if engine == "deltamesh" and result.is_file():  # when the router started each request of wave 1
+                    time.sleep(0.5)  # its last request lines, written as their streams closed
+                    row.update(first_wave(result, log) or {})
                 rows.append({"engine": engine, "shape": shape.name, "load": f"{input_len}/{output_len}", **row})
                 print(rows[-1], flush=True)
     finally:

@@ -53,13 +53,25 @@ def log_events(proc, event: str) -> list[dict]:
     return out
 
 
+def unregistered_prefill_worker(m: Mesh):
+    """A prefill worker serving on a port of its own, started again on another if another test took its port."""
+    while True:
+        port = free_port()
+        proc = m._spawn("prefill", worker_args(port), port)
+        until(lambda: not proc.alive() or proc.load() is not None, what=f"a prefill worker serving on {port}")
+        if proc.alive():
+            return proc
+        if not proc.lost_its_port():
+            raise RuntimeError(f"prefill worker exited while starting:\n{proc.log.read_text()[-3000:]}")
+        m.procs.remove(proc)
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     m = Mesh(MODEL, tmp_path_factory.mktemp("announced"))
     try:
-        static_port, stranger_port = free_port(), free_port()
-        m.static = m._spawn("prefill", worker_args(static_port), static_port)
-        m.stranger = m._spawn("prefill", worker_args(stranger_port), stranger_port)  # never given to the router
+        m.static = unregistered_prefill_worker(m)
+        m.stranger = unregistered_prefill_worker(m)  # never given to the router
         m.router_args = ["--prefill", m.static.address]
         m.start_router()
         m.decode = m.start_worker("decode")
@@ -67,7 +79,6 @@ def mesh(tmp_path_factory):
             lambda: {w.address for w in m.loads() if w.healthy} == {m.static.address, m.decode.address},
             what="the static prefill and the decode worker healthy",
         )
-        until(lambda: m.stranger.load() is not None, what="the stranger serving")
         yield m
     finally:
         m.stop()
