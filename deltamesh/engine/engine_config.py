@@ -210,8 +210,7 @@ class EngineConfig:
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        # CUDA: vLLM's budget, and on one H100 (9B, 8192/1024) 2-3 % more tokens/s and shorter TPOT than 4096 at
-        # 16 and 64 streams, TTFT medians under vLLM's with either (bench/RESULTS.md, "Step budget 4096 or 8192")
+        # CUDA: vLLM's budget (against 4096: bench/RESULTS.md, "Step budget 4096 or 8192")
         return 1024 if self.device == "cpu" else 8192
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:

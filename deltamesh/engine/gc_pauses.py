@@ -1,9 +1,8 @@
 """Python's cyclic garbage collector, kept off the serving path. A full (oldest-generation) collection walks every
-tracked object of the process: in a worker that is torch's, Triton's and the model's millions of startup objects,
-and the collection stops every thread for as long as the walk takes (308 ms for the CPU worker's 199k objects on
-the development machine; bench/RESULTS.md, "Garbage collection pauses"). So a service process collects once when it
-is ready and freezes what is alive then (`gc.freeze`: later collections skip it, as vLLM does after its engine
-starts), and the engine's periodic log line reports the collector's pauses (`GcPauses`)."""
+tracked object of the process (in a worker, torch's, Triton's and the model's start-up objects) and stops every
+thread while it does (bench/RESULTS.md, "Garbage collection pauses"). So a service process collects once when it is
+ready and freezes what is alive then (`gc.freeze`: later collections skip it, as vLLM does after its engine starts),
+and the engine's periodic log line reports the collector's pauses (`GcPauses`)."""
 
 from __future__ import annotations
 

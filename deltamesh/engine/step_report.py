@@ -94,7 +94,7 @@ class StepReport:
         if delta["compiles"]:
             line["late_compiles"] = delta["compiles"]
         gc_s, gc_longest_s, gc_full = self.gc.take()
-        if gc_s:  # the collector stopped every thread this long (a long step's usual cause before the freeze)
+        if gc_s:  # the collector stopped every thread this long
             line["gc_ms"] = round(1e3 * gc_s, 1)
             line["gc_longest_ms"] = round(1e3 * gc_longest_s, 1)
             line["gc_full"] = gc_full

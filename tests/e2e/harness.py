@@ -164,6 +164,23 @@ class Mesh:
         proc.extra = tuple(extra)
         return proc
 
+    def start_unregistered(self, role: str, timeout: float = READY_TIMEOUT_S) -> Proc:
+        """A worker no router is told of (no --router), once it serves; started again on another port if another
+        test took its port, as wait_ready does for registered ones."""
+        deadline = time.monotonic() + timeout
+        while True:
+            port = free_port()
+            proc = self._spawn(role, ["--model", self.model, "--port", str(port), "--torch-threads", "1"], port)
+            while proc.alive() and time.monotonic() < deadline:
+                try:
+                    proc.load()
+                    return proc
+                except grpc.RpcError:  # not serving yet
+                    time.sleep(0.2)
+            if not proc.lost_its_port():
+                raise RuntimeError(f"{role} worker not serving:\n{proc.log.read_text()[-3000:]}")
+            self.procs.remove(proc)
+
     def client(self, **kwargs) -> Client:
         return Client(self.router_address, **{**self.client_kwargs, **kwargs})
 

@@ -24,11 +24,6 @@ MODEL = str(DEFAULT_MODEL)
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-def worker_args(port: int) -> list[str]:
-    """A worker that does not register: the router knows it only from its flags, if at all."""
-    return ["--model", MODEL, "--port", str(port), "--torch-threads", "1"]
-
-
 def until(predicate, timeout: float = 90.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -53,25 +48,12 @@ def log_events(proc, event: str) -> list[dict]:
     return out
 
 
-def unregistered_prefill_worker(m: Mesh):
-    """A prefill worker serving on a port of its own, started again on another if another test took its port."""
-    while True:
-        port = free_port()
-        proc = m._spawn("prefill", worker_args(port), port)
-        until(lambda: not proc.alive() or proc.load() is not None, what=f"a prefill worker serving on {port}")
-        if proc.alive():
-            return proc
-        if not proc.lost_its_port():
-            raise RuntimeError(f"prefill worker exited while starting:\n{proc.log.read_text()[-3000:]}")
-        m.procs.remove(proc)
-
-
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     m = Mesh(MODEL, tmp_path_factory.mktemp("announced"))
     try:
-        m.static = unregistered_prefill_worker(m)
-        m.stranger = unregistered_prefill_worker(m)  # never given to the router
+        m.static = m.start_unregistered("prefill")  # the router is told of it by a flag only
+        m.stranger = m.start_unregistered("prefill")  # never given to the router
         m.router_args = ["--prefill", m.static.address]
         m.start_router()
         m.decode = m.start_worker("decode")

@@ -191,13 +191,14 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     worker.address = f"{settings.advertise_host or settings.host}:{server.port}"
     await server.start()
     await server.set_serving(True)
+    frozen = freeze_startup_heap()  # the model and its kernels are built and warmed up
     log.info(
         "worker serving",
         role=settings.role,
         address=server.address,
         model=worker.model_id,
         compat_hash=worker.compat_hash,
-        gc_frozen_objects=freeze_startup_heap(),  # the model and its kernels built and warmed up
+        gc_frozen_objects=frozen,
     )
     tasks = [
         asyncio.create_task(c)

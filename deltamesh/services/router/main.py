@@ -121,6 +121,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
             gateway, settings.host, settings.http_port, settings.http_header_timeout_s, reuse_port=shared
         )
         tasks.append(http_task)
+    frozen = freeze_startup_heap()  # what lives as long as the router: modules, the tokenizer, the app
     log.info(
         "router serving",
         grpc=server.address,
@@ -131,7 +132,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         process=f"{settings.process_index} of {settings.api_server_count}" if shared else None,
         reasoning_parser=output_format.reasoning,
         tool_call_parser=output_format.tool_calls,
-        gc_frozen_objects=freeze_startup_heap(),
+        gc_frozen_objects=frozen,
     )
     write_line(sys.stdout, f"DELTAMESH_READY router {server.address}")
     await stop.wait()
