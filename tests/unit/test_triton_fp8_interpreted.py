@@ -14,7 +14,7 @@ PRELUDE = """
     import torch
     import triton.language as tl
     from triton.runtime import interpreter
-    from deltamesh.kernels import torch_ref, triton_gemv, triton_linear, triton_moe, triton_moe_aligned
+    from deltamesh.kernels import torch_ref, triton_gemv, triton_linear, triton_moe, triton_moe_aligned, triton_moe_pairs
     from deltamesh.kernels.fp8 import Fp8Weight, dequantize, quantize_blocks, reference_linear, reference_moe
     torch.manual_seed(0)
     errors = {}
@@ -86,17 +86,25 @@ def test_fp8_moe_matches_its_arithmetic():
     """Both paths, against the same routing with every expert computed by reference_linear (activations
     quantized before gate/up and before down) and against the dequantized experts without that quantization."""
     check("""
-    hidden, inter, experts = 256, 128, 6
-    for tokens, top_k, norm, shared_inter, config in ((1, 2, True, 128, None), (3, 2, False, 256, None),
-                                                      (20, 2, True, 128, triton_moe_aligned.GemmConfig(16, 64, 128)),
-                                                      (40, 3, True, 256, None)):
+    from deltamesh.kernels.triton_moe_pairs import PairConfig, PairTile
+    hidden, inter = 256, 128
+    # pairs at one token with its default tiles; at three with wider ones than the default (the same code, an
+    # eighth of the programs for the interpreter); the aligned path's blocks (16 rows, FP8 forces the rest) one to
+    # an expert, then 18 pairs to each of 4 experts (a second, partly filled block)
+    wide = PairConfig(PairTile(32, 512, 1), PairTile(32, 512, 1))
+    for tokens, experts, top_k, norm, shared_inter, config in (
+            (1, 6, 2, True, 128, None), (3, 6, 2, False, 256, wide),
+            (20, 6, 2, True, 128, triton_moe_aligned.GemmConfig(16, 64, 128)), (24, 4, 3, True, 256, None)):
         w13, w2 = fp8(experts, 2 * inter, hidden), fp8(experts, hidden, inter)
         sw13, sw2 = fp8(2 * shared_inter, hidden), fp8(hidden, shared_inter)
         x = torch.randn(tokens, hidden)
         gates = torch.randn(tokens, experts + 1)
         logits, gate = gates[:, :experts], gates[:, experts:]
-        got = triton_moe.moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate, config=config)
-        path = "aligned" if config or tokens > triton_moe.DECODE_MAX_TOKENS else "pairs"
+        if isinstance(config, PairConfig):
+            got = triton_moe_pairs.moe_pairs(x, logits, w13, w2, top_k, norm, sw13, sw2, gate, tiles=config)
+        else:
+            got = triton_moe.moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate, config=config)
+        path = "aligned" if tokens > triton_moe.DECODE_MAX_TOKENS else "pairs"
         case = f"{path} T={tokens} k={top_k} shared={shared_inter}"
         errors[case] = (rel(got, reference_moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate)), 1e-3)
         unquantized = torch_ref.moe(x, logits, w13, w2, top_k, norm, sw13, sw2, gate)

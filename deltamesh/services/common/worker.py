@@ -198,7 +198,8 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
         address=server.address,
         model=worker.model_id,
         compat_hash=worker.compat_hash,
-        gc_frozen_objects=frozen,
+        gc_frozen_objects=frozen.objects,
+        gc_freeze_collect_ms=frozen.collect_ms,
     )
     tasks = [
         asyncio.create_task(c)

@@ -132,7 +132,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         process=f"{settings.process_index} of {settings.api_server_count}" if shared else None,
         reasoning_parser=output_format.reasoning,
         tool_call_parser=output_format.tool_calls,
-        gc_frozen_objects=frozen,
+        gc_frozen_objects=frozen.objects,
+        gc_freeze_collect_ms=frozen.collect_ms,
     )
     write_line(sys.stdout, f"DELTAMESH_READY router {server.address}")
     await stop.wait()
