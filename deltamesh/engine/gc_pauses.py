@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from dataclasses import dataclass
 
 
@@ -21,7 +22,7 @@ def freeze_startup_heap() -> Frozen:
     """Collect, then move every object alive now into the collector's permanent generation. The collection runs
     with the process's pause counters (`GcPauses`) detached: it happens before the service says it is ready, so
     it is the start-up's time (`Frozen.collect_ms`, for the "serving" log line), not a pause a request waited for."""
-    counters = [c for c in gc.callbacks if isinstance(getattr(c, "__self__", None), GcPauses)]
+    counters = [c for c in gc.callbacks if isinstance(c, _Hook)]
     for c in counters:
         gc.callbacks.remove(c)
     try:
@@ -42,9 +43,13 @@ class GcPauses:
         self._started: float | None = None
         self.total_s = self.longest_s = 0.0
         self.full = 0
-        gc.callbacks.append(self._on_phase)
+        # The collector's list holds a hook with a weak reference only, removed when this object goes: a counter
+        # whose owner never closed it (a step report a test made) leaves no hook behind, called on every collection.
+        self._hook = _Hook(self)
+        gc.callbacks.append(self._hook)
+        weakref.finalize(self, _unhook, self._hook)
 
-    def _on_phase(self, phase: str, info: dict) -> None:
+    def on_phase(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()
             return
@@ -62,6 +67,26 @@ class GcPauses:
         self.full = 0
         return out
 
+    @property
+    def counting(self) -> bool:
+        return self._hook in gc.callbacks
+
     def close(self) -> None:
-        if self._on_phase in gc.callbacks:
-            gc.callbacks.remove(self._on_phase)
+        _unhook(self._hook)
+
+
+class _Hook:
+    """gc.callbacks' entry for one GcPauses, through a weak reference."""
+
+    def __init__(self, pauses: GcPauses) -> None:
+        self._pauses = weakref.ref(pauses)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        pauses = self._pauses()
+        if pauses is not None:
+            pauses.on_phase(phase, info)
+
+
+def _unhook(hook: _Hook) -> None:
+    if hook in gc.callbacks:
+        gc.callbacks.remove(hook)

@@ -104,6 +104,7 @@ def test_an_eager_step_never_waits_for_the_gpu(tmp_path):
         torch.cuda.set_sync_debug_mode("default")
     assert len(done) == 3 and all(o.num_output_tokens == 6 and o.error is None for o in done) and steps >= 7
     line = report.maybe_log()  # the GPU's share of the window: inside steps, measured with CUDA events
+    report.close()
     assert core.stats.gpu_step_ms > 0 and 0 < line["gpu_busy_pct"] <= 100.5
 
 
