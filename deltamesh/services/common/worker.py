@@ -190,8 +190,10 @@ async def serve_worker(settings: WorkerSettings, stop: asyncio.Event, make_role:
     )
     worker.address = f"{settings.advertise_host or settings.host}:{server.port}"
     await server.start()
+    # the model and its kernels are built and warmed up; the collection runs before health says SERVING, so that
+    # no router sends a request into it
+    frozen = freeze_startup_heap()
     await server.set_serving(True)
-    frozen = freeze_startup_heap()  # the model and its kernels are built and warmed up
     log.info(
         "worker serving",
         role=settings.role,
