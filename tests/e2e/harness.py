@@ -19,6 +19,7 @@ from deltamesh.services.common.auth import MESH_SECRET_ENV, mesh_metadata
 from deltamesh.services.common.ports import free_port
 from deltamesh.services.router.control import read_loads
 from deltamesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tests.e2e.zygote import ForkedProcess, zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 # How long the harness waits for what a mesh does in its own time. Generous, and only paid when something is
@@ -69,7 +70,7 @@ def channel(address: str, credentials: grpc.ChannelCredentials | None = None, se
 class Proc:
     role: str
     address: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProcess
     log: Path
     credentials: grpc.ChannelCredentials | None = None  # for TLS meshes
     secret: str | None = None  # the mesh secret its calls carry
@@ -104,17 +105,25 @@ class Mesh:
     control_address: str = ""  # the control plane
     http_port: int = 0
     secret: str = field(default_factory=lambda: secrets.token_hex(16))  # this mesh's, given to every process
+    # Workers forked from a process with torch imported (tests/e2e/zygote.py: ~2 CPU-s less per worker), or
+    # started with exec as a user starts them: for tests that read what exec puts in a process (its environment
+    # strings). Routers are always started with exec: tests read that none has torch mapped.
+    forked_workers: bool = True
 
     def _spawn(self, role: str, args: list[str], port: int) -> Proc:
         log = self.log_dir / f"{role}-{port}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", MESH_SECRET_ENV: self.secret}
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "deltamesh.services.cli", role, *args],
-            cwd=ROOT,
-            env=env,
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-        )
+        popen: subprocess.Popen | ForkedProcess
+        if role != "router" and self.forked_workers:
+            popen = zygote(ROOT).start([role, *args], env, ROOT, log)
+        else:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "deltamesh.services.cli", role, *args],
+                cwd=ROOT,
+                env=env,
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+            )
         creds = None
         if self.client_kwargs.get("root_certificates"):
             kw = self.client_kwargs
@@ -283,8 +292,11 @@ def start_mesh(
     http: bool = False,
     client_kwargs: dict | None = None,
     role_args: dict[str, list[str]] | None = None,
+    forked_workers: bool = True,
 ) -> Mesh:
-    mesh = Mesh(model, log_dir, list(worker_args), list(router_args), client_kwargs or {})
+    mesh = Mesh(
+        model, log_dir, list(worker_args), list(router_args), client_kwargs or {}, forked_workers=forked_workers
+    )
     mesh.start_router(http=http)
     for role, n in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
         for _ in range(n):

@@ -50,7 +50,8 @@ ANY_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}  # every tr
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = start_mesh(str(DEFAULT_MODEL), tmp_path_factory.mktemp("side-channel"))
+    # workers started with exec, as users start them: the attacks aim at the environment strings exec put there
+    m = start_mesh(str(DEFAULT_MODEL), tmp_path_factory.mktemp("side-channel"), forked_workers=False)
     yield m
     m.stop()  # fails if a process crashed at any point
 
@@ -337,7 +338,9 @@ def test_across_hosts_whoever_reaches_the_interface_reads_the_workers(tmp_path, 
     UCX serves reads over TCP in software at any address, so the review's forging attack reads the worker's memory
     again. Hence the deployment rule: that interface must be a network only the mesh's hosts reach."""
     nobody = another_user()
-    mesh = start_mesh(str(DEFAULT_MODEL), tmp_path, worker_args=["--side-channel-interface", "lo"])
+    mesh = start_mesh(
+        str(DEFAULT_MODEL), tmp_path, worker_args=["--side-channel-interface", "lo"], forked_workers=False
+    )
     try:
         holder = mesh.workers("prefill")[0]
         grpc_port = int(holder.address.rsplit(":", 1)[1])
