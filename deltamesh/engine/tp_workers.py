@@ -1,8 +1,9 @@
 """The ranks of a tensor-parallel or data-parallel engine beyond the first.
 
 The worker's own process is rank 0, the leader: it schedules, samples and talks to the mesh, exactly as a
-one-rank engine does. It starts one follower process per other rank (`python -m deltamesh.engine.tp_workers`),
-each of which builds its shard of the model and its pools (engine/rank.py) and then repeats what the leader
+one-rank engine does. It starts one follower process per other rank, forked by multiprocessing's fork server (a
+process of the leader's that imports torch once, so that each rank does not spend its ~2 CPU-seconds on that;
+a fork of the leader itself would copy its threads' locks half-held), each of which builds its shard of the model and its pools (engine/rank.py) and then repeats what the leader
 sends: every step's host inputs (runner.HostStep) with the pool writes the leader made since the last step
 (zeroed or copied GDN slots), the CUDA graph capture, the stop, and a hand-off's exchange of one request's state
 with the leader (engine/tp_handoff.py: its part of a held state gathered, its part of an arrived state
@@ -19,12 +20,9 @@ then on ends every request with the reason (the worker's health turns NOT_SERVIN
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+import multiprocessing
 import signal
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -80,23 +78,15 @@ class Followers:
 
         # the store listens on a port of its own choosing before any follower starts: no port to race for
         store = dist.TCPStore("127.0.0.1", 0, config.num_ranks, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-        settings = json.dumps(dataclasses.asdict(config))
+        starter = multiprocessing.get_context("forkserver")
+        starter.set_forkserver_preload(["deltamesh.engine.tp_workers"])  # torch with it
+        settings = dataclasses.asdict(config)
         self.procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "deltamesh.engine.tp_workers",
-                    "--rank",
-                    str(r),
-                    "--store-port",
-                    str(store.port),
-                    "--settings",
-                    settings,
-                ]
-            )
+            starter.Process(target=run_follower, args=(settings, r, store.port), name=f"deltamesh-rank-{r}")
             for r in range(1, config.num_ranks)
         ]
+        for proc in self.procs:
+            proc.start()
         self._closing = False
         try:
             self.group, self._control = join_group(config, model_config, 0, store)
@@ -160,8 +150,8 @@ class Followers:
         """Why the engine cannot step any more (a follower exited), or None. Asked before every step and after
         a failed one (a collective with a dead rank fails at once on gloo; on NCCL it may wait for TIMEOUT)."""
         for rank, proc in enumerate(self.procs, start=1):
-            if proc.poll() is not None and not self._closing:
-                return f"tensor-parallel rank {rank} exited (code {proc.returncode})"
+            if proc.exitcode is not None and not self._closing:
+                return f"tensor-parallel rank {rank} exited (code {proc.exitcode})"
         return None
 
     def failure_within(self, seconds: float) -> str | None:
@@ -185,10 +175,10 @@ class Followers:
         except Exception:  # a follower already gone: nothing left to tell
             pass
         for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
+            proc.join(timeout=20)
+            if proc.exitcode is None:
                 proc.kill()
+                proc.join()
         dist.destroy_process_group()
 
     def _kill(self) -> None:
@@ -238,7 +228,6 @@ def follow(config: EngineConfig, rank: int, store_port: int) -> None:
     me = build_rank(config, mc, config.resolved_max_model_len(mc.max_position_embeddings), device, tp)
     if exports_rank_memory(config):
         memory = export_rank_memory(config, pool_views(me.kv_pool, me.state_pool))
-        # as a tuple: this module runs as __main__ here, so its classes do not unpickle on the leader
         dist.gather_object(dataclasses.astuple(memory), None, dst=0, group=control)
     pools = {"slots": me.state_pool, "checkpoints": me.checkpoint_pool}
     while True:
@@ -287,17 +276,9 @@ def _repeat(ops: list[tuple], me, pools: dict) -> None:
             pools[name].copy_slot(dst, pools[src_name], src)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="a follower rank of a parallel deltamesh engine")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--store-port", type=int, required=True, help="the leader's torch.distributed store")
-    p.add_argument("--settings", required=True, help="the leader's EngineConfig, as JSON")
-    args = p.parse_args()
+def run_follower(settings: dict, rank: int, store_port: int) -> None:
+    """A follower process's start (the fork server's child): `follow` with the leader's EngineConfig."""
     # Ctrl-C reaches the whole process group: the leader stops its followers itself (a "stop" message), and a
     # leader that is gone ends them through their next collective
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    follow(EngineConfig(**json.loads(args.settings)), args.rank, args.store_port)
-
-
-if __name__ == "__main__":
-    main()
+    follow(EngineConfig(**settings), rank, store_port)

@@ -119,7 +119,7 @@ def test_a_data_parallel_rank_reads_whole_tensors_but_its_share_of_the_experts(h
 def test_a_rank_dying_fails_requests_with_the_reason(hf_checkpoints):
     with dp_engine(hf_checkpoints["qwen3_5_moe"], enable_expert_parallel=True) as e:
         e.core.followers.procs[0].kill()
-        e.core.followers.procs[0].wait()
+        e.core.followers.procs[0].join()
         done = e.generate(prompts()[:1], SamplingParams(max_tokens=4, temperature=0))
         assert done[0].error and "rank 1 exited" in done[0].error
         assert e.core.failure

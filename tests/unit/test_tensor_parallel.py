@@ -150,7 +150,7 @@ def test_rank_dying_fails_requests_with_the_reason(hf_checkpoints):
     path = hf_checkpoints["qwen3_5"]
     with engine(path, 2) as e:
         e.core.followers.procs[0].kill()
-        e.core.followers.procs[0].wait()
+        e.core.followers.procs[0].join()
         done = e.generate(prompts()[:1], SamplingParams(max_tokens=4, temperature=0))
         assert done[0].error and "rank 1 exited" in done[0].error
         assert e.core.failure
