@@ -26,6 +26,7 @@
 #            kernel groups: 9B shape, then 35B-A3B (bench/gpu_model.py --mixed); then a lone 8k prompt's first token
 #            through the engine loop, prefix cache on and off (--ttft); an eager 16-token step's host launch time
 #            and its cProfile (--host-profile)
+#   stage A: the async-scheduling GPU tests alone (their piecewise capture failed once on 2026-12-07)
 #   stage w: piecewise CUDA graphs: the async-scheduling GPU tests (their piecewise and snapshot tests among them),
 #            the host time of 16- and 1024-token prefill steps, eager and piecewise (--host-profile), then 64
 #            prompts arriving at once (--burst)
@@ -208,6 +209,9 @@ x)
     --out "$OUT/gpu_mixed_35b.json"
   TAIL=12 run gpu_ttft 240 python bench/gpu_model.py --ttft --out "$OUT/gpu_ttft.json"
   TAIL=40 run gpu_host 180 python bench/gpu_model.py --host-profile --out "$OUT/gpu_host.json"
+  ;;
+A)
+  TAIL=20 run gpu_async_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_async.py -rfE
   ;;
 w)
   TAIL=20 run gpu_async_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_async.py -rfE

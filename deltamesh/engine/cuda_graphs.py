@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 log = structlog.get_logger("deltamesh.cuda_graphs")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# A capture fails only on the capturing thread's own unsafe CUDA calls. Under the default ("global") an unsafe call
+# of any other thread of the process during a capture (a synchronous copy to the host, say, by another engine's
+# threads) invalidates it; the likely cause of a GPU test's "operation failed due to a previous error during
+# capture" on 2026-12-07 (not reproduced). vLLM captures in this mode for the same reason (vllm-project/vllm#48053).
+CAPTURE_MODE = "thread_local"
 
 
 class DecodeGraphs:
@@ -67,7 +72,7 @@ class DecodeGraphs:
                 for _ in range(2):  # warm up: kernel compilation and autotuning stay out of the graph
                     r.model(self.input_ids[:b], batch, r.kv_pool, r.state_pool, r.kernels)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_MODE):
                     hidden = r.model(self.input_ids[:b], batch, r.kv_pool, r.state_pool, r.kernels)
                     self.outputs[b] = (hidden, r.model.logits(hidden))
                 self.pool = graph.pool()
@@ -171,7 +176,7 @@ class PiecewiseGraphs:
                     piece()  # warm up: kernel compilation and autotuning stay out of the graph
                     piece()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_MODE):
                         piece()
                     self.pool = graph.pool()
                     replays.append(graph.replay)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from deltamesh.engine.cuda_graphs import DEFAULT_BUCKETS
+from deltamesh.engine.cuda_graphs import CAPTURE_MODE, DEFAULT_BUCKETS
 from deltamesh.engine.spec.drafter import DraftContext, MtpDrafter
 from deltamesh.kernels.batch import StepBatch, Verification
 
@@ -109,7 +109,7 @@ class VerifyGraphs:
                     part(b)  # warm up: kernel compilation and autotuning stay out of the graph
                     part(b)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_MODE):
                         part(b)
                     self.pool = graph.pool()
                     replays.append(graph.replay)
