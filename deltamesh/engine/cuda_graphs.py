@@ -127,9 +127,10 @@ class PiecewiseGraphs:
     9B shapes (docs/notes/eager-step-host-cost.md), which a short prompt's GPU work does not cover.
 
     The pieces read and write only static buffers (ids, the normed layer input `x`, the residual stream, the mix
-    outputs: each mixer's pair of [T, heads, dim] tensors), so nothing they allocate outlives them and every piece of every bucket shares one memory pool. Rows
-    past T hold what an earlier step left there: finite values whose results no real row reads (no piece mixes
-    rows). `capture=False` runs the same pieces as plain calls (the CPU tests check the plumbing with it)."""
+    outputs: each mixer's pair of [T, heads, dim] tensors), so nothing they allocate outlives them and every piece
+    of every bucket shares one memory pool. Rows past T hold what an earlier step left there: finite values whose
+    results no real row reads (no piece mixes rows). `capture=False` runs the same pieces as plain calls (the CPU
+    tests check the plumbing with it)."""
 
     def __init__(self, runner, max_tokens: int, capture: bool = True):
         self.runner = runner
