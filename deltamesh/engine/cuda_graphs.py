@@ -27,8 +27,7 @@ log = structlog.get_logger("deltamesh.cuda_graphs")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 # A capture fails only on the capturing thread's own unsafe CUDA calls. Under the default ("global") an unsafe call
 # of any other thread of the process during a capture (a synchronous copy to the host, say, by another engine's
-# threads) invalidates it; the likely cause of a GPU test's "operation failed due to a previous error during
-# capture" on 2026-12-07 (not reproduced). vLLM captures in this mode for the same reason (vllm-project/vllm#48053).
+# threads) invalidates it. vLLM captures in this mode for the same reason (vllm-project/vllm#48053).
 CAPTURE_MODE = "thread_local"
 
 

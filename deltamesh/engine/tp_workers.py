@@ -2,8 +2,8 @@
 
 The worker's own process is rank 0, the leader: it schedules, samples and talks to the mesh, exactly as a one-rank
 engine does. It starts one follower process per other rank, forked by multiprocessing's fork server (a process of
-the leader's that imports torch once, so that each rank does not spend its ~2 CPU-seconds on that; a fork of the
-leader itself would copy its threads' locks half-held). Each builds its shard of the model and its pools
+the leader's that imports torch once for all ranks; a fork of the leader itself would copy its threads' locks
+half-held). Each builds its shard of the model and its pools
 (engine/rank.py) and then repeats what the leader sends: every step's host inputs (runner.HostStep) with the pool
 writes the leader made since the last step (zeroed or copied GDN slots), the CUDA graph capture, the stop, and a
 hand-off's exchange of one request's state with the leader (engine/tp_handoff.py: its part of a held state gathered,
@@ -80,9 +80,8 @@ class Followers:
         store = dist.TCPStore("127.0.0.1", 0, config.num_ranks, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         starter = multiprocessing.get_context("forkserver")
         starter.set_forkserver_preload(["deltamesh.engine.tp_workers"])  # torch with it
-        settings = dataclasses.asdict(config)
         self.procs = [
-            starter.Process(target=run_follower, args=(settings, r, store.port), name=f"deltamesh-rank-{r}")
+            starter.Process(target=run_follower, args=(config, r, store.port), name=f"deltamesh-rank-{r}")
             for r in range(1, config.num_ranks)
         ]
         for proc in self.procs:
@@ -109,7 +108,7 @@ class Followers:
 
         got: list = [None] * self.group.shard.size
         dist.gather_object(None, got, dst=0, group=self._control)
-        return {rank: RankMemory(*memory) for rank, memory in enumerate(got) if rank}
+        return {rank: memory for rank, memory in enumerate(got) if rank}
 
     def send_step(self, step) -> None:
         ops, self.pool_ops[:] = list(self.pool_ops), []
@@ -228,7 +227,7 @@ def follow(config: EngineConfig, rank: int, store_port: int) -> None:
     me = build_rank(config, mc, config.resolved_max_model_len(mc.max_position_embeddings), device, tp)
     if exports_rank_memory(config):
         memory = export_rank_memory(config, pool_views(me.kv_pool, me.state_pool))
-        dist.gather_object(dataclasses.astuple(memory), None, dst=0, group=control)
+        dist.gather_object(memory, None, dst=0, group=control)
     pools = {"slots": me.state_pool, "checkpoints": me.checkpoint_pool}
     while True:
         message: list[Any] = [None]
@@ -276,9 +275,9 @@ def _repeat(ops: list[tuple], me, pools: dict) -> None:
             pools[name].copy_slot(dst, pools[src_name], src)
 
 
-def run_follower(settings: dict, rank: int, store_port: int) -> None:
+def run_follower(config: EngineConfig, rank: int, store_port: int) -> None:
     """A follower process's start (the fork server's child): `follow` with the leader's EngineConfig."""
     # Ctrl-C reaches the whole process group: the leader stops its followers itself (a "stop" message), and a
     # leader that is gone ends them through their next collective
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    follow(EngineConfig(**settings), rank, store_port)
+    follow(config, rank, store_port)

@@ -105,7 +105,7 @@ class Mesh:
     control_address: str = ""  # the control plane
     http_port: int = 0
     secret: str = field(default_factory=lambda: secrets.token_hex(16))  # this mesh's, given to every process
-    # Workers forked from a process with torch imported (tests/e2e/zygote.py: ~2 CPU-s less per worker), or
+    # Workers forked from a process with torch imported (tests/e2e/zygote.py: a start without torch's import), or
     # started with exec as a user starts them: for tests that read what exec puts in a process (its environment
     # strings). Routers are always started with exec: tests read that none has torch mapped.
     forked_workers: bool = True

@@ -1,13 +1,12 @@
 """Mesh processes forked from a process that has imported torch and the services' libraries already.
 
-Every worker a test starts spends ~2 CPU-seconds importing torch before it does anything (the router ~1 s in
-grpc, pydantic, FastAPI); with ~200 of them in `make test` on 2 cores that was a quarter of the suite's CPU
-time. The harness asks one long-lived process per pytest worker, the zygote, to fork each mesh process instead:
+A worker's start is mostly torch's import, and `make test` starts a few hundred mesh processes on 2 cores.
+The harness asks one long-lived process per pytest worker, the zygote, to fork each mesh process instead:
 the child shares the imported modules copy-on-write, then runs `python -m deltamesh.services.cli ARGS` as the
 command line would (its own environment, log file and working directory), so the services run exactly the code
-they run when started by hand. Only third-party libraries are imported before the fork: deltamesh's own modules
-read settings from the environment as they load (failpoints, PDL), and each child imports them with its own
-environment. The zygote starts no thread, event loop or gRPC object, so nothing is half-held at a fork.
+they run when started by hand. Only third-party libraries (and deltamesh's parent-death helper) are imported
+before the fork: deltamesh's modules read settings from the environment as they load (failpoints, PDL), and
+each child imports them with its own environment. The zygote starts no thread, event loop or gRPC object, so nothing is half-held at a fork.
 
 The zygote talks JSON lines: on its stdin {"argv", "env", "cwd", "log"} per process to start; on its stdout
 {"pid"} for each start, in order, and {"exited", "code"} when a child ends (`code` as Popen's returncode:
@@ -16,7 +15,6 @@ negative for a signal). `ForkedProcess` gives the harness Popen's poll / wait / 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -26,16 +24,9 @@ import sys
 import threading
 from pathlib import Path
 
+from deltamesh.services.supervisor import die_with_parent
+
 PRELOADED = ("torch", "numpy", "grpc", "pydantic", "structlog", "typer", "fastapi", "uvicorn", "uvloop", "tokenizers")
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with(parent_pid: int) -> None:
-    """SIGKILL when the parent goes (the pytest worker for the zygote, the zygote for its children), so that
-    nothing outlives a killed test run."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def _run_child(spec: dict, closing: list[int]) -> None:
@@ -48,7 +39,7 @@ def _run_child(spec: dict, closing: list[int]) -> None:
         for fd in closing:
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        _die_with(int(spec["zygote"]))
+        die_with_parent(int(spec["zygote"]))  # nothing outlives a killed test run
         log = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -78,7 +69,7 @@ def _run_child(spec: dict, closing: list[int]) -> None:
 
 def serve_forks() -> None:
     """The zygote's loop: fork on each request line, report each child's pid and, when it ends, its code."""
-    _die_with(int(os.environ["DELTAMESH_ZYGOTE_PARENT"]))
+    die_with_parent(int(os.environ["DELTAMESH_ZYGOTE_PARENT"]))
     for name in PRELOADED:
         __import__(name)
     wake_r, wake_w = os.pipe()
@@ -139,9 +130,6 @@ class ForkedProcess:
                 os.kill(self.pid, sig)
             except ProcessLookupError:  # ended between the poll and the kill (not reaped yet)
                 pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
