@@ -287,7 +287,7 @@ T)
   TAIL=40 run gpu_tests 420 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE ${N_IGNORE:-}
   ;;
 n)
-  TAIL=40 run gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE \
+  TAIL=40 run gpu_tests 450 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfE \
     --ignore=tests/gpu/test_gpu_spec.py --ignore=tests/gpu/test_gpu_fused_linear.py ${N_IGNORE:-}
   ;;
 P)
