@@ -194,7 +194,11 @@ def check_gpu(args) -> list[dict]:
         setup = data["setups"][row["setup"]]
         gpu = prof.provenance.get("machine", {}).get("gpu")
         if gpu != setup["gpu"]:  # a profile predicts only the GPU it was made on
-            elsewhere.add(f"{row['setup']} ({setup['gpu']}) for {prof.name} ({gpu or 'no GPU named'})")
+            elsewhere.add(f"{row['setup']} ({setup['gpu']}): measured on another GPU than {prof.name} ({gpu})")
+            continue
+        weights = prof.engine.get("quantization", "auto")
+        if weights != setup.get("quantization", "auto"):  # ... and only the weights it ran
+            elsewhere.add(f"{row['setup']}: other weights than {prof.name} ({weights})")
             continue
         if row["layout"] != "colocated" and not prof.transfer.points:
             # the pulls measured beside the setup's own rows, else those of the shape between two GPUs
@@ -223,7 +227,7 @@ def check_gpu(args) -> list[dict]:
             }
         )
     for skipped in sorted(elsewhere):
-        print(f"not compared, measured on another GPU: {skipped}")
+        print(f"not compared: {skipped}")
     if not rows:
         raise SystemExit(
             "no measured row has a profile of its GPU: --profile qwen3.5-9b=FILE and/or qwen3.5-35b-a3b=FILE"

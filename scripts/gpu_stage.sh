@@ -55,7 +55,8 @@
 #            every request, then with a long JSON schema on every request (compare tpot_median_ms); the first shape
 #            of $SHAPES if set (the 9B shape on an H100); P_FLAGS: more serve flags
 #   stage g: planner profiles (deltamesh profile, one GPU, no transfers) of the shapes in $SHAPES (default the 9B
-#            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles
+#            and 35B-A3B shapes, about three minutes each), then bench/plan_check.py gpu on those profiles;
+#            PROFILE_ARGS: more profile flags (`--quantization fp8`: the files are named ...-fp8.json)
 #   stage R: (CPU only, for the GPU host's 16 cores) the router at scale by simulation (#45), within 300 s: router
 #            CPU per streamed token through one router process, gRPC then REST (bench/router_sim.py tokens); 1, 2
 #            and 4 router processes in front of 200 + 200 simulated workers, the simulation spread over 4 worker and
@@ -309,10 +310,12 @@ P)
   ;;
 g)
   checked=()
+  case ${PROFILE_ARGS:-} in *fp8*) weights=-fp8 ;; *) weights= ;; esac
   for shape in ${SHAPES:-qwen3.5-9b qwen3.5-35b-a3b}; do
+    file=$OUT/profile-$gpu_tag-$shape$weights.json
     TAIL=40 run "profile_$shape" 300 python -m deltamesh.services.cli profile --model "bench/configs/$shape" \
-      --load-format dummy --device cuda --no-transfer --out "$OUT/profile-$gpu_tag-$shape.json"
-    [ -f "$OUT/profile-$gpu_tag-$shape.json" ] && checked+=(--profile "$shape=$OUT/profile-$gpu_tag-$shape.json")
+      --load-format dummy --device cuda --no-transfer ${PROFILE_ARGS:-} --out "$file"
+    [ -f "$file" ] && checked+=(--profile "$shape=$file")
   done
   TAIL=40 run plan_check 120 python bench/plan_check.py gpu ${checked[@]+"${checked[@]}"} --out "$OUT/plan_check_gpu.json"
   ;;
