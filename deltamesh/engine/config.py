@@ -146,7 +146,7 @@ class ModelConfig:
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
-        dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
+        dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
         quant = raw.get("quantization_config") or text.get("quantization_config")
         return cls(
             family=family,

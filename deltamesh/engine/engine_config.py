@@ -7,6 +7,7 @@ needs it, so that commands reading the fields (`--help`) start without it."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,23 @@ if TYPE_CHECKING:
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
+@functools.cache
+def _bf16_checkpoint_on_a_bf16_cpu(model: str) -> bool:
+    """What --dtype auto keeps on the CPU: a bf16 checkpoint stays bf16 where the CPU has native bf16 (AVX512-BF16,
+    AMX), whose oneDNN kernels beat float32's MKL ones at every batch (bench/RESULTS.md, "Engine"), as vLLM's CPU
+    backend keeps it; elsewhere bf16 would be emulated, and float32 (the CPU fidelity tests' precision) is faster."""
+    import torch
+
+    from deltamesh.engine.config import ConfigError, ModelConfig
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        return ModelConfig.from_dir(model).torch_dtype == "bfloat16"
+    except (ConfigError, OSError, ValueError, KeyError):
+        return False  # not a checkpoint: loading says why
+
+
 def _setting(default, help: str = "", **cli):
     """A field with its command-line option's help (and "flag", "decls" or "cli", see the module's docstring)."""
     return field(default=default, metadata={"help": help, **cli})
@@ -38,7 +56,7 @@ class EngineConfig:
     model: str = _setting(str(DEFAULT_MODEL), "Hugging Face checkpoint directory (default: the embedded model)")
     load_format: str = _setting("auto", "auto | safetensors | dummy (random weights at the real shapes)")
     device: str = _setting("cpu", "cpu | cuda | cuda:N")
-    dtype: str = _setting("auto", "auto | float32 | bfloat16")  # auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = _setting("auto", "auto | float32 | bfloat16 (auto: bf16 on CUDA; on CPU: docs/serving.md, Precision)")
     state_dtype: str = _setting("float32", "GDN recurrent state dtype: float32 | bfloat16")
     # weights.fp8_weights says what each choice does where
     quantization: str = _setting(
@@ -224,9 +242,10 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        if self.dtype == "auto":
-            return torch.float32 if self.torch_device().type == "cpu" else torch.bfloat16
-        return _dtype(self.dtype)
+        if self.dtype != "auto":
+            return _dtype(self.dtype)
+        cpu = self.torch_device().type == "cpu"
+        return torch.float32 if cpu and not _bf16_checkpoint_on_a_bf16_cpu(self.model) else torch.bfloat16
 
     def torch_state_dtype(self) -> torch.dtype:
         return _dtype(self.state_dtype)

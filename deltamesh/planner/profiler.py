@@ -371,7 +371,7 @@ def run_profile(engine: EngineConfig, grid: Grid, transfer: TransferModel, name:
         core = d.core
         engine_info = {
             "device": config.device,
-            "dtype": config.dtype,  # as given (auto: float32 on CPU, bfloat16 on CUDA)
+            "dtype": config.dtype,  # as given (torch_dtype: what auto resolved to)
             "torch_dtype": str(core.config.torch_dtype()).removeprefix("torch."),
             "state_dtype": config.state_dtype,
             "quantization": config.quantization,

@@ -168,3 +168,28 @@ def test_dummy_weights_need_only_a_config_and_are_seeded(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
     req = a.make_request(list(range(20)), core_params())
     assert torch.isfinite(run_to_first_logits(a, req)).all()
+
+
+def test_auto_dtype_on_the_cpu_keeps_a_bf16_checkpoint_only_on_a_bf16_cpu(tmp_path, monkeypatch):
+    """--dtype auto on the CPU: float32 for a float32 checkpoint (the embedded model, the test checkpoints); a
+    bfloat16 checkpoint stays bfloat16 where the CPU computes bf16 natively, float32 where it would be emulated;
+    an explicit --dtype is kept."""
+    from deltamesh.engine import engine_config
+
+    bf16_dir, fp32_dir = tmp_path / "bf16", tmp_path / "fp32"
+    for path, dtype in ((bf16_dir, "bfloat16"), (fp32_dir, "float32")):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**QWEN35_9B_TEXT, "dtype": dtype}))
+
+    def resolved(model, native, dtype="auto", device="cpu"):
+        engine_config._bf16_checkpoint_on_a_bf16_cpu.cache_clear()
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+        return EngineConfig(model=str(model), dtype=dtype, device=device).torch_dtype()
+
+    assert resolved(bf16_dir, native=True) == torch.bfloat16
+    assert resolved(bf16_dir, native=False) == torch.float32
+    assert resolved(fp32_dir, native=True) == torch.float32
+    assert resolved(tmp_path / "missing", native=True) == torch.float32
+    assert resolved(bf16_dir, native=True, dtype="float32") == torch.float32
+    assert resolved(fp32_dir, native=False, dtype="bfloat16") == torch.bfloat16
+    engine_config._bf16_checkpoint_on_a_bf16_cpu.cache_clear()
