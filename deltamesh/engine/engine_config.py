@@ -31,8 +31,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 @functools.cache
 def _bf16_checkpoint_on_a_bf16_cpu(model: str) -> bool:
     """What --dtype auto keeps on the CPU: a bf16 checkpoint stays bf16 where the CPU has native bf16 (AVX512-BF16,
-    AMX), whose oneDNN kernels beat float32's MKL ones at every batch (bench/RESULTS.md, "Engine"), as vLLM's CPU
-    backend keeps it; elsewhere bf16 would be emulated, and float32 (the CPU fidelity tests' precision) is faster."""
+    AMX: torch runs it through oneDNN's bf16 kernels, the faster ones there, bench/RESULTS.md "Engine"), as vLLM's
+    CPU backend keeps it; elsewhere bf16 would be emulated, and float32 is kept. Cached: a worker asks for its dtype
+    at several places of its start, and the checkpoint's config is read once."""
     import torch
 
     from deltamesh.engine.config import ConfigError, ModelConfig

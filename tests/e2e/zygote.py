@@ -6,7 +6,8 @@ the child shares the imported modules copy-on-write, then runs `python -m deltam
 command line would (its own environment, log file and working directory), so the services run exactly the code
 they run when started by hand. Only third-party libraries (and deltamesh's parent-death helper) are imported
 before the fork: deltamesh's modules read settings from the environment as they load (failpoints, PDL), and
-each child imports them with its own environment. The zygote starts no thread, event loop or gRPC object, so nothing is half-held at a fork.
+each child imports them with its own environment. The zygote starts no thread, event loop or gRPC object, so
+nothing is half-held at a fork.
 
 The zygote talks JSON lines: on its stdin {"argv", "env", "cwd", "log"} per process to start; on its stdout
 {"pid"} for each start, in order, and {"exited", "code"} when a child ends (`code` as Popen's returncode:
