@@ -18,6 +18,9 @@ from deltamesh.services.common.options import SETTINGS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = {"DELTAMESH_MESH_SECRET": "s" * 32}
+# serve's own ports left to be chosen later, where a test is about another port: the defaults (50051, 50052, 8000)
+# lie in the ephemeral range, so under a busy test run another test's connection may hold one for a moment
+ROUTER_PORTS_LATER = ["--grpc-port", "0", "--control-port", "0", "--http-port", "0"]
 PROCESS_TIMEOUT_S = 300  # a CLI process start: seconds idle, a minute on 2 busy cores; only paid when it hangs
 
 
@@ -81,16 +84,17 @@ def test_worker_ports_past_the_last_port_are_refused(missing_model):
 def test_a_taken_worker_port_is_named_with_the_worker(missing_model):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        line = refusal(["serve", "--worker-port-base", str(port), "--http-port", "0"] + missing_model)
+        line = refusal(["serve", "--worker-port-base", str(port), *ROUTER_PORTS_LATER] + missing_model)
     assert f"cannot listen on 127.0.0.1:{port} (prefill-0's gRPC port from --worker-port-base)" in line
     assert "in use" in line
 
 
 def test_serve_without_prefill_workers_needs_colocated(missing_model):
-    line = refusal(["serve", "--prefill-workers", "0"] + missing_model)
+    line = refusal(["serve", "--prefill-workers", "0", *ROUTER_PORTS_LATER] + missing_model)
     assert "--prefill-workers 0 leaves the decode workers nothing to decode" in line and "--colocated" in line
     # with --colocated it is a mesh of colocated workers: past the checks, on to the model (which is missing)
-    result = CliRunner().invoke(cli.app, ["serve", "--prefill-workers", "0", "--colocated"] + missing_model, env=SECRET)
+    argv = ["serve", "--prefill-workers", "0", "--colocated", *ROUTER_PORTS_LATER] + missing_model
+    result = CliRunner().invoke(cli.app, argv, env=SECRET)
     assert result.exit_code == 2 and "no config.json" in result.stderr, result.stderr
 
 

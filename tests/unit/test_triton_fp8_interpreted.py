@@ -49,9 +49,9 @@ def test_fp8_gemv_and_activation_quantization_match_their_arithmetic():
     check("""
     from deltamesh.kernels.fp8 import quantize_activations
     for tokens in (1, 3, 9):
-        w, bias = fp8(200, 1100), torch.randn(200)
+        w, bias = fp8(68, 1100), torch.randn(68)  # the last block of 8 and of 16 rows cut short
         x = torch.randn(tokens, 1100) * torch.logspace(-2, 1, 1100)  # groups of very different magnitudes
-        tiles = [triton_gemv.gemv_config(tokens, 200, 1100, x.device)]
+        tiles = [triton_gemv.gemv_config(tokens, 68, 1100, x.device)]
         if tokens <= 3:  # K in 1, 2 and 4 slices of whole BLOCK_Ks, the last short
             tiles += [triton_gemv.GemvConfig(8, 256, 1, 2), triton_gemv.GemvConfig(16, 512, 2, 4),
                       triton_gemv.GemvConfig(8, 256, 4, 4)]
@@ -67,7 +67,7 @@ def test_fp8_gemv_and_activation_quantization_match_their_arithmetic():
     assert int(arrivals.abs().sum()) == 0, "every split-K counter is back at 0 for the next call"
     assert triton_gemv.gemv_config(1, 200, 1100, torch.device("cpu")).split_k == 1  # blocks of rows enough to fill the SMs
     assert triton_gemv.gemv_config(1, 16, 8192, torch.device("cpu")).split_k == 8  # narrow: split to fill SMs
-    assert triton_gemv.gemv(torch.randn(0, 1100), w).shape == (0, 200)  # a data-parallel rank's empty step
+    assert triton_gemv.gemv(torch.randn(0, 1100), w).shape == (0, 68)  # a data-parallel rank's empty step
     x = torch.randn(5, 300) * torch.logspace(-2, 1, 300)
     q, scales = triton_linear.quantize_activations(x)
     q_ref, scales_ref = quantize_activations(x)
@@ -90,11 +90,13 @@ def test_fp8_moe_matches_its_arithmetic():
     hidden, inter = 256, 128
     # pairs at one token with its default tiles; at three with wider ones than the default (the same code, an
     # eighth of the programs for the interpreter); the aligned path's blocks (16 rows, FP8 forces the rest) one to
-    # an expert, then 18 pairs to each of 4 experts (a second, partly filled block)
+    # an expert, then 18 pairs to each of 4 experts (a second, partly filled block). On the CPU the aligned path's
+    # shared expert runs through the GEMV at every token (most of this test's time): kept narrow there, a width
+    # other than the experts' and less than one scale group
     wide = PairConfig(PairTile(32, 512, 1), PairTile(32, 512, 1))
     for tokens, experts, top_k, norm, shared_inter, config in (
             (1, 6, 2, True, 128, None), (3, 6, 2, False, 256, wide),
-            (20, 6, 2, True, 128, triton_moe_aligned.GemmConfig(16, 64, 128)), (24, 4, 3, True, 256, None)):
+            (8, 6, 2, True, 128, triton_moe_aligned.GemmConfig(16, 64, 128)), (24, 4, 3, True, 64, None)):
         w13, w2 = fp8(experts, 2 * inter, hidden), fp8(experts, hidden, inter)
         sw13, sw2 = fp8(2 * shared_inter, hidden), fp8(hidden, shared_inter)
         x = torch.randn(tokens, hidden)
