@@ -6,7 +6,7 @@ import pytest
 from hf_checkpoints import VOCAB
 from test_tensor_parallel import assert_same, engine, prompts, run
 
-from deltamesh.engine import SamplingParams
+from deltamesh.engine import FinishReason, SamplingParams
 
 pytestmark = [pytest.mark.parallel, pytest.mark.spec]
 
@@ -78,3 +78,24 @@ def test_two_ranks_with_a_reduced_draft_vocabulary_match_one_rank_without_mtp(
     if draft_vocab == "spread":  # the gathered proposals' winners come from either rank's shard
         assert min(drafter.proposed) < VOCAB // 2 <= max(drafter.proposed)
     assert_same(got, run(path, 1), tol=5e-4)
+
+
+def test_two_ranks_with_mtp_and_grammars_match_one_rank_without():
+    """Structured outputs (JSON schema, regex, choice, JSON object, EBNF, a schema with a penalty, and a request
+    without a grammar in the same steps) on two ranks with K = 2: the leader masks every verified position with
+    the grammars' matchers and advances them through what it accepts, the followers take its counts; greedy tokens
+    equal the one-rank engine's without MTP. The default model: its tokenizer and its trained MTP module (drafts
+    accepted and rejected)."""
+    from test_spec_penalties import run as run_core
+    from test_spec_structured import PARAMS, PROMPTS
+    from test_spec_structured import engine as core_engine
+
+    want, _ = run_core(core_engine(0), PROMPTS, PARAMS)
+    core = core_engine(2, tensor_parallel_size=2, torch_threads=1)
+    try:
+        got, finals = run_core(core, PROMPTS, PARAMS)
+        assert core.stats.spec_drafts > 0 and 0 < core.stats.spec_accepted < core.stats.spec_drafts
+    finally:
+        core.close()
+    assert got == want
+    assert finals["r2"].finish_reason == FinishReason.STOP  # the choice's grammar ended it (ignore_eos is set)
