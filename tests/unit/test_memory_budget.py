@@ -175,12 +175,14 @@ def test_serve_refuses_a_budget_that_holds_no_request_in_one_line_before_startin
 
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "deltamesh.services.cli", "serve", "--decode-kv-cache-memory-gb", "0.001"],
+        # serve's own ports left to be chosen later: the defaults lie in the ephemeral range (test_cli_refusals.py)
+        [sys.executable, "-m", "deltamesh.services.cli", "serve", "--decode-kv-cache-memory-gb", "0.001"]
+        + ["--grpc-port", "0", "--control-port", "0", "--http-port", "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
-        env={"DELTAMESH_MESH_SECRET": "s" * 32, "PATH": "/usr/bin:/bin", "DELTAMESH_GRPC_PORT": "0"},
+        env={"DELTAMESH_MESH_SECRET": "s" * 32, "PATH": "/usr/bin:/bin"},
     )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr

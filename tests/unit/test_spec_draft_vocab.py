@@ -205,9 +205,9 @@ def test_a_bad_draft_vocabulary_is_refused_when_the_settings_are_checked(hf_chec
 
 
 def test_a_draft_vocabulary_is_refused_by_the_cli_in_one_line(hf_checkpoints):
-    from test_cli_refusals import refusal
+    from test_cli_refusals import ROUTER_PORTS_LATER, refusal
 
-    model = ["--model", str(hf_checkpoints["qwen3_5"])]
+    model = ["--model", str(hf_checkpoints["qwen3_5"]), *ROUTER_PORTS_LATER]
     assert refusal(["serve", "--speculative-tokens", "2", "--speculative-draft-vocab", "999999", *model]).endswith(
         f"speculative_draft_vocab 999999: a count of token ids must be in [1, {VOCAB}] (the vocabulary)"
     )
