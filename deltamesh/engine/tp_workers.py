@@ -6,9 +6,10 @@ the leader's that imports torch once for all ranks; a fork of the leader itself 
 half-held). Each builds its shard of the model and its pools (engine/rank.py) and then repeats what the leader
 sends: every step's host inputs (runner.HostStep) with the pool writes the leader made since the last step (zeroed
 or copied GDN slots), the CUDA graph capture, the stop, and a hand-off's exchange of one request's state with the
-leader (engine/tp_handoff.py: its part of a held state gathered, its part of an arrived state scattered). Inside a step, and in a hand-off, the ranks meet in collectives over the
-engine's group (parallel.TensorParallelGroup). torch.distributed carries both: gloo on CPU, NCCL for the tensors on
-CUDA with a gloo group beside it for the messages.
+leader (engine/tp_handoff.py: its part of a held state gathered, its part of an arrived state scattered). Inside a
+step, and in a hand-off, the ranks meet in collectives over the engine's group (parallel.TensorParallelGroup).
+torch.distributed carries both: gloo on CPU, NCCL for the tensors on CUDA with a gloo group beside it for the
+messages.
 
 Under data-parallel attention (engine/data_parallel.py) each step message carries every rank's own inputs and
 pool writes, and a hand-off moves one request's state between the leader and the one rank that holds it.

@@ -173,11 +173,12 @@ def test_serve_refuses_a_budget_that_holds_no_request_in_one_line_before_startin
     import sys
     import time
 
+    from test_cli_refusals import ROUTER_PORTS_LATER
+
     started = time.monotonic()
     done = subprocess.run(
-        # serve's own ports left to be chosen later: the defaults lie in the ephemeral range (test_cli_refusals.py)
         [sys.executable, "-m", "deltamesh.services.cli", "serve", "--decode-kv-cache-memory-gb", "0.001"]
-        + ["--grpc-port", "0", "--control-port", "0", "--http-port", "0"],
+        + ROUTER_PORTS_LATER,
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -7,6 +7,7 @@ mesh."""
 
 import pytest
 import typer
+from test_cli_refusals import ROUTER_PORTS_LATER
 from typer.testing import CliRunner
 
 from deltamesh.engine.chat_template import load_chat_template
@@ -32,7 +33,6 @@ MODEL_CARD_FLAGS = [
     "--speculative-config",
     '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}',
 ]
-FREE_PORTS = ["--port", "0", "--grpc-port", "0", "--control-port", "0"]
 ENV_MODEL = "/no-such-model-in-the-environment"
 
 
@@ -63,7 +63,7 @@ def refusal(argv: list[str]) -> str:
 
 def test_the_model_cards_command_gets_past_every_flag_to_its_model(missing_model):
     # MODEL, not $DELTAMESH_MODEL: a command line's value over the environment's
-    line = refusal(["serve", missing_model, *FREE_PORTS, *MODEL_CARD_FLAGS])
+    line = refusal(["serve", missing_model, *ROUTER_PORTS_LATER, *MODEL_CARD_FLAGS])
     assert line == f"deltamesh serve: {missing_model}: no config.json (expected a Hugging Face checkpoint directory)"
 
 
@@ -74,7 +74,7 @@ def test_the_model_given_twice_must_be_one_checkpoint(missing_model):
         result.stderr
     )
     # the same checkpoint spelled two ways is one
-    line = refusal(["serve", missing_model, "--model", f"{missing_model}/../no-such-model", *FREE_PORTS])
+    line = refusal(["serve", missing_model, "--model", f"{missing_model}/../no-such-model", *ROUTER_PORTS_LATER])
     assert line.startswith(f"deltamesh serve: {missing_model}: no config.json")
 
 
@@ -114,7 +114,7 @@ def test_vllms_names_fill_deltameshs_settings():
     ],
 )
 def test_values_deltamesh_honours_are_accepted(flags, missing_model):
-    assert refusal(["serve", "--model", missing_model, *FREE_PORTS, *flags]).endswith(
+    assert refusal(["serve", "--model", missing_model, *ROUTER_PORTS_LATER, *flags]).endswith(
         "no config.json (expected a Hugging Face checkpoint directory)"
     )
 
@@ -172,8 +172,8 @@ def test_a_chat_template_that_does_not_parse_stops_the_start(command, missing_mo
 def test_tokenizer_may_name_the_checkpoint_only(missing_model):
     # the served checkpoint, spelled either way: past the flag, to the model check
     for spelled in (missing_model, f"{missing_model}/../no-such-model"):
-        line = refusal(["serve", missing_model, "--tokenizer", spelled, *FREE_PORTS])
+        line = refusal(["serve", missing_model, "--tokenizer", spelled, *ROUTER_PORTS_LATER])
         assert line.startswith(f"deltamesh serve: {missing_model}: no config.json")
-    result = run(["serve", "--model", missing_model, "--tokenizer", "/elsewhere", *FREE_PORTS])
+    result = run(["serve", "--model", missing_model, "--tokenizer", "/elsewhere", *ROUTER_PORTS_LATER])
     assert result.exit_code == 2
     assert "Invalid value for --tokenizer: /elsewhere: the tokenizer and chat template are read from" in result.stderr
